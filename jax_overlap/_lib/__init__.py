@@ -1,0 +1,34 @@
+"""Native libraries of jax_overlap: where they are built and from what.
+
+``setup.py`` builds them here (``libjax_overlap_rt.so``, ``libjax_overlap_ffi.so``);
+when they are missing or older than their sources, :mod:`jax_overlap._src.runtime`
+builds them on first use into a cache directory. Both read the recipe below, and
+a test keeps the top-level Bazel ``BUILD`` file in step with it. Paths are
+relative to the repository root.
+"""
+
+RUNTIME_LIBRARY = "libjax_overlap_rt.so"
+FFI_LIBRARY = "libjax_overlap_ffi.so"
+
+LIBRARIES = {
+    RUNTIME_LIBRARY: {
+        # LD_PRELOAD launch interposer: occupancy shaping, stream priority, counters.
+        "sources": ("xla_patches/runtime/runtime.cc", "xla_patches/runtime/shaping.cc"),
+        "headers": (
+            "xla_patches/runtime/cuda_types.h",
+            "xla_patches/runtime/hooks.h",
+            "xla_patches/runtime/shaping.h",
+        ),
+        "cflags": ("-std=c++17", "-O2", "-fPIC", "-fvisibility=hidden", "-Wall"),
+        "ldflags": ("-shared", "-ldl", "-lpthread"),
+        "ffi_headers": False,
+    },
+    FFI_LIBRARY: {
+        # XLA FFI handlers for occupancy regions (CPU and CUDA platforms).
+        "sources": ("xla_patches/regions/regions_ffi.cc",),
+        "headers": (),
+        "cflags": ("-std=c++17", "-O2", "-fPIC", "-fvisibility=hidden", "-Wall"),
+        "ldflags": ("-shared", "-ldl"),
+        "ffi_headers": True,
+    },
+}

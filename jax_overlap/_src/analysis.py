@@ -1,0 +1,175 @@
+"""``analyze``: how a step will schedule on a GPU target, from a laptop.
+
+Data flow: ``fn`` -> compile for the target (deviceless for NVIDIA topologies,
+``compile.py``) -> XLA's scheduled HLO and thunk listing -> the flat kernel and
+collective sequence with per-op costs (``schedule.py``, ``cost_model.py``) ->
+placement on streams (``timeline.py``) -> :class:`Report`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from jax_overlap._src import compile as compile_lib
+from jax_overlap._src import cost_model as cm
+from jax_overlap._src import hlo as hlo_lib
+from jax_overlap._src import schedule as schedule_lib
+from jax_overlap._src import targets as targets_lib
+from jax_overlap._src import timeline as timeline_lib
+from jax_overlap._src.report import Report
+
+__all__ = ["analyze", "analyze_compiled", "analyze_hlo"]
+
+
+def _fn_name(fn) -> str:
+  for attr in ("__name__", "__qualname__"):
+    name = getattr(fn, attr, None)
+    if isinstance(name, str) and name != "<lambda>":
+      return name
+  wrapped = getattr(fn, "__wrapped__", None)
+  return _fn_name(wrapped) if wrapped is not None else "step"
+
+
+def analyze(
+    fn: Callable,
+    *args,
+    target: str | targets_lib.Topology | None = "h100x8",
+    xla_options: Mapping[str, Any] | None = None,
+    mesh=None,
+    cost_model: cm.CostModel | None = None,
+    name: str | None = None,
+    **kwargs,
+) -> Report:
+  """Compiles ``fn`` for ``target`` once and estimates how its collectives overlap.
+
+  Args:
+    fn: a function or jitted function (shard_map programs included).
+    *args: arrays or ``jax.ShapeDtypeStruct`` with shardings. For a GPU target
+      the shardings are re-targeted onto the target's compile-only mesh by
+      axis name.
+    target: a topology such as "h100x8", "a100x8", "h200x16"; None analyses the
+      program for the local devices (CPU) with a rough host cost model.
+    xla_options: per-compile XLA options (e.g. ``flags.as_compiler_options(...)``).
+    mesh: the mesh to compile on (default: derived from the arguments).
+    cost_model: efficiency factors for the roofline and alpha-beta costs.
+    name: label for the report.
+    **kwargs: keyword arguments of ``fn``.
+
+  Returns:
+    A :class:`Report` with the estimated timeline and its metrics.
+
+  Raises:
+    ValueError: for an unknown target or shardings naming axes the target mesh lacks.
+    RuntimeError: if XLA cannot compile ``fn`` for the target.
+
+  Example:
+    >>> report = analyze(step, params, batch, target="h100x8")  # doctest: +SKIP
+    >>> print(report)  # doctest: +SKIP
+  """
+  if not callable(fn):
+    raise TypeError(f"analyze: fn must be callable, got {type(fn).__name__}")
+  topo = targets_lib.get(target) if target is not None else None
+  if topo is not None and not topo.gpu.deviceless:
+    raise ValueError(
+        f"analyze: {topo.name} cannot be compiled for on this machine (no deviceless "
+        "compilation for ROCm); analyse an NVIDIA target and use jax_overlap.sim for "
+        f"{topo.gpu.name}"
+    )
+  step = compile_lib.compile_for_target(
+      fn, *args, target=topo, xla_options=xla_options, mesh=mesh, **kwargs
+  )
+  return analyze_compiled(
+      step, name=name or _fn_name(fn), cost_model=cost_model, xla_options=dict(xla_options or {})
+  )
+
+
+def analyze_compiled(
+    step: compile_lib.CompiledStep,
+    *,
+    name: str = "step",
+    cost_model: cm.CostModel | None = None,
+    xla_options: dict[str, Any] | None = None,
+) -> Report:
+  """Builds the Report of an already compiled step (see :func:`analyze`)."""
+  memory = {}
+  try:
+    stats = step.compiled.memory_analysis()
+    if stats is not None:
+      memory = {
+          "arguments": int(stats.argument_size_in_bytes),
+          "outputs": int(stats.output_size_in_bytes),
+          "temporaries": int(stats.temp_size_in_bytes),
+          "aliased": int(stats.alias_size_in_bytes),
+      }
+  except Exception:  # noqa: BLE001 - not every backend implements it
+    memory = {}
+  return analyze_hlo(
+      step.hlo_text,
+      step.thunk_text,
+      target=step.target,
+      name=name,
+      cost_model=cost_model,
+      memory=memory,
+      xla_options=xla_options or {},
+      compile_time_s=step.compile_time_s,
+  )
+
+
+def analyze_hlo(
+    hlo_text: str,
+    thunk_text: str = "",
+    *,
+    target: str | targets_lib.Topology | None = "h100x8",
+    name: str = "step",
+    cost_model: cm.CostModel | None = None,
+    memory: dict[str, int] | None = None,
+    xla_options: dict[str, Any] | None = None,
+    compile_time_s: float = 0.0,
+) -> Report:
+  """Builds a Report from XLA's dumped HLO text (and thunk listing, for GPU dumps).
+
+  Useful for dumps taken elsewhere (``--xla_dump_to`` on a cluster).
+  """
+  if not hlo_text.strip():
+    raise ValueError(
+        "analyze: XLA wrote no optimised HLO for this compile; check that the function has "
+        "any computation"
+    )
+  model = cost_model or cm.CostModel()
+  topo = targets_lib.get(target) if target is not None else None
+  module = hlo_lib.parse_module(hlo_text)
+  gpu = topo.gpu if topo is not None else cm.HOST_CPU
+  sched = schedule_lib.build_schedule(module, thunk_text, topo or cm.HOST_CPU, gpu, model)
+  placed = timeline_lib.place(sched)
+  notes = list(sched.notes) + list(placed.notes)
+  if not module.is_scheduled:
+    notes.append("the HLO is not scheduled; instruction order was used as the schedule")
+  if not sched.collectives:
+    notes.append("the program has no collectives: its step time is its compute time")
+  if topo is None:
+    notes.append(
+        "target=None: the local CPU with a rough host model (XLA:CPU runs collectives "
+        "synchronously); pass a GPU target such as 'h100x8' for overlap estimates"
+    )
+  comm = placed.comm_time_s
+  return Report(
+      name=name,
+      target=topo.name if topo is not None else "cpu",
+      step_time_s=placed.step_time_s,
+      compute_time_s=placed.compute_time_s,
+      comm_time_s=comm,
+      exposed_comm_s=placed.exposed_comm_s,
+      overlap_fraction=(1.0 - placed.exposed_comm_s / comm) if comm > 0 else None,
+      flops=sum(k.flops for k in sched.kernels),
+      kernels=sched.kernels,
+      collectives=sched.collectives,
+      events=placed.events,
+      memory=dict(memory or {}),
+      xla_options=dict(xla_options or {}),
+      notes=notes,
+      compile_time_s=compile_time_s,
+      loops=sched.loops,
+      topology=topo,
+      hlo_text=hlo_text,
+  )

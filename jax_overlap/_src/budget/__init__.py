@@ -1,0 +1,1 @@
+"""Budget-aware training: memory, compute and data decided together."""

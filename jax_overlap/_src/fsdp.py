@@ -1,0 +1,669 @@
+"""FSDP layers under ``lax.scan`` with the next layer's all-gather issued early.
+
+MaxText and similar codebases stack the parameters of their identical layers
+(every leaf has a leading layer dimension ``L``) and run the layers with
+``lax.scan``. Under fully sharded data parallelism each leaf is also sharded
+along a mesh axis, so the loop body all-gathers the layer's parameters before
+using them, and the backward pass reduce-scatters the parameter cotangents.
+Written naively, each gather sits in the same iteration as the compute that
+needs it and each reduce-scatter in the same iteration as the compute that
+produces its operand: the latency-hiding scheduler cannot overlap them with
+anything, and the collectives serialise with the layer's matmuls.
+
+:func:`scan_layers` software-pipelines that loop:
+
+* forward: iteration ``i`` computes layer ``i`` with parameters gathered in an
+  earlier iteration (held in the loop carry) and issues the gather of layer
+  ``i + prefetch``, so the gather and layer ``i``'s compute are independent;
+* backward (a ``custom_vjp``): the layers are rematerialised in reverse order
+  with the same prefetching of gathers, and the full-size parameter cotangent
+  of layer ``i`` is carried into the iteration of layer ``i - 1``, which
+  issues its reduce-scatter next to its own compute and writes the scattered
+  result out.
+
+Memory: at most ``prefetch`` gathered layers live in the carry (plus the one
+being computed), and with ``prefetch > 0`` one unscattered layer cotangent in
+the backward loop. The forward saves only the input carry of every layer (the
+same as ``lax.scan`` over a ``jax.checkpoint``-ed layer with the
+``nothing_saveable`` policy); ``remat_policy`` lets the forward save more.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+try:  # jax >= 0.6 exposes shard_map publicly.
+  _shard_map = jax.shard_map
+except AttributeError:  # pragma: no cover - older jax
+  from jax.experimental.shard_map import shard_map as _shard_map  # type: ignore
+
+__all__ = ["scan_layers"]
+
+_API = "scan_layers"
+AxisName = str | tuple[str, ...]
+PyTree = Any
+
+
+# ---------------------------------------------------------------------------
+# Validation helpers.
+# ---------------------------------------------------------------------------
+
+
+def _keystr(path) -> str:
+  s = jax.tree_util.keystr(path)
+  return s if s else "<root>"
+
+
+def _is_array(x) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) or hasattr(x, "aval")
+
+
+def _axis_tuple(axis: AxisName) -> tuple[str, ...]:
+  if isinstance(axis, str):
+    return (axis,)
+  if isinstance(axis, (tuple, list)) and axis and all(isinstance(a, str) for a in axis):
+    return tuple(axis)
+  raise TypeError(
+      f"{_API}: axis must be a mesh axis name or a tuple of names, got {axis!r}"
+  )
+
+
+def _bound_axis_size(axes: tuple[str, ...]) -> int | None:
+  """Product of the sizes of ``axes`` if all are bound here, else None."""
+  size = 1
+  for a in axes:
+    try:
+      size *= int(lax.axis_size(a))
+    except NameError:
+      return None
+  return size
+
+
+def _check_leaves(name: str, tree, *, need_layer_dim: bool) -> tuple[list, Any]:
+  path_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  if not path_leaves:
+    raise ValueError(f"{_API}: {name} must contain at least one array, got {tree!r}")
+  bad = [
+      f"{name}{_keystr(p)} ({type(v).__name__})" for p, v in path_leaves if not _is_array(v)
+  ]
+  if bad:
+    raise TypeError(f"{_API}: every leaf of {name} must be an array, got non-arrays at {', '.join(bad)}")
+  bad = [
+      f"{name}{_keystr(p)} ({jnp.dtype(v.dtype).name})"
+      for p, v in path_leaves
+      if not jnp.issubdtype(v.dtype, jnp.inexact)
+  ]
+  if bad:
+    raise TypeError(
+        f"{_API}: every leaf of {name} must have a floating dtype (it is differentiated), "
+        f"got {', '.join(bad)}"
+    )
+  if need_layer_dim:
+    bad = [f"{name}{_keystr(p)}" for p, v in path_leaves if np.ndim(v) == 0]
+    if bad:
+      raise ValueError(
+          f"{_API}: every leaf of {name} needs a leading layer dimension, got scalars at "
+          f"{', '.join(bad)}"
+      )
+  return path_leaves, treedef
+
+
+def _normalize_gather_dims(gather_dim, path_leaves, treedef) -> list[int | None]:
+  """One gather dimension (of the per-layer leaf, or None) per stacked leaf."""
+  if gather_dim is None or isinstance(gather_dim, (int, np.integer)):
+    dims = [gather_dim] * len(path_leaves)
+  else:
+    try:
+      dims = treedef.flatten_up_to(gather_dim)
+    except (ValueError, TypeError) as e:
+      raise ValueError(
+          f"{_API}: gather_dim must be an int, None, or a pytree with the structure of "
+          f"stacked_params ({treedef}), got {gather_dim!r}"
+      ) from e
+  out = []
+  for (path, leaf), d in zip(path_leaves, dims):
+    if d is None:
+      out.append(None)
+      continue
+    if not isinstance(d, (int, np.integer)) or isinstance(d, bool):
+      raise TypeError(
+          f"{_API}: gather_dim for stacked_params{_keystr(path)} must be an int or None, "
+          f"got {d!r}"
+      )
+    rank = np.ndim(leaf) - 1  # the per-layer rank
+    if not -rank <= d < rank:
+      raise ValueError(
+          f"{_API}: gather_dim for stacked_params{_keystr(path)} must index a dimension of "
+          f"the per-layer shape {tuple(np.shape(leaf)[1:])} (between {-rank} and {rank - 1}), "
+          f"got {d}"
+      )
+    out.append(int(d) % rank)
+  return out
+
+
+# ---------------------------------------------------------------------------
+# Public API.
+# ---------------------------------------------------------------------------
+
+
+def scan_layers(
+    layer_fn: Callable[[PyTree, PyTree], tuple[PyTree, PyTree]],
+    stacked_params: PyTree,
+    carry: PyTree,
+    *,
+    axis: AxisName = "fsdp",
+    prefetch: int = 1,
+    gather_dim: int | None | PyTree = 0,
+    unroll: int | bool = 1,
+    remat_policy: Callable[..., bool] | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+    carry_spec: Any = None,
+    ys_spec: Any = None,
+) -> tuple[PyTree, PyTree]:
+  """Runs stacked FSDP layers with ``lax.scan``, overlapping gathers and reduce-scatters.
+
+  Semantically this is::
+
+    def body(c, p):
+      full = jax.tree.map(lambda x, d: lax.all_gather(x, axis, axis=d, tiled=True), p, gather_dim)
+      return layer_fn(full, c)
+    return lax.scan(body, carry, stacked_params)
+
+  with the same outputs and the same gradients, but the all-gather of layer
+  ``i + prefetch`` is issued in the iteration that computes layer ``i`` and, in
+  the backward pass, the reduce-scatter of layer ``i``'s parameter cotangent is
+  issued in the iteration that computes the backward of layer ``i - 1``. The
+  backward pass rematerialises each layer from its saved input carry.
+
+  Call it inside a ``shard_map`` body, where ``stacked_params`` are the local
+  shards. With ``mesh=`` it wraps itself in ``shard_map`` and takes global
+  arrays instead (for ``jit``/GSPMD programs).
+
+  Args:
+    layer_fn: ``layer_fn(params, carry) -> (carry, y)`` for one layer, where
+      ``params`` has the per-layer, gathered (full) shapes. It must be
+      differentiable and return a carry with the structure, shapes and dtypes
+      of ``carry``.
+    stacked_params: pytree of floating arrays, each with a leading layer
+      dimension ``L`` (the same for all leaves), sharded along ``axis`` on
+      ``gather_dim``. Inside ``shard_map`` these are the local shards.
+    carry: pytree of floating arrays, the loop carry (activations).
+    axis: the mesh axis name (or tuple of names) the parameters are sharded on.
+    prefetch: how many gathered layers to keep in flight in the loop carry;
+      ``0`` gathers inside the iteration that uses them (no pipelining),
+      ``k`` issues the gather of layer ``i + k`` in iteration ``i``. Between 0
+      and ``L``. Extra memory: ``prefetch`` gathered layers.
+    gather_dim: the dimension of each per-layer leaf (not counting the layer
+      dimension) that is sharded along ``axis``: an int for all leaves, or a
+      pytree like ``stacked_params`` of ints, or ``None`` for leaves that are
+      replicated (not gathered; their cotangent is not scattered).
+    unroll: passed to ``lax.scan``.
+    remat_policy: a ``jax.checkpoint`` policy (e.g.
+      ``jax.checkpoint_policies.dots_saveable``) naming the intermediates the
+      forward saves per layer so the backward does not recompute them. The
+      default ``None`` saves only the input carry of every layer.
+    mesh: if given, wrap the call in ``shard_map`` over this mesh; the arrays
+      are then global and ``stacked_params`` leaves are sharded
+      ``P(None, ..., axis at gather_dim + 1)``.
+    carry_spec: with ``mesh``, the ``PartitionSpec`` (or pytree of them) of
+      the carry; default ``P(axis)`` on every leaf (batch sharded along the
+      FSDP axis, data parallel).
+    ys_spec: with ``mesh``, the ``PartitionSpec`` (or pytree) of the stacked
+      per-layer outputs; default ``P(None, axis)``.
+
+  Returns:
+    ``(carry, ys)`` like ``lax.scan``: the final carry and the per-layer
+    outputs ``y`` stacked along a new leading dimension of size ``L``.
+
+  Raises:
+    TypeError: if ``layer_fn`` is not callable, a leaf is not a floating
+      array, or ``layer_fn`` cannot be differentiated (raised when the
+      gradient is traced, naming ``layer_fn``).
+    ValueError: if ``prefetch`` is outside ``[0, L]``, leaves disagree on
+      ``L``, ``gather_dim`` is out of range, a sharded dimension does not
+      divide by the axis size, or ``axis`` is not bound (not inside a
+      ``shard_map`` over it and no ``mesh``) or not in ``mesh``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jax.make_mesh((8,), ("fsdp",))  # doctest: +SKIP
+    >>> def layer(p, x):
+    ...   h = jnp.tanh(x @ p["w"])
+    ...   return h, jnp.mean(h)
+    >>> w = jnp.ones((4, 16, 16)) * 0.1  # 4 layers of 16 x 16
+    >>> x = jnp.ones((8, 16))
+    >>> out, ys = scan_layers(layer, {"w": w}, x, mesh=mesh)  # doctest: +SKIP
+  """
+  if not callable(layer_fn):
+    raise TypeError(f"{_API}: layer_fn must be callable, got {type(layer_fn).__name__}")
+  axes = _axis_tuple(axis)
+  path_leaves, treedef = _check_leaves("stacked_params", stacked_params, need_layer_dim=True)
+  _check_leaves("carry", carry, need_layer_dim=False)
+  lengths = {int(np.shape(v)[0]) for _, v in path_leaves}
+  if len(lengths) != 1:
+    detail = ", ".join(
+        f"stacked_params{_keystr(p)}: {np.shape(v)[0]}" for p, v in path_leaves
+    )
+    raise ValueError(
+        f"{_API}: every leaf of stacked_params must have the same leading layer dimension, "
+        f"got {detail}"
+    )
+  num_layers = lengths.pop()
+  if num_layers < 1:
+    raise ValueError(f"{_API}: stacked_params must hold at least one layer, got L=0")
+  if isinstance(prefetch, bool) or not isinstance(prefetch, (int, np.integer)):
+    raise TypeError(f"{_API}: prefetch must be an int, got {prefetch!r}")
+  if not 0 <= prefetch <= num_layers:
+    raise ValueError(
+        f"{_API}: prefetch must be between 0 and the number of layers ({num_layers}), "
+        f"got {prefetch}"
+    )
+  if not isinstance(unroll, (bool, int, np.integer)) or (
+      not isinstance(unroll, bool) and unroll < 1
+  ):
+    raise ValueError(f"{_API}: unroll must be a positive int or a bool, got {unroll!r}")
+  if remat_policy is not None and not callable(remat_policy):
+    raise TypeError(
+        f"{_API}: remat_policy must be a jax.checkpoint policy (callable) or None, "
+        f"got {type(remat_policy).__name__}"
+    )
+  dims = _normalize_gather_dims(gather_dim, path_leaves, treedef)
+  cfg = _Config(axes, int(prefetch), tuple(dims), unroll, remat_policy)
+
+  if mesh is not None:
+    return _scan_layers_mesh(layer_fn, stacked_params, carry, cfg, mesh, carry_spec, ys_spec)
+
+  size = _bound_axis_size(axes)
+  if size is None:
+    raise ValueError(
+        f"{_API}: axis {axis!r} is not bound here; call scan_layers inside a shard_map body "
+        "whose mesh has that axis, or pass mesh= to let scan_layers wrap itself in shard_map"
+    )
+  return _scan_layers_local(layer_fn, stacked_params, carry, cfg)
+
+
+# ---------------------------------------------------------------------------
+# Implementation.
+# ---------------------------------------------------------------------------
+
+
+class _Config:
+  __slots__ = ("axes", "prefetch", "dims", "unroll", "remat_policy")
+
+  def __init__(self, axes, prefetch, dims, unroll, remat_policy):
+    self.axes = axes
+    self.prefetch = prefetch
+    self.dims = dims
+    self.unroll = unroll
+    self.remat_policy = remat_policy
+
+  @property
+  def axis(self):
+    return self.axes[0] if len(self.axes) == 1 else self.axes
+
+
+def _scan_layers_mesh(layer_fn, stacked, carry, cfg: _Config, mesh, carry_spec, ys_spec):
+  from jax.sharding import PartitionSpec as P
+
+  missing = [a for a in cfg.axes if a not in mesh.axis_names]
+  if missing:
+    raise ValueError(
+        f"{_API}: axis {cfg.axis!r} is not an axis of mesh (axes {tuple(mesh.axis_names)})"
+    )
+  size = int(np.prod([mesh.shape[a] for a in cfg.axes]))
+  path_leaves = jax.tree_util.tree_flatten_with_path(stacked)[0]
+  bad = []
+  specs = []
+  for (path, leaf), d in zip(path_leaves, cfg.dims):
+    if d is None:
+      specs.append(P())
+      continue
+    n = np.shape(leaf)[d + 1]
+    if n % size:
+      bad.append(f"stacked_params{_keystr(path)} dimension {d} (of the per-layer shape "
+                 f"{tuple(np.shape(leaf)[1:])}) has size {n}")
+    specs.append(P(*([None] * (d + 1)), cfg.axis))
+  if bad:
+    raise ValueError(
+        f"{_API}: sharded dimensions must be divisible by the size of axis {cfg.axis!r} "
+        f"({size}), got {'; '.join(bad)}"
+    )
+  param_specs = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(stacked), specs)
+  if carry_spec is None:
+    carry_spec = jax.tree.map(lambda _: P(cfg.axis), carry)
+  if ys_spec is None:
+    ys_spec = P(None, cfg.axis)
+
+  def body(p, c):
+    return _scan_layers_local(layer_fn, p, c, cfg)
+
+  fn = _shard_map(
+      body,
+      mesh=mesh,
+      in_specs=(param_specs, carry_spec),
+      out_specs=(carry_spec, ys_spec),
+      check_vma=False,
+  )
+  return fn(stacked, carry)
+
+
+def _gather(tree, dims, axis, *, stacked: bool):
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  off = 1 if stacked else 0
+  out = [
+      x if d is None else lax.all_gather(x, axis, axis=d + off, tiled=True)
+      for x, d in zip(leaves, dims)
+  ]
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _scatter(tree, dims, axis):
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  out = [
+      x if d is None else lax.psum_scatter(x, axis, scatter_dimension=d, tiled=True)
+      for x, d in zip(leaves, dims)
+  ]
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _take(tree, i):
+  return jax.tree.map(lambda a: a[i], tree)
+
+
+def _slice(tree, start, stop):
+  return jax.tree.map(lambda a: a[start:stop], tree)
+
+
+def _concat(parts):
+  parts = [p for p in parts if p is not None and jax.tree.leaves(p)]
+  if not parts:
+    return None
+  if len(parts) == 1:
+    return parts[0]
+  return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *parts)
+
+
+def _expand(tree):
+  return jax.tree.map(lambda a: a[None], tree)
+
+
+def _pipeline(step, first_step, carry, local, extra, *, n, k, gather, unroll):
+  """Runs ``step`` over ``n`` items in order, gathering item ``i + k`` at item ``i``.
+
+  Args:
+    step: ``step(full_params, carry, extra_i) -> (carry, y)``.
+    first_step: like ``step`` for item 0 (which may change the carry's
+      structure, and whose ``y`` may be None), or None to use ``step``.
+    carry: the initial carry.
+    local: pytree of stacked local shards, leading dimension ``n``, in
+      processing order.
+    extra: pytree of per-item inputs with leading dimension ``n``, or None.
+    n: number of items.
+    k: prefetch depth, ``0 <= k <= n``.
+    gather: ``gather(tree, stacked) -> tree`` of full parameters.
+    unroll: passed to ``lax.scan``.
+
+  Returns:
+    ``(carry, ys)`` with ``ys`` the stacked outputs of the items that have one.
+  """
+  ys_parts = []
+
+  def run_first(full, c, e):
+    if first_step is None:
+      c, y = step(full, c, e)
+      return c, _expand(y)
+    c, y = first_step(full, c, e)
+    return c, (None if y is None else _expand(y))
+
+  if k == 0:
+    start = 0
+    if first_step is not None:
+      carry, y = run_first(gather(_take(local, 0), stacked=False), carry, _take(extra, 0))
+      ys_parts.append(y)
+      start = 1
+    if n > start:
+
+      def body(c, xe):
+        x, e = xe
+        return step(gather(x, stacked=False), c, e)
+
+      carry, ys = lax.scan(body, carry, (_slice(local, start, n), _slice(extra, start, n)),
+                           unroll=unroll)
+      ys_parts.append(ys)
+    return carry, _concat(ys_parts)
+
+  # Prologue: one gather for the first k layers.
+  buf = gather(_slice(local, 0, k), stacked=True)
+  if k == 1:
+    buf = _take(buf, 0)
+
+  def read(b, slot):
+    if k == 1:
+      return b
+    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, slot, 0, keepdims=False), b)
+
+  def write(b, v, slot):
+    if k == 1:
+      return v
+    return jax.tree.map(lambda a, x: lax.dynamic_update_index_in_dim(a, x, slot, 0), b, v)
+
+  # Main loop: item i computes with slot i % k and refills it with item i + k.
+  n_main = n - k
+  start = 0
+  if n_main > 0 and first_step is not None:
+    cur = read(buf, 0)
+    nxt = gather(_take(local, k), stacked=False)
+    carry, y = run_first(cur, carry, _take(extra, 0))
+    buf = write(buf, nxt, 0)
+    ys_parts.append(y)
+    start = 1
+  if n_main > start:
+
+    def main_body(state, xe):
+      c, b = state
+      x, e, i = xe
+      slot = i % k
+      nxt = gather(x, stacked=False)
+      c, y = step(read(b, slot), c, e)
+      return (c, write(b, nxt, slot)), y
+
+    idx = jnp.arange(start, n_main, dtype=jnp.int32)
+    (carry, buf), ys = lax.scan(
+        main_body,
+        (carry, buf),
+        (_slice(local, start + k, n), _slice(extra, start, n_main), idx),
+        unroll=unroll,
+    )
+    ys_parts.append(ys)
+
+  # Epilogue: the last k items, already gathered, in slot order.
+  if k == 1:
+    rest = _expand(buf)
+  else:
+    shift = n_main % k
+    rest = jax.tree.map(lambda a: jnp.roll(a, -shift, axis=0), buf) if shift else buf
+  start = 0
+  if n_main == 0 and first_step is not None:
+    carry, y = run_first(_take(rest, 0), carry, _take(extra, 0))
+    ys_parts.append(y)
+    start = 1
+  if k > start:
+
+    def epi_body(c, xe):
+      full, e = xe
+      return step(full, c, e)
+
+    carry, ys = lax.scan(
+        epi_body, carry, (_slice(rest, start, k), _slice(extra, n_main + start, n)),
+        unroll=unroll,
+    )
+    ys_parts.append(ys)
+  return carry, _concat(ys_parts)
+
+
+def _not_differentiable(e: Exception) -> TypeError:
+  return TypeError(
+      f"{_API}: layer_fn could not be differentiated with respect to its params and carry "
+      f"(the backward pass re-runs it under jax.vjp): {type(e).__name__}: {e}"
+  )
+
+
+def _scan_layers_local(layer_fn, stacked, carry, cfg: _Config):
+  num_layers = int(jax.tree.leaves(stacked)[0].shape[0])
+  dims, axis, k = cfg.dims, cfg.axis, cfg.prefetch
+  gather = functools.partial(_gather_with, dims=dims, axis=axis)
+
+  # Hoist traced values that layer_fn closes over into explicit inputs, so the
+  # custom_vjp can return their cotangents.
+  example_params = gather(_take(stacked, 0), stacked=False)
+  try:
+    fn, consts = jax.closure_convert(layer_fn, example_params, carry)
+  except Exception as e:  # noqa: BLE001 - re-raised with the API name
+    raise type(e)(f"{_API}: tracing layer_fn(params, carry) failed: {e}") from e
+  _check_layer_out(fn, example_params, carry, consts)
+
+  def f(full, c, cs):
+    return fn(full, c, *cs)
+
+  policy = cfg.remat_policy
+
+  @jax.custom_vjp
+  def run(stacked_, carry_, consts_):
+    def step(full, c, _):
+      return f(full, c, consts_)
+
+    return _pipeline(step, None, carry_, stacked_, None, n=num_layers, k=k, gather=gather,
+                     unroll=cfg.unroll)
+
+  def run_fwd(stacked_, carry_, consts_):
+    if policy is None:
+
+      def step(full, c, _):
+        c2, y = f(full, c, consts_)
+        return c2, (y, c)
+
+      c_out, (ys, saved) = _pipeline(step, None, carry_, stacked_, None, n=num_layers, k=k,
+                                     gather=gather, unroll=cfg.unroll)
+      return (c_out, ys), (stacked_, saved, None, consts_)
+
+    def step(full, c, _):
+      (c2, y), res = _vjp_residuals(f, full, c, consts_, policy)
+      return c2, (y, c, res)
+
+    c_out, (ys, saved, res) = _pipeline(step, None, carry_, stacked_, None, n=num_layers, k=k,
+                                        gather=gather, unroll=cfg.unroll)
+    return (c_out, ys), (stacked_, saved, res, consts_)
+
+  def run_bwd(residuals, cts):
+    stacked_, saved, res, consts_ = residuals
+    ct_carry, ct_ys = cts
+    rev = lambda t: jax.tree.map(lambda a: a[::-1], t)
+    extra = (rev(saved), rev(ct_ys), rev(res))
+    zeros_consts = jax.tree.map(jnp.zeros_like, consts_)
+
+    def layer_vjp(full, ct_c, e):
+      c_in, ct_y, r = e
+      try:
+        if r is None:
+          _, vjp_fn = jax.vjp(f, full, c_in, consts_)
+        else:
+          vjp_fn = _vjp_from_residuals(f, full, c_in, consts_, policy, r)
+        return vjp_fn((ct_c, ct_y))
+      except (TypeError, ValueError, NotImplementedError) as e:
+        raise _not_differentiable(e) from e
+
+    add = lambda a, b: jax.tree.map(jnp.add, a, b)
+
+    if k == 0:
+      # No pipelining: reduce-scatter in the iteration that produced the cotangent.
+      def step(full, state, e):
+        ct_c, acc = state
+        ct_p, ct_c2, ct_k = layer_vjp(full, ct_c, e)
+        return (ct_c2, add(acc, ct_k)), _scatter(ct_p, dims, axis)
+
+      (ct_c0, ct_consts), grads = _pipeline(
+          step, None, (ct_carry, zeros_consts), rev(stacked_), extra, n=num_layers, k=0,
+          gather=gather, unroll=cfg.unroll)
+    else:
+      # The cotangent of layer i is reduce-scattered in the iteration of layer i - 1.
+      def first(full, state, e):
+        ct_c, acc = state
+        ct_p, ct_c2, ct_k = layer_vjp(full, ct_c, e)
+        return (ct_c2, add(acc, ct_k), ct_p), None
+
+      def step(full, state, e):
+        ct_c, acc, pending = state
+        scattered = _scatter(pending, dims, axis)
+        ct_p, ct_c2, ct_k = layer_vjp(full, ct_c, e)
+        return (ct_c2, add(acc, ct_k), ct_p), scattered
+
+      (ct_c0, ct_consts, pending), grads = _pipeline(
+          step, first, (ct_carry, zeros_consts), rev(stacked_), extra, n=num_layers, k=k,
+          gather=gather, unroll=cfg.unroll)
+      last = _expand(_scatter(pending, dims, axis))
+      grads = last if grads is None else _concat([grads, last])
+    return rev(grads), ct_c0, ct_consts
+
+  run.defvjp(run_fwd, run_bwd)
+  return run(stacked, carry, consts)
+
+
+def _gather_with(tree, stacked, *, dims, axis):
+  return _gather(tree, dims, axis, stacked=stacked)
+
+
+def _check_layer_out(fn, params, carry, consts):
+  out = jax.eval_shape(lambda p, c, cs: fn(p, c, *cs), params, carry, consts)
+  if not (isinstance(out, tuple) and len(out) == 2):
+    raise TypeError(
+        f"{_API}: layer_fn must return a pair (carry, y), got {jax.tree.structure(out)}"
+    )
+  new_c = out[0]
+  want = jax.tree.map(lambda x: (tuple(np.shape(x)), jnp.dtype(x.dtype)), carry)
+  got = jax.tree.map(lambda x: (tuple(x.shape), jnp.dtype(x.dtype)), new_c)
+  if jax.tree.structure(want) != jax.tree.structure(got) or jax.tree.leaves(
+      want, is_leaf=lambda x: isinstance(x, tuple)
+  ) != jax.tree.leaves(got, is_leaf=lambda x: isinstance(x, tuple)):
+    raise TypeError(
+        f"{_API}: layer_fn must return a carry with the structure, shapes and dtypes of "
+        f"carry; expected {want}, got {got}"
+    )
+
+
+# ---------------------------------------------------------------------------
+# remat_policy support: save the policy's residuals, never the gathered params.
+# ---------------------------------------------------------------------------
+
+
+def _vjp_residuals(f, full, c, consts, policy):
+  """Runs ``f`` under ``jax.vjp`` of a checkpointed ``f`` and returns its residuals.
+
+  Residual leaves that are the gathered parameters themselves are replaced by
+  None: the backward pass has them (it re-gathers), so they are not saved.
+  """
+  out, vjp_fn = jax.vjp(jax.checkpoint(f, policy=policy), full, c, consts)
+  leaves, _ = jax.tree_util.tree_flatten(vjp_fn)
+  param_ids = {id(x) for x in jax.tree.leaves(full)}
+  kept = [None if id(x) in param_ids else x for x in leaves]
+  return out, kept
+
+
+def _vjp_from_residuals(f, full, c, consts, policy, kept):
+  """Rebuilds the vjp function of :func:`_vjp_residuals` from saved residuals."""
+  _, vjp_fn = jax.vjp(jax.checkpoint(f, policy=policy), full, c, consts)
+  leaves, treedef = jax.tree_util.tree_flatten(vjp_fn)
+  param_ids = {id(x) for x in jax.tree.leaves(full)}
+  if len(leaves) != len(kept):
+    raise ValueError(
+        f"{_API}: remat_policy residuals changed structure between forward and backward"
+    )
+  merged = [x if id(x) in param_ids else r for x, r in zip(leaves, kept)]
+  return jax.tree_util.tree_unflatten(treedef, merged)

@@ -1,0 +1,605 @@
+"""Runtime plans: which kernels and regions get occupancy shaping, which streams priority.
+
+A plan is a versioned JSON document, written by hand or by the simulator's tuner
+through ``Plan(...).to_json()``::
+
+  {
+    "version": 1,
+    "target": "h100",
+    "kernels": [
+      {"match": "gemm_fusion_*", "blocks_per_sm": 2},
+      {"regex": "^sm90_xmma_gemm_.*", "padding_bytes": 16384}
+    ],
+    "regions": {"mlp": {"blocks_per_sm": 1}},
+    "streams": {"priority": "highest"}
+  }
+
+``jax-overlap launch`` validates it and hands it to the runtime library
+(``libjax_overlap_rt.so``) as compact rules (:meth:`Plan.to_rules`).
+
+The module also holds the residency arithmetic that the runtime library uses
+at launch (``xla_patches/runtime/shaping.h``), mirrored here for the simulator:
+
+  blocks/SM = min(max_blocks_per_sm,
+                  floor(max_threads_per_sm / roundup(threads, warp)),
+                  floor(regs_per_sm / (roundup(regs * warp, reg_alloc_unit) * warps)),
+                  floor(smem_per_sm / (static + dynamic + reserved_per_block)))
+
+and, to cap residency at N blocks per SM, the smallest dynamic shared memory
+with floor(smem_per_sm / (static + dyn + reserved)) <= N:
+
+  dyn = floor(smem_per_sm / (N + 1)) + 1 - static - reserved
+
+never below the launch's own, and never above opt-in - static (CUDA C
+Programming Guide, "Occupancy" and the per-compute-capability limits table).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal
+
+from jax_overlap._src import targets
+
+__all__ = [
+  "PLAN_VERSION",
+  "KernelRule",
+  "RegionRule",
+  "StreamPolicy",
+  "Plan",
+  "region_id",
+  "blocks_per_sm",
+  "shaped_dynamic_smem",
+  "padded_dynamic_smem",
+]
+
+PLAN_VERSION = 1
+_API = "jax_overlap.runtime.Plan"
+
+_TOP_KEYS = ("comment", "kernels", "regions", "streams", "target", "version")
+_KERNEL_KEYS = ("blocks_per_sm", "comment", "match", "padding_bytes", "regex")
+_REGION_KEYS = ("blocks_per_sm", "comment")
+_STREAM_KEYS = ("comment", "create_order", "priority", "promote_requested")
+_PRIORITIES = ("default", "highest")
+# Register allocation granularity per warp on NVIDIA GPUs since sm_30 (CUDA
+# occupancy calculator); the runtime library uses the same constant.
+_NVIDIA_REG_ALLOC_UNIT = 256
+
+
+def _is_int(value: Any) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_keys(where: str, found: Mapping[str, Any], valid: tuple[str, ...]) -> None:
+  if not isinstance(found, Mapping):
+    raise TypeError(f"{_API}: {where} must be a JSON object, got {type(found).__name__}")
+  for key in found:
+    if key not in valid:
+      raise ValueError(f"{_API}: {where}: unknown key {key!r}; valid keys: {', '.join(valid)}")
+
+
+def _check_text(where: str, value: Any) -> str:
+  if not isinstance(value, str):
+    raise TypeError(f"{_API}: {where} must be a string, got {type(value).__name__}")
+  if not value:
+    raise ValueError(f"{_API}: {where} must not be empty")
+  if any(c in value for c in "\t\n\r"):
+    raise ValueError(f"{_API}: {where} must not contain tabs or line breaks, got {value!r}")
+  return value
+
+
+def _check_positive(where: str, value: Any) -> int:
+  if not _is_int(value):
+    raise TypeError(f"{_API}: {where} must be an integer, got {type(value).__name__} {value!r}")
+  if value < 1:
+    raise ValueError(f"{_API}: {where} must be a positive integer (>= 1), got {value}")
+  return value
+
+
+def region_id(name: str | int) -> int:
+  """The 64-bit id the runtime library uses for an occupancy region.
+
+  A non-negative integer (or a string of decimal digits) is its own id; any
+  other name maps to a stable hash at or above 2**62, so named and numbered
+  regions never collide.
+
+  Raises:
+    TypeError: if ``name`` is neither a string nor an integer.
+    ValueError: for a negative or too large integer or an empty name.
+  """
+  if _is_int(name):
+    if not 0 <= name < 2**62:
+      raise ValueError(f"jax_overlap.occupancy: region id must be in [0, 2**62), got {name}")
+    return name
+  if not isinstance(name, str):
+    raise TypeError(
+      f"jax_overlap.occupancy: region name must be a string or an integer, got "
+      f"{type(name).__name__}"
+    )
+  if not name:
+    raise ValueError("jax_overlap.occupancy: region name must not be empty")
+  if name.isdigit() and int(name) < 2**62:
+    return int(name)
+  digest = hashlib.blake2b(name.encode("utf-8"), digest_size=8).digest()
+  return (int.from_bytes(digest, "little") & (2**62 - 1)) | 2**62
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelRule:
+  """Kernels selected by name and what to do with them.
+
+  Exactly one of ``match`` (a shell glob, as fnmatch) and ``regex`` (searched
+  anywhere in the name, ECMAScript syntax in the runtime library), and exactly
+  one of ``blocks_per_sm`` (cap on resident blocks per SM) and
+  ``padding_bytes`` (extra dynamic shared memory per block).
+
+  Example:
+    >>> KernelRule(match="gemm_fusion_*", blocks_per_sm=2)  # doctest: +ELLIPSIS
+    KernelRule(match='gemm_fusion_*', ...)
+  """
+
+  match: str | None = None
+  regex: str | None = None
+  blocks_per_sm: int | None = None
+  padding_bytes: int | None = None
+
+  def __post_init__(self):
+    if (self.match is None) == (self.regex is None):
+      raise ValueError(
+        f"{_API}: a kernel rule needs exactly one of 'match' (glob) or 'regex', got "
+        f"match={self.match!r}, regex={self.regex!r}"
+      )
+    if self.match is not None:
+      _check_text("kernel rule 'match'", self.match)
+    else:
+      _check_text("kernel rule 'regex'", self.regex)
+      try:
+        re.compile(self.regex)
+      except re.error as e:
+        raise ValueError(f"{_API}: kernel rule 'regex' {self.regex!r} does not compile: {e}") from None
+    if (self.blocks_per_sm is None) == (self.padding_bytes is None):
+      raise ValueError(
+        f"{_API}: a kernel rule needs exactly one of 'blocks_per_sm' or 'padding_bytes', got "
+        f"blocks_per_sm={self.blocks_per_sm!r}, padding_bytes={self.padding_bytes!r}"
+      )
+    if self.blocks_per_sm is not None:
+      _check_positive("kernel rule 'blocks_per_sm'", self.blocks_per_sm)
+    else:
+      _check_positive("kernel rule 'padding_bytes'", self.padding_bytes)
+
+  @property
+  def pattern(self) -> str:
+    return self.match if self.match is not None else self.regex  # type: ignore[return-value]
+
+  def to_dict(self) -> dict[str, Any]:
+    return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+@dataclasses.dataclass(frozen=True)
+class RegionRule:
+  """Blocks per SM for the kernels launched inside one ``jax_overlap.occupancy`` region."""
+
+  name: str
+  blocks_per_sm: int
+
+  def __post_init__(self):
+    if _is_int(self.name):
+      object.__setattr__(self, "name", str(self.name))
+    _check_text("region name", self.name)
+    region_id(self.name)
+    _check_positive(f"regions[{self.name!r}] 'blocks_per_sm'", self.blocks_per_sm)
+
+  @property
+  def id(self) -> int:
+    return region_id(self.name)
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamPolicy:
+  """Stream priorities.
+
+  Attributes:
+    priority: ``"highest"`` creates selected streams at the greatest priority of
+      cuCtxGetStreamPriorityRange; ``"default"`` leaves streams alone.
+    create_order: 0-based creation indices of the streams to promote (counted
+      over cuStreamCreate and cuStreamCreateWithPriority in the process).
+    promote_requested: promote every stream created with a non-default priority.
+      Defaults to true when ``priority`` is ``"highest"`` and ``create_order`` is
+      empty.
+
+  XLA already creates its async collective streams at the highest priority
+  (``--xla_gpu_enable_highest_priority_async_stream``, on by default).
+  """
+
+  priority: Literal["highest", "default"] = "default"
+  create_order: tuple[int, ...] = ()
+  promote_requested: bool | None = None
+
+  def __post_init__(self):
+    if self.priority not in _PRIORITIES:
+      raise ValueError(
+        f"{_API}: streams 'priority' must be one of {', '.join(_PRIORITIES)}, got "
+        f"{self.priority!r}"
+      )
+    if isinstance(self.create_order, (str, bytes)) or not isinstance(self.create_order, Iterable):
+      raise TypeError(
+        f"{_API}: streams 'create_order' must be a list of integers, got "
+        f"{type(self.create_order).__name__}"
+      )
+    order = tuple(self.create_order)
+    for i, v in enumerate(order):
+      if not _is_int(v):
+        raise TypeError(f"{_API}: streams 'create_order'[{i}] must be an integer, got {v!r}")
+      if v < 0:
+        raise ValueError(f"{_API}: streams 'create_order'[{i}] must be >= 0, got {v}")
+    object.__setattr__(self, "create_order", order)
+    if self.promote_requested is not None and not isinstance(self.promote_requested, bool):
+      raise TypeError(
+        f"{_API}: streams 'promote_requested' must be true or false, got {self.promote_requested!r}"
+      )
+
+  @property
+  def promotes_requested(self) -> bool:
+    if self.promote_requested is not None:
+      return self.promote_requested
+    return self.priority == "highest" and not self.create_order
+
+  def to_dict(self) -> dict[str, Any]:
+    out: dict[str, Any] = {"priority": self.priority}
+    if self.create_order:
+      out["create_order"] = list(self.create_order)
+    if self.promote_requested is not None:
+      out["promote_requested"] = self.promote_requested
+    return out
+
+
+def _kernel_rule(index: int, rule: Any) -> KernelRule:
+  if isinstance(rule, KernelRule):
+    return rule
+  where = f"kernels[{index}]"
+  _check_keys(where, rule, _KERNEL_KEYS)
+  fields = {k: v for k, v in rule.items() if k != "comment"}
+  try:
+    return KernelRule(**fields)
+  except (TypeError, ValueError) as e:
+    raise type(e)(str(e).replace(f"{_API}: ", f"{_API}: {where}: ", 1)) from None
+
+
+def _region_rules(regions: Any) -> tuple[RegionRule, ...]:
+  if isinstance(regions, Mapping):
+    out = []
+    for name, spec in regions.items():
+      if isinstance(spec, RegionRule):
+        out.append(spec)
+        continue
+      if _is_int(spec):
+        out.append(RegionRule(name, spec))
+        continue
+      _check_keys(f"regions[{name!r}]", spec, _REGION_KEYS)
+      if "blocks_per_sm" not in spec:
+        raise ValueError(f"{_API}: regions[{name!r}]: missing key 'blocks_per_sm'")
+      out.append(RegionRule(name, spec["blocks_per_sm"]))
+    return tuple(out)
+  if isinstance(regions, Iterable) and not isinstance(regions, (str, bytes)):
+    rules = tuple(regions)
+    for r in rules:
+      if not isinstance(r, RegionRule):
+        raise TypeError(f"{_API}: regions must map names to blocks_per_sm, got an item {r!r}")
+    return rules
+  raise TypeError(f"{_API}: regions must be a JSON object, got {type(regions).__name__}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """A validated runtime plan.
+
+  Args:
+    version: plan format version; only 1 exists.
+    target: GPU catalogue name (``"h100"``, ``"a100"``...) the numbers were
+      chosen for; when given, blocks and padding are checked against its limits.
+    kernels: :class:`KernelRule` objects or dicts such as
+      ``{"match": "gemm_fusion_*", "blocks_per_sm": 2}``; the first match wins.
+    regions: mapping of region name to blocks per SM (an int or
+      ``{"blocks_per_sm": N}``), for ``jax_overlap.occupancy(name=...)`` regions.
+    streams: a :class:`StreamPolicy` or a dict such as ``{"priority": "highest"}``.
+
+  Raises:
+    ValueError: for bad values or unknown keys, naming them and the valid ones.
+    TypeError: for values of the wrong type.
+
+  Example:
+    >>> plan = Plan(target="h100", kernels=[{"match": "gemm_fusion_*", "blocks_per_sm": 2}],
+    ...             streams={"priority": "highest"})
+    >>> Plan.from_json(plan.to_json()) == plan
+    True
+  """
+
+  version: int = PLAN_VERSION
+  target: str | None = None
+  kernels: tuple[KernelRule, ...] = ()
+  regions: tuple[RegionRule, ...] = ()
+  streams: StreamPolicy = dataclasses.field(default_factory=StreamPolicy)
+
+  def __post_init__(self):
+    if not _is_int(self.version):
+      raise TypeError(f"{_API}: 'version' must be an integer, got {self.version!r}")
+    if self.version != PLAN_VERSION:
+      raise ValueError(
+        f"{_API}: unsupported plan version {self.version}; this jax_overlap reads version "
+        f"{PLAN_VERSION}"
+      )
+    if isinstance(self.kernels, (str, bytes, Mapping)) or not isinstance(self.kernels, Iterable):
+      raise TypeError(f"{_API}: 'kernels' must be a list of rules, got {type(self.kernels).__name__}")
+    object.__setattr__(
+      self, "kernels", tuple(_kernel_rule(i, r) for i, r in enumerate(self.kernels))
+    )
+    object.__setattr__(self, "regions", _region_rules(self.regions))
+    names = [r.name for r in self.regions]
+    if len(set(names)) != len(names):
+      raise ValueError(f"{_API}: regions: duplicate region names in {names}")
+    if self.streams is None:
+      object.__setattr__(self, "streams", StreamPolicy())
+    elif isinstance(self.streams, Mapping):
+      _check_keys("streams", self.streams, _STREAM_KEYS)
+      spec = {k: v for k, v in self.streams.items() if k != "comment"}
+      object.__setattr__(self, "streams", StreamPolicy(**spec))
+    elif not isinstance(self.streams, StreamPolicy):
+      raise TypeError(f"{_API}: 'streams' must be a JSON object, got {type(self.streams).__name__}")
+    self.validate()
+
+  def validate(self) -> Plan:
+    """Checks the plan against its target's limits; returns the plan.
+
+    Raises:
+      ValueError: for an unknown or non-NVIDIA target, or a number above its limits.
+    """
+    if self.target is None:
+      return self
+    if not isinstance(self.target, str):
+      raise TypeError(f"{_API}: 'target' must be a GPU name string, got {self.target!r}")
+    try:
+      gpu = targets.get_gpu(self.target)
+    except ValueError:
+      raise ValueError(
+        f"{_API}: 'target': unknown GPU {self.target!r}; valid choices: "
+        f"{', '.join(targets.names())}"
+      ) from None
+    if gpu.vendor != "nvidia":
+      raise ValueError(
+        f"{_API}: 'target' {self.target!r} is not an NVIDIA GPU; the runtime library shapes "
+        "CUDA launches only"
+      )
+    for i, rule in enumerate(self.kernels):
+      if rule.blocks_per_sm is not None and rule.blocks_per_sm > gpu.max_blocks_per_sm:
+        raise ValueError(
+          f"{_API}: kernels[{i}]: 'blocks_per_sm' must be at most {gpu.max_blocks_per_sm} on "
+          f"{gpu.name}, got {rule.blocks_per_sm}"
+        )
+      if rule.padding_bytes is not None and rule.padding_bytes > gpu.smem_per_block_optin:
+        raise ValueError(
+          f"{_API}: kernels[{i}]: 'padding_bytes' must be at most {gpu.smem_per_block_optin} "
+          f"(the opt-in shared memory per block on {gpu.name}), got {rule.padding_bytes}"
+        )
+    for r in self.regions:
+      if r.blocks_per_sm > gpu.max_blocks_per_sm:
+        raise ValueError(
+          f"{_API}: regions[{r.name!r}]: 'blocks_per_sm' must be at most "
+          f"{gpu.max_blocks_per_sm} on {gpu.name}, got {r.blocks_per_sm}"
+        )
+    return self
+
+  @property
+  def empty(self) -> bool:
+    """Whether the plan changes nothing."""
+    return not self.kernels and not self.regions and self.streams.priority == "default"
+
+  def to_dict(self) -> dict[str, Any]:
+    out: dict[str, Any] = {"version": self.version}
+    if self.target is not None:
+      out["target"] = self.target
+    out["kernels"] = [r.to_dict() for r in self.kernels]
+    out["regions"] = {r.name: {"blocks_per_sm": r.blocks_per_sm} for r in self.regions}
+    out["streams"] = self.streams.to_dict()
+    return out
+
+  def to_json(self, path: str | os.PathLike | None = None, *, indent: int = 2) -> str:
+    """The plan as JSON text; also written to ``path`` when given."""
+    text = json.dumps(self.to_dict(), indent=indent) + "\n"
+    if path is not None:
+      with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    return text
+
+  @classmethod
+  def from_json(cls, source: str | os.PathLike | Mapping[str, Any]) -> Plan:
+    """Reads a plan from a file path, JSON text or an already parsed dict.
+
+    Raises:
+      ValueError: for malformed JSON, a missing or unsupported version, unknown
+        keys or bad values.
+      TypeError: for values of the wrong type.
+      FileNotFoundError: for a missing file.
+    """
+    where = "plan"
+    if isinstance(source, Mapping):
+      data: Any = source
+    else:
+      text = os.fspath(source)
+      if isinstance(text, str) and text.lstrip().startswith("{"):
+        raw = text
+      else:
+        where = str(text)
+        try:
+          with open(text, encoding="utf-8") as f:
+            raw = f.read()
+        except FileNotFoundError:
+          raise FileNotFoundError(f"{_API}.from_json: no plan file {where!r}") from None
+      try:
+        data = json.loads(raw)
+      except json.JSONDecodeError as e:
+        raise ValueError(f"{_API}.from_json: malformed JSON in {where}: {e}") from None
+    if not isinstance(data, Mapping):
+      raise TypeError(
+        f"{_API}.from_json: a plan must be a JSON object, got {type(data).__name__} in {where}"
+      )
+    _check_keys("plan", data, _TOP_KEYS)
+    if "version" not in data:
+      raise ValueError(f"{_API}: missing key 'version' (expected {PLAN_VERSION}) in {where}")
+    return cls(
+      version=data["version"],
+      target=data.get("target"),
+      kernels=data.get("kernels", ()),
+      regions=data.get("regions", {}),
+      streams=data.get("streams", None),
+    )
+
+  def to_rules(self) -> str:
+    """The compact rules text the runtime library reads (JAX_OVERLAP_RT_RULES)."""
+    lines = [f"version\t{self.version}"]
+    for r in self.kernels:
+      kind = "glob" if r.match is not None else "regex"
+      what = ("blocks_per_sm", r.blocks_per_sm) if r.blocks_per_sm is not None else (
+        "padding_bytes",
+        r.padding_bytes,
+      )
+      lines.append(f"kernel\t{kind}\t{r.pattern}\t{what[0]}\t{what[1]}")
+    for r in self.regions:
+      lines.append(f"region\t{r.id}\tblocks_per_sm\t{r.blocks_per_sm}")
+    lines.append(f"streams\tpriority\t{self.streams.priority}")
+    lines.append(f"streams\tpromote_requested\t{int(self.streams.promotes_requested)}")
+    if self.streams.create_order:
+      lines.append("streams\tcreate_order\t" + ",".join(map(str, self.streams.create_order)))
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------
+# Residency arithmetic (mirror of xla_patches/runtime/shaping.cc).
+# ---------------------------------------------------------------------------
+
+SHAPE_UNCHANGED = "unchanged"
+SHAPE_SHAPED = "shaped"
+SHAPE_CAPPED = "capped"
+
+
+def _gpu(gpu: str | targets.Gpu) -> targets.Gpu:
+  return targets.get_gpu(gpu)
+
+
+def _check_launch(api: str, **values: int) -> None:
+  for name, value in values.items():
+    if not _is_int(value):
+      raise TypeError(f"{api}: {name} must be an integer, got {value!r}")
+    if value < 0 or (name in ("threads", "blocks_per_sm") and value < 1):
+      bound = ">= 1" if name in ("threads", "blocks_per_sm") else ">= 0"
+      raise ValueError(f"{api}: {name} must be {bound}, got {value}")
+
+
+def _roundup(x: int, unit: int) -> int:
+  return x if unit <= 0 else -(-x // unit) * unit
+
+
+def _reg_alloc_unit(gpu: targets.Gpu) -> int:
+  return _NVIDIA_REG_ALLOC_UNIT if gpu.vendor == "nvidia" else gpu.reg_alloc_unit
+
+
+def blocks_per_sm(gpu: str | targets.Gpu, threads: int, regs_per_thread: int, smem_total: int) -> int:
+  """Resident blocks of one kernel per SM (0 if it cannot run).
+
+  Args:
+    gpu: catalogue name or :class:`~jax_overlap.targets.Gpu`.
+    threads: threads per block.
+    regs_per_thread: registers per thread (0: unknown, not limiting).
+    smem_total: static plus dynamic shared memory per block, in bytes.
+
+  Example:
+    >>> blocks_per_sm("h100", 256, 32, 0)
+    8
+  """
+  g = _gpu(gpu)
+  _check_launch(
+    "jax_overlap.runtime.blocks_per_sm",
+    threads=threads,
+    regs_per_thread=regs_per_thread,
+    smem_total=smem_total,
+  )
+  threads_rounded = _roundup(threads, g.warp_size)
+  warps = threads_rounded // g.warp_size
+  blocks = min(g.max_blocks_per_sm, g.max_threads_per_sm // threads_rounded)
+  if regs_per_thread > 0:
+    regs_per_warp = _roundup(regs_per_thread * g.warp_size, _reg_alloc_unit(g))
+    blocks = min(blocks, g.regs_per_sm // (regs_per_warp * warps))
+  smem_block = smem_total + g.smem_reserved_per_block
+  if smem_block > 0:
+    blocks = min(blocks, g.smem_per_sm // smem_block)
+  return max(blocks, 0)
+
+
+def _shape(
+  gpu: targets.Gpu,
+  threads: int,
+  regs_per_thread: int,
+  static_smem: int,
+  dynamic_smem: int,
+  blocks: int,
+) -> tuple[int, str]:
+  if blocks_per_sm(gpu, threads, regs_per_thread, static_smem + dynamic_smem) <= blocks:
+    return dynamic_smem, SHAPE_UNCHANGED
+  dyn = gpu.smem_per_sm // (blocks + 1) + 1 - static_smem - gpu.smem_reserved_per_block
+  dyn = max(dyn, dynamic_smem)
+  if static_smem + dyn > gpu.smem_per_block_optin:
+    capped = gpu.smem_per_block_optin - static_smem
+    if capped <= dynamic_smem:
+      return dynamic_smem, SHAPE_UNCHANGED
+    return capped, SHAPE_CAPPED
+  return dyn, SHAPE_SHAPED
+
+
+def shaped_dynamic_smem(
+  gpu: str | targets.Gpu,
+  threads: int,
+  regs_per_thread: int,
+  static_smem: int,
+  dynamic_smem: int,
+  blocks_per_sm: int,
+) -> int:
+  """Dynamic shared memory that caps a kernel at ``blocks_per_sm`` resident blocks per SM.
+
+  Same arithmetic as the runtime library: returns ``dynamic_smem`` unchanged when
+  the kernel is already at or below the cap, and at most ``opt-in - static_smem``.
+
+  Example:
+    >>> shaped_dynamic_smem("h100", 256, 32, 1024, 0, 2)  # 233472 // 3 + 1 - 1024 - 1024
+    75777
+  """
+  g = _gpu(gpu)
+  _check_launch(
+    "jax_overlap.runtime.shaped_dynamic_smem",
+    threads=threads,
+    regs_per_thread=regs_per_thread,
+    static_smem=static_smem,
+    dynamic_smem=dynamic_smem,
+    blocks_per_sm=blocks_per_sm,
+  )
+  return _shape(g, threads, regs_per_thread, static_smem, dynamic_smem, blocks_per_sm)[0]
+
+
+def padded_dynamic_smem(
+  gpu: str | targets.Gpu, static_smem: int, dynamic_smem: int, padding_bytes: int
+) -> int:
+  """Dynamic shared memory after adding ``padding_bytes``, capped at the opt-in limit."""
+  g = _gpu(gpu)
+  _check_launch(
+    "jax_overlap.runtime.padded_dynamic_smem",
+    static_smem=static_smem,
+    dynamic_smem=dynamic_smem,
+    padding_bytes=padding_bytes,
+  )
+  dyn = dynamic_smem + padding_bytes
+  if static_smem + dyn > g.smem_per_block_optin:
+    return max(dynamic_smem, g.smem_per_block_optin - static_smem)
+  return dyn

@@ -1,0 +1,428 @@
+"""The schedule of a compiled step: kernels and collectives in XLA's order.
+
+From the scheduled HLO and XLA's thunk listing this module builds the flat
+sequence the GPU will execute for one step:
+
+* the entry computation's instructions in schedule order, with while-loop
+  bodies repeated by their known trip count (XLA records it in the loop's
+  backend config), calls inlined, and the most expensive branch of a
+  conditional;
+* each kernel with its launch configuration from the thunk listing (grid,
+  threads per block, shared memory), its FLOPs and bytes from the HLO, and its
+  roofline time from the cost model;
+* each collective with its kind, bytes, group size, the stream it runs on,
+  whether XLA made it asynchronous (start/done pair) or synchronous, and its
+  alpha-beta time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+from jax_overlap._src import cost_model as cm
+from jax_overlap._src import hlo as hlo_lib
+
+__all__ = ["KernelInfo", "CollectiveInfo", "Op", "Schedule", "build_schedule", "parse_thunks"]
+
+COLLECTIVE_KINDS = {
+    "all-gather": "all-gather",
+    "all-reduce": "all-reduce",
+    "reduce-scatter": "reduce-scatter",
+    "all-to-all": "all-to-all",
+    "ragged-all-to-all": "all-to-all",
+    "collective-permute": "collective-permute",
+    "collective-broadcast": "all-gather",
+}
+_START = {
+    "all-gather-start": "all-gather",
+    "all-reduce-start": "all-reduce",
+    "collective-permute-start": "collective-permute",
+}
+_DONE = {"all-gather-done", "all-reduce-done", "collective-permute-done", "async-done"}
+_FREE = frozenset(
+    {
+        "parameter",
+        "constant",
+        "get-tuple-element",
+        "tuple",
+        "bitcast",
+        "after-all",
+        "add-dependency",
+        "opt-barrier",
+        "partition-id",
+        "replica-id",
+        "domain",
+        "get-dimension-size",
+        "set-dimension-size",
+        "copy-start",
+        "copy-done",
+        "send",
+        "send-done",
+        "recv",
+        "recv-done",
+    }
+)
+
+
+@dataclasses.dataclass
+class KernelInfo:
+  """One compute kernel of the step, in schedule order.
+
+  Attributes:
+    name: HLO instruction name (with an ``@i`` suffix for loop iteration i).
+    kind: "gemm", "convolution", "reduction", "copy", "custom", "fusion" or "other".
+    index: position in the step's kernel sequence.
+    grid_blocks: blocks in the grid (from XLA's thunk listing; 0 if unknown).
+    threads_per_block: threads per block (0 if unknown).
+    smem_bytes: shared memory per block XLA launches with.
+    regs_per_thread: registers per thread, when known.
+    flops: FLOPs counted from the HLO.
+    bytes_accessed: operand plus result bytes.
+    time_s: roofline estimate on the target.
+    gemm_mnk: (M, N, K) for kernels containing a dot.
+    dtype: dtype of the dot operands, else of the result.
+    op_name: JAX op name from the HLO metadata.
+    annotations: frontend attributes (scheduling groups, priorities...).
+    start_s, end_s: placement on the estimated timeline.
+  """
+
+  name: str
+  kind: str
+  index: int
+  grid_blocks: int
+  threads_per_block: int
+  smem_bytes: int
+  regs_per_thread: int | None
+  flops: float
+  bytes_accessed: float
+  time_s: float
+  gemm_mnk: tuple[int, int, int] | None
+  dtype: str
+  op_name: str = ""
+  annotations: dict[str, str] = dataclasses.field(default_factory=dict)
+  start_s: float = 0.0
+  end_s: float = 0.0
+
+
+@dataclasses.dataclass
+class CollectiveInfo:
+  """One collective of the step.
+
+  Attributes:
+    name: HLO name of the start (or synchronous) instruction.
+    kind: "all-gather", "reduce-scatter", "all-reduce", "all-to-all" or "collective-permute".
+    bytes: the larger of operand and result bytes per device.
+    group_size: devices per replica group.
+    start_index: issued just before kernels[start_index].
+    done_index: must finish before kernels[done_index] starts.
+    time_s: alpha-beta estimate.
+    synchronous: runs on the compute stream, blocking it.
+    stream: communication stream index (-1 for synchronous).
+    start_s, end_s: placement on the estimated timeline.
+    exposed_s: compute-stream time spent waiting for it.
+    overlapped_kernels: kernels that ran while it was in flight.
+    annotations: frontend attributes.
+  """
+
+  name: str
+  kind: str
+  bytes: int
+  group_size: int
+  start_index: int
+  done_index: int
+  time_s: float
+  synchronous: bool
+  stream: int = 0
+  op_name: str = ""
+  annotations: dict[str, str] = dataclasses.field(default_factory=dict)
+  start_s: float = 0.0
+  end_s: float = 0.0
+  exposed_s: float = 0.0
+  overlapped_kernels: int = 0
+
+
+@dataclasses.dataclass
+class Op:
+  """One step of the flat schedule."""
+
+  kind: str  # "kernel", "start", "done", "sync"
+  kernel: KernelInfo | None = None
+  collective: CollectiveInfo | None = None
+  start_name: str | None = None  # for "done": the start it completes
+
+
+@dataclasses.dataclass
+class Schedule:
+  ops: list[Op]
+  kernels: list[KernelInfo]
+  collectives: list[CollectiveInfo]
+  notes: list[str]
+  loops: list[dict[str, Any]]
+
+
+_THUNK_KERNEL = re.compile(
+    r"(\S+)\s+grid:\s*\[(\d+),\s*(\d+),\s*(\d+)\]\s*threads:\s*\[(\d+),\s*(\d+),\s*(\d+)\]"
+    r"\s*shared_memory:\s*(\d+)"
+)
+_THUNK_ASYNC = re.compile(r"kAsyncStart.*stream=communication_stream\[(\d+)\]")
+
+
+def parse_thunks(text: str) -> tuple[dict[str, tuple[int, int, int]], list[int]]:
+  """Kernel launch configurations by kernel name, and async collective streams in order."""
+  kernels: dict[str, tuple[int, int, int]] = {}
+  streams: list[int] = []
+  lines = text.splitlines()
+  for i, line in enumerate(lines):
+    m = _THUNK_KERNEL.search(line)
+    if m:
+      name = m.group(1)
+      grid = int(m.group(2)) * int(m.group(3)) * int(m.group(4))
+      threads = int(m.group(5)) * int(m.group(6)) * int(m.group(7))
+      kernels.setdefault(name, (grid, threads, int(m.group(8))))
+      continue
+    a = _THUNK_ASYNC.search(line)
+    if a:
+      nxt = lines[i + 1] if i + 1 < len(lines) else ""
+      if re.search(r"k(AllGather|AllReduce|ReduceScatter|AllToAll|CollectivePermute|Ragged)", nxt):
+        streams.append(int(a.group(1)))
+  return kernels, streams
+
+
+def _kernel_kind(module: hlo_lib.Module, instr: hlo_lib.Instruction) -> str:
+  if instr.opcode == "custom-call":
+    target = instr.attrs.get("custom_call_target", "")
+    return "gemm" if "gemm" in target or "matmul" in target else "custom"
+  dot = module.dot_in(instr)
+  if dot is not None:
+    return "gemm" if dot.opcode == "dot" else "convolution"
+  name = instr.name
+  if instr.opcode in ("copy", "dynamic-slice", "dynamic-update-slice", "transpose", "slice") or any(
+      s in name for s in ("copy", "dynamic_update_slice", "dynamic_slice", "transpose", "slice")
+  ):
+    return "copy"
+  if instr.opcode in ("reduce", "reduce-window") or "reduce" in name:
+    return "reduction"
+  return "fusion" if instr.opcode == "fusion" else "other"
+
+
+def _dtype(module: hlo_lib.Module, instr: hlo_lib.Instruction) -> str:
+  dot = module.dot_in(instr)
+  if dot is not None and dot.operands:
+    comp = module.computations[dot.computation]
+    lhs = comp.by_name.get(dot.operands[0])
+    if lhs is not None:
+      shapes = hlo_lib.array_shapes(lhs.shape)
+      if shapes:
+        return shapes[0][0]
+  shapes = hlo_lib.array_shapes(instr.shape)
+  return shapes[0][0] if shapes else "f32"
+
+
+def _async_collective_kind(module: hlo_lib.Module, instr: hlo_lib.Instruction) -> str | None:
+  if instr.opcode in _START:
+    return _START[instr.opcode]
+  if instr.opcode == "async-start":
+    for c in instr.called:
+      comp = module.computations.get(c)
+      if comp is None:
+        continue
+      for i in comp.instructions:
+        if i.opcode in COLLECTIVE_KINDS:
+          return COLLECTIVE_KINDS[i.opcode]
+  return None
+
+
+def _operand_bytes(comp: hlo_lib.Computation, instr: hlo_lib.Instruction) -> int:
+  total = 0
+  for n in instr.operands:
+    o = comp.by_name.get(n)
+    if o is not None:
+      total += o.bytes_out
+  return total
+
+
+def build_schedule(
+    module: hlo_lib.Module,
+    thunk_text: str,
+    topology,
+    gpu,
+    model: cm.CostModel = cm.CostModel(),
+    max_ops: int = 2_000_000,
+) -> Schedule:
+  """Flattens the module into the sequence of kernels and collectives of one step.
+
+  Args:
+    module: the parsed, scheduled HLO module.
+    thunk_text: XLA's thunk listing ("" when not available, e.g. on CPU).
+    topology: a targets.Topology (or the host model) for collective costs.
+    gpu: a targets.Gpu (or the host model) for kernel costs.
+    model: efficiency factors.
+    max_ops: refuse to expand loops past this many operations.
+
+  Returns:
+    A :class:`Schedule`.
+  """
+  launch, async_streams = parse_thunks(thunk_text)
+  notes: list[str] = []
+  loops: list[dict[str, Any]] = []
+  ops: list[Op] = []
+  kernels: list[KernelInfo] = []
+  collectives: list[CollectiveInfo] = []
+  stream_iter = iter(async_streams)
+  stream_of_start: dict[str, int] = {}
+  # Assign streams to async collective starts in thunk-emission order (each
+  # computation once, loop bodies at the loop's position), as XLA lists them.
+  seen_comps: set[str] = set()
+
+  def assign_streams(comp_name: str) -> None:
+    if comp_name in seen_comps:
+      return
+    seen_comps.add(comp_name)
+    comp = module.computations[comp_name]
+    for instr in comp.instructions:
+      if _async_collective_kind(module, instr) is not None:
+        stream_of_start[f"{comp_name}/{instr.name}"] = next(stream_iter, 0)
+      elif instr.opcode == "while":
+        assign_streams(instr.attrs.get("condition", "").lstrip("%"))
+        assign_streams(instr.attrs.get("body", "").lstrip("%"))
+      elif instr.opcode in ("call", "conditional"):
+        for c in instr.called:
+          if c in module.computations:
+            assign_streams(c)
+
+  assign_streams(module.entry)
+  if len(async_streams) != len(stream_of_start) and async_streams:
+    notes.append(
+        "the thunk listing and the HLO disagree on the number of async collectives; all are "
+        "placed on communication stream 0"
+    )
+    stream_of_start = {k: 0 for k in stream_of_start}
+
+  def add_kernel(instr: hlo_lib.Instruction, comp: hlo_lib.Computation, suffix: str) -> None:
+    flops = module.instruction_flops(instr, comp)
+    if instr.opcode == "custom-call" and "gemm" in instr.attrs.get("custom_call_target", ""):
+      flops = hlo_lib.cublas_flops(module, instr)
+    nbytes = module.instruction_bytes(instr, comp)
+    kind = _kernel_kind(module, instr)
+    dtype = _dtype(module, instr)
+    grid, threads, smem = launch.get(instr.kernel_name, launch.get(instr.name.replace(".", "_"), (0, 0, 0)))
+    k = KernelInfo(
+        name=instr.name + suffix,
+        kind=kind,
+        index=len(kernels),
+        grid_blocks=grid,
+        threads_per_block=threads,
+        smem_bytes=smem,
+        regs_per_thread=None,
+        flops=flops,
+        bytes_accessed=float(nbytes),
+        time_s=cm.kernel_time(
+            flops, nbytes, gpu, dtype=dtype, is_dot=kind in ("gemm", "convolution"), model=model
+        ),
+        gemm_mnk=module.gemm_mnk(instr) if kind == "gemm" else None,
+        dtype=dtype,
+        op_name=instr.metadata.get("op_name", ""),
+        annotations=dict(instr.frontend_attributes),
+    )
+    kernels.append(k)
+    ops.append(Op("kernel", kernel=k))
+
+  def add_collective(
+      instr: hlo_lib.Instruction,
+      comp: hlo_lib.Computation,
+      kind: str,
+      suffix: str,
+      synchronous: bool,
+      result_bytes: int,
+  ) -> CollectiveInfo:
+    nbytes = max(_operand_bytes(comp, instr), result_bytes)
+    p = hlo_lib.group_size(instr, module.num_partitions)
+    c = CollectiveInfo(
+        name=instr.name + suffix,
+        kind=kind,
+        bytes=int(nbytes),
+        group_size=p,
+        start_index=len(kernels),
+        done_index=len(kernels),
+        time_s=cm.collective_time(kind, nbytes, p, topology, model=model),
+        synchronous=synchronous,
+        stream=-1 if synchronous else stream_of_start.get(f"{comp.name}/{instr.name}", 0),
+        op_name=instr.metadata.get("op_name", ""),
+        annotations=dict(instr.frontend_attributes),
+    )
+    collectives.append(c)
+    return c
+
+  def done_result_bytes(comp: hlo_lib.Computation, start: hlo_lib.Instruction) -> int:
+    for i in comp.instructions:
+      if i.opcode in _DONE and start.name in i.operands:
+        return i.bytes_out
+    # Pipelined across loop iterations: the done is elsewhere; use the start's result.
+    return hlo_lib.shape_bytes(start.shape) // 2
+
+  def walk(comp_name: str, suffix: str, depth: int) -> None:
+    if depth > 32:
+      raise ValueError("schedule: computations nest deeper than 32 levels")
+    comp = module.computations[comp_name]
+    for instr in comp.instructions:
+      if len(ops) > max_ops:
+        raise ValueError(
+            f"schedule: the step expands to more than {max_ops} operations; analyse a smaller "
+            "configuration or fewer loop iterations"
+        )
+      op = instr.opcode
+      if op in _FREE:
+        continue
+      if op == "while":
+        body = instr.attrs.get("body", "").lstrip("%")
+        cond = instr.attrs.get("condition", "").lstrip("%")
+        n = instr.backend_config.get("known_trip_count", {}).get("n")
+        if n is None:
+          trips = 1
+          notes.append(f"while loop {instr.name} has no known trip count; counted once")
+        else:
+          trips = int(n)
+        loops.append({"name": instr.name, "trip_count": trips, "body": body})
+        for it in range(trips):
+          walk(cond, f"{suffix}@{it}" if trips > 1 else suffix, depth + 1)
+          walk(body, f"{suffix}@{it}" if trips > 1 else suffix, depth + 1)
+        walk(cond, suffix, depth + 1)
+        continue
+      if op == "call":
+        for c in instr.called:
+          if c in module.computations:
+            walk(c, suffix, depth + 1)
+        continue
+      if op == "conditional":
+        branches = [c for c in instr.called if c in module.computations]
+        if branches:
+          best = max(branches, key=lambda c: module.computation_flops(c)[0])
+          if len(branches) > 1:
+            notes.append(f"conditional {instr.name}: the most expensive branch ({best}) is counted")
+          walk(best, suffix, depth + 1)
+        continue
+      kind = _async_collective_kind(module, instr)
+      if kind is not None:
+        sync = bool(
+            instr.backend_config.get("collective_backend_config", {}).get("is_sync", False)
+        )
+        c = add_collective(instr, comp, kind, suffix, sync, done_result_bytes(comp, instr))
+        ops.append(Op("sync" if sync else "start", collective=c))
+        continue
+      if op in _DONE:
+        start = instr.operands[0] if instr.operands else None
+        ops.append(Op("done", start_name=(start + suffix) if start else None))
+        continue
+      if op == "async-start" or op == "async-update":
+        add_kernel(instr, comp, suffix)
+        continue
+      if op in COLLECTIVE_KINDS:
+        c = add_collective(instr, comp, COLLECTIVE_KINDS[op], suffix, True, instr.bytes_out)
+        ops.append(Op("sync", collective=c))
+        continue
+      add_kernel(instr, comp, suffix)
+
+  walk(module.entry, "", 0)
+  return Schedule(ops, kernels, collectives, notes, loops)

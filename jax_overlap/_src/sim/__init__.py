@@ -1,0 +1,1 @@
+"""SM-level simulation of compute/communication overlap (see jax_overlap.sim)."""

@@ -1,0 +1,67 @@
+"""NCCL-like model of a collective: channels, one CTA each, sharing the link.
+
+A collective of ``S`` payload bytes over ``p`` devices moves, per device, over the link
+(ring algorithms; Patarasuk & Yuan 2009; NCCL docs "Performance: algorithm bandwidth vs
+bus bandwidth"):
+
+  all-gather, reduce-scatter   (p - 1) / p * S      in p - 1 steps
+  all-reduce                   2 (p - 1) / p * S    in 2 (p - 1) steps
+  all-to-all                   (p - 1) / p * S      in p - 1 steps
+  collective-permute           S                    in 1 step
+
+The bytes are split evenly over ``C`` channels; each channel is one CTA
+(:class:`~jax_overlap._src.sim.model.Constants` ``comm_threads`` / ``comm_regs``). A
+channel makes progress only while its CTA is resident; while resident it moves data at
+
+  bw_channel = min(cta_copy_bandwidth, link_bandwidth / resident_channels)
+
+where ``resident_channels`` counts every resident communication CTA on the device (all
+collectives share the link), so the collective's throughput is
+``min(link bandwidth, cta_copy_bandwidth x resident CTAs)``. A channel's time is
+``steps * link_latency + bytes_per_channel / bw_channel`` (the alpha-beta model). Moved
+bytes also load DRAM (``comm_hbm_factor`` bytes per link byte), so collectives and memory-
+bound kernels slow each other.
+"""
+
+from __future__ import annotations
+
+from jax_overlap._src import targets
+from jax_overlap._src.sim.model import Collective, Constants
+
+__all__ = ["link_bytes_and_steps", "channel_work"]
+
+
+def link_bytes_and_steps(kind: str, payload: float, group_size: int) -> tuple[float, int]:
+  """(bytes over the link per device, latency steps) of one collective."""
+  p = max(int(group_size), 1)
+  if p == 1:
+    return 0.0, 0
+  if kind in ("all-gather", "reduce-scatter", "all-to-all"):
+    return payload * (p - 1) / p, p - 1
+  if kind == "all-reduce":
+    return 2.0 * payload * (p - 1) / p, 2 * (p - 1)
+  if kind == "collective-permute":
+    return float(payload), 1
+  raise ValueError(f"sim.collectives: unknown collective kind {kind!r}")
+
+
+def channel_work(c: Collective, topo: targets.Topology, const: Constants) -> dict:
+  """Per-channel work and launch configuration of collective ``c`` on ``topo``.
+
+  Returns:
+    dict: channels, threads, regs, smem, bytes (link bytes per channel), latency_s
+    (fixed per-channel time), link_bandwidth, cta_bandwidth.
+  """
+  channels = c.channels or const.channels
+  link_bw, lat = topo.link_for(c.group_size, c.spans_hosts)
+  moved, steps = link_bytes_and_steps(c.kind, c.bytes, c.group_size)
+  return {
+      "channels": channels,
+      "threads": c.threads or const.comm_threads,
+      "regs": c.regs or const.comm_regs,
+      "smem": const.comm_smem if c.smem is None else c.smem,
+      "bytes": moved / channels,
+      "latency_s": steps * lat,
+      "link_bandwidth": link_bw,
+      "cta_bandwidth": const.cta_copy_bandwidth,
+  }

@@ -1,0 +1,690 @@
+"""Discrete-event simulation of a GPU's block dispatcher.
+
+State: the SMs (CUs) of one device, each with its thread, register, shared-memory and
+block limits (catalogue); kernels and collectives from a :class:`Workload` on streams with
+priorities.
+
+Dispatch (whenever resources free or a kernel becomes ready): pending kernels are visited
+in order of (stream priority, higher first; then the time they became ready). Each places as
+many of its remaining blocks as fit on the SMs' free resources, breadth first (one block per
+SM, then a second, ...), as the hardware work distributor does. A kernel whose blocks do not
+fit leaves the resources to the next kernel (no reservation) and running blocks are never
+preempted: priority only orders dispatch. A kernel becomes dispatchable ``launch_overhead_s``
+after its stream predecessor completed, and ``event_latency_s`` after each item of another
+stream it waits for (``after``, a CUDA event) completed. Cross-stream events resolve more
+slowly than back-to-back launches on one stream, so the next compute kernel usually reaches
+the dispatcher before a collective that waited on the previous one.
+
+Rates (processor sharing, recomputed whenever the set of resident blocks changes):
+  * compute block of kernel k alone on a full SM: ``T0_k = block_overhead + max(F_b / (eff_k *
+    R_sm), M_b / (sm_bandwidth_factor * B / n_sm))`` with ``R_sm = peak / n_sm``, ``F_b`` and
+    ``M_b`` the block's flops and DRAM bytes, ``B`` the device memory bandwidth;
+  * a kernel needs ``sat_k = min(residency, ceil(saturating_threads / threads))`` resident
+    blocks to saturate an SM (1 for GEMM tiles). Block weight ``w_k = 1 / sat_k``; on an SM with
+    total compute weight ``W`` every compute block progresses at ``w_k / max(1, W) / T0_k``
+    (blocks per second), i.e. the SM's issue slots are shared among resident blocks;
+  * communication CTAs progress as in :mod:`.collectives`;
+  * DRAM: the sum of every block's demand ``rate * M_b`` is compared with ``B``; when it
+    exceeds it, every rate is scaled by ``B / demand`` (proportional sharing: memory
+    contention raises everyone's latency), which is how concurrent kernels slow each other.
+
+Blocks of one kernel placed on an SM at the same moment are given works spread by
+``block_jitter`` (mean preserved), so they finish a little apart, as on hardware, where block
+times vary by a few percent. Without it an SM holding several blocks of one kernel would
+empty completely at every wave, which real SMs rarely do; with it an SM only drains at the
+kernel's tail, or when it holds one block at a time (occupancy shaping).
+
+Speed: identical SMs are kept as one *group* (same resident batches, same progress), so a
+wave of a kernel over 132 SMs is one event, not 132 x blocks_per_sm. Groups split when
+blocks land on part of them and merge again when their states coincide (e.g. when empty).
+Every loop iteration completes at least one batch of blocks or makes a kernel ready, so the
+loop ends after at most (blocks + kernels) iterations; a guard raises if it ever would not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import heapq
+import json
+import math
+from collections.abc import Mapping
+
+import numpy as np
+
+from jax_overlap._src import targets
+from jax_overlap._src.sim import collectives as coll
+from jax_overlap._src.sim.model import (
+    Collective,
+    Constants,
+    Kernel,
+    Workload,
+    constants_for,
+    gemm_config,
+    regs_per_block,
+    residency_limits,
+    shaped_smem,
+)
+
+__all__ = ["KernelTiming", "SimResult", "run", "resolve_target", "isolated_time"]
+
+_EPS = 1e-9
+
+
+def resolve_target(target) -> targets.Topology:
+  """A Topology from a name ("h100", "h100x8"), a Gpu or a Topology, with a clear error."""
+  if isinstance(target, (targets.Topology, targets.Gpu)):
+    return targets.get(target)
+  if not isinstance(target, str):
+    raise TypeError(
+        f"jax_overlap.sim: target must be a name such as 'h100x8', a Gpu or a Topology, got "
+        f"{type(target).__name__}"
+    )
+  try:
+    return targets.get(target)
+  except ValueError as e:
+    raise ValueError(f"jax_overlap.sim: target: {e}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelTiming:
+  """When one kernel or collective ran in a simulation."""
+
+  name: str
+  kind: str
+  stream: int
+  priority: int
+  ready_s: float
+  start_s: float
+  end_s: float
+  blocks: int
+  blocks_per_sm: int
+  threads: int
+  smem: int
+  is_collective: bool
+
+  @property
+  def duration_s(self) -> float:
+    return self.end_s - self.start_s
+
+
+@dataclasses.dataclass
+class SimResult:
+  """Outcome of one simulation.
+
+  Attributes:
+    target: topology name.
+    policy: policy name.
+    makespan_s: end of the last block.
+    timings: one :class:`KernelTiming` per workload item, in workload order.
+    events: loop iterations the simulation took.
+    occupancy_times: event times (seconds) when recorded, else None.
+    occupancy: array [events, sm_count] of the fraction of each SM in use (max over
+      threads, registers, shared memory, blocks) from each event time on, else None.
+    isolated_s: isolated duration of each compute kernel (alone on the device, unshaped).
+  """
+
+  target: str
+  policy: str
+  makespan_s: float
+  timings: list[KernelTiming]
+  events: int
+  occupancy_times: np.ndarray | None = None
+  occupancy: np.ndarray | None = None
+  isolated_s: dict[str, float] | None = None
+  batches: list | None = None
+
+  def timing(self, name: str) -> KernelTiming:
+    for t in self.timings:
+      if t.name == name:
+        return t
+    raise KeyError(f"SimResult.timing: no kernel named {name!r}")
+
+  @property
+  def compute_time_s(self) -> float:
+    """Sum of compute-kernel durations."""
+    return sum(t.duration_s for t in self.timings if not t.is_collective)
+
+  @property
+  def compute_slowdown(self) -> float:
+    """Sum of compute durations over the sum of their isolated durations, minus one."""
+    if not self.isolated_s:
+      return 0.0
+    base = sum(self.isolated_s.values())
+    actual = sum(t.duration_s for t in self.timings if t.name in self.isolated_s)
+    return actual / base - 1.0 if base > 0 else 0.0
+
+  @property
+  def comm_end_s(self) -> dict[str, float]:
+    """Completion time of each collective."""
+    return {t.name: t.end_s for t in self.timings if t.is_collective}
+
+  @property
+  def comm_latency_s(self) -> dict[str, float]:
+    """Ready-to-done time of each collective."""
+    return {t.name: t.end_s - t.ready_s for t in self.timings if t.is_collective}
+
+  def to_dict(self) -> dict:
+    return {
+        "target": self.target,
+        "policy": self.policy,
+        "makespan_s": self.makespan_s,
+        "compute_time_s": self.compute_time_s,
+        "compute_slowdown": self.compute_slowdown,
+        "events": self.events,
+        "kernels": [dataclasses.asdict(t) for t in self.timings],
+    }
+
+  def to_json(self, indent: int | None = 1) -> str:
+    return json.dumps(self.to_dict(), indent=indent)
+
+  def plot(self, path: str, **kwargs) -> str:
+    """Writes a PNG timeline (one lane per stream) and SM-occupancy heat map; see sim.plot."""
+    from jax_overlap._src.sim.plot import plot
+
+    return plot(self, path, **kwargs)
+
+
+class _Group:
+  __slots__ = ("sms", "thr", "regs", "smem", "blk", "batches")
+
+  def __init__(self, sms, thr=0, regs=0, smem=0, blk=0, batches=None):
+    self.sms = sms
+    self.thr = thr
+    self.regs = regs
+    self.smem = smem
+    self.blk = blk
+    self.batches = batches if batches is not None else []
+
+
+class _Batch:
+  __slots__ = ("k", "cnt", "rem", "rate", "t0")
+
+  def __init__(self, k, cnt, rem, t0):
+    self.k = k
+    self.cnt = cnt
+    self.rem = rem
+    self.rate = 0.0
+    self.t0 = t0
+
+
+def _shape_smem(gpu, name, smem, spec) -> int:
+  """Shared memory per block after applying a shaping spec (int or dict)."""
+  if spec is None:
+    return smem
+  if isinstance(spec, bool) or not isinstance(spec, (int, Mapping)):
+    raise TypeError(
+        f"jax_overlap.sim: shaping[{name!r}] must be blocks per SM (int) or a dict with "
+        f"'blocks_per_sm' or 'padding_bytes', got {spec!r}"
+    )
+  if isinstance(spec, int):
+    spec = {"blocks_per_sm": spec}
+  bad = sorted(set(spec) - {"blocks_per_sm", "padding_bytes"})
+  if bad:
+    raise ValueError(
+        f"jax_overlap.sim: shaping[{name!r}] has unknown key(s) {bad}; use 'blocks_per_sm' or "
+        "'padding_bytes'"
+    )
+  out = smem
+  if spec.get("padding_bytes") is not None:
+    pad = spec["padding_bytes"]
+    if isinstance(pad, bool) or not isinstance(pad, int) or pad < 0:
+      raise ValueError(
+          f"jax_overlap.sim: shaping[{name!r}].padding_bytes must be an int >= 0, got {pad!r}"
+      )
+    out += pad
+  if spec.get("blocks_per_sm") is not None:
+    n = spec["blocks_per_sm"]
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+      raise ValueError(
+          f"jax_overlap.sim: shaping[{name!r}].blocks_per_sm must be an int >= 1, got {n!r}"
+      )
+    out = shaped_smem(gpu, out, n)
+  if out > gpu.smem_per_block_optin:
+    raise ValueError(
+        f"jax_overlap.sim: shaping[{name!r}] asks for {out} bytes of shared memory per block, "
+        f"more than {gpu.name}'s opt-in limit of {gpu.smem_per_block_optin}"
+    )
+  return out
+
+
+class _Compiled:
+  """Per-item arrays the event loop reads."""
+
+  def __init__(self, wl: Workload, topo: targets.Topology, const: Constants, priorities, shaping):
+    gpu = topo.gpu
+    self.gpu = gpu
+    n = len(wl.items)
+    self.names = [it.name for it in wl.items]
+    self.grid = [0] * n
+    self.thr = [0] * n
+    self.regs = [0] * n
+    self.regs_thread = [0] * n
+    self.smem = [0] * n  # per block, incl. padding and reservation
+    self.smem_user = [0] * n
+    self.res = [0] * n
+    self.t0 = [0.0] * n
+    self.w = [1.0] * n
+    self.mem = [0.0] * n
+    self.comm = [False] * n
+    self.lat = [0.0] * n
+    self.chbytes = [0.0] * n
+    self.linkbw = [0.0] * n
+    self.ctabw = [0.0] * n
+    self.stream = [it.stream for it in wl.items]
+    self.prio = [int(priorities.get(it.stream, 0)) for it in wl.items]
+    self.kind = [it.kind for it in wl.items]
+    bw_total = gpu.memory_bandwidth
+    bw_sm = const.sm_bandwidth_factor * bw_total / gpu.sm_count
+    shaping = dict(shaping or {})
+    names = set(self.names)
+    missing = sorted(set(shaping) - names)
+    if missing:
+      raise ValueError(
+          f"jax_overlap.sim: the plan shapes kernel(s) {missing} that are not in workload "
+          f"{wl.name!r}"
+      )
+    for i, it in enumerate(wl.items):
+      if isinstance(it, Collective):
+        if it.name in shaping:
+          raise ValueError(
+              f"jax_overlap.sim: shaping[{it.name!r}] names a collective; only compute kernels "
+              "can be shaped"
+          )
+        cw = coll.channel_work(it, topo, const)
+        grid, threads, regs, smem = cw["channels"], cw["threads"], cw["regs"], cw["smem"]
+        self.comm[i] = True
+        self.lat[i] = cw["latency_s"] + const.block_overhead_s
+        self.chbytes[i] = cw["bytes"]
+        self.linkbw[i] = cw["link_bandwidth"]
+        self.ctabw[i] = cw["cta_bandwidth"]
+        self.mem[i] = cw["bytes"] * const.comm_hbm_factor
+      else:
+        assert isinstance(it, Kernel)
+        if it.grid is None or it.threads is None:
+          m, nn, k = it.gemm_mnk
+          cfg = gemm_config(gpu, m, nn, k, it.dtype)
+          grid, threads, regs, smem = cfg["grid"], cfg["threads"], cfg["regs"], cfg["smem"]
+          tm, tn, _ = cfg["tile"]
+          flops_b = 2.0 * tm * tn * k
+          eff = it.efficiency if it.efficiency is not None else const.gemm_efficiency
+        else:
+          grid, threads, regs, smem = it.grid, it.threads, it.regs, it.smem
+          flops_b = it.flops / grid
+          if it.efficiency is not None:
+            eff = it.efficiency
+          else:
+            eff = const.gemm_efficiency if it.kind == "gemm" else 1.0
+        bytes_b = it.bytes / grid
+        smem = _shape_smem(gpu, it.name, smem, shaping.get(it.name))
+        peak = gpu.peak_flops(it.dtype) if it.kind == "gemm" else gpu.peak_fp32_flops
+        r_sm = peak / gpu.sm_count
+        self.t0[i] = const.block_overhead_s + max(flops_b / (eff * r_sm), bytes_b / bw_sm)
+        self.mem[i] = bytes_b
+      self._check_fits(it, threads, regs, smem)
+      lim = residency_limits(gpu, threads, regs, smem)
+      res = min(lim.values())
+      self.grid[i] = grid
+      warps = -(-threads // gpu.warp_size)
+      self.thr[i] = warps * gpu.warp_size
+      self.regs[i] = regs_per_block(gpu, threads, regs)
+      self.regs_thread[i] = regs
+      self.smem[i] = smem + gpu.smem_reserved_per_block
+      self.smem_user[i] = smem
+      self.res[i] = res
+      if not self.comm[i]:
+        sat = 1 if it.kind == "gemm" else min(res, -(-const.saturating_threads // threads))
+        self.w[i] = 1.0 / max(sat, 1)
+
+  def _check_fits(self, it, threads, regs, smem):
+    gpu = self.gpu
+    api = f"jax_overlap.sim: kernel {it.name!r}"
+    if threads > gpu.max_threads_per_block:
+      raise ValueError(
+          f"{api}: threads per block {threads} exceeds {gpu.name}'s limit of "
+          f"{gpu.max_threads_per_block}"
+      )
+    if smem > gpu.smem_per_block_optin:
+      raise ValueError(
+          f"{api}: smem per block {smem} bytes exceeds {gpu.name}'s opt-in limit of "
+          f"{gpu.smem_per_block_optin}"
+      )
+    if regs_per_block(gpu, threads, regs) > gpu.regs_per_block:
+      raise ValueError(
+          f"{api}: registers per block {threads} x {regs} exceed {gpu.name}'s limit of "
+          f"{gpu.regs_per_block}"
+      )
+    lim = residency_limits(gpu, threads, regs, smem)
+    if min(lim.values()) < 1:
+      bad = [k for k, v in lim.items() if v < 1]
+      raise ValueError(
+          f"{api}: a block ({threads} threads, {regs} registers/thread, {smem} bytes shared "
+          f"memory) cannot fit on one {gpu.name} SM at all (limited by {', '.join(bad)})"
+      )
+
+
+def run(
+    wl: Workload,
+    target,
+    *,
+    priorities: Mapping[int, int] | None = None,
+    shaping: Mapping[str, object] | None = None,
+    constants: Constants | None = None,
+    policy_name: str = "custom",
+    record: bool = False,
+    check: bool = False,
+    baseline: bool = True,
+) -> SimResult:
+  """Simulates ``wl`` on one device of ``target``.
+
+  Args:
+    wl: the workload.
+    target: topology name, Gpu or Topology.
+    priorities: stream -> priority (higher dispatches first); default all 0.
+    shaping: kernel name -> blocks per SM (int) or {"blocks_per_sm": n} /
+      {"padding_bytes": b}.
+    constants: model constants (default: ``constants_for(target)``).
+    policy_name: recorded in the result.
+    record: record per-SM occupancy over time.
+    check: verify invariants at every event (slow; for tests).
+    baseline: compute each compute kernel's isolated duration (for compute_slowdown).
+
+  Returns:
+    A :class:`SimResult`.
+  """
+  if not isinstance(wl, Workload):
+    raise TypeError(f"jax_overlap.sim: workload must be a sim.Workload, got {type(wl).__name__}")
+  topo = resolve_target(target)
+  const = constants if constants is not None else constants_for(topo.gpu)
+  cp = _Compiled(wl, topo, const, dict(priorities or {}), shaping)
+  out = _loop(wl, topo, const, cp, record=record, check=check)
+  iso = None
+  if baseline:
+    iso = {
+        it.name: isolated_time(_strip(it), topo, const)
+        for it in wl.items
+        if isinstance(it, Kernel)
+    }
+  timings, events, occ_t, occ, log = out
+  makespan = max(t.end_s for t in timings)
+  return SimResult(topo.name, policy_name, makespan, timings, events, occ_t, occ, iso, log)
+
+
+def _strip(k: Kernel) -> Kernel:
+  return dataclasses.replace(k, name="k", stream=0, after=())
+
+
+@functools.lru_cache(maxsize=4096)
+def isolated_time(kernel: Kernel, topo: targets.Topology, const: Constants) -> float:
+  """Duration of one compute kernel alone on the device, unshaped (cached)."""
+  wl = Workload((_strip(kernel),), name="isolated")
+  cp = _Compiled(wl, topo, const, {}, None)
+  timings = _loop(wl, topo, const, cp, record=False, check=False)[0]
+  return timings[0].end_s - timings[0].start_s
+
+
+def _loop(wl, topo, const, cp: _Compiled, *, record: bool, check: bool):
+  gpu = topo.gpu
+  n_sm = gpu.sm_count
+  THR, REG, SMEM, BLK = gpu.max_threads_per_sm, gpu.regs_per_sm, gpu.smem_per_sm, gpu.max_blocks_per_sm
+  bw_total = gpu.memory_bandwidth
+  n = len(wl.items)
+  grid, thr, regs, smem = cp.grid, cp.thr, cp.regs, cp.smem
+  t0, w, mem, comm = cp.t0, cp.w, cp.mem, cp.comm
+  lat, chbytes, linkbw, ctabw, prio = cp.lat, cp.chbytes, cp.linkbw, cp.ctabw, cp.prio
+  launch = const.launch_overhead_s
+  jitter = const.block_jitter
+
+  # Dependencies: the stream predecessor and every `after`.
+  index = {it.name: i for i, it in enumerate(wl.items)}
+  waits = [0] * n
+  succ: list[list[int]] = [[] for _ in range(n)]
+  last_on_stream: dict[int, int] = {}
+  for i, it in enumerate(wl.items):
+    deps = {index[a] for a in it.after}
+    if it.stream in last_on_stream:
+      deps.add(last_on_stream[it.stream])
+    last_on_stream[it.stream] = i
+    waits[i] = len(deps)
+    for d in deps:
+      succ[d].append(i)
+
+  event_lat = const.event_latency_s
+  ready_at = [launch] * n
+  heap: list[tuple[float, int]] = [(launch, i) for i in range(n) if waits[i] == 0]
+  heapq.heapify(heap)
+  ready = [math.nan] * n
+  start = [math.nan] * n
+  end = [math.nan] * n
+  remaining = list(grid)
+  running = [0] * n
+  pending: list[tuple[int, int, int]] = []  # (-priority, ready order, k)
+  order = 0
+  groups = [_Group(list(range(n_sm)))]
+  done = 0
+  t = 0.0
+  events = 0
+  max_events = 4 * (sum(grid) + n) + 1000
+  occ_t: list[float] = []
+  occ_rows: list[np.ndarray] = []
+  log: list | None = [] if check else None
+
+  def fit(g, k):
+    f = min((THR - g.thr) // thr[k], (REG - g.regs) // regs[k], BLK - g.blk)
+    if smem[k]:
+      f = min(f, (SMEM - g.smem) // smem[k])
+    return f
+
+  def add(g, k, cnt):
+    g.thr += cnt * thr[k]
+    g.regs += cnt * regs[k]
+    g.smem += cnt * smem[k]
+    g.blk += cnt
+    if cnt == 1 or comm[k] or jitter == 0.0:
+      g.batches.append(_Batch(k, cnt, 1.0, t))
+    else:
+      # Blocks placed together on one SM finish a little apart (see the module docstring).
+      mid = (cnt - 1) / 2
+      for j in range(cnt):
+        g.batches.append(_Batch(k, 1, 1.0 + jitter * (j - mid) / cnt, t))
+
+  def split(g, m):
+    """Splits the first m SMs of g into a new group (a copy of g's state)."""
+    ng = _Group(g.sms[:m], g.thr, g.regs, g.smem, g.blk,
+                [_Batch(b.k, b.cnt, b.rem, b.t0) for b in g.batches])
+    g.sms = g.sms[m:]
+    groups.append(ng)
+    return ng
+
+  def dispatch():
+    nonlocal pending
+    keep = []
+    for item in pending:
+      k = item[2]
+      r = remaining[k]
+      cands = []
+      cap = 0
+      for g in groups:
+        f = fit(g, k)
+        if f > 0:
+          cands.append((g, f))
+          cap += len(g.sms) * f
+      if cands:
+        if math.isnan(start[k]):
+          start[k] = t
+        if r >= cap:
+          for g, f in cands:
+            add(g, k, f)
+          r -= cap
+        else:
+          maxf = max(f for _, f in cands)
+          level = 0
+          used = 0
+          while level < maxf:
+            c = sum(len(g.sms) for g, f in cands if f > level)
+            if used + c > r:
+              break
+            used += c
+            level += 1
+          left = r - used
+          for g, f in cands:
+            base = min(f, level)
+            if f > level and left > 0:
+              m = min(len(g.sms), left)
+              left -= m
+              if m < len(g.sms):
+                ng = split(g, m)
+                add(ng, k, base + 1)
+                if base:
+                  add(g, k, base)
+              else:
+                add(g, k, base + 1)
+            elif base:
+              add(g, k, base)
+          r = 0
+        running[k] += remaining[k] - r
+        remaining[k] = r
+      if r > 0:
+        keep.append(item)
+    pending = keep
+
+  while done < n:
+    events += 1
+    if events > max_events:
+      raise RuntimeError(
+          f"jax_overlap.sim: the event loop did not terminate after {max_events} events "
+          f"(workload {wl.name!r}); this is a bug in the simulator"
+      )
+    while heap and heap[0][0] <= t * (1 + 1e-12) + 1e-18:
+      _, k = heapq.heappop(heap)
+      ready[k] = t
+      pending.append((-prio[k], order, k))
+      order += 1
+    if pending:
+      pending.sort()
+      dispatch()
+    if check:
+      _check_state(groups, cp, gpu, pending, fit)
+    if record:
+      row = np.zeros(n_sm)
+      for g in groups:
+        row[g.sms] = max(g.thr / THR, g.regs / REG, g.smem / SMEM, g.blk / BLK)
+      occ_t.append(t)
+      occ_rows.append(row)
+    # Rates.
+    batches = [(g, b) for g in groups for b in g.batches]
+    if not batches:
+      if heap:
+        t = max(t, heap[0][0])
+        continue
+      stuck = [wl.items[k].name for k in range(n) if math.isnan(end[k])]
+      raise RuntimeError(
+          f"jax_overlap.sim: nothing can run but {stuck[:5]} have not finished; this is a bug"
+      )
+    n_comm: dict[float, int] = {}
+    for g, b in batches:
+      if comm[b.k]:
+        n_comm[linkbw[b.k]] = n_comm.get(linkbw[b.k], 0) + len(g.sms) * b.cnt
+    demand = 0.0
+    for g in groups:
+      wsum = 0.0
+      for b in g.batches:
+        if not comm[b.k]:
+          wsum += b.cnt * w[b.k]
+      scale = 1.0 / wsum if wsum > 1.0 else 1.0
+      ng = len(g.sms)
+      for b in g.batches:
+        k = b.k
+        if comm[k]:
+          bw = min(ctabw[k], linkbw[k] / n_comm[linkbw[k]])
+          b.rate = 1.0 / (lat[k] + chbytes[k] / bw)
+        else:
+          b.rate = w[k] * scale / t0[k]
+        demand += ng * b.cnt * b.rate * mem[k]
+    if demand > bw_total:
+      f = bw_total / demand
+      for _, b in batches:
+        b.rate *= f
+    dt = min(b.rem / b.rate for _, b in batches)
+    if heap and heap[0][0] - t < dt:
+      dt = max(heap[0][0] - t, 0.0)
+      finishing = None
+    else:
+      finishing = min(batches, key=lambda gb: gb[1].rem / gb[1].rate)[1]
+    t += dt
+    freed = False
+    for g, b in batches:
+      b.rem -= b.rate * dt
+      if b is finishing or b.rem <= _EPS:
+        k = b.k
+        g.batches.remove(b)
+        g.thr -= b.cnt * thr[k]
+        g.regs -= b.cnt * regs[k]
+        g.smem -= b.cnt * smem[k]
+        g.blk -= b.cnt
+        freed = True
+        nb = len(g.sms) * b.cnt
+        running[k] -= nb
+        if log is not None:
+          log.append((k, nb, b.cnt, tuple(g.sms), b.t0, t))
+        if running[k] == 0 and remaining[k] == 0:
+          end[k] = t
+          done += 1
+          for s in succ[k]:
+            waits[s] -= 1
+            delay = launch if cp.stream[s] == cp.stream[k] else event_lat
+            ready_at[s] = max(ready_at[s], t + delay)
+            if waits[s] == 0:
+              heapq.heappush(heap, (ready_at[s], s))
+    if freed:
+      _merge(groups)
+
+  timings = [
+      KernelTiming(
+          name=it.name, kind=it.kind, stream=it.stream, priority=prio[i], ready_s=ready[i],
+          start_s=start[i], end_s=end[i], blocks=grid[i], blocks_per_sm=cp.res[i],
+          threads=thr[i], smem=cp.smem_user[i], is_collective=comm[i],
+      )
+      for i, it in enumerate(wl.items)
+  ]
+  occ_times = np.asarray(occ_t) if record else None
+  occ = np.vstack(occ_rows) if record and occ_rows else None
+  return timings, events, occ_times, occ, log
+
+
+def _merge(groups: list) -> None:
+  """Merges groups whose states coincide (same batches, same progress)."""
+  seen: dict = {}
+  out = []
+  for g in groups:
+    key = tuple(sorted((b.k, b.cnt, round(b.rem, 9)) for b in g.batches))
+    h = seen.get(key)
+    if h is None:
+      seen[key] = g
+      out.append(g)
+    else:
+      h.sms.extend(g.sms)
+  if len(out) != len(groups):
+    groups[:] = out
+
+
+def _check_state(groups, cp, gpu, pending, fit) -> None:
+  """Invariants (tests): resources within limits; dispatch leaves nothing placeable."""
+  sms = []
+  for g in groups:
+    sms.extend(g.sms)
+    thr = sum(b.cnt * cp.thr[b.k] for b in g.batches)
+    regs = sum(b.cnt * cp.regs[b.k] for b in g.batches)
+    smem = sum(b.cnt * cp.smem[b.k] for b in g.batches)
+    blk = sum(b.cnt for b in g.batches)
+    if (thr, regs, smem, blk) != (g.thr, g.regs, g.smem, g.blk):
+      raise AssertionError("group bookkeeping out of sync")
+    if (thr > gpu.max_threads_per_sm or regs > gpu.regs_per_sm or smem > gpu.smem_per_sm
+        or blk > gpu.max_blocks_per_sm):
+      raise AssertionError(f"SM over a limit: threads={thr} regs={regs} smem={smem} blocks={blk}")
+  if sorted(sms) != list(range(gpu.sm_count)):
+    raise AssertionError("groups do not partition the SMs")
+  for _, _, k in pending:
+    for g in groups:
+      if fit(g, k) > 0:
+        raise AssertionError(f"kernel {cp.names[k]} left pending although a block fits")

@@ -1,0 +1,478 @@
+"""What the simulator simulates: kernels, collectives, residency and per-target constants.
+
+Residency (blocks of one kernel that fit on one SM/CU) is the minimum of four limits,
+as in the CUDA occupancy calculator (CUDA C Programming Guide, "Occupancy Calculator"
+and "Technical Specifications per Compute Capability"):
+
+  warps        = ceil(threads / warp_size)
+  by_threads   = floor(max_threads_per_sm / (warps * warp_size))
+  regs_block   = warps * ceil(regs_per_thread * warp_size / reg_alloc_unit) * reg_alloc_unit
+  by_regs      = floor(regs_per_sm / regs_block)
+  smem_block   = smem_bytes + padding + smem_reserved_per_block
+  by_smem      = floor(smem_per_sm / smem_block)
+  by_blocks    = max_blocks_per_sm
+  residency    = min(by_threads, by_regs, by_smem, by_blocks)
+
+Occupancy shaping pads each block's dynamic shared memory so that at most ``r`` blocks fit:
+the smallest padded size with ``(r + 1) * smem_block > smem_per_sm``, i.e.
+``smem = floor(smem_per_sm / (r + 1)) - smem_reserved_per_block + 1`` (never less than the
+block already uses). Padding no more than that leaves the most room beside the kernel for
+communication blocks.
+
+GEMMs are modelled by shape, not by the launch configuration a deviceless compile reports
+(those are untuned defaults): :func:`gemm_config` picks a tile configuration of the kind
+cuBLAS/CUTLASS pick on each architecture:
+  Hopper (sm_90): warp-specialised 128x256x64 or 128x128x64 tiles, 384 threads (one producer
+    and two consumer warpgroups), ~168 registers per thread on average (setmaxnreg 240/40),
+    the shared memory filled with 4-6 pipeline stages (~200 KB): one block per SM.
+    (CUTLASS 3 ``KernelTmaWarpSpecializedCooperative``; cuBLAS ``sm90_xmma_gemm_*_128x256``.)
+  Ampere (sm_80/86): 256x128x64 with 3 stages (~147 KB, 1 block/SM on A100) or
+    128x128x32 with 5 stages on A100 / 3 on A40 (2 blocks/SM), 256 threads.
+    (cuBLAS ``ampere_bf16_s16816gemm_bf16_128x128_ldg8_f2f_stages_32x5``; CUTLASS sm80 defaults.)
+  CDNA2 (MI250X): Tensile macro tiles 256x128x32 (48 KB LDS, double-buffered) or
+    128x128x32 (32 KB LDS), 256 threads (4 wavefronts).
+The large tile is used when it still gives at least one tile per SM (a full wave), as the
+cuBLAS heuristics prefer filling the machine. Per block: ``flops = 2 * tm * tn * k`` (edge tiles
+do full work); DRAM traffic of the whole GEMM is taken as ``2 * (m*k + k*n) * elt +
+m*n*elt`` (inputs read about twice thanks to L2 reuse, output written once), shared evenly
+by the blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+
+from jax_overlap._src import targets
+
+__all__ = [
+    "COLLECTIVE_KINDS",
+    "COMPUTE_KINDS",
+    "Constants",
+    "Kernel",
+    "Collective",
+    "constants_for",
+    "residency",
+    "residency_limits",
+    "shaped_smem",
+    "gemm_config",
+    "dtype_bytes",
+    "Workload",
+    "regs_per_block",
+]
+
+COMPUTE_KINDS = ("gemm", "fusion", "reduction", "copy", "custom", "other")
+COLLECTIVE_KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+
+_DTYPE_BYTES = {
+    "f64": 8, "float64": 8, "f32": 4, "float32": 4, "tf32": 4, "bf16": 2, "bfloat16": 2,
+    "f16": 2, "float16": 2, "f8": 1, "fp8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s8": 1, "int8": 1,
+    "u8": 1, "s32": 4, "int32": 4, "u32": 4, "pred": 1, "s64": 8, "int64": 8,
+}
+
+
+def dtype_bytes(dtype: str) -> int:
+  """Bytes per element of a dtype name ("bf16", "f32", ...); 2 when unknown."""
+  return _DTYPE_BYTES.get(str(dtype).lower(), 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Constants:
+  """Per-target model constants that are not in the GPU catalogue (calibratable).
+
+  Attributes:
+    gemm_efficiency: fraction of the dense tensor peak a saturating GEMM tile reaches.
+      Defaults from published cuBLAS throughput for large bf16 GEMMs (H100 SXM ~700-750
+      TFLOP/s of 989; A100 ~260-280 of 312; A40 ~110-120 of 150; MI250X ~110-130 of 191
+      per GCD with rocBLAS/hipBLASLt).
+    cta_copy_bandwidth: bytes/s one communication CTA can move (NCCL channel). From
+      nccl-tests bus bandwidth divided by the channel count: ~20 GB/s per channel on H100
+      NVLink (24-32 channels reach the ~360-450 GB/s links), ~15 GB/s on A100.
+    launch_overhead_s: delay from a kernel's stream predecessor finishing to its first
+      block being dispatchable; ~1-2 us back to back in a CUDA graph on NVIDIA, more on
+      ROCm (HIP graph launches).
+    event_latency_s: delay from an item finishing to a waiter on another stream becoming
+      dispatchable (event record + stream wait); several microseconds.
+    block_overhead_s: fixed time per block (dispatch, prologue, epilogue).
+    sm_bandwidth_factor: how many times its fair share of DRAM bandwidth one SM can draw
+      (memory-level parallelism of one SM); bounds memory-bound kernels with few blocks.
+    comm_hbm_factor: DRAM bytes a collective moves per link byte (read to send, write on
+      receive).
+    channels: communication CTAs (NCCL channels) per collective. NCCL uses about 2 on a
+      PCIe box and 16-32 on NVLink systems (BACKGROUND section 2; NVIDIA/nccl#689); 24 on
+      H100 as in the "tail effect" report.
+    comm_threads, comm_regs, comm_smem: launch configuration of one communication CTA.
+      NCCL: up to 640 threads built for at most ~96 registers (NVIDIA/nccl#181, #689) and
+      a few KB of static shared memory (ncclShmem). RCCL on CDNA2: 256 threads.
+    saturating_threads: resident threads of one kernel an SM needs to reach full
+      throughput (latency hiding); half the SM's thread limit by default. GEMM tiles are
+      built to saturate an SM on their own.
+    block_jitter: relative spread of the work of blocks placed together on one SM (block
+      times vary by a few percent on hardware, so co-resident blocks finish apart).
+  """
+
+  gemm_efficiency: float = 0.75
+  cta_copy_bandwidth: float = 20e9
+  launch_overhead_s: float = 1.5e-6
+  event_latency_s: float = 5e-6
+  block_overhead_s: float = 5e-7
+  sm_bandwidth_factor: float = 3.0
+  comm_hbm_factor: float = 2.0
+  channels: int = 16
+  comm_threads: int = 640
+  comm_regs: int = 96
+  comm_smem: int = 8 * 1024
+  saturating_threads: int = 1024
+  block_jitter: float = 0.04
+
+  def __post_init__(self):
+    for f in dataclasses.fields(self):
+      v = getattr(self, f.name)
+      if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise TypeError(f"sim.Constants: {f.name} must be a finite number, got {v!r}")
+      if v < 0 or (v == 0 and f.name not in ("launch_overhead_s", "event_latency_s", "block_overhead_s", "comm_smem", "block_jitter")):
+        raise ValueError(f"sim.Constants: {f.name} must be positive, got {v!r}")
+
+  def replace(self, **changes) -> Constants:
+    return dataclasses.replace(self, **changes)
+
+
+_CONSTANTS = {
+    "a40": Constants(gemm_efficiency=0.75, cta_copy_bandwidth=16e9, channels=2,
+                     saturating_threads=768),
+    "a100": Constants(gemm_efficiency=0.85, cta_copy_bandwidth=15e9, channels=16),
+    "a100-40": Constants(gemm_efficiency=0.85, cta_copy_bandwidth=15e9, channels=16),
+    "h100": Constants(gemm_efficiency=0.72, cta_copy_bandwidth=20e9, channels=24),
+    "h200": Constants(gemm_efficiency=0.74, cta_copy_bandwidth=20e9, channels=24),
+    # RCCL on MI250X: 256-thread CTAs; register use is an assumption (128 VGPRs/lane).
+    "mi250x": Constants(gemm_efficiency=0.62, cta_copy_bandwidth=12e9, channels=16,
+                        launch_overhead_s=3e-6, event_latency_s=8e-6, comm_threads=256,
+                        comm_regs=128),
+}
+
+
+def constants_for(gpu: str | targets.Gpu, overrides: Mapping[str, float] | None = None) -> Constants:
+  """Default :class:`Constants` for a catalogue GPU, with optional overrides."""
+  g = targets.get_gpu(gpu)
+  c = _CONSTANTS.get(g.name, Constants())
+  if overrides:
+    unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(Constants)})
+    if unknown:
+      raise ValueError(f"sim.constants_for: unknown constant(s) {unknown}")
+    c = dataclasses.replace(c, **dict(overrides))
+  return c
+
+
+def residency_limits(gpu: targets.Gpu, threads: int, regs_per_thread: int, smem_bytes: int) -> dict:
+  """Blocks per SM allowed by each limit (see the module docstring)."""
+  warps = -(-threads // gpu.warp_size)
+  by_threads = gpu.max_threads_per_sm // (warps * gpu.warp_size)
+  per_warp = -(-max(regs_per_thread, 1) * gpu.warp_size // gpu.reg_alloc_unit) * gpu.reg_alloc_unit
+  regs_block = warps * per_warp
+  by_regs = gpu.regs_per_sm // regs_block
+  smem_block = smem_bytes + gpu.smem_reserved_per_block
+  by_smem = gpu.smem_per_sm // smem_block if smem_block > 0 else gpu.max_blocks_per_sm
+  return {
+      "threads": by_threads,
+      "registers": by_regs,
+      "shared_memory": by_smem,
+      "blocks": gpu.max_blocks_per_sm,
+  }
+
+
+def residency(gpu: targets.Gpu, threads: int, regs_per_thread: int, smem_bytes: int) -> int:
+  """Blocks of one kernel that fit on an empty SM: the minimum over the four limits."""
+  return min(residency_limits(gpu, threads, regs_per_thread, smem_bytes).values())
+
+
+def regs_per_block(gpu: targets.Gpu, threads: int, regs_per_thread: int) -> int:
+  """Registers allocated to one block (per-warp allocation in ``reg_alloc_unit`` units)."""
+  warps = -(-threads // gpu.warp_size)
+  per_warp = -(-max(regs_per_thread, 1) * gpu.warp_size // gpu.reg_alloc_unit) * gpu.reg_alloc_unit
+  return warps * per_warp
+
+
+def shaped_smem(gpu: targets.Gpu, smem_bytes: int, blocks_per_sm: int) -> int:
+  """Per-block shared memory (without the reservation) that caps residency at ``blocks_per_sm``.
+
+  Returns ``smem_bytes`` unchanged when the kernel already uses enough.
+  """
+  if blocks_per_sm < 1:
+    raise ValueError(f"sim.shaped_smem: blocks_per_sm must be at least 1, got {blocks_per_sm}")
+  need = gpu.smem_per_sm // (blocks_per_sm + 1) - gpu.smem_reserved_per_block + 1
+  return max(int(smem_bytes), min(need, gpu.smem_per_block_optin))
+
+
+def _check_int(api: str, field: str, value, minimum: int) -> int:
+  if isinstance(value, bool) or not isinstance(value, int):
+    raise TypeError(f"{api}: {field} must be an int, got {type(value).__name__} {value!r}")
+  if value < minimum:
+    raise ValueError(f"{api}: {field} must be at least {minimum}, got {value}")
+  return value
+
+
+def _check_num(api: str, field: str, value) -> float:
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    raise TypeError(f"{api}: {field} must be a number, got {type(value).__name__} {value!r}")
+  if not math.isfinite(value) or value < 0:
+    raise ValueError(f"{api}: {field} must be a finite number >= 0, got {value}")
+  return float(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+  """A compute kernel: a grid of identical blocks.
+
+  Either give the launch configuration (``grid``, ``threads``, ...) and the total work
+  (``flops``, ``bytes``), or build a GEMM with :meth:`Kernel.gemm`, whose launch
+  configuration is chosen per target by :func:`gemm_config`.
+
+  Attributes:
+    name: unique name in its workload (plans and ``after`` refer to it).
+    grid: number of blocks (None for a GEMM resolved per target).
+    threads: threads per block.
+    regs: registers per thread.
+    smem: shared memory per block in bytes (static + dynamic).
+    flops: total floating-point operations of the kernel.
+    bytes: total DRAM bytes the kernel reads and writes.
+    stream: stream index; kernels of one stream run in list order.
+    after: names of earlier kernels/collectives (on other streams) this one waits for.
+    kind: one of ``COMPUTE_KINDS``.
+    dtype: element type of the math ("bf16", "f32", ...).
+    gemm_mnk: ``(m, n, k)`` for GEMMs.
+    efficiency: fraction of peak a block reaches (None: per-target GEMM efficiency for
+      GEMMs, 1.0 otherwise).
+  """
+
+  name: str
+  grid: int | None = None
+  threads: int | None = None
+  regs: int = 32
+  smem: int = 0
+  flops: float = 0.0
+  bytes: float = 0.0
+  stream: int = 0
+  after: tuple[str, ...] = ()
+  kind: str = "fusion"
+  dtype: str = "bf16"
+  gemm_mnk: tuple[int, int, int] | None = None
+  efficiency: float | None = None
+
+  def __post_init__(self):
+    api = f"sim.Kernel({self.name!r})"
+    if not isinstance(self.name, str) or not self.name:
+      raise TypeError(f"sim.Kernel: name must be a non-empty string, got {self.name!r}")
+    if self.kind not in COMPUTE_KINDS:
+      raise ValueError(f"{api}: kind must be one of {COMPUTE_KINDS}, got {self.kind!r}")
+    if self.gemm_mnk is not None:
+      if len(self.gemm_mnk) != 3:
+        raise ValueError(f"{api}: gemm_mnk must be (m, n, k), got {self.gemm_mnk!r}")
+      for f, v in zip("mnk", self.gemm_mnk):
+        _check_int(api, f"gemm_mnk.{f}", v, 1)
+    if self.grid is None or self.threads is None:
+      if self.gemm_mnk is None:
+        raise ValueError(f"{api}: grid and threads are required unless gemm_mnk is given")
+    else:
+      _check_int(api, "grid", self.grid, 1)
+      _check_int(api, "threads", self.threads, 1)
+    _check_int(api, "regs", self.regs, 1)
+    _check_int(api, "smem", self.smem, 0)
+    _check_int(api, "stream", self.stream, 0)
+    _check_num(api, "flops", self.flops)
+    _check_num(api, "bytes", self.bytes)
+    if self.efficiency is not None and not 0 < self.efficiency <= 1:
+      raise ValueError(f"{api}: efficiency must be in (0, 1], got {self.efficiency}")
+    if isinstance(self.after, str) or not all(isinstance(a, str) for a in self.after):
+      raise TypeError(f"{api}: after must be a tuple of kernel names, got {self.after!r}")
+    object.__setattr__(self, "after", tuple(self.after))
+
+  @classmethod
+  def gemm(cls, name: str, m: int, n: int, k: int, *, dtype: str = "bf16", stream: int = 0,
+           after: tuple[str, ...] = (), batch: int = 1) -> Kernel:
+    """A GEMM of ``batch`` x (m x k) @ (k x n), launch configuration chosen per target."""
+    api = f"sim.Kernel.gemm({name!r})"
+    for f, v in (("m", m), ("n", n), ("k", k), ("batch", batch)):
+      _check_int(api, f, v, 1)
+    elt = dtype_bytes(dtype)
+    flops = 2.0 * m * n * k * batch
+    byts = float(batch) * (2 * (m * k + k * n) * elt + m * n * elt)
+    return cls(name=name, grid=None, threads=None, flops=flops, bytes=byts, stream=stream,
+               after=tuple(after), kind="gemm", dtype=dtype, gemm_mnk=(m * batch, n, k))
+
+  @property
+  def is_collective(self) -> bool:
+    return False
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+  """A collective run as communication CTAs (NCCL channels) on its own stream.
+
+  Attributes:
+    name: unique name in its workload.
+    kind: one of ``COLLECTIVE_KINDS``.
+    bytes: per-device payload (the larger of operand and result).
+    group_size: devices in the collective group.
+    stream: stream index (by convention 1 for communication).
+    after: names of earlier kernels this collective waits for.
+    channels, threads, regs, smem: CTA launch configuration (None: target default).
+    spans_hosts: whether the group crosses hosts (None: inferred from the topology).
+  """
+
+  name: str
+  kind: str
+  bytes: float
+  group_size: int = 8
+  stream: int = 1
+  after: tuple[str, ...] = ()
+  channels: int | None = None
+  threads: int | None = None
+  regs: int | None = None
+  smem: int | None = None
+  spans_hosts: bool | None = None
+
+  def __post_init__(self):
+    api = f"sim.Collective({self.name!r})"
+    if not isinstance(self.name, str) or not self.name:
+      raise TypeError(f"sim.Collective: name must be a non-empty string, got {self.name!r}")
+    if self.kind not in COLLECTIVE_KINDS:
+      raise ValueError(f"{api}: kind must be one of {COLLECTIVE_KINDS}, got {self.kind!r}")
+    _check_num(api, "bytes", self.bytes)
+    _check_int(api, "group_size", self.group_size, 1)
+    _check_int(api, "stream", self.stream, 0)
+    for f in ("channels", "threads", "regs"):
+      if getattr(self, f) is not None:
+        _check_int(api, f, getattr(self, f), 1)
+    if self.smem is not None:
+      _check_int(api, "smem", self.smem, 0)
+    if isinstance(self.after, str) or not all(isinstance(a, str) for a in self.after):
+      raise TypeError(f"{api}: after must be a tuple of kernel names, got {self.after!r}")
+    object.__setattr__(self, "after", tuple(self.after))
+
+  @property
+  def is_collective(self) -> bool:
+    return True
+
+
+# (tm, tn, tk, stages, threads, regs) per architecture family, large tile first.
+_GEMM_TILES = {
+    "hopper": [(128, 256, 64, 4, 384, 168), (128, 128, 64, 6, 384, 168)],
+    "ampere": [(256, 128, 64, 3, 256, 232), (128, 128, 32, 5, 256, 128)],
+    "ampere86": [(256, 128, 32, 3, 256, 232), (128, 128, 32, 3, 256, 128)],
+    "cdna2": [(256, 128, 32, 2, 256, 256), (128, 128, 32, 2, 256, 128)],
+}
+
+
+def _family(gpu: targets.Gpu) -> str:
+  if gpu.vendor == "amd":
+    return "cdna2"
+  if gpu.compute_capability >= (9, 0):
+    return "hopper"
+  if gpu.compute_capability >= (8, 6):
+    return "ampere86"
+  return "ampere"
+
+
+def gemm_config(gpu: targets.Gpu, m: int, n: int, k: int, dtype: str = "bf16") -> dict:
+  """Realistic launch configuration of a GEMM on ``gpu`` (see the module docstring).
+
+  Returns:
+    dict with tile (tm, tn, tk), grid, threads, regs, smem.
+  """
+  elt = dtype_bytes(dtype)
+  tiles = _GEMM_TILES[_family(gpu)]
+  chosen = tiles[-1]
+  for t in tiles:
+    if math.ceil(m / t[0]) * math.ceil(n / t[1]) >= gpu.sm_count:
+      chosen = t
+      break
+  tm, tn, tk, stages, threads, regs = chosen
+  smem = stages * (tm + tn) * tk * max(elt, 2)
+  if _family(gpu) == "hopper":
+    smem += 8 * 1024  # epilogue staging and pipeline barriers
+  smem = min(smem, gpu.smem_per_block_optin)
+  return {
+      "tile": (tm, tn, tk),
+      "grid": math.ceil(m / tm) * math.ceil(n / tn),
+      "threads": threads,
+      "regs": regs,
+      "smem": int(smem),
+  }
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+  """Kernels and collectives in launch order, on streams, with cross-stream waits.
+
+  Items of one stream run in list order (each starts after the previous one of its stream
+  finished); ``after`` adds waits on earlier items of other streams (CUDA events). Because
+  waits may only name earlier items, a workload can never deadlock.
+  """
+
+  items: tuple
+  name: str = "workload"
+
+  def __post_init__(self):
+    items = tuple(self.items)
+    object.__setattr__(self, "items", items)
+    if not items:
+      raise ValueError(f"sim.Workload({self.name!r}): items must not be empty")
+    seen: dict[str, int] = {}
+    for i, it in enumerate(items):
+      if not isinstance(it, (Kernel, Collective)):
+        raise TypeError(
+            f"sim.Workload({self.name!r}): items[{i}] must be a sim.Kernel or sim.Collective, "
+            f"got {type(it).__name__}"
+        )
+      if it.name in seen:
+        raise ValueError(
+            f"sim.Workload({self.name!r}): duplicate name {it.name!r} at items[{seen[it.name]}] "
+            f"and items[{i}]"
+        )
+      for a in it.after:
+        if a not in seen:
+          raise ValueError(
+              f"sim.Workload({self.name!r}): {it.name!r} waits for {a!r}, which is not an "
+              "earlier item of the workload"
+          )
+      seen[it.name] = i
+
+  @property
+  def kernels(self) -> list[Kernel]:
+    return [it for it in self.items if isinstance(it, Kernel)]
+
+  @property
+  def collectives(self) -> list[Collective]:
+    return [it for it in self.items if isinstance(it, Collective)]
+
+  def index(self, name: str) -> int:
+    for i, it in enumerate(self.items):
+      if it.name == name:
+        return i
+    raise KeyError(name)
+
+  def overlap_windows(self) -> dict[str, list[str]]:
+    """For each collective, the compute kernels of other streams that may run beside it.
+
+    The window runs from the collective's position in launch order to the first item that
+    waits for it (exclusive), or to the end.
+    """
+    out: dict[str, list[str]] = {}
+    for i, c in enumerate(self.items):
+      if not isinstance(c, Collective):
+        continue
+      names = []
+      for it in self.items[i + 1:]:
+        if c.name in it.after:
+          break
+        if isinstance(it, Kernel) and it.stream != c.stream:
+          names.append(it.name)
+      # Kernels launched before the collective but still running when it starts.
+      for it in reversed(self.items[:i]):
+        if isinstance(it, Kernel) and it.stream != c.stream and it.name not in c.after:
+          names.insert(0, it.name)
+        else:
+          break
+      out[c.name] = names
+    return out

@@ -1,0 +1,217 @@
+"""The five execution policies and the public ``simulate`` entry point.
+
+  sequential        every item on one stream in launch order (no overlap at all);
+  concurrent        streams as given, equal priority, no shaping (what plain async
+                    collectives on a side stream do);
+  priority          communication streams get the highest priority: their pending blocks
+                    are dispatched first whenever resources free (never preempting);
+  shaping           compute kernels that run beside a collective are padded with shared
+                    memory so that fewer of their blocks fit per SM (occupancy shaping);
+  priority+shaping  both controls (Cui & Pericas, arXiv 2606.09200).
+
+Default shaping (when no per-kernel setting is given): each GEMM or custom kernel in a
+collective's overlap window is capped at the largest blocks-per-SM ``r`` that still leaves
+room for one communication CTA beside it on an SM; when no ``r >= 1`` does (an NCCL CTA
+needs nearly a whole register file), at one block per SM, which lets an SM drain after each
+block so that a waiting communication CTA can land there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from jax_overlap._src import targets
+from jax_overlap._src.sim import engine
+from jax_overlap._src.sim.model import Collective, Constants, Workload, constants_for, gemm_config
+from jax_overlap._src.sim.model import regs_per_block
+from jax_overlap._src.sim.model import residency as _residency
+from jax_overlap._src.sim.model import shaped_smem
+
+__all__ = ["POLICIES", "Policy", "get_policy", "simulate", "default_shaping", "compare"]
+
+POLICIES = ("sequential", "concurrent", "priority", "shaping", "priority+shaping")
+# Kinds the default shaping pads: GEMMs and fused custom kernels (attention). Memory-bound
+# fusions need their occupancy for latency hiding and are left alone.
+_SHAPED_KINDS = ("gemm", "custom")
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+  """How a workload is executed.
+
+  Attributes:
+    name: label.
+    sequential: run everything on one stream.
+    priority: give communication streams the highest priority.
+    shaping: True for the default shaping, or kernel name -> blocks per SM (int) or
+      {"blocks_per_sm": n} / {"padding_bytes": b}; None or False for none.
+  """
+
+  name: str
+  sequential: bool = False
+  priority: bool = False
+  shaping: Mapping[str, object] | bool | None = None
+
+  def __hash__(self):
+    s = self.shaping
+    if isinstance(s, Mapping):
+      s = tuple(sorted((k, str(v)) for k, v in s.items()))
+    return hash((self.name, self.sequential, self.priority, s))
+
+
+def get_policy(policy: str | Policy) -> Policy:
+  """A :class:`Policy` from one of ``POLICIES`` or a Policy."""
+  if isinstance(policy, Policy):
+    return policy
+  if not isinstance(policy, str):
+    raise TypeError(f"jax_overlap.sim: policy must be a name or a sim.Policy, got {policy!r}")
+  p = policy.strip().lower()
+  if p == "sequential":
+    return Policy(p, sequential=True)
+  if p == "concurrent":
+    return Policy(p)
+  if p == "priority":
+    return Policy(p, priority=True)
+  if p == "shaping":
+    return Policy(p, shaping=True)
+  if p in ("priority+shaping", "shaping+priority", "both"):
+    return Policy("priority+shaping", priority=True, shaping=True)
+  raise ValueError(f"jax_overlap.sim: unknown policy {policy!r}; choose one of {POLICIES}")
+
+
+def _comm_streams(wl: Workload) -> set[int]:
+  return {c.stream for c in wl.collectives}
+
+
+def shaping_choices(wl: Workload, target, kernel_name: str,
+                    constants: Constants | None = None) -> list[int]:
+  """Blocks-per-SM settings that change a kernel's residency, from natural down to 1."""
+  topo = engine.resolve_target(target)
+  gpu = topo.gpu
+  k = next(it for it in wl.items if it.name == kernel_name)
+  threads, regs, smem = _launch(k, gpu)
+  nat = _residency(gpu, threads, regs, smem)
+  out = []
+  for r in range(nat, 0, -1):
+    if _residency(gpu, threads, regs, shaped_smem(gpu, smem, r)) == r:
+      out.append(r)
+  return out or [nat]
+
+
+def _launch(k, gpu):
+  if k.grid is None or k.threads is None:
+    cfg = gemm_config(gpu, *k.gemm_mnk, k.dtype)
+    return cfg["threads"], cfg["regs"], cfg["smem"]
+  return k.threads, k.regs, k.smem
+
+
+def default_shaping(wl: Workload, target, constants: Constants | None = None) -> dict[str, int]:
+  """Default per-kernel blocks-per-SM for kernels in a collective's overlap window."""
+  topo = engine.resolve_target(target)
+  gpu = topo.gpu
+  const = constants or constants_for(gpu)
+  out: dict[str, int] = {}
+  by_name = {it.name: it for it in wl.items}
+  windows = wl.overlap_windows()
+  for cname, names in windows.items():
+    c = by_name[cname]
+    assert isinstance(c, Collective)
+    cth = c.threads or const.comm_threads
+    creg = c.regs or const.comm_regs
+    csm = const.comm_smem if c.smem is None else c.smem
+    c_regs = regs_per_block(gpu, cth, creg)
+    c_thr = -(-cth // gpu.warp_size) * gpu.warp_size
+    for name in names:
+      k = by_name[name]
+      if k.kind not in _SHAPED_KINDS:
+        continue
+      threads, regs, smem = _launch(k, gpu)
+      best = 1
+      for r in shaping_choices(wl, topo, name):
+        s = shaped_smem(gpu, smem, r) + gpu.smem_reserved_per_block
+        thr = -(-threads // gpu.warp_size) * gpu.warp_size
+        if (r * s + csm + gpu.smem_reserved_per_block <= gpu.smem_per_sm
+            and r * regs_per_block(gpu, threads, regs) + c_regs <= gpu.regs_per_sm
+            and r * thr + c_thr <= gpu.max_threads_per_sm
+            and r + 1 <= gpu.max_blocks_per_sm):
+          best = r
+          break
+      out[name] = min(out.get(name, best), best)
+  return out
+
+
+def apply(policy: str | Policy, wl: Workload, target, constants: Constants | None = None):
+  """(workload, priorities, shaping) that realise ``policy`` for ``wl``."""
+  pol = get_policy(policy)
+  topo = engine.resolve_target(target)
+  if pol.sequential:
+    items = tuple(dataclasses.replace(it, stream=0, after=()) for it in wl.items)
+    return Workload(items, wl.name), {}, {}
+  priorities = {s: 1 for s in _comm_streams(wl)} if pol.priority else {}
+  if pol.shaping is True:
+    shaping = default_shaping(wl, topo, constants)
+  elif isinstance(pol.shaping, Mapping):
+    shaping = dict(pol.shaping)
+  elif pol.shaping in (None, False):
+    shaping = {}
+  else:
+    raise TypeError(f"jax_overlap.sim: Policy.shaping must be a dict or a bool, got {pol.shaping!r}")
+  return wl, priorities, shaping
+
+
+def simulate(
+    workload: Workload,
+    target: str | targets.Topology | targets.Gpu = "h100x8",
+    policy: str | Policy = "concurrent",
+    *,
+    constants: Constants | Mapping[str, float] | None = None,
+    record: bool = False,
+    check: bool = False,
+    baseline: bool = True,
+) -> engine.SimResult:
+  """Simulates ``workload`` on one device of ``target`` under ``policy``.
+
+  Args:
+    workload: a :class:`~jax_overlap._src.sim.model.Workload`.
+    target: topology name ("h100x8"), GPU name ("h100"), Gpu or Topology.
+    policy: one of ``POLICIES`` or a :class:`Policy`.
+    constants: model constants, or overrides of the target's defaults.
+    record: keep per-SM occupancy over time (for plots).
+    check: verify invariants at every event (tests).
+    baseline: compute isolated kernel times (for ``compute_slowdown``).
+
+  Returns:
+    A SimResult with makespan, per-kernel timings and occupancy.
+
+  Raises:
+    ValueError: unknown target or policy, kernels that cannot fit, bad shaping.
+
+  Example:
+    >>> from jax_overlap import sim
+    >>> wl = sim.synthetic([(4096, 4096, 4096)], [("all-gather", 64 << 20)])
+    >>> r = sim.simulate(wl, "h100x8", "priority+shaping")
+    >>> r.makespan_s > 0
+    True
+  """
+  topo = engine.resolve_target(target)
+  const = _constants(constants, topo)
+  wl2, prios, shaping = apply(policy, workload, topo, const)
+  return engine.run(wl2, topo, priorities=prios, shaping=shaping, constants=const,
+                    policy_name=get_policy(policy).name, record=record, check=check,
+                    baseline=baseline)
+
+
+def _constants(constants, topo) -> Constants:
+  if constants is None:
+    return constants_for(topo.gpu)
+  if isinstance(constants, Constants):
+    return constants
+  if isinstance(constants, Mapping):
+    return constants_for(topo.gpu, constants)
+  raise TypeError(f"jax_overlap.sim: constants must be a sim.Constants or a dict, got {constants!r}")
+
+
+def compare(workload: Workload, target="h100x8", policies=POLICIES, **kwargs) -> dict:
+  """Makespan of ``workload`` under each policy: {policy: SimResult}."""
+  return {get_policy(p).name: simulate(workload, target, p, **kwargs) for p in policies}

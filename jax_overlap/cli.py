@@ -1,0 +1,210 @@
+"""The ``jax-overlap`` command.
+
+  jax-overlap flags --target h100x8 --workload fsdp     # prints an export XLA_FLAGS=... line
+  jax-overlap flags --check "<XLA_FLAGS string>"        # every problem; exit 1 if any error
+  jax-overlap targets                                   # the GPU catalogue
+  jax-overlap analyze MODULE:BUILDER --target h100x8 [--xla-option k=v ...]
+                      [--plot out.png] [--json out.json] [--perfetto out.json]
+  jax-overlap simulate [--paper] ...                    # SM-level simulator
+  jax-overlap launch [--plan plan.json] -- python train.py ...
+
+Bad input gets a one-line error naming the bad token and the valid choices, and
+exit status 2 (usage) or 1 (problems found); nothing raises a traceback.
+"""
+
+from __future__ import annotations
+
+import importlib
+import shlex
+import sys
+from collections.abc import Sequence
+
+from absl import app
+from absl import flags as absl_flags
+
+COMMANDS = ("flags", "targets", "analyze", "simulate", "launch")
+
+FLAGS = absl_flags.FLAGS
+absl_flags.DEFINE_string("target", "h100x8", "Topology or GPU, e.g. h100x8, a100x8, h200x16.")
+absl_flags.DEFINE_string(
+    "workload", "fsdp", "Workload: fsdp, tensor_parallel, data_parallel or hybrid."
+)
+absl_flags.DEFINE_string("check", None, "An XLA_FLAGS string to check instead of recommending.")
+absl_flags.DEFINE_enum("format", "export", ["export", "json", "table"], "Output format.")
+absl_flags.DEFINE_multi_string(
+    "xla-option", [], "XLA option for analyze, as name=value (repeatable).", short_name="X"
+)
+absl_flags.DEFINE_string("plot", None, "analyze: write a timeline PNG here.")
+absl_flags.DEFINE_string("json", None, "analyze: write the report as JSON here.")
+absl_flags.DEFINE_string("perfetto", None, "analyze: write a Perfetto/Chrome trace here.")
+absl_flags.DEFINE_boolean(
+    "recommended", False, "analyze: also apply the target's recommended options."
+)
+
+
+class UsageError(Exception):
+  """Bad command-line input; the message is printed as one line."""
+
+
+def _fail(msg: str, code: int = 2) -> int:
+  print(f"jax-overlap: error: {msg}", file=sys.stderr)
+  return code
+
+
+def _cmd_flags(args: Sequence[str]) -> int:
+  from jax_overlap._src import flags as flags_lib
+
+  if args:
+    raise UsageError(f"flags takes no positional arguments, got {' '.join(args)!r}")
+  if FLAGS.check is not None:
+    problems = flags_lib.validate(FLAGS.check)
+    if not problems:
+      print("ok: no problems found")
+      return 0
+    for p in problems:
+      print(p)
+    return 1 if any(p.severity == "error" for p in problems) else 0
+  opts = flags_lib.recommended(FLAGS.target, FLAGS.workload)
+  xla = {k: v for k, v in opts.items() if flags_lib.REGISTRY[k].kind == "xla"}
+  env = {k: v for k, v in opts.items() if flags_lib.REGISTRY[k].kind == "env"}
+  if FLAGS.format == "json":
+    import json
+
+    print(json.dumps({"xla_flags": xla, "env": env}, indent=2, default=str))
+    return 0
+  if FLAGS.format == "table":
+    for k, v in opts.items():
+      why = flags_lib.REGISTRY[k].why or flags_lib.REGISTRY[k].meaning
+      print(f"{k} = {flags_lib._format_value(v)}\n    {why}")
+    return 0
+  print(f"export XLA_FLAGS={shlex.quote(flags_lib.format_xla_flags(xla))}")
+  for k, v in env.items():
+    print(f"export {k}={shlex.quote(flags_lib._format_value(v))}")
+  return 0
+
+
+def _cmd_targets(args: Sequence[str]) -> int:
+  from jax_overlap._src import targets as targets_lib
+
+  if args:
+    raise UsageError(f"targets takes no positional arguments, got {' '.join(args)!r}")
+  header = (
+      f"{'name':8} {'description':30} {'SMs':>4} {'smem/SM':>8} {'bf16 TF':>8} "
+      f"{'HBM GB/s':>9} {'link':>16} {'GB/s/dir':>8} {'deviceless':>10}"
+  )
+  print(header)
+  print("-" * len(header))
+  for name in targets_lib.names():
+    g = targets_lib.GPUS[name]
+    print(
+        f"{g.name:8} {g.description:30} {g.sm_count:>4} {g.smem_per_sm // 1024:>6}KB "
+        f"{g.peak_bf16_flops / 1e12:>8.1f} {g.memory_bandwidth / 1e9:>9.0f} {g.link:>16} "
+        f"{g.link_bandwidth / 1e9:>8.0f} {'yes' if g.deviceless else 'no':>10}"
+    )
+  print("\nTopologies: <gpu>x<count>, e.g. h100x8 (one host of 8), h200x16 (two hosts of 8).")
+  return 0
+
+
+def _load_builder(spec: str):
+  if ":" not in spec:
+    raise UsageError(f"expected MODULE:BUILDER (e.g. jax_overlap.examples.fsdp_mlp:build), got {spec!r}")
+  mod_name, fn_name = spec.split(":", 1)
+  try:
+    mod = importlib.import_module(mod_name)
+  except ImportError as e:
+    raise UsageError(f"cannot import module {mod_name!r}: {e}") from None
+  builder = getattr(mod, fn_name, None)
+  if builder is None or not callable(builder):
+    raise UsageError(f"module {mod_name!r} has no callable {fn_name!r}")
+  return builder
+
+
+def _parse_options(items: Sequence[str]) -> dict[str, str]:
+  out = {}
+  for item in items:
+    if "=" not in item:
+      raise UsageError(f"--xla-option expects name=value, got {item!r}")
+    k, v = item.split("=", 1)
+    out[k.strip().lstrip("-")] = v.strip()
+  return out
+
+
+def _cmd_analyze(args: Sequence[str]) -> int:
+  if len(args) != 1:
+    raise UsageError("analyze expects exactly one MODULE:BUILDER argument")
+  builder = _load_builder(args[0])
+  from jax_overlap._src import analysis
+  from jax_overlap._src import flags as flags_lib
+
+  options: dict = {}
+  if FLAGS.recommended:
+    options.update(flags_lib.as_compiler_options(FLAGS.target, FLAGS.workload))
+  options.update(_parse_options(FLAGS['xla-option'].value))
+  built = builder()
+  if not (isinstance(built, tuple) and len(built) == 2):
+    raise UsageError(f"{args[0]} must return (fn, args), got {type(built).__name__}")
+  fn, fn_args = built
+  report = analysis.analyze(fn, *fn_args, target=FLAGS.target, xla_options=options or None)
+  print(report)
+  if FLAGS.json:
+    with open(FLAGS.json, "w") as f:
+      f.write(report.to_json())
+    print(f"wrote {FLAGS.json}")
+  if FLAGS.perfetto:
+    report.to_perfetto(FLAGS.perfetto)
+    print(f"wrote {FLAGS.perfetto}")
+  if FLAGS.plot:
+    report.plot(FLAGS.plot)
+    print(f"wrote {FLAGS.plot}")
+  return 0
+
+
+def _delegate(module: str, argv: Sequence[str]) -> int:
+  try:
+    mod = importlib.import_module(module)
+  except ImportError as e:
+    return _fail(f"this installation lacks {module}: {e}", 1)
+  return int(mod.main(list(argv)) or 0)
+
+
+def main(argv: Sequence[str]) -> int:
+  args = list(argv[1:])
+  if not args:
+    return _fail(f"missing command; choose one of {', '.join(COMMANDS)}")
+  cmd, rest = args[0], args[1:]
+  try:
+    if cmd == "flags":
+      return _cmd_flags(rest)
+    if cmd == "targets":
+      return _cmd_targets(rest)
+    if cmd == "analyze":
+      return _cmd_analyze(rest)
+    return _fail(f"unknown command {cmd!r}; choose one of {', '.join(COMMANDS)}")
+  except UsageError as e:
+    return _fail(str(e))
+  except (ValueError, TypeError, ImportError) as e:
+    return _fail(str(e).splitlines()[0] if str(e) else type(e).__name__, 1)
+  except Exception as e:  # noqa: BLE001 - a CLI prints one line, not a traceback
+    from jax_overlap._src.errors import ConfigError
+
+    if isinstance(e, ConfigError):
+      return _fail(str(e), 1)
+    return _fail(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", 1)
+
+
+def run() -> None:
+  """Console-script entry point."""
+  argv = sys.argv
+  # Commands that pass the rest of the line through parse their own arguments.
+  if len(argv) > 1 and argv[1] == "launch":
+    sys.exit(_delegate("jax_overlap._src.launch", argv[2:]))
+  if len(argv) > 1 and argv[1] == "simulate":
+    sys.exit(_delegate("jax_overlap._src.sim_cli", argv[2:]))
+  try:
+    app.run(lambda a: sys.exit(main(a)), argv=argv)
+  except SystemExit:
+    raise
+
+
+if __name__ == "__main__":
+  run()

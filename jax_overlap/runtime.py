@@ -1,0 +1,41 @@
+"""Runtime controls: occupancy shaping and stream priority at kernel launch.
+
+See ``docs/runtime.md``. Plans (:class:`Plan`) select kernels or occupancy
+regions and say how many of their blocks may be resident per SM; the runtime
+library applies them when the program runs under ``jax-overlap launch``;
+:func:`status` tells whether it is loaded and what it has done.
+"""
+
+from jax_overlap._src.plan import KernelRule as KernelRule
+from jax_overlap._src.plan import Plan as Plan
+from jax_overlap._src.plan import RegionRule as RegionRule
+from jax_overlap._src.plan import StreamPolicy as StreamPolicy
+from jax_overlap._src.plan import blocks_per_sm as blocks_per_sm
+from jax_overlap._src.plan import padded_dynamic_smem as padded_dynamic_smem
+from jax_overlap._src.plan import region_id as region_id
+from jax_overlap._src.plan import shaped_dynamic_smem as shaped_dynamic_smem
+from jax_overlap._src.regions import Occupancy as Occupancy
+from jax_overlap._src.regions import occupancy as occupancy
+from jax_overlap._src.regions import region_events as region_events
+from jax_overlap._src.runtime import Counters as Counters
+from jax_overlap._src.runtime import Status as Status
+from jax_overlap._src.runtime import library_path as library_path
+from jax_overlap._src.runtime import status as status
+
+__all__ = [
+  "Counters",
+  "KernelRule",
+  "Occupancy",
+  "Plan",
+  "RegionRule",
+  "Status",
+  "StreamPolicy",
+  "blocks_per_sm",
+  "library_path",
+  "occupancy",
+  "padded_dynamic_smem",
+  "region_events",
+  "region_id",
+  "shaped_dynamic_smem",
+  "status",
+]

@@ -1,0 +1,1090 @@
+// libjax_overlap_rt.so: occupancy shaping and stream priority at kernel launch.
+//
+// Loaded with LD_PRELOAD (jax-overlap launch sets it). It sees every kernel
+// launch however the program reaches the driver:
+//   * direct calls: it defines the hooked driver symbols (hooks.h) itself;
+//   * dlopen("libcuda.so.1") + dlsym (XLA's runtime): it defines dlsym and,
+//     for a handle that is libcuda, answers hooked names with its hooks;
+//   * cuGetProcAddress / cuGetProcAddress_v2 (the CUDA runtime, cuBLAS, CuPy):
+//     it asks the real driver, keeps the answer and hands out its hook.
+// Each hook forwards to the real driver entry point, found once under
+// pthread_once (dlvsym / dlsym on RTLD_NEXT or on the libcuda handle).
+//
+// Without rules (JAX_OVERLAP_RT_RULES, written by `jax-overlap launch` from a
+// validated JSON plan) and outside occupancy regions every launch is passed on
+// unchanged; the library only counts. With rules, a selected launch gets more
+// dynamic shared memory so that at most N of its blocks are resident per SM
+// (shaping.h); on any driver error the original launch is sent and counted.
+//
+// Environment:
+//   JAX_OVERLAP_RT_RULES    compiled plan (see ParseRules below)
+//   JAX_OVERLAP_RT_VERBOSE  0 (default), 1: warnings and counters at exit,
+//                           2: one line per kernel decision, 3: every launch
+#include <dlfcn.h>
+#include <link.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <fnmatch.h>
+#include <mutex>
+#include <regex>
+#include <shared_mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "hooks.h"
+#include "shaping.h"
+
+#define JOR_EXPORT extern "C" __attribute__((visibility("default")))
+
+namespace {
+
+// ---------------------------------------------------------------------------
+// Logging.
+// ---------------------------------------------------------------------------
+
+int g_verbose = -1;
+
+int Verbose() {
+  if (g_verbose < 0) {
+    const char* v = getenv("JAX_OVERLAP_RT_VERBOSE");
+    g_verbose = (v && *v) ? atoi(v) : 0;
+    if (v && *v && g_verbose == 0 && strcmp(v, "0") != 0) g_verbose = 1;
+  }
+  return g_verbose;
+}
+
+__attribute__((format(printf, 2, 3))) void Log(int level, const char* fmt,
+                                                 ...) {
+  if (Verbose() < level) return;
+  char msg[1024];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof(msg), fmt, ap);
+  va_end(ap);
+  static const char kLevel[] = "WIDT";
+  fprintf(stderr, "[jax_overlap_rt pid=%d tid=%ld %c] %s\n", (int)getpid(),
+          (long)syscall(SYS_gettid), kLevel[level < 0 ? 0 : (level > 3 ? 3 : level)],
+          msg);
+}
+
+// ---------------------------------------------------------------------------
+// Counters.
+// ---------------------------------------------------------------------------
+
+enum CounterId {
+#define JOR_COUNTER_ENUM(name, doc) kCounter_##name,
+  JOR_COUNTERS(JOR_COUNTER_ENUM)
+#undef JOR_COUNTER_ENUM
+  kNumCounters
+};
+
+const char* const kCounterNames[] = {
+#define JOR_COUNTER_NAME(name, doc) #name,
+    JOR_COUNTERS(JOR_COUNTER_NAME)
+#undef JOR_COUNTER_NAME
+};
+
+std::atomic<uint64_t> g_counters[kNumCounters];
+
+inline void Count(CounterId id, uint64_t n = 1) {
+  g_counters[id].fetch_add(n, std::memory_order_relaxed);
+}
+
+// ---------------------------------------------------------------------------
+// Symbols: one enum, one name table, one real-pointer table.
+// ---------------------------------------------------------------------------
+
+enum SymId {
+#define JOR_SYM_ENUM(name, ret, params, args) kSym_##name,
+  JOR_HOOKED_SYMBOLS(JOR_SYM_ENUM) kNumHooked,
+  JOR_USED_SYMBOLS(JOR_SYM_ENUM) kNumSyms
+#undef JOR_SYM_ENUM
+};
+
+const char* const kSymNames[] = {
+#define JOR_SYM_NAME(name, ret, params, args) #name,
+    JOR_HOOKED_SYMBOLS(JOR_SYM_NAME) "",
+    JOR_USED_SYMBOLS(JOR_SYM_NAME)
+#undef JOR_SYM_NAME
+};
+
+// kSymNames has an empty slot at kNumHooked so that the enum and the table
+// share indices; SymName() skips it.
+#define JOR_SYM_TYPE(name, ret, params, args) typedef ret(*PFN_##name) params;
+JOR_HOOKED_SYMBOLS(JOR_SYM_TYPE)
+JOR_USED_SYMBOLS(JOR_SYM_TYPE)
+#undef JOR_SYM_TYPE
+
+std::atomic<void*> g_real[kNumSyms + 1];
+
+// Paths by which a program obtained a hook; each has its own instantiation
+// so that launches can be counted by path.
+enum Path { kPathDirect = 0, kPathDlsym = 1, kPathProcAddr = 2, kNumPaths };
+
+typedef void* (*DlsymFn)(void*, const char*);
+DlsymFn g_real_dlsym = nullptr;
+pthread_once_t g_dlsym_once = PTHREAD_ONCE_INIT;
+pthread_once_t g_init_once = PTHREAD_ONCE_INIT;
+std::atomic<void*> g_libcuda_handle{nullptr};
+
+void ResolveRealDlsym() {
+  // dlsym itself is interposed, so the real one comes from dlvsym: glibc >= 2.34
+  // versions it GLIBC_2.34, older glibc GLIBC_2.2.5 (x86-64) / GLIBC_2.17 (arm64).
+  static const char* const kVersions[] = {"GLIBC_2.34", "GLIBC_2.2.5",
+                                          "GLIBC_2.17"};
+  for (const char* v : kVersions) {
+    void* p = dlvsym(RTLD_NEXT, "dlsym", v);
+    if (p != nullptr) {
+      g_real_dlsym = reinterpret_cast<DlsymFn>(p);
+      return;
+    }
+  }
+}
+
+DlsymFn RealDlsym() {
+  pthread_once(&g_dlsym_once, ResolveRealDlsym);
+  return g_real_dlsym;
+}
+
+void* LibcudaHandle() {
+  void* h = g_libcuda_handle.load(std::memory_order_acquire);
+  if (h != nullptr) return h;
+  static const char* const kNames[] = {"libcuda.so.1", "libcuda.so"};
+  for (const char* n : kNames) {
+    h = dlopen(n, RTLD_LAZY | RTLD_NOLOAD);
+    if (h != nullptr) {
+      g_libcuda_handle.store(h, std::memory_order_release);
+      return h;
+    }
+  }
+  return nullptr;
+}
+
+// The real entry point for `id`, resolved on first use.
+void* Real(int id) {
+  void* p = g_real[id].load(std::memory_order_acquire);
+  if (p != nullptr) return p;
+  DlsymFn real_dlsym = RealDlsym();
+  if (real_dlsym == nullptr) return nullptr;
+  void* h = LibcudaHandle();
+  if (h != nullptr) p = real_dlsym(h, kSymNames[id]);
+  if (p == nullptr) p = real_dlsym(RTLD_NEXT, kSymNames[id]);
+  if (p != nullptr) {
+    void* expected = nullptr;
+    g_real[id].compare_exchange_strong(expected, p);
+    p = g_real[id].load(std::memory_order_acquire);
+  }
+  return p;
+}
+
+#define REAL(name) reinterpret_cast<PFN_##name>(Real(kSym_##name))
+
+// ---------------------------------------------------------------------------
+// Rules (the compiled plan) and regions.
+// ---------------------------------------------------------------------------
+
+struct KernelRule {
+  std::string pattern;
+  bool is_regex = false;
+  std::regex regex;
+  int64_t blocks_per_sm = 0;  // > 0: cap residency
+  int64_t padding_bytes = 0;  // > 0: add this much dynamic shared memory
+};
+
+struct Rules {
+  uint64_t generation = 0;
+  std::vector<KernelRule> kernels;
+  std::unordered_map<int64_t, int64_t> regions;  // id -> blocks_per_sm
+  bool stream_priority_highest = false;
+  bool promote_requested = false;
+  std::vector<int64_t> stream_create_order;
+  std::string text;
+};
+
+std::atomic<const Rules*> g_rules{nullptr};
+std::atomic<uint64_t> g_generation{1};
+std::mutex g_rules_mu;  // serializes jor_set_rules; old rules are kept alive
+std::vector<const Rules*>* g_retired_rules = nullptr;
+
+std::vector<std::string> Split(const std::string& s, char sep) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  for (;;) {
+    size_t pos = s.find(sep, start);
+    out.push_back(s.substr(start, pos == std::string::npos ? std::string::npos
+                                                           : pos - start));
+    if (pos == std::string::npos) break;
+    start = pos + 1;
+  }
+  return out;
+}
+
+bool ParseInt(const std::string& s, int64_t* out) {
+  if (s.empty()) return false;
+  char* end = nullptr;
+  long long v = strtoll(s.c_str(), &end, 10);
+  if (end == nullptr || *end != '\0') return false;
+  *out = v;
+  return true;
+}
+
+// Rules text, one rule per line, fields separated by tabs:
+//   version  1
+//   kernel   glob|regex  <pattern>  blocks_per_sm|padding_bytes  <int>
+//   region   <int64 id>  blocks_per_sm  <int>
+//   streams  priority  highest|default
+//   streams  promote_requested  0|1
+//   streams  create_order  <i>,<j>,...
+// Returns the number of lines that could not be used (each is logged).
+int ParseRules(const char* text, Rules* rules) {
+  int errors = 0;
+  rules->text = text ? text : "";
+  for (const std::string& raw : Split(rules->text, '\n')) {
+    std::string line = raw;
+    while (!line.empty() && (line.back() == '\r' || line.back() == ' ')) line.pop_back();
+    if (line.empty() || line[0] == '#') continue;
+    std::vector<std::string> f = Split(line, '\t');
+    int64_t value = 0;
+    if (f[0] == "version" && f.size() == 2) {
+      if (f[1] != "1") {
+        Log(0, "rules: unsupported version %s (expected 1)", f[1].c_str());
+        ++errors;
+      }
+    } else if (f[0] == "kernel" && f.size() == 5 &&
+               (f[1] == "glob" || f[1] == "regex") &&
+               (f[3] == "blocks_per_sm" || f[3] == "padding_bytes") &&
+               ParseInt(f[4], &value) &&
+               (f[3] == "blocks_per_sm" ? value >= 1 : value >= 0)) {
+      KernelRule rule;
+      rule.pattern = f[2];
+      rule.is_regex = f[1] == "regex";
+      if (rule.is_regex) {
+        try {
+          rule.regex = std::regex(rule.pattern, std::regex::ECMAScript);
+        } catch (const std::exception& e) {
+          Log(0, "rules: bad regex '%s': %s", rule.pattern.c_str(), e.what());
+          ++errors;
+          continue;
+        }
+      }
+      (f[3] == "blocks_per_sm" ? rule.blocks_per_sm : rule.padding_bytes) = value;
+      rules->kernels.push_back(std::move(rule));
+    } else if (f[0] == "region" && f.size() == 4 && f[2] == "blocks_per_sm" &&
+               ParseInt(f[1], &value)) {
+      int64_t blocks = 0;
+      if (!ParseInt(f[3], &blocks) || blocks < 1) {
+        Log(0, "rules: bad blocks_per_sm in line '%s'", line.c_str());
+        ++errors;
+        continue;
+      }
+      rules->regions[value] = blocks;
+    } else if (f[0] == "streams" && f.size() == 3 && f[1] == "priority" &&
+               (f[2] == "highest" || f[2] == "default")) {
+      rules->stream_priority_highest = f[2] == "highest";
+    } else if (f[0] == "streams" && f.size() == 3 && f[1] == "promote_requested" &&
+               (f[2] == "0" || f[2] == "1")) {
+      rules->promote_requested = f[2] == "1";
+    } else if (f[0] == "streams" && f.size() == 3 && f[1] == "create_order") {
+      for (const std::string& item : Split(f[2], ',')) {
+        if (item.empty()) continue;
+        if (!ParseInt(item, &value) || value < 0) {
+          Log(0, "rules: bad stream index '%s'", item.c_str());
+          ++errors;
+          continue;
+        }
+        rules->stream_create_order.push_back(value);
+      }
+    } else {
+      Log(0, "rules: ignoring line '%s'", line.c_str());
+      ++errors;
+    }
+  }
+  return errors;
+}
+
+int InstallRules(const char* text) {
+  Rules* rules = new Rules();
+  int errors = ParseRules(text, rules);
+  rules->generation = g_generation.fetch_add(1) + 1;
+  std::lock_guard<std::mutex> lock(g_rules_mu);
+  const Rules* old = g_rules.exchange(rules, std::memory_order_acq_rel);
+  // Launching threads may still read the old rules: keep them alive.
+  if (old != nullptr) {
+    if (g_retired_rules == nullptr) g_retired_rules = new std::vector<const Rules*>();
+    g_retired_rules->push_back(old);
+  }
+  Log(2, "rules: %zu kernel rules, %zu region rules, stream priority %s",
+      rules->kernels.size(), rules->regions.size(),
+      rules->stream_priority_highest ? "highest" : "default");
+  return errors;
+}
+
+const Rules* CurrentRules() { return g_rules.load(std::memory_order_acquire); }
+
+struct RegionFrame {
+  int64_t id;
+  int64_t blocks_per_sm;  // resolved at begin: plan's entry, else the attribute
+};
+constexpr int kMaxRegionDepth = 32;
+thread_local RegionFrame t_regions[kMaxRegionDepth];
+thread_local int t_region_depth = 0;
+
+int64_t CurrentRegionBlocks() {
+  int d = t_region_depth;
+  if (d <= 0) return 0;
+  return t_regions[(d > kMaxRegionDepth ? kMaxRegionDepth : d) - 1].blocks_per_sm;
+}
+
+// ---------------------------------------------------------------------------
+// Per-device limits and per-function attributes, cached.
+// ---------------------------------------------------------------------------
+
+constexpr int kMaxDevices = 64;
+struct DeviceSlot {
+  std::atomic<int> state{0};  // 0 unknown, 1 ok, 2 failed
+  JorDeviceLimits limits;
+};
+DeviceSlot g_devices[kMaxDevices];
+std::mutex g_device_mu;
+
+bool DeviceLimits(JorDeviceLimits* out) {
+  CUdevice dev = 0;
+  auto get_device = REAL(cuCtxGetDevice);
+  auto get_attr = REAL(cuDeviceGetAttribute);
+  if (get_device == nullptr || get_attr == nullptr) return false;
+  if (get_device(&dev) != JOR_CUDA_SUCCESS || dev < 0 || dev >= kMaxDevices) {
+    return false;
+  }
+  DeviceSlot& slot = g_devices[dev];
+  int state = slot.state.load(std::memory_order_acquire);
+  if (state == 1) {
+    *out = slot.limits;
+    return true;
+  }
+  std::lock_guard<std::mutex> lock(g_device_mu);
+  if (slot.state.load() == 1) {
+    *out = slot.limits;
+    return true;
+  }
+  struct {
+    int attr;
+    int64_t* field;
+  } table[] = {
+      {JOR_CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, &slot.limits.sm_count},
+      {JOR_CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR, &slot.limits.smem_per_sm},
+      {JOR_CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+       &slot.limits.smem_per_block_optin},
+      {JOR_CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK,
+       &slot.limits.smem_reserved_per_block},
+      {JOR_CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR,
+       &slot.limits.max_threads_per_sm},
+      {JOR_CU_DEVICE_ATTRIBUTE_MAX_BLOCKS_PER_MULTIPROCESSOR, &slot.limits.max_blocks_per_sm},
+      {JOR_CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_MULTIPROCESSOR, &slot.limits.regs_per_sm},
+      {JOR_CU_DEVICE_ATTRIBUTE_WARP_SIZE, &slot.limits.warp_size},
+  };
+  for (auto& entry : table) {
+    int value = 0;
+    if (get_attr(&value, entry.attr, dev) != JOR_CUDA_SUCCESS) {
+      Log(1, "device %d: cuDeviceGetAttribute(%d) failed; shaping disabled on it",
+          dev, entry.attr);
+      return false;  // not cached: a later launch tries again
+    }
+    *entry.field = value;
+  }
+  // Register allocation granularity per warp: 256 on every part since sm_30
+  // (CUDA occupancy calculator, "Register allocation unit size").
+  slot.limits.reg_alloc_unit = 256;
+  slot.state.store(1, std::memory_order_release);
+  Log(2,
+      "device %d: %lld SMs, smem/SM %lld, opt-in %lld, reserved %lld, threads/SM "
+      "%lld, blocks/SM %lld, regs/SM %lld",
+      dev, (long long)slot.limits.sm_count, (long long)slot.limits.smem_per_sm,
+      (long long)slot.limits.smem_per_block_optin,
+      (long long)slot.limits.smem_reserved_per_block,
+      (long long)slot.limits.max_threads_per_sm,
+      (long long)slot.limits.max_blocks_per_sm, (long long)slot.limits.regs_per_sm);
+  *out = slot.limits;
+  return true;
+}
+
+struct FuncInfo {
+  std::string name;
+  int static_smem = 0;
+  int regs = 0;
+  int max_dynamic_smem = 0;
+  bool carveout_set = false;
+  bool queried = false;
+  uint64_t generation = 0;  // rules generation of `rule`
+  int rule = -1;            // index into Rules::kernels, -1: none
+};
+
+std::shared_mutex g_func_mu;
+std::unordered_map<CUfunction, FuncInfo>* g_funcs = nullptr;
+
+bool QueryFunc(CUfunction f, FuncInfo* info) {
+  auto get_attr = REAL(cuFuncGetAttribute);
+  if (get_attr == nullptr) return false;
+  if (get_attr(&info->static_smem, JOR_CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, f) !=
+          JOR_CUDA_SUCCESS ||
+      get_attr(&info->regs, JOR_CU_FUNC_ATTRIBUTE_NUM_REGS, f) != JOR_CUDA_SUCCESS ||
+      get_attr(&info->max_dynamic_smem,
+               JOR_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+               f) != JOR_CUDA_SUCCESS) {
+    return false;
+  }
+  const char* name = nullptr;
+  auto get_name = REAL(cuFuncGetName);
+  if (get_name != nullptr && get_name(&name, f) == JOR_CUDA_SUCCESS && name) {
+    info->name = name;
+  } else {
+    info->name = "";
+  }
+  return true;
+}
+
+bool RuleMatches(const KernelRule& rule, const std::string& name) {
+  if (name.empty()) return false;
+  if (rule.is_regex) {
+    try {
+      return std::regex_search(name, rule.regex);
+    } catch (const std::exception&) {
+      return false;
+    }
+  }
+  return fnmatch(rule.pattern.c_str(), name.c_str(), 0) == 0;
+}
+
+// Looks up (or queries) `f` and its matching kernel rule under `rules`.
+bool FuncFor(CUfunction f, const Rules* rules, FuncInfo* out) {
+  {
+    std::shared_lock<std::shared_mutex> lock(g_func_mu);
+    if (g_funcs != nullptr) {
+      auto it = g_funcs->find(f);
+      if (it != g_funcs->end() && it->second.generation == rules->generation) {
+        *out = it->second;
+        return true;
+      }
+    }
+  }
+  FuncInfo info;
+  {
+    std::shared_lock<std::shared_mutex> lock(g_func_mu);
+    if (g_funcs != nullptr) {
+      auto it = g_funcs->find(f);
+      if (it != g_funcs->end()) info = it->second;
+    }
+  }
+  if (!info.queried) {
+    if (!QueryFunc(f, &info)) return false;
+    info.queried = true;
+  }
+  info.rule = -1;
+  for (size_t i = 0; i < rules->kernels.size(); ++i) {
+    if (RuleMatches(rules->kernels[i], info.name)) {
+      info.rule = static_cast<int>(i);
+      break;
+    }
+  }
+  info.generation = rules->generation;
+  Log(2, "kernel %s: static smem %d, %d regs, max dynamic smem %d, rule %d",
+      info.name.empty() ? "<unnamed>" : info.name.c_str(), info.static_smem,
+      info.regs, info.max_dynamic_smem, info.rule);
+  std::unique_lock<std::shared_mutex> lock(g_func_mu);
+  if (g_funcs == nullptr) g_funcs = new std::unordered_map<CUfunction, FuncInfo>();
+  (*g_funcs)[f] = info;
+  *out = info;
+  return true;
+}
+
+// Raises the kernel's MAX_DYNAMIC_SHARED_SIZE_BYTES to `dyn` if it is lower.
+bool EnsureMaxDynamic(CUfunction f, const FuncInfo& info, int64_t dyn) {
+  auto set_attr = REAL(cuFuncSetAttribute);
+  if (set_attr == nullptr) return false;
+  if (!info.carveout_set) {
+    // Ask for the largest shared-memory carve-out so that residency is the one
+    // computed from smem_per_sm; a refusal only makes residency lower.
+    set_attr(f, JOR_CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100);
+  }
+  if (dyn > info.max_dynamic_smem) {
+    if (set_attr(f, JOR_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                 static_cast<int>(dyn)) != JOR_CUDA_SUCCESS) {
+      return false;
+    }
+    Count(kCounter_func_attr_raised);
+  }
+  std::unique_lock<std::shared_mutex> lock(g_func_mu);
+  if (g_funcs != nullptr) {
+    auto it = g_funcs->find(f);
+    if (it != g_funcs->end()) {
+      it->second.carveout_set = true;
+      if (dyn > it->second.max_dynamic_smem) it->second.max_dynamic_smem = static_cast<int>(dyn);
+    }
+  }
+  return true;
+}
+
+enum Decision { kPass, kShape, kFallback, kSkip };
+
+// Decides the dynamic shared memory of one launch. `skip` marks launches that
+// must keep their configuration (cooperative, clusters).
+Decision Decide(CUfunction f, unsigned threads, unsigned dyn, bool skip,
+                unsigned* new_dyn) {
+  *new_dyn = dyn;
+  const Rules* rules = CurrentRules();
+  const int64_t region_blocks = CurrentRegionBlocks();
+  if (region_blocks > 0) Count(kCounter_launches_in_region);
+  if ((rules == nullptr || rules->kernels.empty()) && region_blocks <= 0) return kPass;
+  static const Rules* const kEmpty = [] {
+    Rules* r = new Rules();
+    r->generation = 1;
+    return r;
+  }();
+  if (rules == nullptr) rules = kEmpty;
+  if (f == nullptr) return kPass;
+  FuncInfo info;
+  if (!FuncFor(f, rules, &info)) return kFallback;
+  int64_t blocks = 0, padding = 0;
+  if (info.rule >= 0) {
+    blocks = rules->kernels[info.rule].blocks_per_sm;
+    padding = rules->kernels[info.rule].padding_bytes;
+  } else {
+    blocks = region_blocks;
+  }
+  if (blocks <= 0 && padding <= 0) return kPass;
+  if (skip) {
+    Count(kCounter_launches_skipped);
+    return kPass;
+  }
+  JorDeviceLimits limits;
+  if (!DeviceLimits(&limits)) return kFallback;
+  int status = JOR_SHAPE_INVALID;
+  int64_t shaped =
+      blocks > 0 ? jor_shaped_dynamic_smem(&limits, threads, info.regs, info.static_smem,
+                                           dyn, blocks, &status)
+                 : jor_padded_dynamic_smem(&limits, info.static_smem, dyn, padding, &status);
+  if (status == JOR_SHAPE_INVALID) {
+    Count(kCounter_launches_skipped);
+    return kPass;
+  }
+  if (status == JOR_SHAPE_UNCHANGED || shaped == dyn) return kPass;
+  if (!EnsureMaxDynamic(f, info, shaped)) return kFallback;
+  if (status == JOR_SHAPE_CAPPED) Count(kCounter_launches_capped);
+  *new_dyn = static_cast<unsigned>(shaped);
+  Log(3, "launch %s: %u threads, dynamic smem %u -> %u", info.name.c_str(), threads,
+      dyn, *new_dyn);
+  return kShape;
+}
+
+void CountPath(int path) {
+  static const CounterId kByPath[kNumPaths] = {
+      kCounter_launches_direct, kCounter_launches_dlsym, kCounter_launches_procaddr};
+  Count(kByPath[path]);
+}
+
+void InitOnce();
+
+// ---------------------------------------------------------------------------
+// Hooks.
+// ---------------------------------------------------------------------------
+
+template <int kPath, int kId>
+CUresult LaunchKernelHook JOR_LAUNCH_PARAMS {
+  pthread_once(&g_init_once, InitOnce);
+  auto real = reinterpret_cast<PFN_cuLaunchKernel>(Real(kId));
+  if (real == nullptr) return JOR_CUDA_ERROR_NOT_INITIALIZED;
+  Count(kCounter_launches_seen);
+  CountPath(kPath);
+  unsigned dyn = sharedMemBytes;
+  const unsigned threads = blockDimX * blockDimY * blockDimZ;
+  Decision d = Decide(f, threads, sharedMemBytes, false, &dyn);
+  if (d == kFallback) Count(kCounter_launches_fallback);
+  if (d != kShape) return real JOR_LAUNCH_ARGS;
+  CUresult r = real(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ,
+                    dyn, hStream, kernelParams, extra);
+  if (r == JOR_CUDA_SUCCESS) {
+    Count(kCounter_launches_shaped);
+    return r;
+  }
+  Count(kCounter_launches_fallback);
+  Log(1, "shaped launch failed (error %d); launching the original configuration", r);
+  return real JOR_LAUNCH_ARGS;
+}
+
+bool SkipLaunchEx(const CUlaunchConfig* config) {
+  for (unsigned i = 0; i < config->numAttrs && config->attrs != nullptr; ++i) {
+    const CUlaunchAttribute& a = config->attrs[i];
+    if (a.id == JOR_CU_LAUNCH_ATTRIBUTE_COOPERATIVE && a.value.cooperative != 0) return true;
+    if (a.id == JOR_CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION &&
+        a.value.clusterDim.x * a.value.clusterDim.y * a.value.clusterDim.z > 1) {
+      return true;
+    }
+  }
+  return false;
+}
+
+template <int kPath, int kId>
+CUresult LaunchKernelExHook JOR_LAUNCH_EX_PARAMS {
+  pthread_once(&g_init_once, InitOnce);
+  auto real = reinterpret_cast<PFN_cuLaunchKernelEx>(Real(kId));
+  if (real == nullptr) return JOR_CUDA_ERROR_NOT_INITIALIZED;
+  Count(kCounter_launches_seen);
+  CountPath(kPath);
+  if (config == nullptr) return real JOR_LAUNCH_EX_ARGS;
+  unsigned dyn = config->sharedMemBytes;
+  const unsigned threads = config->blockDimX * config->blockDimY * config->blockDimZ;
+  Decision d = Decide(f, threads, config->sharedMemBytes, SkipLaunchEx(config), &dyn);
+  if (d == kFallback) Count(kCounter_launches_fallback);
+  if (d != kShape) return real JOR_LAUNCH_EX_ARGS;
+  CUlaunchConfig shaped = *config;
+  shaped.sharedMemBytes = dyn;
+  CUresult r = real(&shaped, f, kernelParams, extra);
+  if (r == JOR_CUDA_SUCCESS) {
+    Count(kCounter_launches_shaped);
+    return r;
+  }
+  Count(kCounter_launches_fallback);
+  Log(1, "shaped launch failed (error %d); launching the original configuration", r);
+  return real JOR_LAUNCH_EX_ARGS;
+}
+
+// Graph kernel nodes (command buffers): shaped when they are added or updated,
+// with the policy active on the recording thread at that time.
+template <typename Params>
+bool ShapeNode(const Params* p, Params* shaped) {
+  Count(kCounter_graph_nodes_seen);
+  if (p == nullptr || p->func == nullptr) return false;
+  unsigned dyn = p->sharedMemBytes;
+  Decision d = Decide(p->func, p->blockDimX * p->blockDimY * p->blockDimZ,
+                      p->sharedMemBytes, false, &dyn);
+  if (d == kFallback) Count(kCounter_launches_fallback);
+  if (d != kShape) return false;
+  *shaped = *p;
+  shaped->sharedMemBytes = dyn;
+  return true;
+}
+
+template <int kPath, int kId, typename Params>
+CUresult GraphAddHook(CUgraphNode* node, CUgraph graph, const CUgraphNode* deps, size_t n,
+                      const Params* p) {
+  pthread_once(&g_init_once, InitOnce);
+  typedef CUresult (*Fn)(CUgraphNode*, CUgraph, const CUgraphNode*, size_t, const Params*);
+  auto real = reinterpret_cast<Fn>(Real(kId));
+  if (real == nullptr) return JOR_CUDA_ERROR_NOT_INITIALIZED;
+  Params shaped;
+  if (!ShapeNode(p, &shaped)) return real(node, graph, deps, n, p);
+  CUresult r = real(node, graph, deps, n, &shaped);
+  if (r == JOR_CUDA_SUCCESS) {
+    Count(kCounter_graph_nodes_shaped);
+    return r;
+  }
+  Count(kCounter_launches_fallback);
+  return real(node, graph, deps, n, p);
+}
+
+template <int kPath, int kId, typename Params>
+CUresult GraphSetHook(CUgraphExec exec, CUgraphNode node, const Params* p) {
+  pthread_once(&g_init_once, InitOnce);
+  typedef CUresult (*Fn)(CUgraphExec, CUgraphNode, const Params*);
+  auto real = reinterpret_cast<Fn>(Real(kId));
+  if (real == nullptr) return JOR_CUDA_ERROR_NOT_INITIALIZED;
+  Params shaped;
+  if (!ShapeNode(p, &shaped)) return real(exec, node, p);
+  CUresult r = real(exec, node, &shaped);
+  if (r == JOR_CUDA_SUCCESS) {
+    Count(kCounter_graph_nodes_shaped);
+    return r;
+  }
+  Count(kCounter_launches_fallback);
+  return real(exec, node, p);
+}
+
+std::atomic<int64_t> g_stream_index{0};
+
+// Whether the plan puts the index-th created stream at the highest priority.
+bool PromoteStream(int64_t index, bool requested_priority) {
+  const Rules* rules = CurrentRules();
+  if (rules == nullptr || !rules->stream_priority_highest) return false;
+  for (int64_t i : rules->stream_create_order) {
+    if (i == index) return true;
+  }
+  return rules->promote_requested && requested_priority;
+}
+
+CUresult CreatePromoted(CUstream* ph, unsigned flags, int64_t index) {
+  auto range = REAL(cuCtxGetStreamPriorityRange);
+  auto create = REAL(cuStreamCreateWithPriority);
+  int least = 0, greatest = 0;
+  if (range == nullptr || create == nullptr ||
+      range(&least, &greatest) != JOR_CUDA_SUCCESS) {
+    return -1;
+  }
+  CUresult r = create(ph, flags, greatest);
+  if (r == JOR_CUDA_SUCCESS) {
+    Count(kCounter_streams_promoted);
+    Log(2, "stream #%lld created at priority %d (highest)", (long long)index, greatest);
+  }
+  return r;
+}
+
+template <int kPath, int kId>
+CUresult StreamCreateHook(CUstream* ph, unsigned int flags) {
+  pthread_once(&g_init_once, InitOnce);
+  auto real = reinterpret_cast<PFN_cuStreamCreate>(Real(kId));
+  if (real == nullptr) return JOR_CUDA_ERROR_NOT_INITIALIZED;
+  Count(kCounter_streams_created);
+  const int64_t index = g_stream_index.fetch_add(1);
+  if (PromoteStream(index, false) && CreatePromoted(ph, flags, index) == JOR_CUDA_SUCCESS) {
+    return JOR_CUDA_SUCCESS;
+  }
+  return real(ph, flags);
+}
+
+template <int kPath, int kId>
+CUresult StreamCreateWithPriorityHook(CUstream* ph, unsigned int flags, int priority) {
+  pthread_once(&g_init_once, InitOnce);
+  auto real = reinterpret_cast<PFN_cuStreamCreateWithPriority>(Real(kId));
+  if (real == nullptr) return JOR_CUDA_ERROR_NOT_INITIALIZED;
+  Count(kCounter_streams_created);
+  const int64_t index = g_stream_index.fetch_add(1);
+  if (PromoteStream(index, priority != 0) &&
+      CreatePromoted(ph, flags, index) == JOR_CUDA_SUCCESS) {
+    return JOR_CUDA_SUCCESS;
+  }
+  return real(ph, flags, priority);
+}
+
+void* HookFor(int path, int id);
+bool IsOurHook(void* p);
+
+// The hook to hand out for a cuGetProcAddress answer, or -1 for none.
+int ProcAddrHookId(const char* symbol, int version, cuuint64_t flags, void* answer,
+                   bool* known_name) {
+  *known_name = false;
+  if (symbol == nullptr) return -1;
+  const bool ptsz = (flags & JOR_CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM) != 0;
+  int id = -1;
+  int alt = -1;  // the other variant of the same entry point
+  if (strcmp(symbol, "cuLaunchKernel") == 0) {
+    id = ptsz ? kSym_cuLaunchKernel_ptsz : kSym_cuLaunchKernel;
+    alt = ptsz ? kSym_cuLaunchKernel : kSym_cuLaunchKernel_ptsz;
+  } else if (strcmp(symbol, "cuLaunchKernelEx") == 0) {
+    id = ptsz ? kSym_cuLaunchKernelEx_ptsz : kSym_cuLaunchKernelEx;
+    alt = ptsz ? kSym_cuLaunchKernelEx : kSym_cuLaunchKernelEx_ptsz;
+  } else if (strcmp(symbol, "cuGraphAddKernelNode") == 0) {
+    // cuda.h maps the name to the _v2 ABI from CUDA 12.0.
+    id = version >= 12000 ? kSym_cuGraphAddKernelNode_v2 : kSym_cuGraphAddKernelNode;
+    alt = version >= 12000 ? kSym_cuGraphAddKernelNode : kSym_cuGraphAddKernelNode_v2;
+  } else if (strcmp(symbol, "cuGraphExecKernelNodeSetParams") == 0) {
+    id = version >= 12000 ? kSym_cuGraphExecKernelNodeSetParams_v2
+                          : kSym_cuGraphExecKernelNodeSetParams;
+    alt = version >= 12000 ? kSym_cuGraphExecKernelNodeSetParams
+                           : kSym_cuGraphExecKernelNodeSetParams_v2;
+  } else if (strcmp(symbol, "cuGetProcAddress") == 0) {
+    id = version >= 12000 ? kSym_cuGetProcAddress_v2 : kSym_cuGetProcAddress;
+    alt = version >= 12000 ? kSym_cuGetProcAddress : kSym_cuGetProcAddress_v2;
+  } else {
+    for (int i = 0; i < kNumHooked; ++i) {
+      if (strcmp(symbol, kSymNames[i]) == 0) id = i;
+    }
+  }
+  if (id < 0) return -1;
+  *known_name = true;
+  // The driver's answer must be the entry point the hook forwards to; if it is
+  // the other variant's, hand out that hook; if it is neither, hand out none.
+  void* known = Real(id);
+  if (known == nullptr) {
+    void* expected = nullptr;
+    g_real[id].compare_exchange_strong(expected, answer);
+    known = g_real[id].load();
+  }
+  if (known == answer) return id;
+  if (alt >= 0 && Real(alt) == answer) return alt;
+  return -1;
+}
+
+CUresult ProcAddrCommon(const char* symbol, void** pfn, int version, cuuint64_t flags,
+                        CUresult r) {
+  if (r != JOR_CUDA_SUCCESS || pfn == nullptr || *pfn == nullptr) return r;
+  // A driver that resolves its own exports through the symbol table hands back
+  // this library's definitions: they are hooks already.
+  if (IsOurHook(*pfn)) return r;
+  bool known_name = false;
+  int id = ProcAddrHookId(symbol, version, flags, *pfn, &known_name);
+  if (id < 0) {
+    if (known_name) {
+      Count(kCounter_lookups_unhooked);
+      Log(1, "cuGetProcAddress(%s): unexpected entry point; left unhooked", symbol);
+    }
+    return r;
+  }
+  Count(kCounter_lookups_procaddr);
+  *pfn = HookFor(kPathProcAddr, id);
+  return r;
+}
+
+template <int kPath, int kId>
+CUresult GetProcAddressHook(const char* symbol, void** pfn, int version, cuuint64_t flags) {
+  pthread_once(&g_init_once, InitOnce);
+  auto real = reinterpret_cast<PFN_cuGetProcAddress>(Real(kId));
+  if (real == nullptr) return JOR_CUDA_ERROR_NOT_INITIALIZED;
+  return ProcAddrCommon(symbol, pfn, version, flags, real(symbol, pfn, version, flags));
+}
+
+template <int kPath, int kId>
+CUresult GetProcAddressV2Hook(const char* symbol, void** pfn, int version, cuuint64_t flags,
+                              CUdriverProcAddressQueryResult* status) {
+  pthread_once(&g_init_once, InitOnce);
+  auto real = reinterpret_cast<PFN_cuGetProcAddress_v2>(Real(kId));
+  if (real == nullptr) return JOR_CUDA_ERROR_NOT_INITIALIZED;
+  return ProcAddrCommon(symbol, pfn, version, flags,
+                        real(symbol, pfn, version, flags, status));
+}
+
+// Which hook template implements which symbol.
+template <int kPath, int kId>
+struct HookImpl;
+#define JOR_BIND(sym, impl)                   \
+  template <int kPath>                        \
+  struct HookImpl<kPath, kSym_##sym> {        \
+    static void* Get() {                      \
+      return reinterpret_cast<void*>(impl);   \
+    }                                         \
+  };
+JOR_BIND(cuLaunchKernel, (LaunchKernelHook<kPath, kSym_cuLaunchKernel>))
+JOR_BIND(cuLaunchKernel_ptsz, (LaunchKernelHook<kPath, kSym_cuLaunchKernel_ptsz>))
+JOR_BIND(cuLaunchKernelEx, (LaunchKernelExHook<kPath, kSym_cuLaunchKernelEx>))
+JOR_BIND(cuLaunchKernelEx_ptsz, (LaunchKernelExHook<kPath, kSym_cuLaunchKernelEx_ptsz>))
+JOR_BIND(cuGraphAddKernelNode,
+         (GraphAddHook<kPath, kSym_cuGraphAddKernelNode, CUDA_KERNEL_NODE_PARAMS_v1>))
+JOR_BIND(cuGraphAddKernelNode_v2,
+         (GraphAddHook<kPath, kSym_cuGraphAddKernelNode_v2, CUDA_KERNEL_NODE_PARAMS_v2>))
+JOR_BIND(cuGraphExecKernelNodeSetParams,
+         (GraphSetHook<kPath, kSym_cuGraphExecKernelNodeSetParams,
+                       CUDA_KERNEL_NODE_PARAMS_v1>))
+JOR_BIND(cuGraphExecKernelNodeSetParams_v2,
+         (GraphSetHook<kPath, kSym_cuGraphExecKernelNodeSetParams_v2,
+                       CUDA_KERNEL_NODE_PARAMS_v2>))
+JOR_BIND(cuStreamCreate, (StreamCreateHook<kPath, kSym_cuStreamCreate>))
+JOR_BIND(cuStreamCreateWithPriority,
+         (StreamCreateWithPriorityHook<kPath, kSym_cuStreamCreateWithPriority>))
+JOR_BIND(cuGetProcAddress, (GetProcAddressHook<kPath, kSym_cuGetProcAddress>))
+JOR_BIND(cuGetProcAddress_v2, (GetProcAddressV2Hook<kPath, kSym_cuGetProcAddress_v2>))
+#undef JOR_BIND
+
+// Dispatch: hook address per (path, symbol), generated from the one list.
+void* const* HookTable(int path) {
+#define JOR_HOOK_ENTRY(P) \
+  JOR_HOOKED_SYMBOLS(JOR_HOOK_ENTRY_##P)
+#define JOR_HOOK_ENTRY_0(name, ret, params, args) HookImpl<0, kSym_##name>::Get(),
+#define JOR_HOOK_ENTRY_1(name, ret, params, args) HookImpl<1, kSym_##name>::Get(),
+#define JOR_HOOK_ENTRY_2(name, ret, params, args) HookImpl<2, kSym_##name>::Get(),
+  static void* const kTable[kNumPaths][kNumHooked] = {
+      {JOR_HOOK_ENTRY(0)}, {JOR_HOOK_ENTRY(1)}, {JOR_HOOK_ENTRY(2)}};
+#undef JOR_HOOK_ENTRY_0
+#undef JOR_HOOK_ENTRY_1
+#undef JOR_HOOK_ENTRY_2
+#undef JOR_HOOK_ENTRY
+  return kTable[path];
+}
+
+void* HookFor(int path, int id) { return HookTable(path)[id]; }
+
+bool IsOurHook(void* p) {
+  for (int path = 0; path < kNumPaths; ++path) {
+    for (int i = 0; i < kNumHooked; ++i) {
+      if (HookFor(path, i) == p) return true;
+    }
+  }
+  return false;
+}
+
+int HookedId(const char* name) {
+  if (name == nullptr || name[0] != 'c' || name[1] != 'u') return -1;
+  for (int i = 0; i < kNumHooked; ++i) {
+    if (strcmp(name, kSymNames[i]) == 0) return i;
+  }
+  return -1;
+}
+
+bool IsLibcuda(void* handle) {
+  if (handle == RTLD_DEFAULT || handle == RTLD_NEXT || handle == nullptr) return false;
+  if (handle == g_libcuda_handle.load(std::memory_order_acquire)) return true;
+  struct link_map* lm = nullptr;
+  if (dlinfo(handle, RTLD_DI_LINKMAP, &lm) != 0 || lm == nullptr || lm->l_name == nullptr) {
+    return false;
+  }
+  const char* base = strrchr(lm->l_name, '/');
+  base = base ? base + 1 : lm->l_name;
+  if (strncmp(base, "libcuda.so", 10) != 0) return false;
+  void* expected = nullptr;
+  g_libcuda_handle.compare_exchange_strong(expected, handle);
+  return true;
+}
+
+// dlsym(RTLD_NEXT, ...) from another object: the real dlsym would answer
+// relative to this library, so search the objects loaded after the caller.
+void* DlsymNextFromCaller(const char* name, void* caller) {
+  DlsymFn real = RealDlsym();
+  Dl_info info;
+  struct link_map* lm = nullptr;
+  if (dladdr1(caller, &info, reinterpret_cast<void**>(&lm), RTLD_DL_LINKMAP) == 0 ||
+      lm == nullptr) {
+    return real(RTLD_NEXT, name);
+  }
+  Dl_info self;
+  struct link_map* self_lm = nullptr;
+  dladdr1(reinterpret_cast<void*>(&DlsymNextFromCaller), &self,
+          reinterpret_cast<void**>(&self_lm), RTLD_DL_LINKMAP);
+  for (struct link_map* l = lm->l_next; l != nullptr; l = l->l_next) {
+    if (l == self_lm) continue;
+    void* h = dlopen(l->l_name && *l->l_name ? l->l_name : nullptr, RTLD_LAZY | RTLD_NOLOAD);
+    if (h == nullptr) continue;
+    void* p = real(h, name);
+    dlclose(h);
+    if (p != nullptr) return p;
+  }
+  return nullptr;
+}
+
+void PrintCounters() {
+  fprintf(stderr, "[jax_overlap_rt pid=%d] counters:", (int)getpid());
+  for (int i = 0; i < kNumCounters; ++i) {
+    fprintf(stderr, " %s=%llu", kCounterNames[i],
+            (unsigned long long)g_counters[i].load());
+  }
+  fprintf(stderr, "\n");
+}
+
+void InitOnce() {
+  Verbose();
+  const char* text = getenv("JAX_OVERLAP_RT_RULES");
+  if (text != nullptr && *text != '\0') {
+    int errors = InstallRules(text);
+    if (errors > 0) Log(0, "JAX_OVERLAP_RT_RULES: %d line(s) ignored", errors);
+  }
+  for (int i = 0; i < kNumSyms; ++i) {
+    if (kSymNames[i][0] != '\0') Real(i);
+  }
+  Log(2, "initialized; libcuda %s", LibcudaHandle() ? "loaded" : "not loaded yet");
+}
+
+__attribute__((constructor)) void OnLoad() { pthread_once(&g_init_once, InitOnce); }
+
+__attribute__((destructor)) void OnUnload() {
+  if (Verbose() >= 1) PrintCounters();
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// Exported driver symbols (the direct path), generated from the list.
+// ---------------------------------------------------------------------------
+
+#define JOR_DEFINE_EXPORT(name, ret, params, args)                               \
+  JOR_EXPORT ret name params {                                                   \
+    return reinterpret_cast<PFN_##name>(HookImpl<kPathDirect, kSym_##name>::Get()) \
+        args;                                                                    \
+  }
+JOR_HOOKED_SYMBOLS(JOR_DEFINE_EXPORT)
+#undef JOR_DEFINE_EXPORT
+
+JOR_EXPORT void* dlsym(void* handle, const char* name) __THROW {
+  DlsymFn real = RealDlsym();
+  if (real == nullptr) return nullptr;
+  if (handle == RTLD_NEXT) return DlsymNextFromCaller(name, __builtin_return_address(0));
+  const int id = HookedId(name);
+  if (id < 0 || !IsLibcuda(handle)) return real(handle, name);
+  void* p = real(handle, name);
+  if (p == nullptr || IsOurHook(p)) return p;
+  void* expected = nullptr;
+  g_real[id].compare_exchange_strong(expected, p);
+  if (g_real[id].load() != p) return p;  // another libcuda: leave it alone
+  Count(kCounter_lookups_dlsym);
+  return HookFor(kPathDlsym, id);
+}
+
+// ---------------------------------------------------------------------------
+// API for Python (ctypes), the FFI region handlers and benchmarks.
+// ---------------------------------------------------------------------------
+
+JOR_EXPORT int jor_version(void) { return 1; }
+
+JOR_EXPORT int jor_counter_count(void) { return kNumCounters; }
+
+JOR_EXPORT const char* jor_counter_name(int i) {
+  return (i >= 0 && i < kNumCounters) ? kCounterNames[i] : nullptr;
+}
+
+JOR_EXPORT uint64_t jor_counter_value(int i) {
+  return (i >= 0 && i < kNumCounters) ? g_counters[i].load() : 0;
+}
+
+JOR_EXPORT void jor_reset_counters(void) {
+  for (auto& c : g_counters) c.store(0);
+}
+
+// Replaces the active rules; returns the number of lines that were ignored.
+JOR_EXPORT int jor_set_rules(const char* text) {
+  pthread_once(&g_init_once, InitOnce);
+  return InstallRules(text ? text : "");
+}
+
+JOR_EXPORT int jor_rule_count(void) {
+  const Rules* r = CurrentRules();
+  return r ? static_cast<int>(r->kernels.size() + r->regions.size()) : 0;
+}
+
+// Enters an occupancy region on the calling thread: launches from this thread
+// are capped at the plan's blocks_per_sm for `region_id`, else `blocks_per_sm`
+// (0: no cap), until the matching jor_region_end.
+JOR_EXPORT int jor_region_begin(int64_t region_id, int64_t blocks_per_sm) {
+  pthread_once(&g_init_once, InitOnce);
+  const Rules* rules = CurrentRules();
+  int64_t blocks = blocks_per_sm > 0 ? blocks_per_sm : 0;
+  if (rules != nullptr) {
+    auto it = rules->regions.find(region_id);
+    if (it != rules->regions.end()) blocks = it->second;
+  }
+  Count(kCounter_regions_entered);
+  int d = t_region_depth++;
+  if (d < kMaxRegionDepth) {
+    t_regions[d] = {region_id, blocks};
+  } else {
+    Log(1, "occupancy regions nested deeper than %d; region %lld ignored", kMaxRegionDepth,
+        (long long)region_id);
+  }
+  Log(3, "region %lld begin: blocks_per_sm %lld", (long long)region_id, (long long)blocks);
+  return t_region_depth;
+}
+
+JOR_EXPORT int jor_region_end(int64_t region_id) {
+  if (t_region_depth <= 0) {
+    Log(1, "region %lld end without begin", (long long)region_id);
+    return -1;
+  }
+  if (t_region_depth > kMaxRegionDepth) return --t_region_depth;  // not stored
+  // Close the innermost open frame of this region: regions whose ends XLA
+  // orders differently from their begins still close the right frame.
+  const int depth = t_region_depth;
+  int found = depth - 1;
+  for (int i = depth - 1; i >= 0; --i) {
+    if (t_regions[i].id == region_id) {
+      found = i;
+      break;
+    }
+  }
+  for (int i = found; i + 1 < depth; ++i) t_regions[i] = t_regions[i + 1];
+  --t_region_depth;
+  Log(3, "region %lld end", (long long)region_id);
+  return t_region_depth;
+}
+
+JOR_EXPORT int64_t jor_region_blocks_per_sm(void) { return CurrentRegionBlocks(); }

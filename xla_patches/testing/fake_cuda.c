@@ -1,0 +1,463 @@
+/* A fake libcuda.so.1 for testing the runtime library without a GPU.
+ *
+ * It implements the driver entry points the runtime library and the test
+ * programs use, checks launches against the device limits the way the driver
+ * does, and records what it receives.
+ *
+ * Environment:
+ *   FAKE_CUDA_DEVICE  "h100" (default) or "a100": per-SM limits to report.
+ *   FAKE_CUDA_LIMITS  overrides, "key=value,...", keys: sm, smem_sm, optin,
+ *                     reserved, threads_sm, blocks_sm, regs_sm, warp.
+ *   FAKE_CUDA_FUNCS   kernels, "name:static=S:regs=R:maxdyn=D;..." (defaults:
+ *                     static 0, regs 32, maxdyn 48 KB - static).
+ *   FAKE_CUDA_FAIL    comma-separated entry points that return
+ *                     CUDA_ERROR_INVALID_VALUE (e.g. "cuFuncGetAttribute"), or
+ *                     "launch_dyn_over=N": launches with more than N bytes of
+ *                     dynamic shared memory fail.
+ *   FAKE_CUDA_LOG     file to which every call is appended, one line each.
+ *
+ * Launch records are also kept in memory: fake_cuda_launch_count() and
+ * fake_cuda_launch_dyn(i).
+ */
+#define _GNU_SOURCE
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "../runtime/cuda_types.h"
+
+#define EXPORT __attribute__((visibility("default")))
+
+typedef struct FakeFunc {
+  char name[128];
+  int static_smem;
+  int regs;
+  int max_dyn;
+  int carveout;
+} FakeFunc;
+
+typedef struct FakeStream {
+  int id;
+  int priority;
+} FakeStream;
+
+static struct {
+  int sm, smem_sm, optin, reserved, threads_sm, blocks_sm, regs_sm, warp;
+} g_dev;
+
+#define MAX_FUNCS 256
+static FakeFunc g_funcs[MAX_FUNCS];
+static int g_num_funcs;
+static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_once_t g_once = PTHREAD_ONCE_INIT;
+static int g_log_fd = -1;
+static char g_fail[1024];
+static long g_launch_dyn_over = -1;
+
+#define MAX_RECORDS 65536
+static unsigned g_launch_dyn[MAX_RECORDS];
+static int g_launch_count;
+static int g_stream_count;
+
+static void set_limit(const char* key, int value) {
+  if (!strcmp(key, "sm")) g_dev.sm = value;
+  else if (!strcmp(key, "smem_sm")) g_dev.smem_sm = value;
+  else if (!strcmp(key, "optin")) g_dev.optin = value;
+  else if (!strcmp(key, "reserved")) g_dev.reserved = value;
+  else if (!strcmp(key, "threads_sm")) g_dev.threads_sm = value;
+  else if (!strcmp(key, "blocks_sm")) g_dev.blocks_sm = value;
+  else if (!strcmp(key, "regs_sm")) g_dev.regs_sm = value;
+  else if (!strcmp(key, "warp")) g_dev.warp = value;
+}
+
+static FakeFunc* add_func(const char* spec) {
+  /* "name:static=S:regs=R:maxdyn=D" */
+  if (g_num_funcs >= MAX_FUNCS) return NULL;
+  FakeFunc* f = &g_funcs[g_num_funcs++];
+  memset(f, 0, sizeof(*f));
+  f->regs = 32;
+  f->max_dyn = -1;
+  char buf[256];
+  snprintf(buf, sizeof(buf), "%s", spec);
+  char* save = NULL;
+  char* tok = strtok_r(buf, ":", &save);
+  snprintf(f->name, sizeof(f->name), "%s", tok ? tok : "kernel");
+  while ((tok = strtok_r(NULL, ":", &save)) != NULL) {
+    char* eq = strchr(tok, '=');
+    if (!eq) continue;
+    *eq = '\0';
+    int v = atoi(eq + 1);
+    if (!strcmp(tok, "static")) f->static_smem = v;
+    else if (!strcmp(tok, "regs")) f->regs = v;
+    else if (!strcmp(tok, "maxdyn")) f->max_dyn = v;
+  }
+  if (f->max_dyn < 0) f->max_dyn = 48 * 1024 - f->static_smem;
+  return f;
+}
+
+static void init(void) {
+  const char* dev = getenv("FAKE_CUDA_DEVICE");
+  /* Public limits: CUDA C Programming Guide, compute capabilities 8.0 / 9.0. */
+  if (dev && !strcmp(dev, "a100")) {
+    g_dev.sm = 108; g_dev.smem_sm = 167936; g_dev.optin = 166912;
+    g_dev.reserved = 1024; g_dev.threads_sm = 2048; g_dev.blocks_sm = 32;
+    g_dev.regs_sm = 65536; g_dev.warp = 32;
+  } else {
+    g_dev.sm = 132; g_dev.smem_sm = 233472; g_dev.optin = 232448;
+    g_dev.reserved = 1024; g_dev.threads_sm = 2048; g_dev.blocks_sm = 32;
+    g_dev.regs_sm = 65536; g_dev.warp = 32;
+  }
+  const char* lim = getenv("FAKE_CUDA_LIMITS");
+  if (lim) {
+    char buf[512];
+    snprintf(buf, sizeof(buf), "%s", lim);
+    char* save = NULL;
+    for (char* tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+      char* eq = strchr(tok, '=');
+      if (!eq) continue;
+      *eq = '\0';
+      set_limit(tok, atoi(eq + 1));
+    }
+  }
+  const char* funcs = getenv("FAKE_CUDA_FUNCS");
+  if (funcs) {
+    char buf[8192];
+    snprintf(buf, sizeof(buf), "%s", funcs);
+    char* save = NULL;
+    for (char* tok = strtok_r(buf, ";", &save); tok; tok = strtok_r(NULL, ";", &save)) {
+      add_func(tok);
+    }
+  }
+  const char* fail = getenv("FAKE_CUDA_FAIL");
+  if (fail) {
+    snprintf(g_fail, sizeof(g_fail), ",%s,", fail);
+    const char* over = strstr(fail, "launch_dyn_over=");
+    if (over) g_launch_dyn_over = atol(over + strlen("launch_dyn_over="));
+  }
+  const char* log = getenv("FAKE_CUDA_LOG");
+  if (log && *log) g_log_fd = open(log, O_WRONLY | O_CREAT | O_APPEND, 0644);
+}
+
+static void ensure_init(void) { pthread_once(&g_once, init); }
+
+static int should_fail(const char* api) {
+  char key[160];
+  snprintf(key, sizeof(key), ",%s,", api);
+  return strstr(g_fail, key) != NULL;
+}
+
+static void logf_(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+static void logf_(const char* fmt, ...) {
+  if (g_log_fd < 0) return;
+  char line[512];
+  va_list ap;
+  va_start(ap, fmt);
+  int n = vsnprintf(line, sizeof(line) - 1, fmt, ap);
+  va_end(ap);
+  if (n < 0) return;
+  if (n > (int)sizeof(line) - 2) n = sizeof(line) - 2;
+  line[n++] = '\n';
+  /* One write per line with O_APPEND: lines from several threads do not mix. */
+  ssize_t w = write(g_log_fd, line, (size_t)n);
+  (void)w;
+}
+
+#define CHECK_FAIL(api)                                   \
+  do {                                                    \
+    ensure_init();                                        \
+    if (should_fail(api)) {                               \
+      logf_("error api=%s", api);                         \
+      return JOR_CUDA_ERROR_INVALID_VALUE;                \
+    }                                                     \
+  } while (0)
+
+/* ---- Introspection for tests. ---- */
+EXPORT int fake_cuda_launch_count(void) { return __atomic_load_n(&g_launch_count, __ATOMIC_SEQ_CST); }
+EXPORT unsigned fake_cuda_launch_dyn(int i) {
+  return (i >= 0 && i < MAX_RECORDS) ? g_launch_dyn[i] : 0;
+}
+
+/* ---- Initialization, devices, contexts. ---- */
+EXPORT CUresult cuInit(unsigned flags) { (void)flags; CHECK_FAIL("cuInit"); return 0; }
+EXPORT CUresult cuDriverGetVersion(int* v) { *v = 13000; return 0; }
+EXPORT CUresult cuDeviceGet(CUdevice* d, int ordinal) {
+  CHECK_FAIL("cuDeviceGet");
+  *d = ordinal;
+  return ordinal == 0 ? 0 : JOR_CUDA_ERROR_INVALID_VALUE;
+}
+EXPORT CUresult cuCtxGetDevice(CUdevice* d) { CHECK_FAIL("cuCtxGetDevice"); *d = 0; return 0; }
+
+EXPORT CUresult cuDeviceGetAttribute(int* pi, int attrib, CUdevice dev) {
+  CHECK_FAIL("cuDeviceGetAttribute");
+  (void)dev;
+  switch (attrib) {
+    case JOR_CU_DEVICE_ATTRIBUTE_WARP_SIZE: *pi = g_dev.warp; break;
+    case JOR_CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: *pi = g_dev.sm; break;
+    case JOR_CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR: *pi = g_dev.threads_sm; break;
+    case JOR_CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR: *pi = g_dev.smem_sm; break;
+    case JOR_CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_MULTIPROCESSOR: *pi = g_dev.regs_sm; break;
+    case JOR_CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN: *pi = g_dev.optin; break;
+    case JOR_CU_DEVICE_ATTRIBUTE_MAX_BLOCKS_PER_MULTIPROCESSOR: *pi = g_dev.blocks_sm; break;
+    case JOR_CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK: *pi = g_dev.reserved; break;
+    default: return JOR_CUDA_ERROR_INVALID_VALUE;
+  }
+  return 0;
+}
+
+EXPORT CUresult cuCtxGetStreamPriorityRange(int* least, int* greatest) {
+  CHECK_FAIL("cuCtxGetStreamPriorityRange");
+  if (least) *least = 0;
+  if (greatest) *greatest = -5;
+  return 0;
+}
+
+/* ---- Streams. ---- */
+static CUresult make_stream(CUstream* ph, unsigned flags, int priority, const char* api) {
+  FakeStream* s = (FakeStream*)calloc(1, sizeof(FakeStream));
+  s->id = __atomic_add_fetch(&g_stream_count, 1, __ATOMIC_SEQ_CST);
+  if (priority < -5) priority = -5;
+  if (priority > 0) priority = 0;
+  s->priority = priority;
+  *ph = (CUstream)s;
+  logf_("stream api=%s id=%d flags=%u priority=%d", api, s->id, flags, priority);
+  return 0;
+}
+EXPORT CUresult cuStreamCreate(CUstream* ph, unsigned flags) {
+  CHECK_FAIL("cuStreamCreate");
+  return make_stream(ph, flags, 0, "cuStreamCreate");
+}
+EXPORT CUresult cuStreamCreateWithPriority(CUstream* ph, unsigned flags, int priority) {
+  CHECK_FAIL("cuStreamCreateWithPriority");
+  return make_stream(ph, flags, priority, "cuStreamCreateWithPriority");
+}
+EXPORT CUresult cuStreamGetPriority(CUstream h, int* priority) {
+  CHECK_FAIL("cuStreamGetPriority");
+  *priority = h ? ((FakeStream*)h)->priority : 0;
+  return 0;
+}
+
+/* ---- Modules and functions. ---- */
+EXPORT CUresult cuModuleLoadData(CUmodule* m, const void* image) {
+  (void)image;
+  CHECK_FAIL("cuModuleLoadData");
+  *m = (CUmodule)(uintptr_t)0x1000;
+  return 0;
+}
+EXPORT CUresult cuModuleGetFunction(CUfunction* f, CUmodule m, const char* name) {
+  (void)m;
+  CHECK_FAIL("cuModuleGetFunction");
+  pthread_mutex_lock(&g_mu);
+  FakeFunc* found = NULL;
+  for (int i = 0; i < g_num_funcs; ++i) {
+    if (!strcmp(g_funcs[i].name, name)) found = &g_funcs[i];
+  }
+  if (!found) {
+    char spec[160];
+    snprintf(spec, sizeof(spec), "%s", name);
+    found = add_func(spec);
+  }
+  pthread_mutex_unlock(&g_mu);
+  if (!found) return JOR_CUDA_ERROR_NOT_FOUND;
+  *f = (CUfunction)found;
+  return 0;
+}
+
+EXPORT CUresult cuFuncGetAttribute(int* pi, int attrib, CUfunction hf) {
+  CHECK_FAIL("cuFuncGetAttribute");
+  FakeFunc* f = (FakeFunc*)hf;
+  if (!f) return JOR_CUDA_ERROR_INVALID_VALUE;
+  switch (attrib) {
+    case JOR_CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK: *pi = 1024; break;
+    case JOR_CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES: *pi = f->static_smem; break;
+    case JOR_CU_FUNC_ATTRIBUTE_NUM_REGS: *pi = f->regs; break;
+    case JOR_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES: *pi = f->max_dyn; break;
+    case JOR_CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT: *pi = f->carveout; break;
+    default: return JOR_CUDA_ERROR_INVALID_VALUE;
+  }
+  return 0;
+}
+
+EXPORT CUresult cuFuncSetAttribute(CUfunction hf, int attrib, int value) {
+  CHECK_FAIL("cuFuncSetAttribute");
+  FakeFunc* f = (FakeFunc*)hf;
+  if (!f) return JOR_CUDA_ERROR_INVALID_VALUE;
+  if (attrib == JOR_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES) {
+    if (value < 0 || f->static_smem + value > g_dev.optin) {
+      logf_("setattr func=%s attr=%d value=%d result=1", f->name, attrib, value);
+      return JOR_CUDA_ERROR_INVALID_VALUE;
+    }
+    f->max_dyn = value;
+  } else if (attrib == JOR_CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT) {
+    if (value < -1 || value > 100) return JOR_CUDA_ERROR_INVALID_VALUE;
+    f->carveout = value;
+  } else {
+    return JOR_CUDA_ERROR_INVALID_VALUE;
+  }
+  logf_("setattr func=%s attr=%d value=%d result=0", f->name, attrib, value);
+  return 0;
+}
+
+EXPORT CUresult cuFuncGetName(const char** name, CUfunction hf) {
+  CHECK_FAIL("cuFuncGetName");
+  if (!hf) return JOR_CUDA_ERROR_INVALID_VALUE;
+  *name = ((FakeFunc*)hf)->name;
+  return 0;
+}
+
+/* ---- Launches: validated as the driver would, then recorded. ---- */
+static CUresult do_launch(const char* api, CUfunction hf, unsigned gx, unsigned gy,
+                          unsigned gz, unsigned bx, unsigned by, unsigned bz, unsigned dyn,
+                          CUstream s) {
+  FakeFunc* f = (FakeFunc*)hf;
+  if (!f) return JOR_CUDA_ERROR_INVALID_VALUE;
+  unsigned threads = bx * by * bz;
+  CUresult r = 0;
+  if (threads == 0 || threads > 1024) r = JOR_CUDA_ERROR_INVALID_VALUE;
+  else if ((long)f->static_smem + dyn > g_dev.optin) r = JOR_CUDA_ERROR_INVALID_VALUE;
+  else if ((int)dyn > f->max_dyn) r = JOR_CUDA_ERROR_INVALID_VALUE;
+  else if ((long)f->regs * threads > g_dev.regs_sm) r = JOR_CUDA_ERROR_INVALID_VALUE;
+  else if (g_launch_dyn_over >= 0 && (long)dyn > g_launch_dyn_over) r = JOR_CUDA_ERROR_INVALID_VALUE;
+  logf_("launch api=%s func=%s grid=%u,%u,%u block=%u,%u,%u threads=%u dyn=%u static=%d "
+        "regs=%d stream=%d tid=%ld result=%d",
+        api, f->name, gx, gy, gz, bx, by, bz, threads, dyn, f->static_smem, f->regs,
+        s ? ((FakeStream*)s)->id : 0, (long)syscall(SYS_gettid), r);
+  if (r == 0) {
+    int i = __atomic_fetch_add(&g_launch_count, 1, __ATOMIC_SEQ_CST);
+    if (i < MAX_RECORDS) g_launch_dyn[i] = dyn;
+  }
+  return r;
+}
+
+#define LAUNCH_PARAMS                                                              \
+  CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,   \
+      unsigned bz, unsigned dyn, CUstream s, void **params, void **extra
+EXPORT CUresult cuLaunchKernel(LAUNCH_PARAMS) {
+  (void)params; (void)extra;
+  CHECK_FAIL("cuLaunchKernel");
+  return do_launch("cuLaunchKernel", f, gx, gy, gz, bx, by, bz, dyn, s);
+}
+EXPORT CUresult cuLaunchKernel_ptsz(LAUNCH_PARAMS) {
+  (void)params; (void)extra;
+  CHECK_FAIL("cuLaunchKernel");
+  return do_launch("cuLaunchKernel_ptsz", f, gx, gy, gz, bx, by, bz, dyn, s);
+}
+EXPORT CUresult cuLaunchKernelEx(const CUlaunchConfig* c, CUfunction f, void** params,
+                                 void** extra) {
+  (void)params; (void)extra;
+  CHECK_FAIL("cuLaunchKernelEx");
+  return do_launch("cuLaunchKernelEx", f, c->gridDimX, c->gridDimY, c->gridDimZ,
+                   c->blockDimX, c->blockDimY, c->blockDimZ, c->sharedMemBytes, c->hStream);
+}
+EXPORT CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig* c, CUfunction f, void** params,
+                                      void** extra) {
+  (void)params; (void)extra;
+  CHECK_FAIL("cuLaunchKernelEx");
+  return do_launch("cuLaunchKernelEx_ptsz", f, c->gridDimX, c->gridDimY, c->gridDimZ,
+                   c->blockDimX, c->blockDimY, c->blockDimZ, c->sharedMemBytes, c->hStream);
+}
+
+/* ---- Graphs: nodes are validated and recorded like launches. ---- */
+static CUresult graph_node(const char* api, const CUDA_KERNEL_NODE_PARAMS_v1* p) {
+  FakeFunc* f = p ? (FakeFunc*)p->func : NULL;
+  if (!f) return JOR_CUDA_ERROR_INVALID_VALUE;
+  CUresult r = 0;
+  if ((long)f->static_smem + p->sharedMemBytes > g_dev.optin ||
+      (int)p->sharedMemBytes > f->max_dyn) {
+    r = JOR_CUDA_ERROR_INVALID_VALUE;
+  }
+  logf_("graphnode api=%s func=%s threads=%u dyn=%u result=%d", api, f->name,
+        p->blockDimX * p->blockDimY * p->blockDimZ, p->sharedMemBytes, r);
+  return r;
+}
+EXPORT CUresult cuGraphAddKernelNode(CUgraphNode* n, CUgraph g, const CUgraphNode* d,
+                                     size_t nd, const CUDA_KERNEL_NODE_PARAMS_v1* p) {
+  (void)g; (void)d; (void)nd;
+  CHECK_FAIL("cuGraphAddKernelNode");
+  if (n) *n = (CUgraphNode)(uintptr_t)0x2000;
+  return graph_node("cuGraphAddKernelNode", p);
+}
+EXPORT CUresult cuGraphAddKernelNode_v2(CUgraphNode* n, CUgraph g, const CUgraphNode* d,
+                                        size_t nd, const CUDA_KERNEL_NODE_PARAMS_v2* p) {
+  (void)g; (void)d; (void)nd;
+  CHECK_FAIL("cuGraphAddKernelNode");
+  if (n) *n = (CUgraphNode)(uintptr_t)0x2000;
+  return graph_node("cuGraphAddKernelNode_v2", (const CUDA_KERNEL_NODE_PARAMS_v1*)p);
+}
+EXPORT CUresult cuGraphExecKernelNodeSetParams(CUgraphExec e, CUgraphNode n,
+                                               const CUDA_KERNEL_NODE_PARAMS_v1* p) {
+  (void)e; (void)n;
+  CHECK_FAIL("cuGraphExecKernelNodeSetParams");
+  return graph_node("cuGraphExecKernelNodeSetParams", p);
+}
+EXPORT CUresult cuGraphExecKernelNodeSetParams_v2(CUgraphExec e, CUgraphNode n,
+                                                  const CUDA_KERNEL_NODE_PARAMS_v2* p) {
+  (void)e; (void)n;
+  CHECK_FAIL("cuGraphExecKernelNodeSetParams");
+  return graph_node("cuGraphExecKernelNodeSetParams_v2", (const CUDA_KERNEL_NODE_PARAMS_v1*)p);
+}
+
+/* ---- cuGetProcAddress: answers with this library's own entry points. ---- */
+typedef struct ProcEntry {
+  const char* name;
+  void* fn;
+} ProcEntry;
+
+static void* lookup_proc(const char* symbol, int version, cuuint64_t flags) {
+  const int ptsz = (flags & JOR_CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM) != 0;
+  if (!strcmp(symbol, "cuLaunchKernel")) return ptsz ? (void*)cuLaunchKernel_ptsz : (void*)cuLaunchKernel;
+  if (!strcmp(symbol, "cuLaunchKernelEx")) return ptsz ? (void*)cuLaunchKernelEx_ptsz : (void*)cuLaunchKernelEx;
+  if (!strcmp(symbol, "cuGraphAddKernelNode"))
+    return version >= 12000 ? (void*)cuGraphAddKernelNode_v2 : (void*)cuGraphAddKernelNode;
+  if (!strcmp(symbol, "cuGraphExecKernelNodeSetParams"))
+    return version >= 12000 ? (void*)cuGraphExecKernelNodeSetParams_v2
+                            : (void*)cuGraphExecKernelNodeSetParams;
+  static const ProcEntry table[] = {
+      {"cuInit", (void*)cuInit},
+      {"cuDriverGetVersion", (void*)cuDriverGetVersion},
+      {"cuDeviceGet", (void*)cuDeviceGet},
+      {"cuCtxGetDevice", (void*)cuCtxGetDevice},
+      {"cuDeviceGetAttribute", (void*)cuDeviceGetAttribute},
+      {"cuCtxGetStreamPriorityRange", (void*)cuCtxGetStreamPriorityRange},
+      {"cuStreamCreate", (void*)cuStreamCreate},
+      {"cuStreamCreateWithPriority", (void*)cuStreamCreateWithPriority},
+      {"cuStreamGetPriority", (void*)cuStreamGetPriority},
+      {"cuModuleLoadData", (void*)cuModuleLoadData},
+      {"cuModuleGetFunction", (void*)cuModuleGetFunction},
+      {"cuFuncGetAttribute", (void*)cuFuncGetAttribute},
+      {"cuFuncSetAttribute", (void*)cuFuncSetAttribute},
+      {"cuFuncGetName", (void*)cuFuncGetName},
+  };
+  for (size_t i = 0; i < sizeof(table) / sizeof(table[0]); ++i) {
+    if (!strcmp(symbol, table[i].name)) return table[i].fn;
+  }
+  return NULL;
+}
+
+EXPORT CUresult cuGetProcAddress_v2(const char* symbol, void** pfn, int version,
+                                    cuuint64_t flags, CUdriverProcAddressQueryResult* st);
+EXPORT CUresult cuGetProcAddress(const char* symbol, void** pfn, int version,
+                                 cuuint64_t flags) {
+  CHECK_FAIL("cuGetProcAddress");
+  void* p = NULL;
+  if (!strcmp(symbol, "cuGetProcAddress")) {
+    p = version >= 12000 ? (void*)cuGetProcAddress_v2 : (void*)cuGetProcAddress;
+  } else {
+    p = lookup_proc(symbol, version, flags);
+  }
+  logf_("procaddr symbol=%s version=%d flags=%llu found=%d", symbol, version,
+        (unsigned long long)flags, p != NULL);
+  *pfn = p;
+  return p ? 0 : JOR_CUDA_ERROR_NOT_FOUND;
+}
+EXPORT CUresult cuGetProcAddress_v2(const char* symbol, void** pfn, int version,
+                                    cuuint64_t flags, CUdriverProcAddressQueryResult* st) {
+  CUresult r = cuGetProcAddress(symbol, pfn, version, flags);
+  if (st) *st = r == 0 ? 0 : 1;
+  return r;
+}
