@@ -32,11 +32,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import budget_selection as task  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-import budget_selection as task  # noqa: E402
 from jax_overlap.budget import compute  # noqa: E402
 
 CONFIG = dict(task.CONFIG, label_noise=0.1, steps=6000, eval_every=100, window=5,

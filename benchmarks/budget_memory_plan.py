@@ -32,9 +32,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from jax_overlap._src.targets import compile_only_mesh  # noqa: E402
 from jax_overlap.budget import memory  # noqa: E402
 
-CONFIG = dict(layers=4, d_model=4096, d_ff=16384, heads=32, batch=32, seq=2048,
+CONFIG = dict(layers=3, d_model=4096, d_ff=16384, heads=32, batch=32, seq=2048,
               param_dtype="float32", compute_dtype="bfloat16", target="h100x8",
-              budgets_gib=(48, 24))
+              budgets_gib=(16, 8))
 GiB = 2**30
 
 

@@ -25,21 +25,27 @@ from absl import flags as absl_flags
 COMMANDS = ("flags", "targets", "analyze", "simulate", "launch")
 
 FLAGS = absl_flags.FLAGS
-absl_flags.DEFINE_string("target", "h100x8", "Topology or GPU, e.g. h100x8, a100x8, h200x16.")
-absl_flags.DEFINE_string(
-    "workload", "fsdp", "Workload: fsdp, tensor_parallel, data_parallel or hybrid."
-)
-absl_flags.DEFINE_string("check", None, "An XLA_FLAGS string to check instead of recommending.")
-absl_flags.DEFINE_enum("format", "export", ["export", "json", "table"], "Output format.")
-absl_flags.DEFINE_multi_string(
-    "xla-option", [], "XLA option for analyze, as name=value (repeatable).", short_name="X"
-)
-absl_flags.DEFINE_string("plot", None, "analyze: write a timeline PNG here.")
-absl_flags.DEFINE_string("json", None, "analyze: write the report as JSON here.")
-absl_flags.DEFINE_string("perfetto", None, "analyze: write a Perfetto/Chrome trace here.")
-absl_flags.DEFINE_boolean(
-    "recommended", False, "analyze: also apply the target's recommended options."
-)
+
+
+def _define_flags() -> None:
+  """Defines the command's flags once (the module may be imported twice under -m)."""
+  if "target" in FLAGS:
+    return
+  absl_flags.DEFINE_string("target", "h100x8", "Topology or GPU, e.g. h100x8, a100x8, h200x16.")
+  absl_flags.DEFINE_string(
+      "workload", "fsdp", "Workload: fsdp, tensor_parallel, data_parallel or hybrid."
+  )
+  absl_flags.DEFINE_string("check", None, "An XLA_FLAGS string to check instead of recommending.")
+  absl_flags.DEFINE_enum("format", "export", ["export", "json", "table"], "Output format.")
+  absl_flags.DEFINE_multi_string(
+      "xla-option", [], "XLA option for analyze, as name=value (repeatable).", short_name="X"
+  )
+  absl_flags.DEFINE_string("plot", None, "analyze: write a timeline PNG here.")
+  absl_flags.DEFINE_string("json", None, "analyze: write the report as JSON here.")
+  absl_flags.DEFINE_string("perfetto", None, "analyze: write a Perfetto/Chrome trace here.")
+  absl_flags.DEFINE_boolean(
+      "recommended", False, "analyze: also apply the target's recommended options."
+  )
 
 
 class UsageError(Exception):
@@ -195,6 +201,7 @@ def main(argv: Sequence[str]) -> int:
 def run() -> None:
   """Console-script entry point."""
   argv = sys.argv
+  _define_flags()
   # Commands that pass the rest of the line through parse their own arguments.
   if len(argv) > 1 and argv[1] == "launch":
     sys.exit(_delegate("jax_overlap._src.launch", argv[2:]))

@@ -38,6 +38,14 @@ class TestScores:
     np.testing.assert_allclose(s["el2n"], np.linalg.norm(grads, axis=-1), rtol=1e-5)
     assert "excess_loss" not in s
 
+  def test_loss_is_differentiable_and_scores_are_not(self):
+    logits = jnp.array([[1.0, -1.0, 0.5]])
+    labels = jnp.array([2])
+    g = jax.grad(lambda z: jnp.sum(data.per_example_scores(z, labels)["loss"]))(logits)
+    np.testing.assert_allclose(g, jax.nn.softmax(logits) - jax.nn.one_hot(labels, 3), rtol=1e-6)
+    g2 = jax.grad(lambda z: jnp.sum(data.per_example_scores(z, labels)["el2n"]))(logits)
+    np.testing.assert_array_equal(g2, 0.0)
+
   def test_regression_el2n_is_gradient_norm(self):
     pred = jnp.array([[1.0, 2.0], [0.0, 0.0]])
     y = jnp.array([[1.0, 0.0], [3.0, 4.0]])

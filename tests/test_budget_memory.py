@@ -22,7 +22,7 @@ def _cpu_mesh():
   return jax.sharding.Mesh(np.array(jax.devices()[:8]), ("fsdp",), **kw)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _gpu_mesh():
   from jax_overlap.targets import compile_only_mesh
 
@@ -32,7 +32,7 @@ def _gpu_mesh():
     pytest.skip(f"deviceless GPU compilation unavailable: {e}")
 
 
-def _make(mesh, *, policy=None, shard_opt_state=True, options=None, donate=True):
+def _make(mesh, *, policy=None, shard_opt_state=True, options=None, donate=True, batch=BATCH):
   """An FSDP MLP step with momentum: (jitted step, abstract args)."""
 
   def layer(h, w):
@@ -56,7 +56,7 @@ def _make(mesh, *, policy=None, shard_opt_state=True, options=None, donate=True)
   ospec = wspec if shard_opt_state else NamedSharding(mesh, P())
   w = jax.ShapeDtypeStruct((L, D, D), jnp.float32, sharding=wspec)
   opt = {"momentum": jax.ShapeDtypeStruct((L, D, D), jnp.float32, sharding=ospec)}
-  x = jax.ShapeDtypeStruct((BATCH, D), jnp.float32, sharding=NamedSharding(mesh, P("fsdp")))
+  x = jax.ShapeDtypeStruct((batch, D), jnp.float32, sharding=NamedSharding(mesh, P("fsdp")))
   fn = jax.jit(step, donate_argnums=(0, 1) if donate else (), compiler_options=options or {})
   return fn, (w, opt, x)
 
@@ -102,9 +102,15 @@ class TestBreakdown:
 
   def test_remat_policy_moves_activations(self):
     mesh = _gpu_mesh()
-    cheap = memory.breakdown(*_flat(_make(mesh, policy=memory.remat_policy("nothing"))))
-    saved = memory.breakdown(*_flat(_make(mesh, policy=memory.remat_policy("everything"))))
+    big = 8192  # activations of 1024 rows per device outweigh the weights
+    cheap = memory.breakdown(*_flat(_make(mesh, policy=memory.remat_policy("nothing"), batch=big)))
+    saved = memory.breakdown(
+        *_flat(_make(mesh, policy=memory.remat_policy("everything"), batch=big))
+    )
     assert saved.total_bytes > cheap.total_bytes
+    # Layer inputs are saved under both policies (L x 1 MiB); "everything" adds more.
+    assert cheap["activations"] >= L * 1024 * D * 4
+    assert saved["activations"] > cheap["activations"]
 
   def test_arg_kinds_and_plain_function(self):
     def f(a, b):
@@ -149,12 +155,13 @@ def _builder(remat_policy, shard_opt_state, prefetch):
   return _make(_gpu_mesh(), policy=remat_policy, shard_opt_state=shard_opt_state, options=options)
 
 
-class TestPlan:
+@pytest.fixture(scope="module")
+def cache():
+  _gpu_mesh()
+  return {}
 
-  @pytest.fixture(scope="class")
-  def cache(self):
-    _gpu_mesh()
-    return {}
+
+class TestPlan:
 
   def _plan(self, budget, cache, **kw):
     return memory.plan(

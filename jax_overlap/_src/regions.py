@@ -100,6 +100,12 @@ def _is_float0(x: Any) -> bool:
   return getattr(x, "dtype", None) == jax.dtypes.float0
 
 
+def _result_type(x: Any) -> Any:
+  if isinstance(x, jax.core.Tracer):
+    return x
+  return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+
+
 def _call(target: str, xs: tuple[Any, ...], rid: int, blocks: int) -> tuple[Any, ...]:
   """One custom call over the array leaves in ``xs`` (float0 leaves pass through)."""
   idx = [i for i, x in enumerate(xs) if not _is_float0(x)]
@@ -109,7 +115,9 @@ def _call(target: str, xs: tuple[Any, ...], rid: int, blocks: int) -> tuple[Any,
   _library()
   outs = jax.ffi.ffi_call(
     target,
-    [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in operands],
+    # The operands themselves describe the results: shape, dtype and, inside
+    # shard_map, how they vary over manual mesh axes.
+    [_result_type(x) for x in operands],
     has_side_effect=True,
     input_output_aliases={i: i for i in range(len(operands))},
     vmap_method="broadcast_all",

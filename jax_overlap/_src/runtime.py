@@ -285,6 +285,13 @@ def _mapped_runtime_library() -> str | None:
   return None
 
 
+def _globally_visible() -> bool:
+  try:
+    return hasattr(ctypes.CDLL(None), "jor_counter_count")
+  except OSError:
+    return False
+
+
 def load_library(path: str | os.PathLike | None = None, *, noload: bool = False) -> ctypes.CDLL:
   """ctypes handle on the runtime library with its exported API typed.
 
@@ -294,7 +301,9 @@ def load_library(path: str | os.PathLike | None = None, *, noload: bool = False)
   """
   if path is None:
     path = _mapped_runtime_library() or library_path()
-  mode = ctypes.RTLD_GLOBAL | (os.RTLD_NOLOAD if noload else 0)
+  # RTLD_LOCAL: loaded this way its dlsym and driver symbols stay out of the
+  # global scope, so nothing in this process is interposed.
+  mode = ctypes.RTLD_LOCAL | (os.RTLD_NOLOAD if noload else 0)
   lib = ctypes.CDLL(os.fspath(path), mode=mode)
   lib.jor_counter_count.restype = ctypes.c_int
   lib.jor_counter_name.restype = ctypes.c_char_p
@@ -308,7 +317,54 @@ def load_library(path: str | os.PathLike | None = None, *, noload: bool = False)
   lib.jor_region_begin.argtypes = [ctypes.c_int64, ctypes.c_int64]
   lib.jor_region_end.restype = ctypes.c_int
   lib.jor_region_end.argtypes = [ctypes.c_int64]
+  lib.jor_blocks_per_sm.restype = ctypes.c_int64
+  lib.jor_blocks_per_sm.argtypes = [ctypes.POINTER(DeviceLimits)] + [ctypes.c_int64] * 3
+  lib.jor_shaped_dynamic_smem.restype = ctypes.c_int64
+  lib.jor_shaped_dynamic_smem.argtypes = (
+    [ctypes.POINTER(DeviceLimits)] + [ctypes.c_int64] * 5 + [ctypes.POINTER(ctypes.c_int)]
+  )
+  lib.jor_padded_dynamic_smem.restype = ctypes.c_int64
+  lib.jor_padded_dynamic_smem.argtypes = (
+    [ctypes.POINTER(DeviceLimits)] + [ctypes.c_int64] * 3 + [ctypes.POINTER(ctypes.c_int)]
+  )
   return lib
+
+
+class DeviceLimits(ctypes.Structure):
+  """ctypes mirror of JorDeviceLimits (xla_patches/runtime/shaping.h)."""
+
+  _fields_ = [
+    (name, ctypes.c_int64)
+    for name in (
+      "sm_count",
+      "smem_per_sm",
+      "smem_per_block_optin",
+      "smem_reserved_per_block",
+      "max_threads_per_sm",
+      "max_blocks_per_sm",
+      "regs_per_sm",
+      "warp_size",
+      "reg_alloc_unit",
+    )
+  ]
+
+  @classmethod
+  def from_gpu(cls, gpu) -> DeviceLimits:
+    """Limits of a catalogue GPU, as the runtime library would read them from the driver."""
+    from jax_overlap._src import targets
+
+    g = targets.get_gpu(gpu)
+    return cls(
+      g.sm_count,
+      g.smem_per_sm,
+      g.smem_per_block_optin,
+      g.smem_reserved_per_block,
+      g.max_threads_per_sm,
+      g.max_blocks_per_sm,
+      g.regs_per_sm,
+      g.warp_size,
+      256 if g.vendor == "nvidia" else g.reg_alloc_unit,
+    )
 
 
 def read_counters(lib: ctypes.CDLL) -> dict[str, int]:
@@ -336,7 +392,9 @@ def status() -> Status:
     except (OSError, ValueError, TypeError):
       plan = None
   mapped = _mapped_runtime_library()
-  if mapped is not None:
+  # Interposing means globally visible (LD_PRELOAD); a copy loaded with ctypes
+  # for its arithmetic is mapped but sees no launches.
+  if mapped is not None and _globally_visible():
     try:
       lib = load_library(mapped, noload=True)
     except OSError:

@@ -234,6 +234,10 @@ def _async_collective_kind(module: hlo_lib.Module, instr: hlo_lib.Instruction) -
   return None
 
 
+def _is_sync(instr: hlo_lib.Instruction) -> bool:
+  return bool(instr.backend_config.get("collective_backend_config", {}).get("is_sync", False))
+
+
 def _operand_bytes(comp: hlo_lib.Computation, instr: hlo_lib.Instruction) -> int:
   total = 0
   for n in instr.operands:
@@ -282,7 +286,7 @@ def build_schedule(
     seen_comps.add(comp_name)
     comp = module.computations[comp_name]
     for instr in comp.instructions:
-      if _async_collective_kind(module, instr) is not None:
+      if _async_collective_kind(module, instr) is not None and not _is_sync(instr):
         stream_of_start[f"{comp_name}/{instr.name}"] = next(stream_iter, 0)
       elif instr.opcode == "while":
         assign_streams(instr.attrs.get("condition", "").lstrip("%"))
@@ -300,6 +304,22 @@ def build_schedule(
     )
     stream_of_start = {k: 0 for k in stream_of_start}
 
+  # Deduplicated kernels: XLA emits one kernel per group of identical fusions and
+  # names it after one member; find the member that the thunk listing names.
+  groups: dict[str, list[str]] = {}
+  for comp_ in module.computations.values():
+    for i in comp_.instructions:
+      if "deduplicated_name" in i.metadata:
+        groups.setdefault(i.kernel_name, []).append(i.name.replace(".", "_").replace("-", "_"))
+
+  def _launch_of(instr: hlo_lib.Instruction) -> tuple[int, int, int]:
+    for key in [instr.kernel_name, instr.name.replace(".", "_").replace("-", "_")] + groups.get(
+        instr.kernel_name, []
+    ):
+      if key in launch:
+        return launch[key]
+    return (0, 0, 0)
+
   def add_kernel(instr: hlo_lib.Instruction, comp: hlo_lib.Computation, suffix: str) -> None:
     flops = module.instruction_flops(instr, comp)
     if instr.opcode == "custom-call" and "gemm" in instr.attrs.get("custom_call_target", ""):
@@ -307,7 +327,7 @@ def build_schedule(
     nbytes = module.instruction_bytes(instr, comp)
     kind = _kernel_kind(module, instr)
     dtype = _dtype(module, instr)
-    grid, threads, smem = launch.get(instr.kernel_name, launch.get(instr.name.replace(".", "_"), (0, 0, 0)))
+    grid, threads, smem = _launch_of(instr)
     k = KernelInfo(
         name=instr.name + suffix,
         kind=kind,
@@ -405,14 +425,16 @@ def build_schedule(
         continue
       kind = _async_collective_kind(module, instr)
       if kind is not None:
-        sync = bool(
-            instr.backend_config.get("collective_backend_config", {}).get("is_sync", False)
-        )
+        sync = _is_sync(instr)
+        if sync:
+          sync_starts.add(instr.name + suffix)
         c = add_collective(instr, comp, kind, suffix, sync, done_result_bytes(comp, instr))
         ops.append(Op("sync" if sync else "start", collective=c))
         continue
       if op in _DONE:
         start = instr.operands[0] if instr.operands else None
+        if start is not None and start + suffix in sync_starts:
+          continue  # a synchronous collective's done: it already ran on the compute stream
         ops.append(Op("done", start_name=(start + suffix) if start else None))
         continue
       if op == "async-start" or op == "async-update":
@@ -424,5 +446,6 @@ def build_schedule(
         continue
       add_kernel(instr, comp, suffix)
 
+  sync_starts: set[str] = set()
   walk(module.entry, "", 0)
   return Schedule(ops, kernels, collectives, notes, loops)

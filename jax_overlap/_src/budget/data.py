@@ -68,7 +68,9 @@ def per_example_scores(
 
   Returns:
     ``{"loss", "el2n"}`` and, with a reference, ``"excess_loss"``; each a
-    ``[batch]`` float32 array sharded like ``logits``'s batch axis.
+    ``[batch]`` float32 array sharded like ``logits``'s batch axis. ``loss``
+    is differentiable (train on its mean and the scores come with the step);
+    ``el2n`` and ``excess_loss`` are under ``stop_gradient``.
 
   Raises:
     ValueError: for an unknown ``kind`` or mismatched shapes.
@@ -121,7 +123,9 @@ def per_example_scores(
           f"{reference_loss.shape}"
       )
     out["excess_loss"] = out["loss"] - reference_loss
-  return {k: jax.lax.stop_gradient(v) for k, v in out.items()}
+  # The loss stays differentiable so the step can train on mean(scores["loss"]) and get the
+  # scores for free; the selection scores carry no gradient.
+  return {k: v if k == "loss" else jax.lax.stop_gradient(v) for k, v in out.items()}
 
 
 def combine(scores: dict[str, jax.Array], method: str = "auto") -> jax.Array:

@@ -563,23 +563,26 @@ class Plan:
         f"prefetch={self.choice.candidate.prefetch}"
     )
     cols = ("remat", "opt_shard", "prefetch", "total", "weights", "opt_state", "activ",
-            "gathered", "collect", "temp+frag", "step_ms", "fits")
-    lines = [head, " ".join(f"{c:>11}" for c in cols)]
+            "gathered", "grad+coll", "temp+other", "step_ms", "fits")
+    w0 = max([len(cols[0])] + [len(r.candidate.remat) for r in self.rows])
+    fmt = lambda cells: " ".join([f"{cells[0]:<{w0}}"] + [f"{x:>10}" for x in cells[1:]])
+    lines = [head, fmt(cols)]
     for row in self.rows:
       c = row.candidate
       if row.breakdown is None:
-        lines.append(f"{c.remat:>11} {str(c.shard_opt_state):>11} {c.prefetch:>11}  error: {row.error}")
+        lines.append(fmt((c.remat, str(c.shard_opt_state), str(c.prefetch))) + f"  error: {row.error}")
         continue
       b = row.breakdown.categories
       cells = (
           c.remat, str(c.shard_opt_state), str(c.prefetch), _fmt_bytes(row.total_bytes or 0),
           _fmt_bytes(b["weights"]), _fmt_bytes(b["optimizer_state"]), _fmt_bytes(b["activations"]),
           _fmt_bytes(b["gathered_weights"]), _fmt_bytes(b["collective_buffers"] + b["gradients"]),
-          _fmt_bytes(b["temporaries"] + b["fragmentation"] + b["outputs"] + b["inputs"]),
+          _fmt_bytes(b["temporaries"] + b["fragmentation"] + b["outputs"] + b["inputs"]
+                     + b["other_arguments"]),
           "-" if row.step_time_s is None else f"{1e3 * row.step_time_s:.3f}",
           ("*" if row is self.choice else "") + ("yes" if row.fits else "no"),
       )
-      lines.append(" ".join(f"{x:>11}" for x in cells))
+      lines.append(fmt(cells))
     return "\n".join(lines)
 
 

@@ -17,12 +17,16 @@ the dispatcher before a collective that waited on the previous one.
 
 Rates (processor sharing, recomputed whenever the set of resident blocks changes):
   * compute block of kernel k alone on a full SM: ``T0_k = block_overhead + max(F_b / (eff_k *
-    R_sm), M_b / (sm_bandwidth_factor * B / n_sm))`` with ``R_sm = peak / n_sm``, ``F_b`` and
+    R_sm), M_b / (sm_bandwidth_factor * B / n_sm))`` with ``R_sm = peak / n_sm`` (tensor peak
+    of the dtype for "gemm" and "custom" kernels, FP32 peak otherwise), ``F_b`` and
     ``M_b`` the block's flops and DRAM bytes, ``B`` the device memory bandwidth;
-  * a kernel needs ``sat_k = min(residency, ceil(saturating_threads / threads))`` resident
-    blocks to saturate an SM (1 for GEMM tiles). Block weight ``w_k = 1 / sat_k``; on an SM with
-    total compute weight ``W`` every compute block progresses at ``w_k / max(1, W) / T0_k``
-    (blocks per second), i.e. the SM's issue slots are shared among resident blocks;
+  * a kernel needs ``sat_k = min(natural residency, ceil(saturating_threads / threads))``
+    resident blocks to saturate an SM (1 for GEMM tiles). Block weight ``w_k = 1 / sat_k``; an
+    SM with total compute weight ``W`` delivers the fraction ``min(1, W) ** gamma`` of its
+    throughput (``gamma = occupancy_exponent``: latency hiding grows sub-linearly with
+    resident warps), shared in proportion to ``w``: a block progresses at
+    ``w_k / W * min(1, W) ** gamma / T0_k`` blocks per second. Shaping a kernel below
+    ``sat_k`` therefore costs it throughput;
   * communication CTAs progress as in :mod:`.collectives`;
   * DRAM: the sum of every block's demand ``rate * M_b`` is compared with ``B``; when it
     exceeds it, every rate is scaled by ``B / demand`` (proportional sharing: memory
@@ -69,6 +73,7 @@ from jax_overlap._src.sim.model import (
 __all__ = ["KernelTiming", "SimResult", "run", "resolve_target", "isolated_time"]
 
 _EPS = 1e-9
+_FULL_MERGE_ABOVE = 12  # groups; below this only empty groups are merged
 
 
 def resolve_target(target) -> targets.Topology:
@@ -316,11 +321,15 @@ class _Compiled:
           else:
             eff = const.gemm_efficiency if it.kind == "gemm" else 1.0
         bytes_b = it.bytes / grid
-        smem = _shape_smem(gpu, it.name, smem, shaping.get(it.name))
-        peak = gpu.peak_flops(it.dtype) if it.kind == "gemm" else gpu.peak_fp32_flops
+        # GEMMs and fused custom kernels (attention) run on the tensor cores.
+        tensor = it.kind in ("gemm", "custom")
+        peak = gpu.peak_flops(it.dtype) if tensor else gpu.peak_fp32_flops
         r_sm = peak / gpu.sm_count
         self.t0[i] = const.block_overhead_s + max(flops_b / (eff * r_sm), bytes_b / bw_sm)
         self.mem[i] = bytes_b
+      natural = min(residency_limits(gpu, threads, regs, smem).values())
+      if not self.comm[i]:
+        smem = _shape_smem(gpu, it.name, smem, shaping.get(it.name))
       self._check_fits(it, threads, regs, smem)
       lim = residency_limits(gpu, threads, regs, smem)
       res = min(lim.values())
@@ -333,7 +342,8 @@ class _Compiled:
       self.smem_user[i] = smem
       self.res[i] = res
       if not self.comm[i]:
-        sat = 1 if it.kind == "gemm" else min(res, -(-const.saturating_threads // threads))
+        sat = 1 if it.kind == "gemm" else min(max(natural, 1),
+                                              -(-const.saturating_threads // threads))
         self.w[i] = 1.0 / max(sat, 1)
 
   def _check_fits(self, it, threads, regs, smem):
@@ -434,6 +444,7 @@ def _loop(wl, topo, const, cp: _Compiled, *, record: bool, check: bool):
   lat, chbytes, linkbw, ctabw, prio = cp.lat, cp.chbytes, cp.linkbw, cp.ctabw, cp.prio
   launch = const.launch_overhead_s
   jitter = const.block_jitter
+  gamma = const.occupancy_exponent
 
   # Dependencies: the stream predecessor and every `after`.
   index = {it.name: i for i, it in enumerate(wl.items)}
@@ -591,7 +602,7 @@ def _loop(wl, topo, const, cp: _Compiled, *, record: bool, check: bool):
       for b in g.batches:
         if not comm[b.k]:
           wsum += b.cnt * w[b.k]
-      scale = 1.0 / wsum if wsum > 1.0 else 1.0
+      scale = 1.0 / wsum if wsum >= 1.0 else (wsum ** gamma) / wsum if wsum > 0 else 1.0
       ng = len(g.sms)
       for b in g.batches:
         k = b.k
@@ -605,12 +616,15 @@ def _loop(wl, topo, const, cp: _Compiled, *, record: bool, check: bool):
       f = bw_total / demand
       for _, b in batches:
         b.rate *= f
-    dt = min(b.rem / b.rate for _, b in batches)
+    dt = math.inf
+    finishing = None
+    for _, b in batches:
+      x = b.rem / b.rate
+      if x < dt:
+        dt, finishing = x, b
     if heap and heap[0][0] - t < dt:
       dt = max(heap[0][0] - t, 0.0)
       finishing = None
-    else:
-      finishing = min(batches, key=lambda gb: gb[1].rem / gb[1].rate)[1]
     t += dt
     freed = False
     for g, b in batches:
@@ -653,11 +667,22 @@ def _loop(wl, topo, const, cp: _Compiled, *, record: bool, check: bool):
 
 
 def _merge(groups: list) -> None:
-  """Merges groups whose states coincide (same batches, same progress)."""
+  """Merges groups whose states coincide (same batches, same progress).
+
+  Empty groups are merged at every call; the full comparison runs only when there are many
+  groups (it is an optimisation: identical groups evolve identically).
+  """
+  if len(groups) <= _FULL_MERGE_ABOVE:
+    empty = [g for g in groups if not g.batches]
+    if len(empty) > 1:
+      for g in empty[1:]:
+        empty[0].sms.extend(g.sms)
+      groups[:] = [g for g in groups if g.batches or g is empty[0]]
+    return
   seen: dict = {}
   out = []
   for g in groups:
-    key = tuple(sorted((b.k, b.cnt, round(b.rem, 9)) for b in g.batches))
+    key = tuple(sorted([(b.k, b.cnt, int(b.rem * 1e9)) for b in g.batches]))
     h = seen.get(key)
     if h is None:
       seen[key] = g

@@ -108,6 +108,8 @@ class Constants:
     saturating_threads: resident threads of one kernel an SM needs to reach full
       throughput (latency hiding); half the SM's thread limit by default. GEMM tiles are
       built to saturate an SM on their own.
+    occupancy_exponent: how an SM's throughput grows with resident blocks below
+      saturation: ``(resident / saturating) ** occupancy_exponent``.
     block_jitter: relative spread of the work of blocks placed together on one SM (block
       times vary by a few percent on hardware, so co-resident blocks finish apart).
   """
@@ -125,13 +127,15 @@ class Constants:
   comm_smem: int = 8 * 1024
   saturating_threads: int = 1024
   block_jitter: float = 0.04
+  occupancy_exponent: float = 0.5
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
       v = getattr(self, f.name)
       if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
         raise TypeError(f"sim.Constants: {f.name} must be a finite number, got {v!r}")
-      if v < 0 or (v == 0 and f.name not in ("launch_overhead_s", "event_latency_s", "block_overhead_s", "comm_smem", "block_jitter")):
+      if v < 0 or (v == 0 and f.name not in ("launch_overhead_s", "event_latency_s", "block_overhead_s", "comm_smem", "block_jitter",
+                                               "occupancy_exponent")):
         raise ValueError(f"sim.Constants: {f.name} must be positive, got {v!r}")
 
   def replace(self, **changes) -> Constants:

@@ -23,10 +23,16 @@ from collections.abc import Mapping
 
 from jax_overlap._src import targets
 from jax_overlap._src.sim import engine
-from jax_overlap._src.sim.model import Collective, Constants, Workload, constants_for, gemm_config
-from jax_overlap._src.sim.model import regs_per_block
+from jax_overlap._src.sim.model import (
+  Collective,
+  Constants,
+  Workload,
+  constants_for,
+  gemm_config,
+  regs_per_block,
+  shaped_smem,
+)
 from jax_overlap._src.sim.model import residency as _residency
-from jax_overlap._src.sim.model import shaped_smem
 
 __all__ = ["POLICIES", "Policy", "get_policy", "simulate", "default_shaping", "compare"]
 

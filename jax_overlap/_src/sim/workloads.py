@@ -16,6 +16,7 @@ width ``d``, MLP width ``4d`` and ``T`` tokens per device:
 
 from __future__ import annotations
 
+import dataclasses
 import random as _random
 from collections.abc import Sequence
 
@@ -107,17 +108,24 @@ def attention(name: str, tokens: int, d: int, seq: int, *, dtype: str = "bf16",
 
 
 def tp_chain(n: int = 6, m: int = 8192, d: int = 8192, *, group_size: int = 8,
-             dtype: str = "bf16", name: str | None = None) -> Workload:
+             dtype: str = "bf16", lag: int | None = None, kernel=None,
+             name: str | None = None) -> Workload:
   """Tensor-parallel chain: GEMM i's output is reduce-scattered while GEMM i+1 runs.
 
   Each reduce-scatter waits (event) for its GEMM; the next GEMM reaches the dispatcher
   first (same-stream launch is faster than a cross-stream event), so without priority the
-  reduce-scatter's CTAs wait until that GEMM has placed all its blocks.
+  reduce-scatter's CTAs wait until that GEMM has placed all its blocks. With ``lag``, GEMM
+  ``i + lag`` consumes reduce-scatter ``i`` (the collective is on the critical path).
+  ``kernel(i)`` may supply the compute kernel instead of a GEMM.
   """
   elt = dtype_bytes(dtype)
   items: list = []
   for i in range(n):
-    items.append(Kernel.gemm(f"gemm.{i}", m, d, d, dtype=dtype))
+    after = (f"rs.{i - lag}",) if lag and i - lag >= 0 else ()
+    if kernel is not None:
+      items.append(dataclasses.replace(kernel(i), name=f"gemm.{i}", after=after))
+    else:
+      items.append(Kernel.gemm(f"gemm.{i}", m, d, d, dtype=dtype, after=after))
     items.append(Collective(f"rs.{i}", "reduce-scatter", m * d * elt, group_size=group_size,
                             stream=1, after=(f"gemm.{i}",)))
   return Workload(tuple(items), name or f"tp_chain_{n}x{m}x{d}")

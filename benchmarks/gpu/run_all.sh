@@ -1,0 +1,140 @@
+#!/usr/bin/env bash
+# Runtime controls on one GPU (H100/H200): occupancy shaping and stream priority.
+#
+#   benchmarks/gpu/run_all.sh            # on a GPU machine, < 8 minutes
+#   benchmarks/gpu/run_all.sh --dry-run  # anywhere: builds and checks all but the timings
+#
+# 1. builds the runtime library (libjax_overlap_rt.so) with the system compiler;
+# 2. validates the plans used here;
+# 3. builds overlap_bench.cu with nvcc for sm_90 (a cuBLAS GEMM stream beside an
+#    NCCL-footprint proxy kernel) and runs it under the runtime library with five
+#    policies: sequential, concurrent, +priority, +shaping, both;
+# 4. checks that a jitted JAX program gives identical outputs with and without
+#    shaping (jax_check.py, under `jax-overlap launch`);
+# 5. writes benchmarks/results/runtime_<gpu>_<date>.json.
+# The dry run does 1, 2, the nvcc build (no run), the JAX check on CPU under the
+# library, and a launch through the fake driver of the test suite; it states why
+# each GPU-only step is skipped, writes no results file and exits 0.
+set -euo pipefail
+
+DRY_RUN=0
+for arg in "$@"; do
+  case "$arg" in
+    --dry-run) DRY_RUN=1 ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    *) echo "run_all.sh: unknown argument $arg (expected --dry-run)" >&2; exit 2 ;;
+  esac
+done
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+REPO="$(cd "$HERE/../.." && pwd)"
+PY="${PYTHON:-}"
+if [[ -z "$PY" ]]; then
+  if [[ -x "$REPO/.venv/bin/python" ]]; then PY="$REPO/.venv/bin/python"; else PY=python3; fi
+fi
+BUILD="${BUILD_DIR:-$REPO/build/gpu_bench}"
+RESULTS="$REPO/benchmarks/results"
+mkdir -p "$BUILD"
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+SUMMARY=()
+note() { echo "[run_all] $*" >&2; SUMMARY+=("$*"); }
+T0=$SECONDS
+
+# 1. Runtime library.
+LIB="$("$PY" -c 'from jax_overlap._src import runtime; print(runtime.library_path())')"
+note "runtime library: $LIB"
+
+# 2. Plans.
+for plan in "$HERE"/plan_*.json; do
+  "$PY" -c 'import sys; from jax_overlap.runtime import Plan; Plan.from_json(sys.argv[1])' "$plan"
+  note "plan ok: $(basename "$plan")"
+done
+
+# 3. The CUDA benchmark.
+HAVE_GPU=0
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then HAVE_GPU=1; fi
+BENCH="$BUILD/overlap_bench"
+if command -v nvcc >/dev/null 2>&1; then
+  nvcc -O3 -std=c++17 -arch=sm_90 -o "$BENCH" "$HERE/overlap_bench.cu" -ldl
+  note "built overlap_bench (nvcc, sm_90)"
+else
+  if [[ $DRY_RUN -eq 0 ]]; then echo "run_all.sh: nvcc not found; install the CUDA toolkit" >&2; exit 1; fi
+  note "SKIP nvcc build: nvcc not found"
+fi
+
+# cuBLAS from the pip wheels jax's CUDA plugin installs, if not on the system path.
+CUBLAS_DIR="$("$PY" - <<'EOF' 2>/dev/null || true
+import glob, os, site, sys
+roots = site.getsitepackages() + [site.getusersitepackages()]
+for root in roots:
+  for path in sorted(glob.glob(os.path.join(root, "nvidia", "**", "libcublas.so*"), recursive=True)):
+    print(os.path.dirname(path)); sys.exit(0)
+EOF
+)"
+BENCH_JSON="$BUILD/overlap_bench.json"
+if [[ $DRY_RUN -eq 1 || $HAVE_GPU -eq 0 ]]; then
+  [[ $DRY_RUN -eq 0 ]] && { echo "run_all.sh: no GPU found (nvidia-smi -L failed)" >&2; exit 1; }
+  note "SKIP overlap_bench run: dry run (timings need an H100/H200)"
+else
+  LD_LIBRARY_PATH="${CUBLAS_DIR:+$CUBLAS_DIR:}${LD_LIBRARY_PATH:-}" LD_PRELOAD="$LIB" \
+    timeout 300 "$BENCH" --out "$BENCH_JSON" >/dev/null
+  note "overlap_bench done: $BENCH_JSON"
+fi
+
+# 4. JAX check: identical outputs with and without shaping.
+JAX_ENV=(env)
+if [[ $DRY_RUN -eq 1 || $HAVE_GPU -eq 0 ]]; then
+  JAX_ENV+=(JAX_PLATFORMS=cpu)
+  note "JAX check on CPU (no kernel launches to shape; checks the preload path and regions)"
+fi
+XLA_CHECK_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0 --xla_gpu_deterministic_ops=true"
+[[ $DRY_RUN -eq 1 || $HAVE_GPU -eq 0 ]] && XLA_CHECK_FLAGS="${XLA_FLAGS:-}"
+"${JAX_ENV[@]}" XLA_FLAGS="$XLA_CHECK_FLAGS" timeout 240 "$PY" "$HERE/jax_check.py" run "$BUILD/plain.npz" \
+  > "$BUILD/jax_plain.json"
+"${JAX_ENV[@]}" XLA_FLAGS="$XLA_CHECK_FLAGS" timeout 240 "$PY" -c \
+  'import sys; from jax_overlap._src.launch import main; sys.exit(main(sys.argv[1:]))' \
+  --plan "$HERE/plan_shape_all.json" -- "$PY" "$HERE/jax_check.py" run "$BUILD/shaped.npz" \
+  > "$BUILD/jax_shaped.json"
+"$PY" "$HERE/jax_check.py" compare "$BUILD/plain.npz" "$BUILD/shaped.npz" >&2
+note "JAX check: identical outputs; shaped run: $(tail -n1 "$BUILD/jax_shaped.json")"
+
+# Dry run: one launch through the test suite's fake driver, to see shaping act.
+if [[ $DRY_RUN -eq 1 ]]; then
+  FAKE="$BUILD/fake_cuda"
+  mkdir -p "$FAKE"
+  cc -O1 -fPIC -shared -Wl,-Bsymbolic -Wl,-soname,libcuda.so.1 -o "$FAKE/libcuda.so.1" \
+    "$REPO/xla_patches/testing/fake_cuda.c" -lpthread
+  cc -O1 -o "$FAKE/fake_app" "$REPO/xla_patches/testing/fake_app.c" -ldl -lpthread
+  OUT="$(LD_LIBRARY_PATH="$FAKE" LD_PRELOAD="$LIB" FAKE_CUDA_FUNCS="gemm_fusion_1:static=1024:regs=32" \
+    JAX_OVERLAP_RT_RULES="$("$PY" -c 'from jax_overlap.runtime import Plan; print(Plan(kernels=[{"match": "gemm_*", "blocks_per_sm": 2}]).to_rules(), end="")')" \
+    "$FAKE/fake_app" dlopen launch:gemm_fusion_1:256:0 | tail -n1)"
+  echo "$OUT" | grep -q '"launches_shaped": 1' || { echo "run_all.sh: fake-driver launch was not shaped: $OUT" >&2; exit 1; }
+  note "fake driver: XLA-like dlopen launch shaped (launches_shaped=1)"
+  note "dry run done in $((SECONDS - T0)) s; no results written"
+  exit 0
+fi
+
+# 5. Results.
+mkdir -p "$RESULTS"
+GPU_NAME="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n1)"
+SLUG="$(echo "$GPU_NAME" | tr 'A-Z' 'a-z' | tr -cs 'a-z0-9' '_' | sed 's/_$//')"
+DATE="$(date -u +%Y-%m-%d)"
+RESULT="$RESULTS/runtime_${SLUG}_${DATE}.json"
+"$PY" - "$BENCH_JSON" "$BUILD/jax_plain.json" "$BUILD/jax_shaped.json" "$RESULT" "$GPU_NAME" <<'EOF'
+import datetime, json, subprocess, sys
+bench, plain, shaped, out, gpu = sys.argv[1:]
+import jax
+result = {
+  "gpu": gpu,
+  "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+  "driver": subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                           capture_output=True, text=True).stdout.strip(),
+  "jax": jax.__version__,
+  "overlap_bench": json.load(open(bench)),
+  "jax_check": {"identical": True, "plain": json.loads(open(plain).read().splitlines()[-1]),
+                "shaped": json.loads(open(shaped).read().splitlines()[-1])},
+}
+json.dump(result, open(out, "w"), indent=2)
+print(out)
+EOF
+note "results: $RESULT ($((SECONDS - T0)) s)"

@@ -1,0 +1,487 @@
+"""Collective matmuls: a tensor-parallel all-gather or reduce-scatter as a ring of partial dots.
+
+A tensor-parallel layer either all-gathers its input before a matmul
+(``all_gather(x) @ w``) or reduce-scatters the matmul's partial sums after it
+(``psum_scatter(x @ w)``). Issued as one collective, the communication cannot
+overlap the matmul that depends on it. Split into ``N - 1`` neighbour
+exchanges (``ppermute``) around the ring of the ``N`` devices on the axis,
+each exchange is independent of the partial dot computed next to it, and the
+latency-hiding scheduler can run them concurrently:
+
+* :func:`all_gather_matmul`: every step multiplies the row block of ``x`` that
+  the device holds by ``w`` and passes the block on to its neighbour; after
+  ``N`` steps every row block has visited every device.
+* :func:`matmul_reduce_scatter`: every step computes the partial product of
+  one output row block, adds it to the partial sum received from the
+  neighbour and passes the sum on; after ``N`` steps each device holds the
+  full sum of its own block.
+
+The bidirectional variants split each block into halves that travel in
+opposite directions, using both directions of every link; ``chunks`` splits a
+block into more pieces for finer-grained overlap. Both functions have
+custom VJPs whose backward passes are again collective matmuls: the transpose
+of an all-gather-matmul is a matmul-reduce-scatter and vice versa.
+
+Cost model (:func:`estimate_gain`), for ``y = x @ w`` with global shapes
+``x: (m, k)``, ``w: (k, n)`` on an axis of ``N`` devices:
+
+* per-device compute ``T_c = max(2 m k n / N / F, B / M)`` with ``F`` the peak
+  FLOP/s for the dtype, ``M`` the memory bandwidth and ``B`` the bytes the
+  per-device GEMM reads and writes (roofline);
+* collective ``T_x = (N - 1) (alpha + s / beta)`` (alpha-beta model of a ring)
+  with ``s`` the bytes of one device's block (``m k / N`` elements gathered,
+  or ``m n / N`` scattered), ``alpha`` the per-hop link latency and ``beta``
+  the per-direction link bandwidth (twice that for the bidirectional ring);
+* baseline (no overlap) ``T_c + T_x``; ring
+  ``t + (N - 1) max(t, alpha + s / (p beta))`` with ``t = T_c / N + o`` the
+  time of one step's partial dot and ``o`` a per-kernel launch overhead.
+
+The link numbers come from :mod:`jax_overlap.targets` (the catalogue cites
+NVIDIA/AMD datasheets and NCCL's tuning defaults).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jax_overlap._src import targets as _targets
+
+__all__ = ["GainEstimate", "all_gather_matmul", "matmul_reduce_scatter", "estimate_gain"]
+
+AxisName = str | tuple[str, ...]
+
+
+# ---------------------------------------------------------------------------
+# Validation.
+# ---------------------------------------------------------------------------
+
+
+def _axis_size(api: str, axis) -> int:
+  if isinstance(axis, (tuple, list)):
+    if len(axis) != 1:
+      raise ValueError(f"{api}: axis must be a single mesh axis name for the ring, got {axis!r}")
+    axis = axis[0]
+  if not isinstance(axis, str):
+    raise TypeError(f"{api}: axis must be a mesh axis name (str), got {axis!r}")
+  try:
+    return int(lax.axis_size(axis))
+  except NameError:
+    raise ValueError(
+        f"{api}: axis {axis!r} is not bound here; call it inside a shard_map body whose mesh "
+        "has that axis"
+    ) from None
+
+
+def _check_operands(api: str, x, w, x_desc: str) -> None:
+  for name, v in (("x", x), ("w", w)):
+    if not hasattr(v, "shape") or not hasattr(v, "dtype"):
+      raise TypeError(f"{api}: {name} must be an array, got {type(v).__name__}")
+  if np.ndim(x) != 2 or np.ndim(w) != 2:
+    raise ValueError(
+        f"{api}: x and w must both be rank 2 ({x_desc} and (k, n)), got x with shape "
+        f"{tuple(x.shape)} and w with shape {tuple(w.shape)}"
+    )
+  if x.shape[1] != w.shape[0]:
+    raise ValueError(
+        f"{api}: the contracting dimensions must match: x.shape[1] ({x.shape[1]}) != "
+        f"w.shape[0] ({w.shape[0]})"
+    )
+
+
+def _directions(api: str, rows: int, what: str, bidirectional: bool, chunks) -> tuple[int, ...]:
+  if chunks is None:
+    chunks = 2 if bidirectional else 1
+  if isinstance(chunks, bool) or not isinstance(chunks, (int, np.integer)) or chunks < 1:
+    raise ValueError(f"{api}: chunks must be a positive int, got {chunks!r}")
+  if bidirectional and chunks % 2:
+    raise ValueError(
+        f"{api}: chunks must be even with bidirectional=True (half the pieces go each way), "
+        f"got {chunks}"
+    )
+  if rows % chunks:
+    raise ValueError(
+        f"{api}: {what} ({rows}) must be divisible by the number of ring pieces chunks={chunks}"
+    )
+  if bidirectional:
+    return (1,) * (chunks // 2) + (-1,) * (chunks // 2)
+  return (1,) * int(chunks)
+
+
+def _perm(n: int, direction: int) -> list[tuple[int, int]]:
+  return [(i, (i + direction) % n) for i in range(n)]
+
+
+def _dot(a, b, precision, preferred):
+  return jnp.dot(a, b, precision=precision, preferred_element_type=preferred)
+
+
+def _step_dot(a, b, precision, preferred):
+  """A ring step's partial dot, kept separate from the other steps' dots.
+
+  XLA's GPU dot merger (``xla_gpu_dot_merger_threshold_mb``) joins dots that
+  share an operand, which would turn the ring's partial dots back into one
+  GEMM after every exchange. Passing ``b`` through an optimization barrier
+  with this step's ``a`` gives every step its own operand.
+  """
+  a, b = lax.optimization_barrier((a, b))
+  return _dot(a, b, precision, preferred)
+
+
+# ---------------------------------------------------------------------------
+# The rings.
+# ---------------------------------------------------------------------------
+
+
+def _ag_ring(x, w, axis, n, dirs, precision, preferred, collect):
+  """``all_gather(x) @ w`` as a ring; also the gathered ``x`` if ``collect``."""
+  d = lax.axis_index(axis)
+  m_loc = x.shape[0]
+  p = m_loc // len(dirs)
+  pieces = [x[j * p : (j + 1) * p] for j in range(len(dirs))]
+  out_dtype = jnp.result_type(x.dtype, w.dtype) if preferred is None else preferred
+  y = jnp.zeros((n * m_loc, w.shape[1]), out_dtype)
+  xf = jnp.zeros((n * m_loc, x.shape[1]), x.dtype) if collect else None
+  for s in range(n):
+    # Issue the next exchange before this step's dots: they are independent.
+    nxt = [lax.ppermute(pc, axis, _perm(n, dj)) for pc, dj in zip(pieces, dirs)] if s < n - 1 else None
+    for j, (pc, dj) in enumerate(zip(pieces, dirs)):
+      row = ((d - dj * s) % n) * m_loc + j * p
+      y = lax.dynamic_update_slice_in_dim(y, _step_dot(pc, w, precision, preferred), row, axis=0)
+      if collect:
+        xf = lax.dynamic_update_slice_in_dim(xf, pc, row, axis=0)
+    pieces = nxt
+  return y, xf
+
+
+def _rs_ring(x, w, axis, n, dirs, precision, preferred):
+  """``psum_scatter(x @ w, scatter_dimension=0, tiled=True)`` as a ring."""
+  d = lax.axis_index(axis)
+  m_loc = x.shape[0] // n
+  p = m_loc // len(dirs)
+
+  def part(step, j, dj):
+    # The partial sum passing through this device at `step` ends, after the
+    # remaining hops, on device d + dj * (n - 1 - step) == d - dj * (1 + step).
+    row = ((d - dj * (1 + step)) % n) * m_loc + j * p
+    return _step_dot(lax.dynamic_slice_in_dim(x, row, p, axis=0), w, precision, preferred)
+
+  accs = [part(0, j, dj) for j, dj in enumerate(dirs)]
+  for s in range(1, n):
+    sent = [lax.ppermute(a, axis, _perm(n, dj)) for a, dj in zip(accs, dirs)]
+    accs = [snt + part(s, j, dj) for j, (snt, dj) in enumerate(zip(sent, dirs))]
+  return accs[0] if len(accs) == 1 else jnp.concatenate(accs, axis=0)
+
+
+def _vma(v) -> frozenset:
+  typeof = getattr(jax, "typeof", None)
+  if typeof is None:  # pragma: no cover - older jax
+    return frozenset()
+  aval = typeof(v)
+  mat = getattr(aval, "mat", None)  # jax >= 0.10: the manual axis type
+  if mat is not None and hasattr(mat, "varying"):
+    return frozenset(mat.varying)
+  return frozenset(getattr(aval, "vma", frozenset()))  # earlier jax
+
+
+def _match_primal(ct, primal, checked):
+  """Gives ``ct`` the varying-axes type of ``primal`` (under shard_map's check_vma).
+
+  Axes over which the primal was replicated but the cotangent varies are
+  summed over, as JAX's own transpose rules do; axes over which the primal
+  varies but the cotangent does not are marked varying.
+  """
+  if not checked:
+    return ct
+  extra = tuple(sorted(_vma(ct) - _vma(primal)))
+  if extra:
+    ct = lax.psum(ct, extra)
+  missing = tuple(sorted(_vma(primal) - _vma(ct)))
+  if missing:
+    if hasattr(lax, "pcast"):
+      ct = lax.pcast(ct, missing, to="varying")
+    else:  # pragma: no cover - older jax
+      ct = lax.pvary(ct, missing)
+  return ct
+
+
+# ---------------------------------------------------------------------------
+# Public API.
+# ---------------------------------------------------------------------------
+
+
+def all_gather_matmul(
+    x: jax.typing.ArrayLike,
+    w: jax.typing.ArrayLike,
+    *,
+    axis: AxisName,
+    bidirectional: bool = False,
+    chunks: int | None = None,
+    precision: Any = None,
+    preferred_element_type: Any = None,
+) -> jax.Array:
+  """``all_gather(x, axis, tiled=True) @ w`` as a ppermute ring interleaved with partial dots.
+
+  Call inside a ``shard_map`` body. ``x`` is this device's row block of the
+  (sequence- or batch-) sharded activations; ``w`` is this device's weight
+  (typically a column block of a column-parallel weight).
+
+  Args:
+    x: ``(m / N, k)`` local row block, ``N`` the size of ``axis``.
+    w: ``(k, n)`` local weight.
+    axis: the mesh axis name of the ring.
+    bidirectional: split each block in halves sent in opposite directions,
+      using both directions of every link.
+    chunks: pieces per block (default 1, or 2 when bidirectional; must be
+      even when bidirectional and divide ``m / N``). More pieces give the
+      scheduler finer-grained work to overlap, at more kernel launches.
+    precision: passed to the dots.
+    preferred_element_type: passed to the dots (e.g. ``jnp.float32``).
+
+  Returns:
+    ``(m, n)``: the rows of every device, in device order, times ``w``.
+
+  Raises:
+    TypeError: if ``x`` or ``w`` is not an array or ``axis`` is not a name.
+    ValueError: if the ranks are not 2, the contracting dimensions differ,
+      ``axis`` is not bound, or ``chunks`` does not fit.
+
+  Example:
+    >>> from functools import partial
+    >>> from jax.sharding import PartitionSpec as P
+    >>> @partial(jax.shard_map, mesh=mesh, in_specs=(P("tensor"), P(None, "tensor")),
+    ...          out_specs=P(None, "tensor"))  # doctest: +SKIP
+    ... def layer(x, w):
+    ...   return all_gather_matmul(x, w, axis="tensor", bidirectional=True)
+  """
+  api = "all_gather_matmul"
+  _check_operands(api, x, w, "(m / N, k)")
+  n = _axis_size(api, axis)
+  axis = axis[0] if isinstance(axis, (tuple, list)) else axis
+  dirs = _directions(api, x.shape[0], "x.shape[0] (the local rows)", bidirectional, chunks)
+  return _ag_matmul(x, w, axis, n, dirs, precision, preferred_element_type)
+
+
+def matmul_reduce_scatter(
+    x: jax.typing.ArrayLike,
+    w: jax.typing.ArrayLike,
+    *,
+    axis: AxisName,
+    bidirectional: bool = False,
+    chunks: int | None = None,
+    precision: Any = None,
+    preferred_element_type: Any = None,
+) -> jax.Array:
+  """``psum_scatter(x @ w, axis, scatter_dimension=0, tiled=True)`` as a ring of partial dots.
+
+  Call inside a ``shard_map`` body. The contraction dimension ``k`` is sharded
+  along ``axis`` (a row-parallel weight), so ``x @ w`` on each device is a
+  partial sum; the result is this device's row block of the full sum.
+
+  Args:
+    x: ``(m, k / N)`` local activations, ``N`` the size of ``axis``.
+    w: ``(k / N, n)`` local weight.
+    axis: the mesh axis name of the ring.
+    bidirectional: split each block in halves sent in opposite directions.
+    chunks: pieces per block (default 1, or 2 when bidirectional; must be
+      even when bidirectional and divide ``m / N``).
+    precision: passed to the dots.
+    preferred_element_type: passed to the dots; also the dtype in which the
+      partial sums travel and accumulate.
+
+  Returns:
+    ``(m / N, n)``: this device's row block of the sum over the axis.
+
+  Raises:
+    TypeError: if ``x`` or ``w`` is not an array or ``axis`` is not a name.
+    ValueError: if the ranks are not 2, the contracting dimensions differ,
+      ``axis`` is not bound, ``m`` is not divisible by ``N``, or ``chunks``
+      does not fit.
+
+  Example:
+    >>> @partial(jax.shard_map, mesh=mesh, in_specs=(P(None, "tensor"), P("tensor")),
+    ...          out_specs=P("tensor"))  # doctest: +SKIP
+    ... def layer(h, w):
+    ...   return matmul_reduce_scatter(h, w, axis="tensor")
+  """
+  api = "matmul_reduce_scatter"
+  _check_operands(api, x, w, "(m, k / N)")
+  n = _axis_size(api, axis)
+  axis = axis[0] if isinstance(axis, (tuple, list)) else axis
+  if x.shape[0] % n:
+    raise ValueError(
+        f"{api}: x.shape[0] ({x.shape[0]}) must be divisible by the size of axis {axis!r} ({n})"
+    )
+  dirs = _directions(api, x.shape[0] // n, "x.shape[0] / axis size", bidirectional, chunks)
+  return _rs_matmul(x, w, axis, n, dirs, precision, preferred_element_type)
+
+
+# ---------------------------------------------------------------------------
+# Custom VJPs: each backward pass is the other collective matmul.
+# ---------------------------------------------------------------------------
+
+
+def _ag_matmul(x, w, axis, n, dirs, precision, preferred):
+  @jax.custom_vjp
+  def f(x, w):
+    return _ag_ring(x, w, axis, n, dirs, precision, preferred, collect=False)[0]
+
+  def fwd(x, w):
+    y, xf = _ag_ring(x, w, axis, n, dirs, precision, preferred, collect=True)
+    return y, (xf, x, w)
+
+  def bwd(res, ct):
+    xf, x, w = res
+    checked = bool(_vma(x) | _vma(w))
+    dx = _rs_ring(ct, w.T.astype(ct.dtype), axis, n, dirs, precision, None)
+    dw = _dot(xf.T, ct, precision, None)
+    return (
+        _match_primal(dx.astype(x.dtype), x, checked),
+        _match_primal(dw.astype(w.dtype), w, checked),
+    )
+
+  f.defvjp(fwd, bwd)
+  return f(x, w)
+
+
+def _rs_matmul(x, w, axis, n, dirs, precision, preferred):
+  @jax.custom_vjp
+  def f(x, w):
+    return _rs_ring(x, w, axis, n, dirs, precision, preferred)
+
+  def fwd(x, w):
+    return f(x, w), (x, w)
+
+  def bwd(res, ct):
+    x, w = res
+    checked = bool(_vma(x) | _vma(w))
+    dx, ct_full = _ag_ring(ct, w.T.astype(ct.dtype), axis, n, dirs, precision, None,
+                           collect=True)
+    dw = _dot(x.T, ct_full.astype(x.dtype), precision, None)
+    return (
+        _match_primal(dx.astype(x.dtype), x, checked),
+        _match_primal(dw.astype(w.dtype), w, checked),
+    )
+
+  f.defvjp(fwd, bwd)
+  return f(x, w)
+
+
+# ---------------------------------------------------------------------------
+# Cost model.
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class GainEstimate:
+  """What :func:`estimate_gain` predicts for one collective matmul.
+
+  Attributes:
+    compute_s: per-device GEMM time (roofline).
+    comm_s: time of the collective alone (ring, alpha-beta).
+    baseline_s: collective then GEMM, no overlap.
+    overlapped_s: the ring of partial dots.
+    speedup: ``baseline_s / overlapped_s``.
+    worthwhile: whether ``speedup`` reaches the ``min_speedup`` asked for.
+  """
+
+  compute_s: float
+  comm_s: float
+  baseline_s: float
+  overlapped_s: float
+  speedup: float
+  worthwhile: bool
+
+
+def estimate_gain(
+    m: int,
+    n: int,
+    k: int,
+    axis_size: int,
+    dtype: Any = "bfloat16",
+    target: Any = "h100x8",
+    *,
+    kind: str = "all_gather",
+    bidirectional: bool = True,
+    chunks: int | None = None,
+    launch_overhead_s: float = 5e-6,
+    min_speedup: float = 1.05,
+) -> GainEstimate:
+  """Predicts the gain of a collective matmul over a collective followed by a GEMM.
+
+  The formulas are in the module docstring: roofline compute, alpha-beta ring
+  communication, and a ring of ``axis_size`` steps each costing the larger of
+  its partial dot and its neighbour exchange.
+
+  Args:
+    m: rows of the global ``x`` (e.g. batch x sequence).
+    n: columns of the global ``w``.
+    k: the contracting dimension.
+    axis_size: devices on the tensor-parallel axis.
+    dtype: element type of the operands (name or dtype).
+    target: topology name or object from :mod:`jax_overlap.targets`.
+    kind: ``"all_gather"`` (``x`` is gathered, ``m k`` elements move) or
+      ``"reduce_scatter"`` (the ``m n`` output is scattered).
+    bidirectional: whether the ring uses both link directions.
+    chunks: pieces per block (as in :func:`all_gather_matmul`).
+    launch_overhead_s: fixed cost added to every partial dot.
+    min_speedup: the speedup at which ``worthwhile`` becomes true.
+
+  Returns:
+    A :class:`GainEstimate`.
+
+  Raises:
+    ValueError: for non-positive sizes, an unknown ``kind`` or target.
+
+  Example:
+    >>> est = estimate_gain(8192, 8192, 8192, 8, "bfloat16", "h100x8")
+    >>> est.speedup > 1.0
+    True
+  """
+  api = "estimate_gain"
+  for name, v in (("m", m), ("n", n), ("k", k), ("axis_size", axis_size)):
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+      raise ValueError(f"{api}: {name} must be a positive int, got {v!r}")
+  if kind not in ("all_gather", "reduce_scatter"):
+    raise ValueError(f"{api}: kind must be 'all_gather' or 'reduce_scatter', got {kind!r}")
+  topo = _targets.get(target)
+  gpu = topo.gpu
+  itemsize = jnp.dtype(dtype).itemsize
+  dname = jnp.dtype(dtype).name
+  short = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "float64": "f64"}
+  peak = gpu.peak_flops(short.get(dname, dname))
+  bw, alpha = topo.link_for(axis_size)
+  big_n = int(axis_size)
+  pieces = chunks if chunks is not None else (2 if bidirectional else 1)
+
+  flops = 2.0 * m * n * k / big_n
+  if kind == "all_gather":  # reads the gathered x, its w columns; writes its y columns
+    gemm_bytes = (m * k + (k * n + m * n) / big_n) * itemsize
+  else:  # reads its x columns and w rows; writes a full partial y
+    gemm_bytes = ((m * k + k * n) / big_n + m * n) * itemsize
+  compute = max(flops / peak, gemm_bytes / gpu.memory_bandwidth)
+  block = (m * k if kind == "all_gather" else m * n) / big_n * itemsize
+  link = bw * (2.0 if bidirectional else 1.0)
+  hops = big_n - 1
+  comm = hops * (alpha + block / link)
+  baseline = compute + comm
+  if big_n == 1:
+    overlapped = compute
+  else:
+    step = compute / big_n + pieces * launch_overhead_s
+    exchange = alpha + block / link
+    overlapped = step + hops * max(step, exchange)
+  speedup = baseline / overlapped
+  return GainEstimate(
+      compute_s=compute,
+      comm_s=comm,
+      baseline_s=baseline,
+      overlapped_s=overlapped,
+      speedup=speedup,
+      worthwhile=speedup >= min_speedup,
+  )

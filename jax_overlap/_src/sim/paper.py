@@ -1,0 +1,160 @@
+"""The paper table: transformer-like GEMM + collective mixes under the five policies.
+
+Cui & Pericas (arXiv 2606.09200) report that occupancy shaping plus communication priority
+cut total execution time by up to 25.5% on A40, A100, H100 and MI250X. This module runs the
+same comparison in the simulator on three mixes per GPU:
+
+  fsdp          an FSDP transformer step (4 layers, d=4096, 4096 tokens/device): weights
+                all-gathered ahead of each layer, gradients reduce-scattered behind it;
+                communication mostly off the critical path;
+  tp-gemm       a tensor-parallel chain of 8192^3 GEMMs whose reduce-scatters feed the GEMM
+                two steps later (communication on the critical path);
+  tp-attention  the same chain with fused attention kernels (two blocks per SM on NVIDIA)
+                in place of the GEMMs and 64 MiB reduce-scatters.
+
+Reductions are reported against plain concurrency (the paper's baseline: collectives on
+their own stream, default priority) and against sequential execution. The column
+``p+s (free)`` repeats priority+shaping with ``occupancy_exponent = 0``, i.e. assuming
+a shaped kernel loses no throughput, to show how much of the answer hangs on that cost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import platform
+from collections.abc import Sequence
+
+from jax_overlap._src.sim import workloads
+from jax_overlap._src.sim.model import constants_for
+from jax_overlap._src.sim.policies import POLICIES, simulate
+from jax_overlap._src.sim.tune import tune as _tune
+
+__all__ = ["PAPER_GPUS", "PAPER_REDUCTION", "paper_mixes", "paper_table", "PaperTable"]
+
+PAPER_GPUS = ("a40", "a100", "h100", "mi250x")
+PAPER_REDUCTION = 0.255  # "up to 25.5%" (arXiv 2606.09200, abstract)
+
+
+def paper_mixes() -> dict:
+  """The workloads of the table, by name."""
+  att = workloads.attention("attn", 4096, 4096, 2048)
+  return {
+      "fsdp": workloads.transformer_step(4, d=4096, tokens=4096, name="fsdp"),
+      "tp-gemm": workloads.tp_chain(6, 8192, 8192, lag=2, name="tp-gemm"),
+      "tp-attention": workloads.tp_chain(6, 8192, 4096, lag=2, kernel=lambda i: att,
+                                         name="tp-attention"),
+  }
+
+
+@dataclasses.dataclass
+class PaperTable:
+  """Rows of the table (one per GPU and mix) and a summary against the paper."""
+
+  rows: list[dict]
+
+  def best_reduction(self, gpu: str | None = None) -> float:
+    rows = [r for r in self.rows if gpu is None or r["gpu"] == gpu]
+    return max(r["controls_reduction"] for r in rows)
+
+  def summary(self) -> str:
+    lines = []
+    for g in dict.fromkeys(r["gpu"] for r in self.rows):
+      rows = [r for r in self.rows if r["gpu"] == g]
+      best = max(rows, key=lambda r: r["controls_reduction"])
+      seq = max(rows, key=lambda r: r["vs_sequential"])
+      lines.append(
+          f"{g}: controls cut up to {best['controls_reduction']:.1%} vs concurrency "
+          f"({best['mix']}, {best['best_policy']}); up to {seq['vs_sequential']:.1%} vs "
+          f"sequential ({seq['mix']}); with free shaping p+s reaches "
+          f"{max(r['free_reduction'] for r in rows):.1%}"
+      )
+    best = self.best_reduction()
+    verdict = (
+        "agrees with" if best >= 0.8 * PAPER_REDUCTION else
+        "is below" if best < PAPER_REDUCTION else "exceeds"
+    )
+    lines.append(
+        f"Best reduction from the controls over plain concurrency: {best:.1%}; the paper "
+        f"reports up to {PAPER_REDUCTION:.1%}: the model {verdict} it."
+    )
+    lines.append(
+        "Where the model agrees: the controls pay off when a collective on the critical path "
+        "becomes ready while a compute kernel is still dispatching blocks (tp mixes); "
+        "priority alone suffices where compute blocks sit one per SM (Hopper GEMM tiles), "
+        "shaping is needed as well where they pack two or more per SM (attention, Ampere), "
+        "because an NCCL CTA (640 threads x 96 registers) needs an SM to itself and an SM "
+        "only drains when it holds one block."
+    )
+    lines.append(
+        "Where it does not: in the FSDP step communication is mostly off the critical path, "
+        "so the controls change little and priority can even cost time (communication CTAs "
+        "take SMs from a one-wave GEMM: the tail effect); shaping a kernel below the "
+        "occupancy it needs costs throughput (occupancy_exponent), which can cancel the "
+        "gain; on MI250X RCCL's 256-thread CTAs fit beside the compute blocks, so shaping "
+        "has nothing to free and priority matters only through dispatch order."
+    )
+    return "\n".join(lines)
+
+  def markdown(self) -> str:
+    cols = ["gpu", "mix", *POLICIES, "p+s (free)", "tuned", "controls vs conc.",
+            "conc. vs seq."]
+    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in self.rows:
+      vals = [r["gpu"], r["mix"]] + [f"{r['ms'][p]:.3f}" for p in POLICIES] + [
+          f"{r['free_ms']:.3f}", f"{r['tuned_ms']:.3f}" if r["tuned_ms"] else "-",
+          f"{r['controls_reduction']:.1%}", f"{r['vs_sequential']:.1%}"]
+      out.append("| " + " | ".join(vals) + " |")
+    out.append("")
+    out.append("Times in ms of simulated step time on one device. " + self.summary().replace(
+        "\n", "\n\n"))
+    return "\n".join(out)
+
+  def to_json(self) -> str:
+    return json.dumps({"rows": self.rows, "summary": self.summary(),
+                       "paper_reduction": PAPER_REDUCTION,
+                       "machine": {"platform": platform.platform()}}, indent=1)
+
+
+def paper_table(gpus: Sequence[str] = PAPER_GPUS, *, mixes: dict | None = None,
+                tune: bool = True, progress: bool | None = False) -> PaperTable:
+  """Simulates each mix on each GPU under the five policies (and the tuner).
+
+  Args:
+    gpus: catalogue GPU names.
+    mixes: name -> Workload (default :func:`paper_mixes`).
+    tune: also run :func:`sim.tune` per row.
+    progress: progress display for the tuner.
+
+  Returns:
+    A :class:`PaperTable`; ``.markdown()`` formats it, ``.summary()`` compares it with the
+    paper.
+  """
+  mixes = paper_mixes() if mixes is None else mixes
+  rows = []
+  for g in gpus:
+    const = constants_for(g)
+    free = const.replace(occupancy_exponent=0.0)
+    for name, wl in mixes.items():
+      ms = {p: simulate(wl, g, p, constants=const, baseline=False).makespan_s * 1e3
+            for p in POLICIES}
+      free_ms = simulate(wl, g, "priority+shaping", constants=free,
+                         baseline=False).makespan_s * 1e3
+      tuned = _tune(wl, g, constants=const, progress=progress, max_evals=32) if tune else None
+      controls = {p: ms[p] for p in ("priority", "shaping", "priority+shaping")}
+      if tuned is not None:
+        controls["tuned"] = tuned.makespan_s * 1e3
+      best_policy = min(controls, key=controls.get)
+      rows.append({
+          "gpu": g,
+          "mix": name,
+          "ms": ms,
+          "free_ms": free_ms,
+          "tuned_ms": tuned.makespan_s * 1e3 if tuned else None,
+          "tuned_plan": (tuned.plan if isinstance(tuned.plan, dict) else None) if tuned else None,
+          "best_policy": best_policy,
+          "controls_reduction": max(0.0, 1 - controls[best_policy] / ms["concurrent"]),
+          "free_reduction": 1 - free_ms / ms["concurrent"],
+          "vs_sequential": 1 - ms["concurrent"] / ms["sequential"],
+      })
+  return PaperTable(rows)

@@ -1,0 +1,248 @@
+"""Contention-aware step time of an analysed kernel sequence, under each policy.
+
+The analysis Report lists a compiled step's kernels in schedule order and its collectives
+with the positions where they are issued and awaited. Its own step-time estimate assumes
+that whatever the schedule places side by side really runs side by side (each kernel at
+its roofline time, each collective at its alpha-beta time on a free link). Here the same
+sequence runs through the SM-level simulator, where collectives need resident CTAs and
+share DRAM bandwidth with the kernels, under each policy. The gap between the two is what
+tells a user whether the runtime controls are worth turning on.
+
+Conversion (:func:`workload_from_report`):
+  * kernels keep their order on stream 0. GEMMs with ``gemm_mnk`` are rebuilt by shape
+    (:meth:`Kernel.gemm`): a deviceless compile cannot autotune, so its GEMM launch
+    configurations are defaults, not what runs on hardware. Other kernels keep the
+    report's grid, threads, shared memory and registers (32 when unknown), flops and bytes;
+  * a kernel with an empty grid (a memcpy or a custom call without launch information) is
+    modelled as one 32-thread block carrying its bytes and flops;
+  * asynchronous collectives go on stream 1 in issue order; each waits (event) for the
+    kernel before its ``start_index`` and the kernel at ``done_index`` waits for it;
+    synchronous collectives run on stream 0 in place.
+
+The analysis estimate (when the report has no ``step_time_s``) replays the same sequence
+with the report's ``time_s`` values: kernels back to back, each asynchronous collective
+starting when issued and its link is free, kernels waiting for the collectives they need.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from jax_overlap._src.sim import engine
+from jax_overlap._src.sim.model import (
+    COLLECTIVE_KINDS,
+    COMPUTE_KINDS,
+    Collective,
+    Constants,
+    Kernel,
+    Workload,
+)
+from jax_overlap._src.sim.policies import POLICIES, Policy, get_policy, simulate
+
+__all__ = ["workload_from_report", "analysis_step_time", "realize", "RealizeResult"]
+
+
+def _attr(obj, name: str, where: str):
+  if not hasattr(obj, name):
+    raise TypeError(f"sim.workload_from_report: {where} has no attribute {name!r}")
+  return getattr(obj, name)
+
+
+def _kernel_names(kernels) -> list[str]:
+  names, seen = [], {}
+  for k in kernels:
+    n = str(_attr(k, "name", "a report kernel"))
+    if n in seen:
+      n = f"{n}#{_attr(k, 'index', 'a report kernel')}"
+    seen[n] = True
+    names.append(n)
+  return names
+
+
+def workload_from_report(report, *, channels: int | None = None) -> Workload:
+  """The simulator workload of an analysis Report's kernel sequence (see module docstring).
+
+  Args:
+    report: an object with ``target``, ``kernels`` and ``collectives`` (the analysis
+      Report's interface).
+    channels: override the communication CTAs per collective.
+
+  Returns:
+    A :class:`Workload` on stream 0 (compute, synchronous collectives) and 1
+    (asynchronous collectives).
+
+  Raises:
+    ValueError: naming the kernel or collective with a bad field (negative sizes,
+      unknown kinds, done before start, indices out of range).
+    TypeError: when the report lacks a field.
+  """
+  kernels = list(_attr(report, "kernels", "report"))
+  colls = list(_attr(report, "collectives", "report"))
+  n = len(kernels)
+  if n == 0 and not colls:
+    raise ValueError("sim.workload_from_report: the report has no kernels and no collectives")
+  names = _kernel_names(kernels)
+  waits: list[list[str]] = [[] for _ in range(n + 1)]
+  issued: list[list] = [[] for _ in range(n + 1)]
+  cnames = set()
+  for j, c in enumerate(colls):
+    where = f"report.collectives[{j}] ({getattr(c, 'name', '?')!r})"
+    kind = _attr(c, "kind", where)
+    if kind not in COLLECTIVE_KINDS:
+      raise ValueError(
+          f"sim.workload_from_report: {where}.kind must be one of {COLLECTIVE_KINDS}, got "
+          f"{kind!r}"
+      )
+    s, d = int(_attr(c, "start_index", where)), int(_attr(c, "done_index", where))
+    if not 0 <= s <= n or not 0 <= d <= n:
+      raise ValueError(
+          f"sim.workload_from_report: {where}: start_index {s} and done_index {d} must be in "
+          f"[0, {n}]"
+      )
+    if d < s:
+      raise ValueError(
+          f"sim.workload_from_report: {where}: done_index {d} is before start_index {s}"
+      )
+    nbytes = float(_attr(c, "bytes", where))
+    if nbytes < 0:
+      raise ValueError(f"sim.workload_from_report: {where}.bytes must be >= 0, got {nbytes}")
+    cname = str(c.name)
+    while cname in cnames or cname in names:
+      cname += "'"
+    cnames.add(cname)
+    sync = bool(getattr(c, "synchronous", False))
+    after = (names[s - 1],) if (s > 0 and not sync) else ()
+    issued[s].append(Collective(cname, kind, nbytes, group_size=int(_attr(c, "group_size", where)),
+                                stream=0 if sync else 1, after=after, channels=channels))
+    if not sync and d < n:
+      waits[d].append(cname)
+  items: list = []
+  for i, k in enumerate(kernels):
+    items.extend(issued[i])
+    items.append(_kernel(k, names[i], tuple(waits[i])))
+  items.extend(issued[n])
+  return Workload(tuple(items), name=str(getattr(report, "name", "report")))
+
+
+def _kernel(k, name: str, after: tuple[str, ...]) -> Kernel:
+  where = f"report kernel {name!r}"
+  kind = str(_attr(k, "kind", where))
+  if kind not in COMPUTE_KINDS:
+    kind = "other"
+  for f in ("grid_blocks", "threads_per_block", "smem_bytes", "flops", "bytes_accessed"):
+    v = _attr(k, f, where)
+    if v is not None and v < 0:
+      raise ValueError(f"sim.workload_from_report: {where}: {f} must be >= 0, got {v}")
+  dtype = str(getattr(k, "dtype", "bf16") or "bf16")
+  mnk = getattr(k, "gemm_mnk", None)
+  flops = float(_attr(k, "flops", where) or 0.0)
+  nbytes = float(_attr(k, "bytes_accessed", where) or 0.0)
+  if kind == "gemm" and mnk:
+    g = Kernel.gemm(name, *(int(x) for x in mnk), dtype=dtype, after=after)
+    return g
+  grid = int(_attr(k, "grid_blocks", where))
+  threads = int(_attr(k, "threads_per_block", where))
+  if grid == 0:
+    grid, threads = 1, 32
+  if threads < 1:
+    raise ValueError(f"sim.workload_from_report: {where}: threads_per_block must be >= 1")
+  regs = getattr(k, "regs_per_thread", None) or 32
+  return Kernel(name, grid=grid, threads=threads, regs=int(regs),
+                smem=int(_attr(k, "smem_bytes", where) or 0), flops=flops, bytes=nbytes,
+                after=after, kind=kind, dtype=dtype)
+
+
+def analysis_step_time(report) -> float:
+  """The report's contention-free step time (its ``step_time_s`` if it has one)."""
+  st = getattr(report, "step_time_s", None)
+  if st is not None:
+    return float(st)
+  kernels = list(report.kernels)
+  n = len(kernels)
+  by_start: dict[int, list] = {}
+  for c in report.collectives:
+    by_start.setdefault(int(c.start_index), []).append(c)
+  done_at: dict[int, float] = {}
+  t = 0.0
+  link_free = 0.0
+  ends = []
+  for i in range(n + 1):
+    for c in by_start.get(i, []):
+      if getattr(c, "synchronous", False):
+        t += float(c.time_s)
+        ends.append(t)
+      else:
+        s = max(t, link_free)
+        e = s + float(c.time_s)
+        link_free = e
+        d = int(c.done_index)
+        done_at[d] = max(done_at.get(d, 0.0), e)
+        ends.append(e)
+    if i < n:
+      t = max(t, done_at.get(i, 0.0)) + float(kernels[i].time_s)
+  return max([t, *ends])
+
+
+@dataclasses.dataclass
+class RealizeResult:
+  """Analysis estimate vs simulated step time under each policy.
+
+  Attributes:
+    analysis_s: the report's contention-free step time.
+    results: policy name -> SimResult.
+    workload: the simulated workload.
+  """
+
+  analysis_s: float
+  results: dict
+  workload: Workload
+
+  def gap(self, policy: str = "concurrent") -> float:
+    """Simulated over analysis step time, minus one (how optimistic the analysis is)."""
+    return self.results[policy].makespan_s / self.analysis_s - 1.0
+
+  @property
+  def best(self) -> str:
+    return min(self.results, key=lambda p: self.results[p].makespan_s)
+
+  def table(self) -> str:
+    lines = [f"analysis (contention-free): {self.analysis_s * 1e3:.4f} ms"]
+    for p, r in self.results.items():
+      lines.append(f"{p:>18}: {r.makespan_s * 1e3:.4f} ms  ({self.gap(p):+.1%} vs analysis, "
+                   f"compute slowdown {r.compute_slowdown:.1%})")
+    return "\n".join(lines)
+
+
+def realize(report, policy: str | Policy | Sequence[str | Policy] | None = None, *,
+            constants: Constants | dict | None = None, channels: int | None = None):
+  """Contention-aware step time of ``report``'s kernel sequence.
+
+  Args:
+    report: an analysis Report (``target``, ``kernels``, ``collectives``).
+    policy: one policy (returns its SimResult inside a RealizeResult with one entry), a
+      list of them, or None for all five.
+    constants: model constants or overrides.
+    channels: communication CTAs per collective (default: the target's).
+
+  Returns:
+    A :class:`RealizeResult`.
+
+  Example:
+    >>> res = realize(report)  # doctest: +SKIP
+    >>> print(res.table())     # doctest: +SKIP
+  """
+  target = _attr(report, "target", "report")
+  topo = engine.resolve_target(target)
+  wl = workload_from_report(report, channels=channels)
+  if policy is None:
+    pols = list(POLICIES)
+  elif isinstance(policy, (str, Policy)):
+    pols = [policy]
+  else:
+    pols = list(policy)
+  results = {}
+  for p in pols:
+    pol = get_policy(p)
+    results[pol.name] = simulate(wl, topo, pol, constants=constants)
+  return RealizeResult(analysis_step_time(report), results, wl)

@@ -1,0 +1,1 @@
+"""Example programs and builders for ``jax-overlap analyze MODULE:BUILDER``."""

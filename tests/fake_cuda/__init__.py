@@ -1,0 +1,1 @@
+"""Test harness for the runtime library: a fake libcuda and programs that use it."""

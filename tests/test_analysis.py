@@ -1,0 +1,242 @@
+"""Tests for deviceless schedule analysis (jax_overlap.analyze)."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_overlap
+from jax_overlap import targets
+from jax_overlap._src import cost_model as cm
+from jax_overlap._src import hlo
+from jax_overlap._src.compile import compile_for_target
+
+H100 = targets.get("h100x8")
+MODEL = cm.CostModel()
+LHS = {"xla_gpu_enable_latency_hiding_scheduler": True}
+
+
+def _sds(shape, mesh, spec, dtype=jnp.bfloat16):
+  return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+
+def _smap(f, mesh, in_specs, out_specs):
+  return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False))
+
+
+def _gemm_time(m, n, k, dtype="bf16"):
+  return cm.kernel_time(2.0 * m * n * k, 2.0 * (m * k + k * n + m * n), H100.gpu, dtype=dtype, is_dot=True)
+
+
+def test_all_gather_feeding_a_matmul_is_fully_exposed():
+  mesh = targets.compile_only_mesh("h100x8")
+  n = 4096
+
+  def f(w, x):
+    wg = jax.lax.all_gather(w, "fsdp", axis=0, tiled=True)
+    return x @ wg
+
+  fn = _smap(f, mesh, (P("fsdp"), P()), P())
+  r = jax_overlap.analyze(fn, _sds((n, n), mesh, P("fsdp")), _sds((1024, n), mesh, P()), target="h100x8", xla_options=LHS)
+  (ag,) = r.collectives
+  assert ag.kind == "all-gather" and ag.group_size == 8
+  assert ag.bytes == n * n * 2  # the gathered result
+  expected = cm.collective_time("all-gather", n * n * 2, 8, H100)
+  assert ag.time_s == pytest.approx(expected)
+  # Nothing can run under it: all of it is exposed.
+  assert r.exposed_comm_s == pytest.approx(expected, rel=1e-6)
+  assert r.overlap_fraction == pytest.approx(0.0, abs=1e-9)
+  assert r.step_time_s == pytest.approx(r.compute_time_s + expected, rel=1e-6)
+
+
+@pytest.mark.parametrize("m", [2048, 16384])
+def test_all_gather_independent_of_a_matmul(m):
+  mesh = targets.compile_only_mesh("h100x8")
+  n = 4096
+
+  def f(w, a, b):
+    wg = jax.lax.all_gather(w, "fsdp", axis=0, tiled=True)
+    return a @ b, wg
+
+  fn = _smap(f, mesh, (P("fsdp"), P(), P()), (P(), P()))
+  args = (_sds((n, n), mesh, P("fsdp")), _sds((m, n), mesh, P()), _sds((n, n), mesh, P()))
+  r = jax_overlap.analyze(fn, *args, target="h100x8", xla_options=LHS)
+  (ag,) = r.collectives
+  t_comm = cm.collective_time("all-gather", n * n * 2, 8, H100)
+  t_mm = _gemm_time(m, n, n)
+  assert not ag.synchronous
+  assert ag.overlapped_kernels >= 1
+  # Hand-computed: the gather hides under the matmul, whatever is left is exposed.
+  assert r.exposed_comm_s == pytest.approx(max(0.0, t_comm - t_mm), abs=0.02 * t_comm)
+  assert r.step_time_s == pytest.approx(max(t_comm, t_mm), rel=0.05)
+
+
+def test_reduce_scatter_after_the_last_matmul_is_exposed():
+  mesh = targets.compile_only_mesh("h100x8")
+
+  def f(x, w):
+    return jax.lax.psum_scatter(x @ w, "fsdp", scatter_dimension=0, tiled=True)
+
+  fn = _smap(f, mesh, (P(), P()), P("fsdp"))
+  r = jax_overlap.analyze(fn, _sds((4096, 4096), mesh, P()), _sds((4096, 4096), mesh, P()), target="h100x8", xla_options=LHS)
+  (rs,) = r.collectives
+  assert rs.kind == "reduce-scatter"
+  expected = cm.collective_time("reduce-scatter", 4096 * 4096 * 2, 8, H100)
+  assert r.exposed_comm_s == pytest.approx(expected, rel=1e-6)
+  assert r.overlap_fraction == pytest.approx(0.0, abs=1e-9)
+
+
+def test_no_collectives_gives_a_valid_report():
+  mesh = targets.compile_only_mesh("h100x8")
+  x = _sds((1024, 1024), mesh, P("fsdp"))
+  r = jax_overlap.analyze(lambda a: jnp.tanh(a) * 2, x, target="h100x8")
+  assert r.collectives == []
+  assert r.overlap_fraction is None
+  assert r.exposed_comm_s == 0.0
+  assert r.step_time_s == pytest.approx(r.compute_time_s)
+  assert "no collectives" in str(r)
+  assert any("no collectives" in n for n in r.notes)
+
+
+def _cpu_programs():
+  a = jnp.ones((256, 512), jnp.float32)
+  b = jnp.ones((512, 384), jnp.float32)
+  c = jnp.ones((384, 128), jnp.float32)
+  q = jnp.ones((4, 64, 32), jnp.float32)
+  return {
+      "matmul": (lambda a, b: a @ b, (a, b)),
+      "chain": (lambda a, b, c: jnp.tanh(a @ b) @ c, (a, b, c)),
+      "mlp_grad": (jax.grad(lambda a, b, c: jnp.sum(jax.nn.gelu(a @ b) @ c)), (a, b, c)),
+      "softmax": (lambda a: jax.nn.softmax(a, axis=-1), (a,)),
+      "attention": (lambda q, k, v: jax.nn.softmax(jnp.einsum("bqd,bkd->bqk", q, k)) @ v, (q, q, q)),
+      "layernorm": (lambda a: (a - a.mean(-1, keepdims=True)) * jax.lax.rsqrt(a.var(-1, keepdims=True) + 1e-5), (a,)),
+  }
+
+
+@pytest.mark.parametrize("name", sorted(_cpu_programs()))
+def test_flop_and_byte_counts_match_xla_cost_analysis(name):
+  fn, args = _cpu_programs()[name]
+  step = compile_for_target(fn, *args, target=None)
+  module = hlo.parse_module(step.hlo_text)
+  comp = module.entry_computation
+  ops = [i for i in comp.instructions if i.opcode not in ("parameter", "constant", "get-tuple-element", "tuple", "bitcast")]
+  flops = sum(module.instruction_flops(i) for i in ops)
+  trans = sum(module.instruction_transcendentals(i) for i in ops)
+  nbytes = sum(module.instruction_bytes(i) for i in ops)
+  xla = step.compiled.cost_analysis()
+  assert flops == pytest.approx(xla["flops"], rel=1e-9)
+  assert trans == pytest.approx(xla.get("transcendentals", 0.0), rel=1e-9)
+  assert nbytes == pytest.approx(xla["bytes accessed"], rel=1e-9)
+
+
+def test_loop_bodies_are_counted_per_iteration():
+  def scanned(ws, x):
+    return jax.lax.scan(lambda x, w: (jnp.tanh(x @ w), None), x, ws)[0].sum()
+
+  ws, x = jnp.ones((3, 128, 128)), jnp.ones((64, 128))
+  r = jax_overlap.analyze(scanned, ws, x, target=None)
+  assert r.loops and r.loops[0]["trip_count"] == 3
+  # 3 iterations of a 64x128x128 matmul; XLA's own analysis counts the body once.
+  matmul_flops = 3 * 2 * 64 * 128 * 128
+  assert matmul_flops <= r.flops <= matmul_flops * 1.01
+  xla = compile_for_target(scanned, ws, x, target=None).compiled.cost_analysis()["flops"]
+  assert r.flops == pytest.approx(3 * xla, rel=0.01)
+
+
+def test_report_outputs(tmp_path):
+  from jax_overlap.examples import fsdp_mlp
+
+  fn, args = fsdp_mlp.build("h100x8", layers=2, hidden=1024, mlp=4096, tokens_per_device=1024)
+  r = jax_overlap.analyze(fn, *args, target="h100x8", xla_options=jax_overlap.flags.as_compiler_options("h100x8"))
+  text = str(r)
+  assert "all-gather" in text and "exposed comm" in text
+  d = json.loads(r.to_json())
+  assert d["target"] == "h100x8" and len(d["kernels"]) == len(r.kernels)
+  assert d["num_collectives"] == len(r.collectives) > 0
+  # Perfetto / Chrome trace events.
+  trace = json.load(open(r.to_perfetto(str(tmp_path / "t.json"))))
+  xs = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+  assert len(xs) == len(r.events)
+  lanes = {e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "thread_name"}
+  assert "compute" in lanes and any(lane.startswith("comm[") for lane in lanes)
+  png = r.plot(str(tmp_path / "t.png"))
+  with open(png, "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  # Kernels carry launch configurations from XLA's thunk listing.
+  gemms = [k for k in r.kernels if k.kind == "gemm"]
+  assert gemms and all(k.grid_blocks > 0 and k.threads_per_block > 0 for k in gemms)
+  assert all(k.gemm_mnk is not None for k in gemms)
+  # Timeline invariants: kernels never overlap each other on the compute stream.
+  ends = [(k.start_s, k.end_s) for k in r.kernels]
+  assert all(a[1] <= b[0] + 1e-15 for a, b in zip(ends, ends[1:]))
+  for c in r.collectives:
+    assert c.end_s == pytest.approx(c.start_s + c.time_s)
+    assert 0 <= c.exposed_s <= c.time_s + 1e-12
+  assert r.exposed_comm_s <= r.comm_time_s + 1e-12
+  assert r.step_time_s >= r.compute_time_s
+
+
+def test_compare_table():
+  from jax_overlap.examples import fsdp_mlp
+
+  fn, args = fsdp_mlp.build("a100x8", layers=2, hidden=1024, mlp=4096, tokens_per_device=2048)
+  base = jax_overlap.analyze(fn, *args, target="a100x8", name="defaults")
+  rec = jax_overlap.analyze(fn, *args, target="a100x8", xla_options=jax_overlap.flags.as_compiler_options("a100x8"), name="recommended")
+  table = jax_overlap.compare([base, rec])
+  text = str(table)
+  assert "defaults" in text and "recommended" in text
+  rows = table.rows()
+  assert rows[0]["speedup_vs_first"] == pytest.approx(1.0)
+  assert "| recommended |" in table.to_markdown()
+  with pytest.raises(ValueError, match="2 names for 1 reports"):
+    jax_overlap.compare([base], ["a", "b"])
+  with pytest.raises(ValueError, match="at least one report"):
+    jax_overlap.compare([])
+
+
+def test_shardings_are_retargeted_by_axis_name():
+  from jax_overlap.examples import fsdp_mlp
+
+  fn, args = fsdp_mlp.build("h100x8", layers=2, hidden=512, mlp=1024, tokens_per_device=256)
+  r16 = jax_overlap.analyze(fn, *args, target="h200x16")
+  assert r16.target == "h200x16"
+  assert {c.group_size for c in r16.collectives if c.kind == "all-gather"} == {16}
+
+
+def test_meshes_captured_in_shard_map_are_retargeted():
+  cpu_mesh = jax.make_mesh((8,), ("fsdp",))
+
+  def f(w, x):
+    def body(w, x):
+      return jax.lax.psum(jnp.sum(x @ jax.lax.all_gather(w, "fsdp", axis=0, tiled=True)), "fsdp")
+    return jax.shard_map(body, mesh=cpu_mesh, in_specs=(P("fsdp"), P("fsdp")), out_specs=P())(w, x)
+
+  w = jax.device_put(np.ones((256, 256), np.float32), NamedSharding(cpu_mesh, P("fsdp")))
+  x = jax.device_put(np.ones((128, 256), np.float32), NamedSharding(cpu_mesh, P("fsdp")))
+  r = jax_overlap.analyze(f, w, x, target="a100x8")
+  assert r.target == "a100x8"
+  kinds = sorted(c.kind for c in r.collectives)
+  assert "all-gather" in kinds and "all-reduce" in kinds
+
+
+def test_bad_input_messages():
+  mesh = targets.compile_only_mesh("h100x8", {"fsdp": 4, "tensor": 2})
+  x = _sds((64, 64), mesh, P("fsdp", "tensor"))
+  with pytest.raises(ValueError, match="unknown target 'z100x8'"):
+    jax_overlap.analyze(lambda a: a, x, target="z100x8")
+  with pytest.raises(ValueError, match="names mesh axes \\['tensor'\\] that the target mesh"):
+    jax_overlap.analyze(lambda a: a * 2, x, target="h100x8", mesh={"fsdp": 8})
+  with pytest.raises(ValueError, match="no deviceless compilation for ROCm"):
+    jax_overlap.analyze(lambda a: a, x, target="mi250xx8")
+  with pytest.raises(TypeError, match="fn must be callable"):
+    jax_overlap.analyze(3, x)
+
+  def needs_missing_custom_call(a):
+    return jax.ffi.ffi_call("jax_overlap_no_such_target", jax.ShapeDtypeStruct(a.shape, a.dtype))(a)
+
+  with pytest.raises(RuntimeError, match="XLA could not compile the function for h100x8"):
+    jax_overlap.analyze(needs_missing_custom_call, _sds((8, 8), mesh, P()), target="h100x8")

@@ -1,0 +1,321 @@
+"""Tests for jax_overlap.collective_matmul: values, gradients, errors, schedule, cost model."""
+
+import glob
+import importlib.util
+import re
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_overlap.collective_matmul import (
+    GainEstimate,
+    all_gather_matmul,
+    estimate_gain,
+    matmul_reduce_scatter,
+)
+
+shard_map = jax.shard_map if hasattr(jax, "shard_map") else None
+if shard_map is None:  # pragma: no cover - older jax
+  from jax.experimental.shard_map import shard_map
+
+MESHES = {
+    "tensor8": ((8,), ("tensor",)),
+    "fsdp4_tensor2": ((4, 2), ("fsdp", "tensor")),
+}
+
+
+def _mesh(name):
+  shape, names = MESHES[name]
+  return Mesh(np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape), names)
+
+
+def _value_and_grads(fn, mesh, in_specs, out_spec, x, w):
+  sm = shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_spec)
+
+  def loss(x, w):
+    y = sm(x, w).astype(jnp.float32)
+    return jnp.sum(jnp.sin(y)), y
+
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, w)
+
+
+def _close(a, b, dtype):
+  tol = 1e-5 if dtype == jnp.float32 else 3e-2
+
+  def check(p, q):
+    p, q = np.asarray(p, np.float32), np.asarray(q, np.float32)
+    scale = max(1.0, float(np.max(np.abs(p))))
+    np.testing.assert_allclose(q, p, rtol=tol, atol=tol * scale)
+
+  jax.tree.map(check, a, b)
+
+
+def _operands(m, k, n, dtype, seed=0):
+  kx, kw = jax.random.split(jax.random.PRNGKey(seed))
+  x = jax.random.normal(kx, (m, k)).astype(dtype)
+  w = (jax.random.normal(kw, (k, n)) / np.sqrt(k)).astype(dtype)
+  return x, w
+
+
+def _batch_axis(mesh):
+  return "fsdp" if "fsdp" in mesh.axis_names else None
+
+
+VARIANTS = [
+    dict(bidirectional=False),
+    dict(bidirectional=True),
+]
+
+
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("variant", VARIANTS, ids=["uni", "bidi"])
+def test_all_gather_matmul_matches_reference(mesh_name, dtype, variant):
+  mesh = _mesh(mesh_name)
+  b = _batch_axis(mesh)
+  x, w = _operands(64, 32, 48, dtype)
+  # x: rows sharded over the ring; w: column-parallel. On the 4 x 2 mesh the
+  # columns of x are also split over "fsdp" to exercise the other axis.
+  in_specs = (P("tensor", b), P(b, "tensor"))
+  out_spec = P(None, "tensor")
+
+  def ref(x, w):
+    y = lax.all_gather(x, "tensor", axis=0, tiled=True) @ w
+    return y if b is None else lax.psum(y, b)
+
+  def ours(x, w):
+    y = all_gather_matmul(x, w, axis="tensor", **variant)
+    return y if b is None else lax.psum(y, b)
+
+  _close(_value_and_grads(ref, mesh, in_specs, out_spec, x, w),
+         _value_and_grads(ours, mesh, in_specs, out_spec, x, w), dtype)
+
+
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("variant", VARIANTS, ids=["uni", "bidi"])
+def test_matmul_reduce_scatter_matches_reference(mesh_name, dtype, variant):
+  mesh = _mesh(mesh_name)
+  b = _batch_axis(mesh)
+  x, w = _operands(64, 32, 48, dtype, seed=1)
+  in_specs = (P(b, "tensor"), P("tensor"))
+  out_spec = P(("tensor",) if b is None else ("fsdp", "tensor"))
+
+  def ref(x, w):
+    return lax.psum_scatter(x @ w, "tensor", scatter_dimension=0, tiled=True)
+
+  def ours(x, w):
+    return matmul_reduce_scatter(x, w, axis="tensor", **variant)
+
+  _close(_value_and_grads(ref, mesh, in_specs, out_spec, x, w),
+         _value_and_grads(ours, mesh, in_specs, out_spec, x, w), dtype)
+
+
+@pytest.mark.parametrize("chunks,bidirectional", [(2, False), (4, True)])
+def test_chunks(chunks, bidirectional):
+  mesh = _mesh("tensor8")
+  x, w = _operands(64, 32, 48, jnp.float32, seed=2)
+  kw = dict(axis="tensor", chunks=chunks, bidirectional=bidirectional)
+  ag_specs, rs_specs = (P("tensor"), P(None, "tensor")), (P(None, "tensor"), P("tensor"))
+  _close(
+      _value_and_grads(lambda x, w: lax.all_gather(x, "tensor", axis=0, tiled=True) @ w, mesh,
+                       ag_specs, P(None, "tensor"), x, w),
+      _value_and_grads(lambda x, w: all_gather_matmul(x, w, **kw), mesh, ag_specs,
+                       P(None, "tensor"), x, w),
+      jnp.float32,
+  )
+  _close(
+      _value_and_grads(lambda x, w: lax.psum_scatter(x @ w, "tensor", tiled=True), mesh,
+                       rs_specs, P("tensor"), x, w),
+      _value_and_grads(lambda x, w: matmul_reduce_scatter(x, w, **kw), mesh, rs_specs,
+                       P("tensor"), x, w),
+      jnp.float32,
+  )
+
+
+def test_replicated_weight_gradient_is_summed():
+  # With w replicated over the ring axis, its gradient is the sum of every
+  # device's contribution, as for the reference.
+  mesh = _mesh("tensor8")
+  x, w = _operands(64, 32, 16, jnp.float32, seed=3)
+  specs = (P("tensor"), P())
+  _close(
+      _value_and_grads(lambda x, w: lax.all_gather(x, "tensor", axis=0, tiled=True) @ w, mesh,
+                       specs, P(), x, w),
+      _value_and_grads(lambda x, w: all_gather_matmul(x, w, axis="tensor"), mesh, specs, P(),
+                       x, w),
+      jnp.float32,
+  )
+
+
+def test_second_order_transpose_chain():
+  # all_gather_matmul followed by matmul_reduce_scatter: a Megatron MLP block.
+  mesh = _mesh("tensor8")
+  x, w1 = _operands(64, 32, 64, jnp.float32, seed=4)
+  _, w2 = _operands(64, 64, 32, jnp.float32, seed=5)
+  specs = (P("tensor"), P(None, "tensor"), P("tensor"))
+
+  def block(ag, rs):
+    def f(x, w1, w2):
+      return rs(jnp.tanh(ag(x, w1)), w2)
+
+    sm = shard_map(f, mesh=mesh, in_specs=specs, out_specs=P("tensor"))
+    return jax.jit(jax.grad(lambda *a: jnp.sum(sm(*a) ** 2), argnums=(0, 1, 2)))(x, w1, w2)
+
+  ref = block(lambda x, w: lax.all_gather(x, "tensor", axis=0, tiled=True) @ w,
+              lambda h, w: lax.psum_scatter(h @ w, "tensor", tiled=True))
+  got = block(lambda x, w: all_gather_matmul(x, w, axis="tensor", bidirectional=True),
+              lambda h, w: matmul_reduce_scatter(h, w, axis="tensor", bidirectional=True))
+  _close(ref, got, jnp.float32)
+
+
+# ---------------------------------------------------------------------------
+# Bad input.
+# ---------------------------------------------------------------------------
+
+
+def _call(fn, x, w, in_specs):
+  mesh = _mesh("tensor8")
+  return jax.jit(shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=P("tensor")))(x, w)
+
+
+def test_error_axis_not_bound():
+  with pytest.raises(ValueError, match="all_gather_matmul: axis 'tensor' is not bound here"):
+    all_gather_matmul(jnp.ones((8, 4)), jnp.ones((4, 8)), axis="tensor")
+  with pytest.raises(ValueError, match="matmul_reduce_scatter: axis 'model' is not bound here"):
+    _call(lambda x, w: matmul_reduce_scatter(x, w, axis="model"), jnp.ones((64, 32)),
+          jnp.ones((32, 8)), (P(None, "tensor"), P("tensor")))
+
+
+def test_error_rank_mismatch():
+  with pytest.raises(ValueError, match=r"all_gather_matmul: x and w must both be rank 2 .* got x "
+                                       r"with shape \(1, 8, 4\) and w with shape \(4, 8\)"):
+    _call(lambda x, w: all_gather_matmul(x, w, axis="tensor"), jnp.ones((8, 8, 4)),
+          jnp.ones((4, 8)), (P("tensor"), P()))
+
+
+def test_error_contracting_mismatch():
+  with pytest.raises(ValueError, match=r"contracting dimensions must match: x.shape\[1\] \(4\) "
+                                       r"!= w.shape\[0\] \(5\)"):
+    _call(lambda x, w: all_gather_matmul(x, w, axis="tensor"), jnp.ones((8, 4)),
+          jnp.ones((5, 8)), (P("tensor"), P()))
+
+
+def test_error_rows_not_divisible():
+  with pytest.raises(ValueError, match=r"matmul_reduce_scatter: x.shape\[0\] \(12\) must be "
+                                       r"divisible by the size of axis 'tensor' \(8\)"):
+    _call(lambda x, w: matmul_reduce_scatter(x, w, axis="tensor"), jnp.ones((12, 32)),
+          jnp.ones((32, 8)), (P(None, "tensor"), P("tensor")))
+
+
+def test_error_chunks():
+  with pytest.raises(ValueError, match=r"chunks must be even with bidirectional=True .* got 3"):
+    _call(lambda x, w: all_gather_matmul(x, w, axis="tensor", bidirectional=True, chunks=3),
+          jnp.ones((48, 4)), jnp.ones((4, 8)), (P("tensor"), P()))
+  with pytest.raises(ValueError, match=r"x.shape\[0\] \(the local rows\) \(3\) must be divisible "
+                                       r"by the number of ring pieces chunks=2"):
+    _call(lambda x, w: all_gather_matmul(x, w, axis="tensor", chunks=2), jnp.ones((24, 4)),
+          jnp.ones((4, 8)), (P("tensor"), P()))
+
+
+def test_error_not_an_array():
+  with pytest.raises(TypeError, match="all_gather_matmul: w must be an array, got list"):
+    all_gather_matmul(jnp.ones((8, 4)), [[1.0]], axis="tensor")
+
+
+# ---------------------------------------------------------------------------
+# Schedule on a compile-only 8 x H100 mesh.
+# ---------------------------------------------------------------------------
+
+_HAS_CUDA_PLUGIN = importlib.util.find_spec("jax_plugins.xla_cuda13") is not None
+
+
+def _entry_sequence(text):
+  entry = text[text.index("\nENTRY") :]
+  seq = []
+  for line in entry.splitlines():
+    m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = .*? ([\w\-]+)\(", line)
+    if not m:
+      continue
+    name, op = m.groups()
+    if op in ("collective-permute-start", "collective-permute-done"):
+      seq.append((name, op[len("collective-permute-") :], '"is_sync":true' in line))
+    elif op == "fusion" and "gemm" in name:
+      seq.append((name, "gemm", False))
+  return seq
+
+
+@pytest.mark.skipif(not _HAS_CUDA_PLUGIN, reason="needs jax-cuda13-plugin for deviceless compiles")
+@pytest.mark.parametrize("bidirectional", [False, True], ids=["uni", "bidi"])
+def test_schedule_h100_permutes_interleave_with_dots(bidirectional):
+  from jax_overlap._src.targets import compile_only_mesh
+
+  mesh = compile_only_mesh("h100x8", {"tensor": 8})
+  m, k, n = 8192, 4096, 8192
+
+  def f(x, w1, w2):
+    h = all_gather_matmul(x, w1, axis="tensor", bidirectional=bidirectional)
+    return matmul_reduce_scatter(jnp.tanh(h), w2, axis="tensor", bidirectional=bidirectional)
+
+  sm = shard_map(f, mesh=mesh, in_specs=(P("tensor"), P(None, "tensor"), P("tensor")),
+                 out_specs=P("tensor"))
+  s = lambda shape, spec: jax.ShapeDtypeStruct(shape, jnp.bfloat16,
+                                               sharding=NamedSharding(mesh, spec))
+  with tempfile.TemporaryDirectory() as d:
+    jax.jit(sm).lower(s((m, k), P("tensor")), s((k, n), P(None, "tensor")),
+                      s((n, k), P("tensor"))).compile(
+        {"xla_dump_to": d, "xla_gpu_enable_latency_hiding_scheduler": True})
+    (path,) = glob.glob(d + "/*gpu_after_optimizations.txt")
+    seq = _entry_sequence(open(path).read())
+  starts = [i for i, (_, kind, _) in enumerate(seq) if kind == "start"]
+  hops = 7 * (2 if bidirectional else 1)
+  assert len(starts) == 2 * hops  # both rings, every hop a separate permute
+  gemms = sum(1 for _, kind, _ in seq if kind == "gemm")
+  assert gemms >= 2 * 8 * (2 if bidirectional else 1) - 2  # partial dots stay separate
+  overlapped = 0
+  for i in starts:
+    done = seq[i][0].replace("start", "done")
+    j = next(j for j in range(i, len(seq)) if seq[j][0] == done)
+    overlapped += any(kind == "gemm" for _, kind, _ in seq[i:j]) and not seq[i][2]
+  assert overlapped >= len(starts) - 2, seq
+
+
+# ---------------------------------------------------------------------------
+# Cost model.
+# ---------------------------------------------------------------------------
+
+
+def test_estimate_gain_large_matmul_is_worthwhile():
+  est = estimate_gain(8192, 8192, 8192, 8, "bfloat16", "h100x8")
+  assert isinstance(est, GainEstimate)
+  assert est.worthwhile and est.speedup > 1.1
+  assert est.overlapped_s < est.baseline_s
+  assert est.baseline_s == pytest.approx(est.compute_s + est.comm_s)
+  # Compute-bound: 2 m n k / N FLOPs at the H100 bf16 peak.
+  assert est.compute_s == pytest.approx(2 * 8192**3 / 8 / 989.4e12)
+
+
+def test_estimate_gain_small_matmul_is_not():
+  est = estimate_gain(256, 256, 256, 8, "bfloat16", "h100x8")
+  assert not est.worthwhile and est.speedup < 1.0
+
+
+def test_estimate_gain_bidirectional_halves_link_time():
+  uni = estimate_gain(4096, 4096, 4096, 8, "bfloat16", "h100x8", bidirectional=False)
+  bidi = estimate_gain(4096, 4096, 4096, 8, "bfloat16", "h100x8", bidirectional=True)
+  latency = 7 * 2.5e-6
+  assert bidi.comm_s - latency == pytest.approx((uni.comm_s - latency) / 2)
+
+
+def test_estimate_gain_errors():
+  with pytest.raises(ValueError, match="estimate_gain: axis_size must be a positive int, got 0"):
+    estimate_gain(8, 8, 8, 0)
+  with pytest.raises(ValueError, match="estimate_gain: kind must be 'all_gather' or "
+                                       "'reduce_scatter', got 'all_reduce'"):
+    estimate_gain(8, 8, 8, 8, kind="all_reduce")

@@ -1,0 +1,273 @@
+"""Tests for jax_overlap.flags: registry, validation, recommendations, configure."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_overlap import ConfigError, flags, targets
+from jax_overlap._src import flags as flags_impl
+
+REMOVED = sorted(n for n, f in flags.REGISTRY.items() if f.removed_in)
+
+
+def test_registry_entries_are_complete():
+  for name, f in flags.REGISTRY.items():
+    assert f.meaning, name
+    assert f.kind in ("xla", "env")
+    if f.kind == "xla":
+      assert name.startswith("xla_"), name
+  # The families named in BACKGROUND section 3 are all there.
+  for n in [
+      "xla_gpu_enable_async_all_gather",
+      "xla_gpu_enable_async_reduce_scatter",
+      "xla_gpu_enable_async_all_reduce",
+      "xla_gpu_enable_async_collectives",
+      "xla_gpu_lhs_enable_gpu_async_tracker",
+      "xla_gpu_enable_nccl_per_stream_comms",
+      "xla_gpu_graph_level",
+      "xla_gpu_enable_custom_fusions",
+      "xla_gpu_enable_triton_softmax_fusion",
+      "xla_gpu_enable_triton_hopper",
+      "xla_gpu_cudnn_gemm_fusion",
+  ]:
+    assert flags.REGISTRY[n].removed_in, n
+
+
+def test_live_flags_in_registry_are_accepted_by_jaxlib():
+  live = {
+      n: flags_impl._default_probe_value(f)
+      for n, f in flags.REGISTRY.items()
+      if f.kind == "xla" and not f.removed_in and not f.since
+  }
+  problems = flags.validate(live)
+  assert [p for p in problems if p.severity == "error"] == []
+
+
+@pytest.mark.parametrize("name", REMOVED)
+def test_every_removed_flag_is_reported(name):
+  problems = flags.validate(f"--{name}=true")
+  assert [p.kind for p in problems] in (["removed"], ["renamed"])
+  assert name in problems[0].message
+  assert "aborts the process" in problems[0].message
+
+
+def test_removed_flags_do_not_abort_the_process():
+  # All at once, through the same path a user's XLA_FLAGS takes; this process is still alive.
+  text = " ".join(f"--{n}=true" for n in REMOVED)
+  problems = flags.validate(text)
+  assert {p.name for p in problems} == set(REMOVED)
+  assert os.getpid() > 0
+
+
+def test_renamed_flag_suggests_the_new_name():
+  (p,) = flags.validate("--xla_gpu_graph_level=0")
+  assert p.kind == "renamed"
+  assert p.suggestion == "xla_gpu_enable_command_buffer"
+
+
+def test_newer_spelling_on_older_jaxlib():
+  import jaxlib
+
+  problems = flags.validate({"xla_gpu_pipeline_all_gather": "on"})
+  if tuple(int(x) for x in jaxlib.__version__.split(".")[:2]) < (0, 11):
+    assert problems[0].kind == "not_yet_supported"
+    assert problems[0].suggestion == "xla_gpu_enable_pipelined_all_gather"
+  else:
+    assert all(p.kind != "unknown" for p in problems)
+
+
+@pytest.mark.parametrize(
+    "text,kind,match",
+    [
+        ("--xla_gpu_enable_latency_hiding_scheduler=maybe", "bad_value", "expects true or false, got 'maybe'"),
+        ("--xla_gpu_all_gather_combine_threshold_bytes=12x", "bad_value", "expects an integer, got '12x'"),
+        ("--xla_gpu_enable_latency_hidng_scheduler=true", "unknown", "did you mean xla_gpu_enable_latency_hiding_scheduler"),
+        ("--xla_gpu_frobnicate=1", "unknown", "would abort the process"),
+        ("xla_gpu_enable_latency_hiding_scheduler=true", "malformed", "tokens look like --name=value"),
+        ("--xla_gpu_enable_command_buffer=FUSION,BOGUS", "bad_value", "unknown item"),
+    ],
+)
+def test_validate_reports_bad_input(text, kind, match):
+  problems = flags.validate(text)
+  assert len(problems) == 1, problems
+  assert problems[0].kind == kind
+  assert problems[0].severity == "error"
+  assert match in problems[0].message
+
+
+def test_validate_env_variables_and_warnings():
+  problems = flags.validate({"NCCL_MAX_CTAS": "many", "CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+  kinds = sorted((p.name, p.kind, p.severity) for p in problems)
+  assert kinds == [
+      ("CUDA_DEVICE_MAX_CONNECTIONS", "counterproductive", "warning"),
+      ("NCCL_MAX_CTAS", "bad_value", "error"),
+  ]
+  (w,) = flags.validate("--xla_gpu_enable_highest_priority_async_stream=false")
+  assert w.severity == "warning" and "priority" in w.message
+
+
+def test_validate_good_flags_and_types():
+  assert flags.validate("--xla_gpu_enable_latency_hiding_scheduler --xla_gpu_memory_limit_slop_factor=90") == []
+  assert flags.validate({}) == []
+  with pytest.raises(TypeError, match="XLA_FLAGS string or a dict"):
+    flags.validate(42)
+
+
+def test_parse_and_format_round_trip():
+  opts = {"xla_gpu_enable_latency_hiding_scheduler": True, "xla_gpu_enable_command_buffer": ""}
+  text = flags.format_xla_flags(opts)
+  parsed, bad = flags.parse_xla_flags(text)
+  assert bad == []
+  assert parsed == {"xla_gpu_enable_latency_hiding_scheduler": "true", "xla_gpu_enable_command_buffer": ""}
+
+
+@pytest.mark.parametrize("target", ["a40x8", "a100x8", "h100x8", "h200x8", "h200x16"])
+@pytest.mark.parametrize("workload", flags.WORKLOADS)
+def test_every_recommended_profile_compiles_deviceless(target, workload):
+  opts = flags.as_compiler_options(target, workload)
+  assert flags.validate(opts) == []
+  topo = targets.get(target)
+  mesh = targets.compile_only_mesh(topo, {"fsdp": topo.num_devices // 2, "tensor": 2})
+  w = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P("fsdp", "tensor")))
+  x = jax.ShapeDtypeStruct((64, 256), jnp.bfloat16, sharding=NamedSharding(mesh, P("fsdp", None)))
+
+  def step(w, x):
+    loss = lambda w: jnp.sum(jnp.tanh(x @ w).astype(jnp.float32))
+    return w - 0.1 * jax.grad(loss)(w)
+
+  compiled = jax.jit(step).lower(w, x).compile(opts)
+  assert compiled.memory_analysis() is not None
+
+
+def test_recommended_differs_by_gpu_and_workload():
+  h = flags.recommended("h100x8", "fsdp")
+  a = flags.recommended("a100x8", "fsdp")
+  assert h["xla_gpu_enable_latency_hiding_scheduler"] is True
+  assert "xla_gpu_enable_analytical_latency_estimator" not in h
+  assert a["xla_gpu_enable_analytical_latency_estimator"] is True
+  tp = flags.recommended("h100x8", "tensor_parallel")
+  assert tp["xla_gpu_threshold_for_windowed_einsum_mib"] == 0
+  assert flags.recommended("a40x8", "fsdp")["NCCL_MAX_CTAS"] == 4
+  for opts in (h, a, tp):
+    for name in opts:
+      assert flags.REGISTRY[name].why or flags.REGISTRY[name].meaning
+
+
+def test_recommended_bad_input():
+  with pytest.raises(ValueError, match="unknown workload 'pipeline'; valid choices: fsdp"):
+    flags.recommended("h100x8", "pipeline")
+  with pytest.raises(ValueError, match="unknown target 'b300x8'"):
+    flags.recommended("b300x8", "fsdp")
+
+
+def test_as_compiler_options_rejects_bad_overrides():
+  with pytest.raises(ConfigError, match="xla_gpu_enable_async_all_gather was removed"):
+    flags.as_compiler_options("h100x8", "fsdp", xla_gpu_enable_async_all_gather=True)
+  with pytest.raises(ConfigError, match="environment variables, not compile options"):
+    flags.as_compiler_options("h100x8", "fsdp", NCCL_MAX_CTAS=8)
+  opts = flags.as_compiler_options("h100x8", "fsdp", xla_gpu_memory_limit_slop_factor=80)
+  assert opts["xla_gpu_memory_limit_slop_factor"] == 80
+
+
+def test_configure_edits_a_given_environment():
+  env = {"XLA_FLAGS": "--xla_dump_to=/tmp/x --xla_gpu_enable_latency_hiding_scheduler=false"}
+  with pytest.raises(ConfigError, match="xla_gpu_enable_latency_hiding_scheduler: XLA_FLAGS has false, recommended true"):
+    flags.configure("h100x8", "fsdp", environ=env)
+  assert env["XLA_FLAGS"].endswith("=false")  # nothing changed on refusal
+  flags.configure("h100x8", "fsdp", environ=env, on_conflict="keep")
+  parsed, _ = flags.parse_xla_flags(env["XLA_FLAGS"])
+  assert parsed["xla_dump_to"] == "/tmp/x"
+  assert parsed["xla_gpu_enable_latency_hiding_scheduler"] == "false"
+  assert parsed["xla_gpu_enable_pipelined_all_gather"] == "true"
+  env2 = {"XLA_FLAGS": "--xla_gpu_enable_async_all_gather=true"}
+  with pytest.raises(ConfigError, match="would not work with jaxlib"):
+    flags.configure("h100x8", "fsdp", environ=env2)
+  env3 = {"XLA_FLAGS": "oops"}
+  with pytest.raises(ConfigError, match="malformed token"):
+    flags.configure("h100x8", "fsdp", environ=env3)
+  env4: dict = {}
+  applied = flags.configure("a40x8", "fsdp", environ=env4)
+  assert env4["NCCL_MAX_CTAS"] == "4" and applied["NCCL_MAX_CTAS"] == "4"
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["JAX_PLATFORMS"] = "cpu"
+  return subprocess.run(
+      [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env, timeout=300
+  )
+
+
+def test_configure_after_backend_start_raises():
+  proc = _run(
+      """
+      import jax, jax_overlap
+      jax.devices()
+      try:
+        jax_overlap.flags.configure("h100x8", "fsdp")
+      except jax_overlap.ConfigError as e:
+        print("CONFIGERROR", e)
+      """
+  )
+  assert "CONFIGERROR configure: the JAX backend is already initialized" in proc.stdout, proc.stderr
+
+
+def test_configure_before_start_reaches_the_compile():
+  proc = _run(
+      """
+      import json, jax, jax.numpy as jnp, jax_overlap
+      from jax.sharding import NamedSharding, PartitionSpec as P
+      from jax_overlap._src.compile import compile_for_target
+      applied = jax_overlap.flags.configure("a100x8", "fsdp")
+      mesh = jax_overlap.targets.compile_only_mesh("a100x8")
+      x = jax.ShapeDtypeStruct((64, 64), jnp.float32, sharding=NamedSharding(mesh, P("fsdp")))
+      step = compile_for_target(lambda a: (a @ a.T).sum(), x, target="a100x8")
+      print("SEEN" + json.dumps(step.debug_options))
+      """
+  )
+  line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("SEEN")), None)
+  assert line is not None, proc.stderr[-2000:]
+  seen = json.loads(line[4:])
+  assert seen["xla_gpu_enable_latency_hiding_scheduler"] == "true"
+  assert seen["xla_gpu_enable_analytical_latency_estimator"] == "true"
+  assert seen["xla_gpu_enable_while_loop_double_buffering"] == "true"
+
+
+def test_sharded_step_for_h100_has_async_collective_pairs():
+  from jax_overlap._src.compile import compile_for_target
+
+  mesh = targets.compile_only_mesh("h100x8")
+  ps = NamedSharding(mesh, P("fsdp"))
+  ws = [
+      (jax.ShapeDtypeStruct((1024, 4096), jnp.bfloat16, sharding=ps),
+       jax.ShapeDtypeStruct((4096, 1024), jnp.bfloat16, sharding=ps))
+      for _ in range(3)
+  ]
+  x = jax.ShapeDtypeStruct((4096, 1024), jnp.bfloat16, sharding=ps)
+
+  def loss(ws, x):
+    rep = NamedSharding(mesh, P())
+    for w1, w2 in ws:
+      w1 = jax.lax.with_sharding_constraint(w1, rep)
+      w2 = jax.lax.with_sharding_constraint(w2, rep)
+      x = x + jax.nn.gelu(x @ w1) @ w2
+    return jnp.mean(x.astype(jnp.float32) ** 2)
+
+  step = compile_for_target(
+      jax.jit(jax.grad(loss), out_shardings=ps), ws, x, target="h100x8",
+      xla_options=flags.as_compiler_options("h100x8"),
+  )
+  hlo = step.hlo_text
+  assert hlo.count("all-gather-start(") >= 2
+  assert hlo.count("all-gather-start(") == hlo.count("all-gather-done(")
+  assert '"is_sync":false' in hlo
+  assert "kAsyncStart" in step.thunk_text
+  assert "stream=communication_stream" in step.thunk_text

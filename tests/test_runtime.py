@@ -1,0 +1,453 @@
+"""The runtime library against a fake libcuda: interposition paths, shaping, fallbacks."""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from fake_cuda import harness
+from jax_overlap import runtime as public_runtime
+from jax_overlap._src import plan as plan_lib
+from jax_overlap._src import runtime, targets
+
+MODES = ["direct", "dlopen", "procaddr", "procaddr1"]
+PATH_COUNTER = {
+  "direct": "launches_direct",
+  "dlopen": "launches_dlsym",
+  "procaddr": "launches_procaddr",
+  "procaddr1": "launches_procaddr",
+}
+H100_SMEM_SM = 228 * 1024
+A100_SMEM_SM = 164 * 1024
+
+
+def rules(*lines: str) -> str:
+  return "version\t1\n" + "".join(line + "\n" for line in lines)
+
+
+@pytest.fixture(scope="module")
+def fake(tmp_path_factory):
+  return harness.build(tmp_path_factory.mktemp("fake_cuda"))
+
+
+@pytest.fixture(scope="module")
+def rt():
+  return runtime.load_library(runtime.library_path(runtime.RUNTIME_LIBRARY))
+
+
+# ---------------------------------------------------------------------------
+# Interposition: the three ways programs reach the driver.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_shapes_selected_kernel_on_every_path(fake, mode, tmp_path):
+  r = harness.run_app(
+    fake,
+    mode,
+    ["launch:gemm_fusion_1:256:0:3", "launch:nccl_proxy:640:0", "launchex:gemm_fusion_1:256:0"],
+    rules=rules("kernel\tglob\tgemm_fusion_*\tblocks_per_sm\t2"),
+    tmp=tmp_path,
+  )
+  assert r.returncode == 0, r.stderr
+  # H100: floor(233472 / 3) + 1 - 1024 static - 1024 reserved.
+  expected = H100_SMEM_SM // 3 + 1 - 1024 - 1024
+  assert expected == 75777
+  assert r.launch_dyn("gemm_fusion_1") == [expected] * 4
+  assert r.launch_dyn("nccl_proxy") == [0]
+  c = r.counters
+  assert c["launches_seen"] == 5
+  assert c["launches_shaped"] == 4
+  assert c["launches_fallback"] == 0
+  assert c[PATH_COUNTER[mode]] == 5
+  assert c["func_attr_raised"] == 1  # 75777 > 48 KB: raised once, then cached
+  assert any("setattr func=gemm_fusion_1 attr=8 value=75777 result=0" in x for x in r.log)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_nothing_changes_without_a_plan(fake, mode, tmp_path):
+  r = harness.run_app(
+    fake,
+    mode,
+    ["launch:gemm_fusion_1:256:0:2", "launchex:nccl_proxy:640:128", "stream", "streamprio:-2"],
+    tmp=tmp_path,
+  )
+  assert r.returncode == 0, r.stderr
+  assert r.launch_dyn("gemm_fusion_1") == [0, 0]
+  assert r.launch_dyn("nccl_proxy") == [128]
+  assert not any(x.startswith("setattr") for x in r.log)
+  assert r.counters["launches_seen"] == 3
+  assert r.counters["launches_shaped"] == 0
+  assert r.counters["streams_promoted"] == 0
+  assert "priority=-2" in r.results[-1]
+
+
+def test_without_the_library_launches_reach_the_driver(fake, tmp_path):
+  r = harness.run_app(fake, "dlopen", ["launch:gemm_fusion_1:256:0"], preload=False,
+                      rules=rules("kernel\tglob\t*\tblocks_per_sm\t1"), tmp=tmp_path)
+  assert r.returncode == 0
+  assert r.launch_dyn("gemm_fusion_1") == [0]
+  assert r.counters == {}
+
+
+def test_procaddr_hands_out_per_thread_variants(fake, tmp_path):
+  r = harness.run_app(fake, "procaddr", ["launch:gemm_fusion_1:256:0"], tmp=tmp_path,
+                      rules=rules("kernel\tglob\tgemm*\tblocks_per_sm\t4"))
+  assert [x["api"] for x in r.launches] == ["cuLaunchKernel_ptsz"]
+  assert r.counters["lookups_procaddr"] >= 2
+  assert r.counters["lookups_unhooked"] == 0
+
+
+# ---------------------------------------------------------------------------
+# Residency arithmetic against hand-computed values.
+# ---------------------------------------------------------------------------
+
+# (device, threads, regs, static, dyn, N, expected dyn). Expected values by hand:
+#   dyn = floor(smem_per_sm / (N + 1)) + 1 - static - 1024 (reserved), at least dyn.
+HAND_CASES = [
+  # H100 (228 KB/SM): 256 threads, 32 regs -> 8 blocks by threads and registers.
+  ("h100", 256, 32, 0, 0, 1, 116736 + 1 - 1024),  # 115713; 233472 // 116737 = 1
+  ("h100", 256, 32, 1024, 0, 2, 77824 + 1 - 2048),  # 75777
+  ("h100", 128, 64, 0, 8192, 4, 46694 + 1 - 1024),  # 45671
+  ("h100", 256, 32, 0, 100000, 1, 100000 + 15713),  # starts at 100000: 115713
+  # A100 (164 KB/SM).
+  ("a100", 128, 64, 4096, 0, 3, 41984 + 1 - 5120),  # 36865
+  ("a100", 256, 32, 49152, 0, 1, 83968 + 1 - 50176),  # 33793
+  # Already at or below the cap: unchanged.
+  ("h100", 1024, 64, 0, 0, 2, 0),  # registers allow 1 block
+  ("a100", 640, 96, 0, 0, 1, 0),  # an NCCL-like CTA: 1 block by registers
+  ("h100", 256, 32, 0, 120000, 1, 120000),  # 121024 B/block: 1 block already
+]
+
+
+@pytest.mark.parametrize("device,threads,regs,static,dyn,n,expected", HAND_CASES)
+def test_hand_computed_residency(fake, tmp_path, device, threads, regs, static, dyn, n, expected):
+  gpu = targets.get_gpu(device)
+  funcs = f"k:static={static}:regs={regs}:maxdyn={max(dyn, 49152 - static)}"
+  r = harness.run_app(
+    fake,
+    "dlopen",
+    [f"launch:k:{threads}:{dyn}"],
+    rules=rules(f"kernel\tglob\tk\tblocks_per_sm\t{n}"),
+    env={"FAKE_CUDA_DEVICE": device},
+    funcs=funcs,
+    tmp=tmp_path,
+  )
+  assert r.launch_dyn("k") == [expected], r.log
+  # The Python mirror and the residency it implies.
+  assert plan_lib.shaped_dynamic_smem(gpu, threads, regs, static, dyn, n) == expected
+  resident = plan_lib.blocks_per_sm(gpu, threads, regs, static + expected)
+  assert resident <= n
+  if expected != dyn:
+    assert plan_lib.blocks_per_sm(gpu, threads, regs, static + expected - 1) > n  # smallest
+  assert r.counters["launches_shaped"] == (1 if expected != dyn else 0)
+
+
+def test_opt_in_limit_caps_the_padding(fake, tmp_path):
+  # A device whose opt-in limit (64 KB) is below what N=1 needs (115713 B).
+  r = harness.run_app(
+    fake,
+    "dlopen",
+    ["launch:k:256:0"],
+    rules=rules("kernel\tglob\tk\tblocks_per_sm\t1"),
+    env={"FAKE_CUDA_LIMITS": "optin=65536"},
+    funcs="k:static=2048:regs=32",
+    tmp=tmp_path,
+  )
+  assert r.launch_dyn("k") == [65536 - 2048]
+  assert r.counters["launches_capped"] == 1
+  assert r.counters["launches_shaped"] == 1
+  assert r.counters["launches_fallback"] == 0
+
+
+def test_padding_rule_and_first_match_wins(fake, tmp_path):
+  r = harness.run_app(
+    fake,
+    "dlopen",
+    ["launch:gemm_fusion_1:256:512", "launch:loop_fusion_7:128:0"],
+    rules=rules(
+      "kernel\tregex\t^gemm_\tpadding_bytes\t4096",
+      "kernel\tglob\t*fusion*\tblocks_per_sm\t1",
+    ),
+    tmp=tmp_path,
+  )
+  assert r.launch_dyn("gemm_fusion_1") == [512 + 4096]
+  assert r.launch_dyn("loop_fusion_7") == [H100_SMEM_SM // 2 + 1 - 1024]
+
+
+# ---------------------------------------------------------------------------
+# Fallbacks and skips.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+  "fail",
+  ["cuFuncGetAttribute", "cuFuncSetAttribute", "cuDeviceGetAttribute", "cuCtxGetDevice",
+   "launch_dyn_over=49152"],
+)
+def test_driver_errors_fall_back_to_the_original_launch(fake, tmp_path, fail):
+  r = harness.run_app(
+    fake,
+    "dlopen",
+    ["launch:gemm_fusion_1:256:0:2"],
+    rules=rules("kernel\tglob\tgemm_fusion_*\tblocks_per_sm\t2"),
+    env={"FAKE_CUDA_FAIL": fail},
+    tmp=tmp_path,
+  )
+  assert r.returncode == 0, r.stderr
+  assert r.results == ["launch:gemm_fusion_1:256:0:2 0 failures=0"]
+  assert r.launch_dyn("gemm_fusion_1") == [0, 0]
+  assert r.counters["launches_fallback"] == 2
+  assert r.counters["launches_shaped"] == 0
+
+
+@pytest.mark.parametrize("kind", ["coop", "cluster"])
+def test_cooperative_and_cluster_launches_are_not_shaped(fake, tmp_path, kind):
+  r = harness.run_app(
+    fake, "dlopen", [f"launchex:gemm_fusion_1:256:0:{kind}"],
+    rules=rules("kernel\tglob\t*\tblocks_per_sm\t1"), tmp=tmp_path,
+  )
+  assert r.launch_dyn("gemm_fusion_1") == [0]
+  assert r.counters["launches_skipped"] == 1
+
+
+# ---------------------------------------------------------------------------
+# Threads, regions, graphs, streams, rules at run time, logging.
+# ---------------------------------------------------------------------------
+
+
+def test_concurrent_launches_from_many_threads(fake, tmp_path):
+  threads, per_thread = 8, 400
+  r = harness.run_app(
+    fake,
+    "dlopen",
+    [f"threads:{threads}:gemm_fusion_1:256:0:{per_thread}"],
+    rules=rules("kernel\tglob\tgemm_fusion_*\tblocks_per_sm\t2"),
+    tmp=tmp_path,
+  )
+  total = threads * per_thread
+  assert r.results == [f"threads:{threads}:gemm_fusion_1:256:0:{per_thread} 0 failures=0"]
+  assert r.counters["launches_seen"] == total
+  assert r.counters["launches_shaped"] == total
+  assert r.counters["launches_dlsym"] == total
+  dyns = r.launch_dyn("gemm_fusion_1")
+  assert len(dyns) == total and set(dyns) == {75777}
+  assert len({x["tid"] for x in r.launches}) == threads
+
+
+def test_region_policy_applies_between_begin_and_end(fake, tmp_path):
+  r = harness.run_app(
+    fake,
+    "dlopen",
+    [
+      "launch:loop_fusion_7:128:0",
+      "region_begin:7:2",
+      "launch:loop_fusion_7:128:0",
+      "region_begin:9:0",  # plan value for region 9: 1 block
+      "launch:loop_fusion_7:128:0",
+      "region_end:9",
+      "region_end:7",
+      "launch:loop_fusion_7:128:0",
+    ],
+    rules=rules("region\t9\tblocks_per_sm\t1"),
+    tmp=tmp_path,
+  )
+  assert r.launch_dyn("loop_fusion_7") == [0, 233472 // 3 + 1 - 1024, 233472 // 2 + 1 - 1024, 0]
+  assert r.counters["regions_entered"] == 2
+  assert r.counters["launches_in_region"] == 2
+
+
+def test_region_works_without_rules(fake, tmp_path):
+  r = harness.run_app(fake, "direct", ["region_begin:3:4", "launch:loop_fusion_7:128:0",
+                                       "region_end:3"], tmp=tmp_path)
+  assert r.launch_dyn("loop_fusion_7") == [233472 // 5 + 1 - 1024]
+
+
+def test_graph_kernel_nodes_are_shaped(fake, tmp_path):
+  r = harness.run_app(
+    fake, "dlopen", ["graph:gemm_fusion_1:256:0", "graphset:gemm_fusion_1:256:0"],
+    rules=rules("kernel\tglob\tgemm_fusion_*\tblocks_per_sm\t2"), tmp=tmp_path,
+  )
+  assert [int(x["dyn"]) for x in r.launches] == [75777, 75777]
+  assert r.counters["graph_nodes_seen"] == 2
+  assert r.counters["graph_nodes_shaped"] == 2
+
+
+def test_stream_priority_promotes_requested_and_listed_streams(fake, tmp_path):
+  r = harness.run_app(
+    fake, "dlopen", ["stream", "streamprio:-1", "stream", "streamprio:0"],
+    rules=rules("streams\tpriority\thighest", "streams\tpromote_requested\t1",
+                "streams\tcreate_order\t2"),
+    tmp=tmp_path,
+  )
+  prios = [x.split("priority=")[1] for x in r.results]
+  assert prios == ["0", "-5", "-5", "0"]  # -5: greatest of the fake's range
+  assert r.counters["streams_created"] == 4
+  assert r.counters["streams_promoted"] == 2
+
+
+def test_rules_can_be_replaced_at_run_time(fake, tmp_path):
+  path = tmp_path / "rules.txt"
+  path.write_text(rules("kernel\tglob\tloop_*\tblocks_per_sm\t1"))
+  r = harness.run_app(
+    fake, "dlopen", ["launch:loop_fusion_7:128:0", f"rules:{path}", "launch:loop_fusion_7:128:0"],
+    tmp=tmp_path,
+  )
+  assert r.results[1].endswith(" 0")
+  assert r.launch_dyn("loop_fusion_7") == [0, 233472 // 2 + 1 - 1024]
+
+
+def test_bad_rule_lines_are_reported_and_ignored(fake, tmp_path):
+  r = harness.run_app(
+    fake, "dlopen", ["launch:loop_fusion_7:128:0"],
+    rules=rules("kernel\tglob\tloop_*\tblocks_per_sm\t0", "kernel\tregex\t(\tblocks_per_sm\t1",
+                "bogus line", "kernel\tglob\tloop_*\tblocks_per_sm\t1"),
+    tmp=tmp_path,
+  )
+  assert r.returncode == 0
+  assert "3 line(s) ignored" in r.stderr
+  assert r.launch_dyn("loop_fusion_7") == [233472 // 2 + 1 - 1024]
+
+
+def test_verbose_logs_and_prints_counters_at_exit(fake, tmp_path):
+  r = harness.run_app(
+    fake, "dlopen", ["launch:gemm_fusion_1:256:0"],
+    rules=rules("kernel\tglob\tgemm_fusion_*\tblocks_per_sm\t2"),
+    env={"JAX_OVERLAP_RT_VERBOSE": "2"}, tmp=tmp_path,
+  )
+  assert "counters: launches_seen=1 launches_shaped=1" in r.stderr
+  assert "[jax_overlap_rt pid=" in r.stderr and " tid=" in r.stderr
+  assert "kernel gemm_fusion_1: static smem 1024, 32 regs" in r.stderr
+
+
+# ---------------------------------------------------------------------------
+# Fuzzing the arithmetic (C, through ctypes) and end to end (fake driver).
+# ---------------------------------------------------------------------------
+
+
+def _random_gpu(rng: np.random.Generator) -> targets.Gpu:
+  base = targets.get_gpu(rng.choice(["a40", "a100", "h100", "h200"]))
+  smem_per_sm = int(rng.choice([64, 96, 100, 164, 228, 256])) * 1024
+  reserved = int(rng.choice([0, 1024]))
+  return dataclasses.replace(
+    base,
+    smem_per_sm=smem_per_sm,
+    # Real parts: opt-in = per-SM shared memory minus the per-block reservation.
+    smem_per_block_optin=smem_per_sm - reserved - int(rng.choice([0, 3072])),
+    smem_reserved_per_block=reserved,
+    max_threads_per_sm=int(rng.choice([1024, 1536, 2048])),
+    max_blocks_per_sm=int(rng.choice([16, 24, 32])),
+  )
+
+
+def test_fuzz_shaping_never_exceeds_device_limits(rt):
+  rng = np.random.default_rng(20261129)
+  status = ctypes.c_int()
+  n_cases = 12000
+  shaped = capped = 0
+  for _ in range(n_cases):
+    gpu = _random_gpu(rng)
+    lim = runtime.DeviceLimits.from_gpu(gpu)
+    threads = int(rng.integers(1, 1025))
+    regs = int(rng.integers(0, 129)) if rng.random() < 0.9 else int(rng.integers(129, 256))
+    static = int(rng.integers(0, 16 * 1024 + 1)) if rng.random() < 0.8 else int(
+      rng.integers(0, 48 * 1024 + 1)
+    )
+    room = max(1, gpu.smem_per_block_optin - static + 1)
+    dyn = int(rng.integers(0, min(room, 8 * 1024))) if rng.random() < 0.8 else int(
+      rng.integers(0, room)
+    )
+    n = int(rng.integers(1, 9)) if rng.random() < 0.9 else int(rng.integers(9, 33))
+    new = rt.jor_shaped_dynamic_smem(ctypes.byref(lim), threads, regs, static, dyn, n,
+                                     ctypes.byref(status))
+    st = status.value
+    assert st in (0, 1, 2), (st, gpu, threads, regs, static, dyn, n)
+    assert new >= dyn
+    if new != dyn:
+      # A shaped launch never exceeds a device limit.
+      assert static + new <= gpu.smem_per_block_optin
+      assert static + new + gpu.smem_reserved_per_block <= gpu.smem_per_sm
+    resident = rt.jor_blocks_per_sm(ctypes.byref(lim), threads, regs, static + new)
+    if st == 1:
+      shaped += 1
+      assert resident <= n
+      if new - 1 >= dyn:
+        assert rt.jor_blocks_per_sm(ctypes.byref(lim), threads, regs, static + new - 1) > n
+    elif st == 2:
+      capped += 1
+      assert static + new == gpu.smem_per_block_optin
+    else:
+      assert new == dyn
+    # Python mirror agrees with C.
+    assert plan_lib.shaped_dynamic_smem(gpu, threads, regs, static, dyn, n) == new
+    assert plan_lib.blocks_per_sm(gpu, threads, regs, static + new) == resident
+  # The fuzz reaches every branch.
+  assert shaped > n_cases // 10 and capped + shaped < n_cases
+
+
+def test_fuzz_end_to_end_through_the_fake_driver(fake, tmp_path):
+  rng = np.random.default_rng(7)
+  funcs, actions = [], []
+  for i in range(60):
+    static = int(rng.integers(0, 48 * 1024))
+    regs = int(rng.integers(16, 65))
+    funcs.append(f"f{i}:static={static}:regs={regs}")
+    threads = int(rng.choice([64, 128, 256, 512, 1024]))
+    dyn = int(rng.integers(0, 48 * 1024 - static + 1))
+    actions.append(f"launch:f{i}:{threads}:{dyn}")
+  text = rules(*[f"kernel\tglob\tf{i}\tblocks_per_sm\t{int(rng.integers(1, 9))}" for i in range(60)])
+  for device in ("a100", "h100"):
+    r = harness.run_app(fake, "dlopen", actions, rules=text, funcs=";".join(funcs),
+                        env={"FAKE_CUDA_DEVICE": device}, tmp=tmp_path)
+    assert r.returncode == 0
+    assert all(x.endswith("failures=0") for x in r.results), r.results
+    assert r.counters["launches_fallback"] == 0
+    assert all(x["result"] == "0" for x in r.launches)
+
+
+# ---------------------------------------------------------------------------
+# status() from Python.
+# ---------------------------------------------------------------------------
+
+
+def test_status_when_not_loaded(monkeypatch):
+  monkeypatch.delenv("JAX_OVERLAP_RT_PLAN", raising=False)
+  s = public_runtime.status()
+  assert s.loaded is False
+  assert s.counters == runtime.Counters()
+  assert s.plan is None
+
+
+def test_status_reads_counters_of_a_preloaded_library(tmp_path):
+  plan_path = tmp_path / "plan.json"
+  public_runtime.Plan(kernels=[{"match": "gemm_*", "blocks_per_sm": 2}]).to_json(plan_path)
+  code = (
+    "import json; from jax_overlap import runtime; s = runtime.status(); "
+    "print(json.dumps([s.loaded, s.library, s.rules, s.plan is not None, "
+    "s.counters.launches_seen, s.counters.by_path]))"
+  )
+  env = dict(os.environ)
+  env.update(
+    LD_PRELOAD=str(runtime.library_path()),
+    JAX_OVERLAP_RT_PLAN=str(plan_path),
+    JAX_OVERLAP_RT_RULES=public_runtime.Plan.from_json(plan_path).to_rules(),
+  )
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       timeout=120)
+  assert out.returncode == 0, out.stderr
+  loaded, library, n_rules, has_plan, seen, by_path = __import__("json").loads(out.stdout)
+  assert loaded is True
+  assert library.endswith("libjax_overlap_rt.so")
+  assert n_rules == 1 and has_plan is True
+  assert seen == 0 and by_path == {"direct": 0, "dlsym": 0, "cuGetProcAddress": 0}
+
+
+def test_counter_names_match_the_library(rt):
+  names = [rt.jor_counter_name(i).decode() for i in range(rt.jor_counter_count())]
+  assert tuple(names) == tuple(f.name for f in dataclasses.fields(runtime.Counters))

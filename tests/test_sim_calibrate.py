@@ -1,0 +1,78 @@
+"""Tests of calibration: synthetic recovery, published figures, format errors."""
+
+import json
+import sys
+
+import pytest
+
+from jax_overlap import sim
+from jax_overlap._src.sim import calibrate as cal
+
+
+def _synthetic(true):
+  recs = []
+  for pol in ("concurrent", "sequential", "priority"):
+    for (m, n, k), ctas, b in [((8192, 8192, 4096), 24, 1 << 28), ((16384, 8192, 8192), 16, 1 << 29),
+                               ((4096, 4096, 8192), 8, 1 << 27)]:
+      rec = {"gpu": "h100", "policy": pol, "gemm": {"m": m, "n": n, "k": k},
+             "proxy": {"ctas": ctas, "threads": 640, "bytes": b}, "makespan_s": 1.0}
+      pred = cal.predict(rec, "h100", true)
+      rec.update(pred)
+      recs.append(rec)
+  return recs
+
+
+def test_recovers_known_constants():
+  true = sim.constants_for("h100").replace(cta_copy_bandwidth=14e9, gemm_efficiency=0.66)
+  res = sim.calibrate(_synthetic(true), "h100")
+  assert res.params["cta_copy_bandwidth"] == pytest.approx(14e9, rel=0.02)
+  assert res.params["gemm_efficiency"] == pytest.approx(0.66, rel=0.02)
+  assert res.error_after < 1e-3 < res.error_before
+
+
+def test_numpy_fallback_recovers_constants(monkeypatch):
+  monkeypatch.setitem(sys.modules, "scipy.optimize", None)
+  true = sim.constants_for("h100").replace(cta_copy_bandwidth=16e9, gemm_efficiency=0.68)
+  res = sim.calibrate(_synthetic(true)[:6], "h100")
+  assert res.method == "numpy"
+  assert res.params["cta_copy_bandwidth"] == pytest.approx(16e9, rel=0.03)
+  assert res.params["gemm_efficiency"] == pytest.approx(0.68, rel=0.03)
+
+
+@pytest.mark.parametrize("gpu", ["h100", "a100"])
+def test_published_figures(gpu):
+  res = sim.calibrate(sim.published_measurements(gpu), gpu)
+  assert res.error_after <= res.error_before
+  # Per-channel NCCL bandwidth implied by ~230-360 GB/s bus bandwidth: 10-25 GB/s.
+  assert 10e9 <= res.params["cta_copy_bandwidth"] <= 25e9
+  assert res.error_after < 0.1
+
+
+def test_file_format_round_trip(tmp_path):
+  recs = sim.published_measurements("h100")
+  p = tmp_path / "m.json"
+  p.write_text(json.dumps({"version": 1, "records": recs}))
+  assert sim.load_measurements(str(p)) == recs
+  flat = {"gpu": "h100", "policy": "concurrent", "gemm_m": 4096, "gemm_n": 4096, "gemm_k": 4096,
+          "proxy_ctas": 8, "proxy_threads": 640, "proxy_bytes": 1 << 26, "gemm_slowdown": 0.1}
+  res = sim.calibrate(str(p), "h100")
+  assert res.table and sim.calibrate([flat], "h100").table[0]["ctas"] == 8
+
+
+def test_calibrate_errors():
+  with pytest.raises(ValueError, match=r"sim.calibrate: measurements is empty"):
+    sim.calibrate([], "h100")
+  bad = {"gpu": "h100", "gemm": {"m": 0, "n": 1, "k": 1}, "proxy": {"ctas": 1, "bytes": 1},
+         "makespan_s": 1.0}
+  with pytest.raises(ValueError, match=r"measurements\[0\]: m must be a positive number, got 0"):
+    sim.calibrate([bad], "h100")
+  none = {"gemm": {"m": 1, "n": 1, "k": 1}, "proxy": {"ctas": 1, "bytes": 1}}
+  with pytest.raises(ValueError, match=r"has none of"):
+    sim.calibrate([none], "h100")
+  other = dict(none, gpu="a40", makespan_s=1.0)
+  with pytest.raises(ValueError, match=r"is for gpu 'a40', not the target 'h100'"):
+    sim.calibrate([other], "h100")
+  with pytest.raises(ValueError, match=r"params must name Constants fields"):
+    sim.calibrate([dict(none, makespan_s=1.0)], "h100", params=["warp_speed"])
+  with pytest.raises(ValueError, match=r"no published figures for 'a40'"):
+    sim.published_measurements("a40")

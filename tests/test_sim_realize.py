@@ -1,0 +1,145 @@
+"""Tests of realize() and the Report -> workload conversion, with stand-in Report objects."""
+
+import dataclasses
+
+import pytest
+
+from jax_overlap import sim
+from jax_overlap._src import targets
+
+
+@dataclasses.dataclass
+class FakeKernel:
+  name: str
+  kind: str
+  index: int
+  grid_blocks: int
+  threads_per_block: int
+  smem_bytes: int = 0
+  regs_per_thread: int | None = None
+  flops: float = 0.0
+  bytes_accessed: float = 0.0
+  time_s: float = 1e-4
+  gemm_mnk: tuple | None = None
+  dtype: str = "bf16"
+
+
+@dataclasses.dataclass
+class FakeCollective:
+  name: str
+  kind: str
+  bytes: int
+  group_size: int
+  start_index: int
+  done_index: int
+  time_s: float
+  synchronous: bool = False
+
+
+@dataclasses.dataclass
+class FakeReport:
+  target: targets.Topology
+  kernels: list
+  collectives: list
+
+
+def _report(sync=False):
+  ks = []
+  for i in range(4):
+    # Deviceless default launch configuration of a Triton GEMM: not what runs on hardware.
+    ks.append(FakeKernel(f"gemm_fusion_dot.{i}", "gemm", len(ks), 32768, 64, 768, 32,
+                         flops=2.0 * 8192**3, time_s=2.0 * 8192**3 / 700e12,
+                         gemm_mnk=(8192, 8192, 8192)))
+    ks.append(FakeKernel(f"loop_fusion.{i}", "fusion", len(ks), 4096, 256, 0, None,
+                         flops=8192 * 8192.0, bytes_accessed=3 * 8192 * 8192 * 2.0,
+                         time_s=3 * 8192 * 8192 * 2.0 / 3.35e12))
+  cs = [FakeCollective("all-gather-start.1", "all-gather", 256 << 20, 8, 1, 4, 6e-4, sync),
+        FakeCollective("reduce-scatter-start.2", "reduce-scatter", 256 << 20, 8, 5, 8, 6e-4,
+                       sync)]
+  return FakeReport(targets.get("h100x8"), ks, cs)
+
+
+def test_conversion_rebuilds_gemms_and_wires_events():
+  wl = sim.workload_from_report(_report())
+  names = [it.name for it in wl.items]
+  # Issued just before kernels[1], after kernels[0]; kernels[4] waits for it.
+  assert names.index("all-gather-start.1") == names.index("gemm_fusion_dot.0") + 1
+  ag = wl.items[names.index("all-gather-start.1")]
+  assert ag.stream == 1 and ag.after == ("gemm_fusion_dot.0",)
+  assert "all-gather-start.1" in wl.items[names.index("gemm_fusion_dot.2")].after
+  g = wl.items[names.index("gemm_fusion_dot.0")]
+  assert g.grid is None and g.gemm_mnk == (8192, 8192, 8192)  # rebuilt by shape
+  r = sim.simulate(wl, "h100x8", "concurrent", baseline=False)
+  assert r.timing("gemm_fusion_dot.0").blocks == 64 * 32  # 128x256 tiles, not 32768
+  assert r.timing("gemm_fusion_dot.2").start_s >= r.timing("all-gather-start.1").end_s
+
+
+def test_synchronous_collectives_run_in_place():
+  wl = sim.workload_from_report(_report(sync=True))
+  assert all(c.stream == 0 for c in wl.collectives)
+  r = sim.simulate(wl, "h100x8", "concurrent", baseline=False)
+  ts = sorted(r.timings, key=lambda t: t.start_s)
+  for a, b in zip(ts, ts[1:]):
+    assert b.start_s >= a.end_s
+
+
+def test_realize_all_policies_and_gap():
+  rep = _report()
+  res = sim.realize(rep)
+  assert set(res.results) == set(sim.POLICIES)
+  a = res.analysis_s
+  # Analysis: 8 kernels back to back; the collectives hide behind them.
+  assert a == pytest.approx(sum(k.time_s for k in rep.kernels), rel=1e-9)
+  # Sequential puts the collectives on the critical path: slower than the analysis.
+  assert res.gap("sequential") > 0.05
+  assert res.results["concurrent"].makespan_s < res.results["sequential"].makespan_s
+  assert "analysis (contention-free)" in res.table()
+  assert res.best in sim.POLICIES
+
+
+def test_realize_single_policy_and_step_time_attribute():
+  rep = _report()
+  rep.step_time_s = 1.0
+  res = sim.realize(rep, "priority")
+  assert list(res.results) == ["priority"] and res.analysis_s == 1.0
+
+
+def test_zero_grid_kernel_becomes_one_block():
+  rep = _report()
+  rep.kernels.append(FakeKernel("memcpy", "copy", 8, 0, 0, bytes_accessed=1e6))
+  wl = sim.workload_from_report(rep)
+  k = wl.items[-1]
+  assert (k.name, k.grid, k.threads) == ("memcpy", 1, 32)
+
+
+def test_duplicate_kernel_names_are_disambiguated():
+  rep = _report()
+  rep.kernels[1].name = rep.kernels[3].name
+  wl = sim.workload_from_report(rep)
+  assert len({it.name for it in wl.items}) == len(wl.items)
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("done_index", 0, r"done_index 0 is before start_index 1"),
+    ("kind", "broadcast", r"\.kind must be one of"),
+    ("bytes", -1, r"\.bytes must be >= 0, got -1"),
+    ("start_index", 99, r"start_index 99 and done_index 4 must be in \[0, 8\]"),
+])
+def test_bad_collectives(field, value, match):
+  rep = _report()
+  setattr(rep.collectives[0], field, value)
+  with pytest.raises(ValueError, match=match):
+    sim.workload_from_report(rep)
+
+
+def test_bad_kernel_fields():
+  rep = _report()
+  rep.kernels[1].grid_blocks = -4
+  with pytest.raises(ValueError, match=r"report kernel 'loop_fusion.0': grid_blocks must be >= 0"):
+    sim.workload_from_report(rep)
+  with pytest.raises(TypeError, match=r"report has no attribute 'kernels'"):
+    sim.workload_from_report(object())
+  rep = _report()
+  rep.kernels[1].smem_bytes = 300 * 1024
+  with pytest.raises(ValueError, match=r"'loop_fusion.0': smem per block 307200 bytes exceeds"):
+    sim.realize(rep, "concurrent")

@@ -1,0 +1,87 @@
+"""Tests of the tuner: plan format, agreement with exhaustive search, progress display."""
+
+import json
+
+import pytest
+
+from jax_overlap import sim
+from jax_overlap._src.sim import tune as tune_mod
+
+
+def _small(gpu_tokens=2048, n=3):
+  att = sim.attention("a", gpu_tokens, 2048, 1024)
+  return sim.tp_chain(n, 4096, 2048, lag=2, kernel=lambda i: att, name="small")
+
+
+@pytest.mark.parametrize("target", ["a100", "h100", "a40"])
+def test_coordinate_search_within_one_percent_of_exhaustive(target):
+  wl = _small()
+  ex = sim.tune(wl, target, groups="kernel", method="exhaustive", max_evals=10**6,
+                progress=False)
+  co = sim.tune(wl, target, groups="kernel", method="coordinate", progress=False)
+  assert ex.method == "exhaustive" and co.method == "coordinate"
+  assert co.makespan_s <= ex.makespan_s * 1.01
+  # The exhaustive optimum is never worse than plain concurrency (it is in the space).
+  assert ex.makespan_s <= ex.baseline_s
+
+
+def test_tuned_plan_reproduces_its_makespan_and_format():
+  wl = _small()
+  res = sim.tune(wl, "h100", progress=False)
+  plan = res.plan if isinstance(res.plan, dict) else json.loads(res.plan.to_json())
+  assert plan["version"] == 1 and plan["target"] == "h100"
+  assert plan["streams"]["communication_priority"] in ("highest", "default")
+  names = {it.name for it in wl.items}
+  for k in plan["kernels"]:
+    assert k["match"] in names and k["blocks_per_sm"] >= 1
+  again = sim.simulate(wl, "h100", res.policy, baseline=False).makespan_s
+  assert again == pytest.approx(res.makespan_s, rel=1e-12)
+  assert res.gain == pytest.approx(1 - res.makespan_s / res.baseline_s)
+  assert "makespan (ms)" in res.format_table()
+
+
+def test_tuner_finds_priority_plus_shaping_on_attention_chain():
+  wl = sim.tp_chain(4, 8192, 4096, lag=2,
+                    kernel=lambda i: sim.attention("a", 4096, 4096, 2048))
+  res = sim.tune(wl, "h100", progress=False)
+  assert res.policy.priority
+  assert res.policy.shaping  # some kernels shaped
+  assert res.gain > 0.03
+
+
+def test_plan_dict_json_round_trip():
+  d = sim.plan_dict("h100x8", {"k": 1}, True)
+  d = d if isinstance(d, dict) else json.loads(d.to_json())
+  assert d == {"version": 1, "target": "h100", "kernels": [{"match": "k", "blocks_per_sm": 1}],
+               "streams": {"communication_priority": "highest"}}
+
+
+def test_tune_errors():
+  wl = _small()
+  with pytest.raises(ValueError, match=r"sim.tune: groups must be 'window' or 'kernel', got 'x'"):
+    sim.tune(wl, "h100", groups="x", progress=False)
+  with pytest.raises(ValueError, match=r"sim.tune: method must be"):
+    sim.tune(wl, "h100", method="annealing", progress=False)
+  with pytest.raises(ValueError, match=r"unknown target"):
+    sim.tune(wl, "z900", progress=False)
+
+
+def test_progress_prints_without_tqdm(monkeypatch, capsys):
+  import builtins
+
+  real_import = builtins.__import__
+
+  def no_tqdm(name, *a, **k):
+    if name.startswith("tqdm"):
+      raise ImportError(name)
+    return real_import(name, *a, **k)
+
+  monkeypatch.setattr(builtins, "__import__", no_tqdm)
+  bar = tune_mod._Progress(10, True, "tune test")
+  bar.last = -1e9
+  bar.update(0.001)
+  bar.close()
+  assert "tune test: 1/10 evaluations, best 1.0000 ms" in capsys.readouterr().err
+  off = tune_mod._Progress(10, False, "quiet")
+  off.update(0.001)
+  assert capsys.readouterr().err == ""
