@@ -25,7 +25,9 @@ ROOT = pathlib.Path(__file__).resolve().parent
 
 
 def _recipe():
-  spec = importlib.util.spec_from_file_location("_jax_overlap_lib", ROOT / "jax_overlap/_lib/__init__.py")
+  spec = importlib.util.spec_from_file_location(
+    "_jax_overlap_lib", ROOT / "jax_overlap/_lib/__init__.py"
+  )
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module.LIBRARIES
@@ -61,7 +63,11 @@ class BuildNative(build_ext):
     name = ext.name.split(".")[-1] + ".so"
     recipe = LIBRARIES[name]
     inplace = self.inplace or getattr(self, "editable_mode", False)
-    out = ROOT / "jax_overlap" / "_lib" / name if inplace else pathlib.Path(self.get_ext_fullpath(ext.name))
+    out = (
+      ROOT / "jax_overlap" / "_lib" / name
+      if inplace
+      else pathlib.Path(self.get_ext_fullpath(ext.name))
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     cxx = _compiler()
     if cxx is None:

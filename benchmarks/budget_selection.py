@@ -51,12 +51,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jax_overlap.budget import compute, data  # noqa: E402
 
-CONFIG = dict(seed=0, dim=32, classes=10, hidden=256, n_train=20_000, n_holdout=4_000,
-              n_test=4_000, label_noise=0.4, batch=64, candidates=128, lr=1e-3,
-              uniform_steps=3000, selection_steps=3000, reference_steps=1500, eval_every=50)
+CONFIG = dict(seed=0, dim=32, classes=10, hidden=256, n_train=100_000, n_holdout=10_000,
+              n_test=4_000, label_noise=0.2, dup_fraction=0.8, dup_pool=500, batch=64,
+              candidates=256, lr=1e-3, uniform_steps=3000, selection_steps=3000,
+              reference_steps=600, eval_every=50)
 
 
 def make_task(cfg=CONFIG):
+  """(train, holdout, test) splits; train and holdout share duplicates and label noise."""
   rng = np.random.default_rng(cfg["seed"])
   d, c = cfg["dim"], cfg["classes"]
   t1 = rng.normal(size=(d, 64)) / np.sqrt(d)
@@ -69,8 +71,16 @@ def make_task(cfg=CONFIG):
     y = np.where(flip, rng.integers(0, c, size=n), y)
     return x, y.astype(np.int32)
 
-  train = sample(cfg["n_train"], cfg["label_noise"])
-  holdout = sample(cfg["n_holdout"], cfg["label_noise"])
+  pool = sample(cfg.get("dup_pool", 1), cfg["label_noise"])
+
+  def noisy_split(n):
+    x, y = sample(n, cfg["label_noise"])
+    dup = rng.random(n) < cfg.get("dup_fraction", 0.0)
+    pick = rng.integers(0, len(pool[0]), size=n)
+    return np.where(dup[:, None], pool[0][pick], x), np.where(dup, pool[1][pick], y)
+
+  train = noisy_split(cfg["n_train"])
+  holdout = noisy_split(cfg["n_holdout"])
   test = sample(cfg["n_test"], 0.0)
   return train, holdout, test
 
@@ -201,8 +211,12 @@ def run(cfg=CONFIG, log=print):
   sel_counter.step(flops=overhead)
   _, sel = train(cfg["selection_steps"], cand_sampler, sel_step, sel_counter, "selection")
   reached = next(((i, f, loss) for i, f, loss, _ in sel if loss <= target), None)
+  best = min(loss for _, _, loss, _ in uni)
+  best_at = next(f for _, f, loss, _ in uni if loss == best)
+  reached_best = next(((i, f, loss) for i, f, loss, _ in sel if loss <= best), None)
   return dict(f_train=f_train, f_sel=f_sel, f_eval=f_eval, overhead=overhead, uniform=uni,
-              selection=sel, target=target, reached=reached)
+              selection=sel, target=target, reached=reached, best=best, best_at=best_at,
+              reached_best=reached_best)
 
 
 def main() -> None:
@@ -226,6 +240,14 @@ def main() -> None:
         f"included: {r['overhead']:.4g})"
     )
     lines.append(f"FLOP ratio selection / uniform = {flops / uni_flops:.3f}")
+  if r["reached_best"] is None:
+    lines.append(f"selection did not reach the uniform run's best test loss {r['best']:.4f}")
+  else:
+    step_i, flops, loss = r["reached_best"]
+    lines.append(
+        f"uniform best test loss {r['best']:.4f} at {r['best_at']:.4g} FLOPs; selection reaches it "
+        f"at step {step_i} after {flops:.4g} FLOPs: ratio {flops / r['best_at']:.3f}"
+    )
   lines.append(f"selection final test loss {r['selection'][-1][2]:.4f} "
                f"acc {r['selection'][-1][3]:.4f}; uniform acc {r['uniform'][-1][3]:.4f}")
   lines.append("curve (step, FLOPs, test loss, acc): uniform every 500 steps: " + ", ".join(
@@ -234,7 +256,7 @@ def main() -> None:
       f"({i}, {f:.3g}, {lo:.4f}, {a:.3f})" for i, f, lo, a in r["selection"] if i % 500 == 0))
   lines.append(f"# wall time {time.time() - t0:.1f} s")
   text = "\n".join(lines)
-  print("\n".join(lines[-5:]))
+  print("\n".join(lines[-6:]))
   path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "budget_selection.txt")
   with open(path, "w") as f:
     f.write(text + "\n")

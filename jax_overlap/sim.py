@@ -29,6 +29,7 @@ from jax_overlap._src.sim.policies import POLICIES as POLICIES
 from jax_overlap._src.sim.policies import Policy as Policy
 from jax_overlap._src.sim.policies import compare as compare
 from jax_overlap._src.sim.policies import default_shaping as default_shaping
+from jax_overlap._src.sim.policies import policy_from_plan as policy_from_plan
 from jax_overlap._src.sim.policies import simulate as simulate
 from jax_overlap._src.sim.realize import RealizeResult as RealizeResult
 from jax_overlap._src.sim.realize import analysis_step_time as analysis_step_time
@@ -73,6 +74,7 @@ __all__ = [
     "paper_table",
     "plan_dict",
     "plot",
+    "policy_from_plan",
     "published_measurements",
     "random_workload",
     "realize",

@@ -14,10 +14,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_overlap.collective_matmul import (
-    GainEstimate,
-    all_gather_matmul,
-    estimate_gain,
-    matmul_reduce_scatter,
+  GainEstimate,
+  all_gather_matmul,
+  estimate_gain,
+  matmul_reduce_scatter,
 )
 
 shard_map = jax.shard_map if hasattr(jax, "shard_map") else None
@@ -25,8 +25,8 @@ if shard_map is None:  # pragma: no cover - older jax
   from jax.experimental.shard_map import shard_map
 
 MESHES = {
-    "tensor8": ((8,), ("tensor",)),
-    "fsdp4_tensor2": ((4, 2), ("fsdp", "tensor")),
+  "tensor8": ((8,), ("tensor",)),
+  "fsdp4_tensor2": ((4, 2), ("fsdp", "tensor")),
 }
 
 
@@ -68,8 +68,8 @@ def _batch_axis(mesh):
 
 
 VARIANTS = [
-    dict(bidirectional=False),
-    dict(bidirectional=True),
+  dict(bidirectional=False),
+  dict(bidirectional=True),
 ]
 
 
@@ -93,8 +93,11 @@ def test_all_gather_matmul_matches_reference(mesh_name, dtype, variant):
     y = all_gather_matmul(x, w, axis="tensor", **variant)
     return y if b is None else lax.psum(y, b)
 
-  _close(_value_and_grads(ref, mesh, in_specs, out_spec, x, w),
-         _value_and_grads(ours, mesh, in_specs, out_spec, x, w), dtype)
+  _close(
+    _value_and_grads(ref, mesh, in_specs, out_spec, x, w),
+    _value_and_grads(ours, mesh, in_specs, out_spec, x, w),
+    dtype,
+  )
 
 
 @pytest.mark.parametrize("mesh_name", list(MESHES))
@@ -113,8 +116,11 @@ def test_matmul_reduce_scatter_matches_reference(mesh_name, dtype, variant):
   def ours(x, w):
     return matmul_reduce_scatter(x, w, axis="tensor", **variant)
 
-  _close(_value_and_grads(ref, mesh, in_specs, out_spec, x, w),
-         _value_and_grads(ours, mesh, in_specs, out_spec, x, w), dtype)
+  _close(
+    _value_and_grads(ref, mesh, in_specs, out_spec, x, w),
+    _value_and_grads(ours, mesh, in_specs, out_spec, x, w),
+    dtype,
+  )
 
 
 @pytest.mark.parametrize("chunks,bidirectional", [(2, False), (4, True)])
@@ -124,18 +130,27 @@ def test_chunks(chunks, bidirectional):
   kw = dict(axis="tensor", chunks=chunks, bidirectional=bidirectional)
   ag_specs, rs_specs = (P("tensor"), P(None, "tensor")), (P(None, "tensor"), P("tensor"))
   _close(
-      _value_and_grads(lambda x, w: lax.all_gather(x, "tensor", axis=0, tiled=True) @ w, mesh,
-                       ag_specs, P(None, "tensor"), x, w),
-      _value_and_grads(lambda x, w: all_gather_matmul(x, w, **kw), mesh, ag_specs,
-                       P(None, "tensor"), x, w),
-      jnp.float32,
+    _value_and_grads(
+      lambda x, w: lax.all_gather(x, "tensor", axis=0, tiled=True) @ w,
+      mesh,
+      ag_specs,
+      P(None, "tensor"),
+      x,
+      w,
+    ),
+    _value_and_grads(
+      lambda x, w: all_gather_matmul(x, w, **kw), mesh, ag_specs, P(None, "tensor"), x, w
+    ),
+    jnp.float32,
   )
   _close(
-      _value_and_grads(lambda x, w: lax.psum_scatter(x @ w, "tensor", tiled=True), mesh,
-                       rs_specs, P("tensor"), x, w),
-      _value_and_grads(lambda x, w: matmul_reduce_scatter(x, w, **kw), mesh, rs_specs,
-                       P("tensor"), x, w),
-      jnp.float32,
+    _value_and_grads(
+      lambda x, w: lax.psum_scatter(x @ w, "tensor", tiled=True), mesh, rs_specs, P("tensor"), x, w
+    ),
+    _value_and_grads(
+      lambda x, w: matmul_reduce_scatter(x, w, **kw), mesh, rs_specs, P("tensor"), x, w
+    ),
+    jnp.float32,
   )
 
 
@@ -145,13 +160,17 @@ def test_replicated_weight_gradient_is_summed():
   mesh = _mesh("tensor8")
   x, w = _operands(64, 32, 16, jnp.float32, seed=3)
   specs = (P("tensor"), P())
-  _close(
-      _value_and_grads(lambda x, w: lax.all_gather(x, "tensor", axis=0, tiled=True) @ w, mesh,
-                       specs, P(), x, w),
-      _value_and_grads(lambda x, w: all_gather_matmul(x, w, axis="tensor"), mesh, specs, P(),
-                       x, w),
-      jnp.float32,
+  # The output is typed as varying over the axis: stack the (equal) copies.
+  out = P("tensor")
+  ref = _value_and_grads(
+    lambda x, w: lax.all_gather(x, "tensor", axis=0, tiled=True) @ w, mesh, specs, out, x, w
   )
+  got = _value_and_grads(
+    lambda x, w: all_gather_matmul(x, w, axis="tensor"), mesh, specs, out, x, w
+  )
+  _close(ref, got, jnp.float32)
+  # Every device contributes to the replicated weight's gradient.
+  assert float(jnp.max(jnp.abs(got[1][1]))) > 0
 
 
 def test_second_order_transpose_chain():
@@ -168,10 +187,14 @@ def test_second_order_transpose_chain():
     sm = shard_map(f, mesh=mesh, in_specs=specs, out_specs=P("tensor"))
     return jax.jit(jax.grad(lambda *a: jnp.sum(sm(*a) ** 2), argnums=(0, 1, 2)))(x, w1, w2)
 
-  ref = block(lambda x, w: lax.all_gather(x, "tensor", axis=0, tiled=True) @ w,
-              lambda h, w: lax.psum_scatter(h @ w, "tensor", tiled=True))
-  got = block(lambda x, w: all_gather_matmul(x, w, axis="tensor", bidirectional=True),
-              lambda h, w: matmul_reduce_scatter(h, w, axis="tensor", bidirectional=True))
+  ref = block(
+    lambda x, w: lax.all_gather(x, "tensor", axis=0, tiled=True) @ w,
+    lambda h, w: lax.psum_scatter(h @ w, "tensor", tiled=True),
+  )
+  got = block(
+    lambda x, w: all_gather_matmul(x, w, axis="tensor", bidirectional=True),
+    lambda h, w: matmul_reduce_scatter(h, w, axis="tensor", bidirectional=True),
+  )
   _close(ref, got, jnp.float32)
 
 
@@ -189,39 +212,75 @@ def test_error_axis_not_bound():
   with pytest.raises(ValueError, match="all_gather_matmul: axis 'tensor' is not bound here"):
     all_gather_matmul(jnp.ones((8, 4)), jnp.ones((4, 8)), axis="tensor")
   with pytest.raises(ValueError, match="matmul_reduce_scatter: axis 'model' is not bound here"):
-    _call(lambda x, w: matmul_reduce_scatter(x, w, axis="model"), jnp.ones((64, 32)),
-          jnp.ones((32, 8)), (P(None, "tensor"), P("tensor")))
+    _call(
+      lambda x, w: matmul_reduce_scatter(x, w, axis="model"),
+      jnp.ones((64, 32)),
+      jnp.ones((32, 8)),
+      (P(None, "tensor"), P("tensor")),
+    )
 
 
 def test_error_rank_mismatch():
-  with pytest.raises(ValueError, match=r"all_gather_matmul: x and w must both be rank 2 .* got x "
-                                       r"with shape \(1, 8, 4\) and w with shape \(4, 8\)"):
-    _call(lambda x, w: all_gather_matmul(x, w, axis="tensor"), jnp.ones((8, 8, 4)),
-          jnp.ones((4, 8)), (P("tensor"), P()))
+  with pytest.raises(
+    ValueError,
+    match=r"all_gather_matmul: x and w must both be rank 2 .* got x "
+    r"with shape \(1, 8, 4\) and w with shape \(4, 8\)",
+  ):
+    _call(
+      lambda x, w: all_gather_matmul(x, w, axis="tensor"),
+      jnp.ones((8, 8, 4)),
+      jnp.ones((4, 8)),
+      (P("tensor"), P()),
+    )
 
 
 def test_error_contracting_mismatch():
-  with pytest.raises(ValueError, match=r"contracting dimensions must match: x.shape\[1\] \(4\) "
-                                       r"!= w.shape\[0\] \(5\)"):
-    _call(lambda x, w: all_gather_matmul(x, w, axis="tensor"), jnp.ones((8, 4)),
-          jnp.ones((5, 8)), (P("tensor"), P()))
+  with pytest.raises(
+    ValueError,
+    match=r"contracting dimensions must match: x.shape\[1\] \(4\) "
+    r"!= w.shape\[0\] \(5\)",
+  ):
+    _call(
+      lambda x, w: all_gather_matmul(x, w, axis="tensor"),
+      jnp.ones((8, 4)),
+      jnp.ones((5, 8)),
+      (P("tensor"), P()),
+    )
 
 
 def test_error_rows_not_divisible():
-  with pytest.raises(ValueError, match=r"matmul_reduce_scatter: x.shape\[0\] \(12\) must be "
-                                       r"divisible by the size of axis 'tensor' \(8\)"):
-    _call(lambda x, w: matmul_reduce_scatter(x, w, axis="tensor"), jnp.ones((12, 32)),
-          jnp.ones((32, 8)), (P(None, "tensor"), P("tensor")))
+  with pytest.raises(
+    ValueError,
+    match=r"matmul_reduce_scatter: x.shape\[0\] \(12\) must be "
+    r"divisible by the size of axis 'tensor' \(8\)",
+  ):
+    _call(
+      lambda x, w: matmul_reduce_scatter(x, w, axis="tensor"),
+      jnp.ones((12, 32)),
+      jnp.ones((32, 8)),
+      (P(None, "tensor"), P("tensor")),
+    )
 
 
 def test_error_chunks():
   with pytest.raises(ValueError, match=r"chunks must be even with bidirectional=True .* got 3"):
-    _call(lambda x, w: all_gather_matmul(x, w, axis="tensor", bidirectional=True, chunks=3),
-          jnp.ones((48, 4)), jnp.ones((4, 8)), (P("tensor"), P()))
-  with pytest.raises(ValueError, match=r"x.shape\[0\] \(the local rows\) \(3\) must be divisible "
-                                       r"by the number of ring pieces chunks=2"):
-    _call(lambda x, w: all_gather_matmul(x, w, axis="tensor", chunks=2), jnp.ones((24, 4)),
-          jnp.ones((4, 8)), (P("tensor"), P()))
+    _call(
+      lambda x, w: all_gather_matmul(x, w, axis="tensor", bidirectional=True, chunks=3),
+      jnp.ones((48, 4)),
+      jnp.ones((4, 8)),
+      (P("tensor"), P()),
+    )
+  with pytest.raises(
+    ValueError,
+    match=r"x.shape\[0\] \(the local rows\) \(3\) must be divisible "
+    r"by the number of ring pieces chunks=2",
+  ):
+    _call(
+      lambda x, w: all_gather_matmul(x, w, axis="tensor", chunks=2),
+      jnp.ones((24, 4)),
+      jnp.ones((4, 8)),
+      (P("tensor"), P()),
+    )
 
 
 def test_error_not_an_array():
@@ -263,14 +322,16 @@ def test_schedule_h100_permutes_interleave_with_dots(bidirectional):
     h = all_gather_matmul(x, w1, axis="tensor", bidirectional=bidirectional)
     return matmul_reduce_scatter(jnp.tanh(h), w2, axis="tensor", bidirectional=bidirectional)
 
-  sm = shard_map(f, mesh=mesh, in_specs=(P("tensor"), P(None, "tensor"), P("tensor")),
-                 out_specs=P("tensor"))
-  s = lambda shape, spec: jax.ShapeDtypeStruct(shape, jnp.bfloat16,
-                                               sharding=NamedSharding(mesh, spec))
+  sm = shard_map(
+    f, mesh=mesh, in_specs=(P("tensor"), P(None, "tensor"), P("tensor")), out_specs=P("tensor")
+  )
+  s = lambda shape, spec: jax.ShapeDtypeStruct(
+    shape, jnp.bfloat16, sharding=NamedSharding(mesh, spec)
+  )
   with tempfile.TemporaryDirectory() as d:
-    jax.jit(sm).lower(s((m, k), P("tensor")), s((k, n), P(None, "tensor")),
-                      s((n, k), P("tensor"))).compile(
-        {"xla_dump_to": d, "xla_gpu_enable_latency_hiding_scheduler": True})
+    jax.jit(sm).lower(
+      s((m, k), P("tensor")), s((k, n), P(None, "tensor")), s((n, k), P("tensor"))
+    ).compile({"xla_dump_to": d, "xla_gpu_enable_latency_hiding_scheduler": True})
     (path,) = glob.glob(d + "/*gpu_after_optimizations.txt")
     seq = _entry_sequence(open(path).read())
   starts = [i for i, (_, kind, _) in enumerate(seq) if kind == "start"]
@@ -316,6 +377,8 @@ def test_estimate_gain_bidirectional_halves_link_time():
 def test_estimate_gain_errors():
   with pytest.raises(ValueError, match="estimate_gain: axis_size must be a positive int, got 0"):
     estimate_gain(8, 8, 8, 0)
-  with pytest.raises(ValueError, match="estimate_gain: kind must be 'all_gather' or "
-                                       "'reduce_scatter', got 'all_reduce'"):
+  with pytest.raises(
+    ValueError,
+    match="estimate_gain: kind must be 'all_gather' or 'reduce_scatter', got 'all_reduce'",
+  ):
     estimate_gain(8, 8, 8, 8, kind="all_reduce")

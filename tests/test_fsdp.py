@@ -30,9 +30,9 @@ def _mesh(shape=(8,), names=("fsdp",)):
 def _params(key, num_layers, width, dtype):
   k1, k2, k3 = jax.random.split(key, 3)
   return {
-      "w": (jax.random.normal(k1, (num_layers, width, width)) / np.sqrt(width)).astype(dtype),
-      "b": (0.1 * jax.random.normal(k2, (num_layers, width))).astype(dtype),
-      "s": (1.0 + 0.1 * jax.random.normal(k3, (num_layers, width))).astype(dtype),
+    "w": (jax.random.normal(k1, (num_layers, width, width)) / np.sqrt(width)).astype(dtype),
+    "b": (0.1 * jax.random.normal(k2, (num_layers, width))).astype(dtype),
+    "s": (1.0 + 0.1 * jax.random.normal(k3, (num_layers, width))).astype(dtype),
   }
 
 
@@ -43,7 +43,7 @@ def _layer(p, c):
 
 def _gather_tree(p, dims, axis):
   return jax.tree.map(
-      lambda x, d: x if d is None else lax.all_gather(x, axis, axis=d, tiled=True), p, dims
+    lambda x, d: x if d is None else lax.all_gather(x, axis, axis=d, tiled=True), p, dims
   )
 
 
@@ -64,9 +64,13 @@ def _specs(dims, axis="fsdp", extra=None):
   return out if extra is None else extra(out)
 
 
-def _loss_fn(body, mesh, param_specs, carry_spec=P("fsdp"), ys_spec=P(None, "fsdp")):
+_BATCH = P("fsdp")
+_YS = P(None, "fsdp")
+
+
+def _loss_fn(body, mesh, param_specs, carry_spec=_BATCH, ys_spec=_YS):
   fn = shard_map(
-      body, mesh=mesh, in_specs=(param_specs, carry_spec), out_specs=(carry_spec, ys_spec)
+    body, mesh=mesh, in_specs=(param_specs, carry_spec), out_specs=(carry_spec, ys_spec)
   )
 
   def loss(p, c):
@@ -80,11 +84,9 @@ def _run_both(mesh, params, x, dims, *, prefetch, unroll=1, param_specs=None, **
   param_specs = param_specs or _specs(dims)
   ref = _loss_fn(lambda p, c: _reference(_layer, p, c, dims), mesh, param_specs)
   got = _loss_fn(
-      lambda p, c: scan_layers(
-          _layer, p, c, prefetch=prefetch, gather_dim=dims, unroll=unroll, **kw
-      ),
-      mesh,
-      param_specs,
+    lambda p, c: scan_layers(_layer, p, c, prefetch=prefetch, gather_dim=dims, unroll=unroll, **kw),
+    mesh,
+    param_specs,
   )
   vg = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1)))
   return vg(ref)(params, x), vg(got)(params, x)
@@ -118,8 +120,9 @@ def test_forward_values_and_ys_exact():
   params = _params(jax.random.PRNGKey(2), 3, 16, jnp.float32)
   x = jax.random.normal(jax.random.PRNGKey(3), (8, 16))
   sm = lambda f: jax.jit(
-      shard_map(f, mesh=mesh, in_specs=(_specs(DIMS), P("fsdp")),
-                out_specs=(P("fsdp"), P(None, "fsdp")))
+    shard_map(
+      f, mesh=mesh, in_specs=(_specs(DIMS), P("fsdp")), out_specs=(P("fsdp"), P(None, "fsdp"))
+    )
   )
   ref = sm(lambda p, c: _reference(_layer, p, c, DIMS))(params, x)
   got = sm(lambda p, c: scan_layers(_layer, p, c, prefetch=1))(params, x)
@@ -157,8 +160,9 @@ def test_tensor_axis_also_used_in_layer():
   ref = vg(_loss_fn(lambda p, c: _reference(layer, p, c, dims), mesh, specs))(params, x)
   for prefetch in (0, 1, 4):
     got = _loss_fn(
-        lambda p, c, k=prefetch: scan_layers(layer, p, c, prefetch=k, gather_dim=dims), mesh,
-        specs,
+      lambda p, c, k=prefetch: scan_layers(layer, p, c, prefetch=k, gather_dim=dims),
+      mesh,
+      specs,
     )
     _assert_close(ref, vg(got)(params, x), 1e-6, 1e-6)
 
@@ -177,8 +181,9 @@ def test_closed_over_traced_values_get_gradients():
           return scan_layers(layer, p, c, prefetch=1)
         return _reference(layer, p, c, DIMS)
 
-      out, ys = shard_map(body, mesh=mesh, in_specs=(_specs(DIMS), P("fsdp")),
-                          out_specs=(P("fsdp"), P(None, "fsdp")))(p, c)
+      out, ys = shard_map(
+        body, mesh=mesh, in_specs=(_specs(DIMS), P("fsdp")), out_specs=(P("fsdp"), P(None, "fsdp"))
+      )(p, c)
       return jnp.sum(out**2) + jnp.sum(ys)
 
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
@@ -188,9 +193,9 @@ def test_closed_over_traced_values_get_gradients():
 
 
 @pytest.mark.parametrize(
-    "policy",
-    [jax.checkpoint_policies.nothing_saveable, jax.checkpoint_policies.dots_saveable],
-    ids=["nothing_saveable", "dots_saveable"],
+  "policy",
+  [jax.checkpoint_policies.nothing_saveable, jax.checkpoint_policies.dots_saveable],
+  ids=["nothing_saveable", "dots_saveable"],
 )
 def test_remat_policy(policy):
   mesh = _mesh()
@@ -266,11 +271,11 @@ def test_mesh_argument_wraps_shard_map():
 
 @settings(max_examples=8, deadline=None)
 @given(
-    num_layers=st.integers(1, 6),
-    width=st.sampled_from([8, 16]),
-    dtype=st.sampled_from(["float32", "bfloat16"]),
-    mesh_shape=st.sampled_from([(8,), (4, 2)]),
-    data=st.data(),
+  num_layers=st.integers(1, 6),
+  width=st.sampled_from([8, 16]),
+  dtype=st.sampled_from(["float32", "bfloat16"]),
+  mesh_shape=st.sampled_from([(8,), (4, 2)]),
+  data=st.data(),
 )
 def test_property_matches_reference(num_layers, width, dtype, mesh_shape, data):
   prefetch = data.draw(st.integers(0, num_layers), label="prefetch")
@@ -286,11 +291,15 @@ def test_property_matches_reference(num_layers, width, dtype, mesh_shape, data):
   params = _params(jax.random.PRNGKey(num_layers * 100 + width), num_layers, width, dtype)
   x = jax.random.normal(jax.random.PRNGKey(17), (16, width)).astype(dtype)
   ys_spec = P(None, *carry_spec)
-  ref = _loss_fn(lambda p, c: _reference(_layer, p, c, dims), mesh, _specs(dims), carry_spec,
-                 ys_spec)
+  ref = _loss_fn(
+    lambda p, c: _reference(_layer, p, c, dims), mesh, _specs(dims), carry_spec, ys_spec
+  )
   got = _loss_fn(
-      lambda p, c: scan_layers(_layer, p, c, prefetch=prefetch, unroll=unroll, gather_dim=dims),
-      mesh, _specs(dims), carry_spec, ys_spec,
+    lambda p, c: scan_layers(_layer, p, c, prefetch=prefetch, unroll=unroll, gather_dim=dims),
+    mesh,
+    _specs(dims),
+    carry_spec,
+    ys_spec,
   )
   vg = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1)))
   tol = 1e-5 if dtype == "float32" else 2e-2
@@ -305,19 +314,21 @@ def test_property_matches_reference(num_layers, width, dtype, mesh_shape, data):
 def _in_shard_map(fn, params, x, specs=None, mesh=None):
   mesh = mesh or _mesh()
   specs = specs or jax.tree.map(lambda _: P(None, "fsdp"), params)
-  return jax.jit(shard_map(fn, mesh=mesh, in_specs=(specs, P("fsdp")),
-                           out_specs=P("fsdp")))(params, x)
+  return jax.jit(shard_map(fn, mesh=mesh, in_specs=(specs, P("fsdp")), out_specs=P("fsdp")))(
+    params, x
+  )
 
 
 @pytest.mark.parametrize("prefetch", [-1, 4])
 def test_error_prefetch_out_of_range(prefetch):
   params = {"w": jnp.ones((3, 16, 16))}
   with pytest.raises(
-      ValueError,
-      match=rf"scan_layers: prefetch must be between 0 and the number of layers \(3\), got {prefetch}",
+    ValueError,
+    match=rf"scan_layers: prefetch must be between 0 and the number of layers \(3\), got {prefetch}",
   ):
-    _in_shard_map(lambda p, c: scan_layers(_layer_w, p, c, prefetch=prefetch)[0], params,
-                  jnp.ones((8, 16)))
+    _in_shard_map(
+      lambda p, c: scan_layers(_layer_w, p, c, prefetch=prefetch)[0], params, jnp.ones((8, 16))
+    )
 
 
 def _layer_w(p, c):
@@ -326,24 +337,31 @@ def _layer_w(p, c):
 
 def test_error_mismatched_layer_dims():
   params = {"w": jnp.ones((3, 16, 16)), "b": jnp.ones((4, 16))}
-  with pytest.raises(ValueError, match=r"same leading layer dimension, got stacked_params\['b'\]: 4"):
+  with pytest.raises(
+    ValueError, match=r"same leading layer dimension, got stacked_params\['b'\]: 4"
+  ):
     _in_shard_map(lambda p, c: scan_layers(_layer_w, p, c)[0], params, jnp.ones((8, 16)))
 
 
 def test_error_leaf_without_layer_dim():
-  with pytest.raises(ValueError, match=r"needs a leading layer dimension, got scalars at stacked_params\['s'\]"):
+  with pytest.raises(
+    ValueError, match=r"needs a leading layer dimension, got scalars at stacked_params\['s'\]"
+  ):
     scan_layers(_layer_w, {"w": jnp.ones((3, 16, 16)), "s": jnp.float32(1.0)}, jnp.ones((8, 16)))
 
 
 def test_error_non_array_leaf():
-  with pytest.raises(TypeError, match=r"must be an array, got non-arrays at stacked_params\['n'\] \(str\)"):
+  with pytest.raises(
+    TypeError, match=r"must be an array, got non-arrays at stacked_params\['n'\] \(str\)"
+  ):
     scan_layers(_layer_w, {"w": jnp.ones((3, 16, 16)), "n": "relu"}, jnp.ones((8, 16)))
 
 
 def test_error_integer_leaf():
   with pytest.raises(TypeError, match=r"floating dtype.*stacked_params\['i'\] \(int32\)"):
-    scan_layers(_layer_w, {"w": jnp.ones((3, 16, 16)), "i": jnp.ones((3, 2), jnp.int32)},
-                jnp.ones((8, 16)))
+    scan_layers(
+      _layer_w, {"w": jnp.ones((3, 16, 16)), "i": jnp.ones((3, 2), jnp.int32)}, jnp.ones((8, 16))
+    )
 
 
 def test_error_axis_not_bound():
@@ -353,22 +371,24 @@ def test_error_axis_not_bound():
 
 def test_error_axis_not_in_mesh():
   with pytest.raises(ValueError, match=r"axis 'data' is not an axis of mesh \(axes \('fsdp',\)\)"):
-    scan_layers(_layer_w, {"w": jnp.ones((3, 16, 16))}, jnp.ones((8, 16)), axis="data",
-                mesh=_mesh())
+    scan_layers(
+      _layer_w, {"w": jnp.ones((3, 16, 16))}, jnp.ones((8, 16)), axis="data", mesh=_mesh()
+    )
 
 
 def test_error_sharded_dim_not_divisible():
   with pytest.raises(
-      ValueError,
-      match=r"divisible by the size of axis 'fsdp' \(8\), got stacked_params\['w'\] dimension 0 .* has size 12",
+    ValueError,
+    match=r"divisible by the size of axis 'fsdp' \(8\), got stacked_params\['w'\] dimension 0 .* has size 12",
   ):
     scan_layers(_layer_w, {"w": jnp.ones((3, 12, 16))}, jnp.ones((8, 16)), mesh=_mesh())
 
 
 def test_error_gather_dim_out_of_range():
   with pytest.raises(ValueError, match=r"gather_dim for stacked_params\['w'\] must index .* got 2"):
-    scan_layers(_layer_w, {"w": jnp.ones((3, 16, 16))}, jnp.ones((8, 16)), gather_dim=2,
-                mesh=_mesh())
+    scan_layers(
+      _layer_w, {"w": jnp.ones((3, 16, 16))}, jnp.ones((8, 16)), gather_dim=2, mesh=_mesh()
+    )
 
 
 def test_error_layer_fn_not_callable():
@@ -399,7 +419,7 @@ def test_error_layer_fn_not_differentiable():
   assert fwd.shape == (8, 16)
   with pytest.raises(TypeError, match="scan_layers: layer_fn could not be differentiated"):
     jax.grad(lambda p: jnp.sum(_in_shard_map(lambda p, c: scan_layers(layer, p, c)[0], p, x)))(
-        params
+      params
     )
 
 
@@ -411,10 +431,10 @@ _HAS_CUDA_PLUGIN = importlib.util.find_spec("jax_plugins.xla_cuda13") is not Non
 
 # Flags under which the overlap appears (see docs/fsdp.md for the findings).
 SCHEDULE_FLAGS = {
-    "xla_gpu_enable_latency_hiding_scheduler": True,
-    "xla_gpu_experimental_parallel_collective_overlap_limit": 2,
-    "xla_gpu_all_gather_combine_threshold_bytes": 1 << 30,
-    "xla_gpu_reduce_scatter_combine_threshold_bytes": 1 << 30,
+  "xla_gpu_enable_latency_hiding_scheduler": True,
+  "xla_gpu_experimental_parallel_collective_overlap_limit": 2,
+  "xla_gpu_all_gather_combine_threshold_bytes": 1 << 30,
+  "xla_gpu_reduce_scatter_combine_threshold_bytes": 1 << 30,
 }
 
 
@@ -446,7 +466,7 @@ def _events(lines):
     elif op in ("all-gather-start", "all-gather-done"):
       out.append((name, op))
     elif op in ("async-start", "async-done") and "reduce-scatter" in name:
-      out.append((name, "reduce-scatter-" + op[len("async-"):]))
+      out.append((name, "reduce-scatter-" + op[len("async-") :]))
     if '"is_sync":true' in line:
       out.append((name, "sync"))
   return out
@@ -463,7 +483,7 @@ def _bracketed(events, kind):
   return res
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled_schedule(prefetch, flags):
   from jax_overlap._src.targets import compile_only_mesh
 
@@ -475,11 +495,19 @@ def _compiled_schedule(prefetch, flags):
     return c + h, None
 
   specs = {"w1": P(None, "fsdp"), "w2": P(None, "fsdp")}
-  fn = shard_map(lambda p, c: scan_layers(layer, p, c, prefetch=prefetch)[0], mesh=mesh,
-                 in_specs=(specs, P("fsdp")), out_specs=P("fsdp"))
+  fn = shard_map(
+    lambda p, c: scan_layers(layer, p, c, prefetch=prefetch)[0],
+    mesh=mesh,
+    in_specs=(specs, P("fsdp")),
+    out_specs=P("fsdp"),
+  )
   loss = lambda p, c: jnp.sum(fn(p, c).astype(jnp.float32) ** 2)
-  ps = {n: jax.ShapeDtypeStruct((num_layers, width, width), jnp.bfloat16,
-                                sharding=NamedSharding(mesh, specs[n])) for n in specs}
+  ps = {
+    n: jax.ShapeDtypeStruct(
+      (num_layers, width, width), jnp.bfloat16, sharding=NamedSharding(mesh, specs[n])
+    )
+    for n in specs
+  }
   cs = jax.ShapeDtypeStruct((batch, width), jnp.bfloat16, sharding=NamedSharding(mesh, P("fsdp")))
   with tempfile.TemporaryDirectory() as d:
     jax.jit(jax.grad(loss)).lower(ps, cs).compile({"xla_dump_to": d, **dict(flags)})

@@ -35,7 +35,10 @@ def test_environment_prepends_the_library_and_keeps_preloads(plan_file):
     plan_path=str(plan_file),
     verbose=True,
     no_command_buffers=True,
-    environ={"LD_PRELOAD": "/opt/a.so:/opt/b.so", "XLA_FLAGS": "--xla_foo=1 --xla_gpu_enable_command_buffer=FUSION"},
+    environ={
+      "LD_PRELOAD": "/opt/a.so:/opt/b.so",
+      "XLA_FLAGS": "--xla_foo=1 --xla_gpu_enable_command_buffer=FUSION",
+    },
   )
   assert env["LD_PRELOAD"] == f"{lib}:/opt/a.so:/opt/b.so"
   assert env["JAX_OVERLAP_RT_PLAN"] == str(plan_file)
@@ -58,8 +61,10 @@ def test_dry_run(plan_file, capsys):
 @pytest.mark.parametrize(
   "content,message",
   [
-    ('{"version": 1, "kernels": [{"match": "x", "blocks_per_sm": 0}]}',
-     "kernels[0]: kernel rule 'blocks_per_sm' must be a positive integer (>= 1), got 0"),
+    (
+      '{"version": 1, "kernels": [{"match": "x", "blocks_per_sm": 0}]}',
+      "kernels[0]: kernel rule 'blocks_per_sm' must be a positive integer (>= 1), got 0",
+    ),
     ('{"version": 1, "target": "h999"}', "'target': unknown GPU 'h999'"),
     ('{"version": 1,', "malformed JSON"),
     ('{"version": 1, "kernelz": []}', "unknown key 'kernelz'"),
@@ -87,8 +92,9 @@ def _launch_in_subprocess(args, env=None, timeout=180):
   e = {k: v for k, v in os.environ.items() if not k.startswith("JAX_OVERLAP_RT")}
   e.pop("LD_PRELOAD", None)
   e.update(env or {})
-  return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
-                        env=e, timeout=timeout)
+  return subprocess.run(
+    [sys.executable, "-c", code, *args], capture_output=True, text=True, env=e, timeout=timeout
+  )
 
 
 def test_exec_runs_the_command_with_the_library(plan_file):
@@ -121,13 +127,25 @@ def test_jitted_program_is_unchanged_under_the_library(plan_file, tmp_path):
     "np.save(sys.argv[1], np.asarray(f(x)))\n"
     "print(runtime.status().loaded)\n"
   )
-  plain = subprocess.run([sys.executable, "-c", code, str(tmp_path / "a.npy")],
-                         capture_output=True, text=True, timeout=180)
+  plain = subprocess.run(
+    [sys.executable, "-c", code, str(tmp_path / "a.npy")],
+    capture_output=True,
+    text=True,
+    timeout=180,
+  )
   assert plain.returncode == 0, plain.stderr
   assert plain.stdout.strip() == "False"
   shaped = _launch_in_subprocess(
-    ["--plan", str(plan_file), "--verbose", "--", sys.executable, "-c", code,
-     str(tmp_path / "b.npy")]
+    [
+      "--plan",
+      str(plan_file),
+      "--verbose",
+      "--",
+      sys.executable,
+      "-c",
+      code,
+      str(tmp_path / "b.npy"),
+    ]
   )
   assert shaped.returncode == 0, shaped.stderr
   assert shaped.stdout.strip() == "True"
@@ -148,14 +166,18 @@ def test_library_path_builds_into_the_cache(tmp_path, monkeypatch):
 def test_no_compiler_gives_a_clear_error(tmp_path, monkeypatch):
   monkeypatch.setenv("CXX", "")
   monkeypatch.setenv("PATH", str(tmp_path))
-  with pytest.raises(RuntimeError, match="no C\\+\\+ compiler found to build the runtime libraries"):
+  with pytest.raises(
+    RuntimeError, match="no C\\+\\+ compiler found to build the runtime libraries"
+  ):
     runtime_impl.compiler()
 
 
 def test_build_failure_reports_the_compiler_output(tmp_path):
   root = tmp_path / "src"
-  for rel in runtime_impl._lib.LIBRARIES[runtime_impl.RUNTIME_LIBRARY]["sources"] + \
-      runtime_impl._lib.LIBRARIES[runtime_impl.RUNTIME_LIBRARY]["headers"]:
+  for rel in (
+    runtime_impl._lib.LIBRARIES[runtime_impl.RUNTIME_LIBRARY]["sources"]
+    + runtime_impl._lib.LIBRARIES[runtime_impl.RUNTIME_LIBRARY]["headers"]
+  ):
     (root / rel).parent.mkdir(parents=True, exist_ok=True)
     (root / rel).write_text("this is not C++\n")
   with pytest.raises(RuntimeError, match="building libjax_overlap_rt.so failed"):
@@ -169,8 +191,9 @@ def test_gpu_benchmark_dry_run():
   env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_OVERLAP_RT")}
   env.pop("LD_PRELOAD", None)
   env["PYTHON"] = sys.executable
-  out = subprocess.run(["bash", str(script), "--dry-run"], capture_output=True, text=True,
-                       env=env, timeout=120)
+  out = subprocess.run(
+    ["bash", str(script), "--dry-run"], capture_output=True, text=True, env=env, timeout=120
+  )
   assert out.returncode == 0, out.stderr[-3000:]
   assert "plan ok: plan_shape_all.json" in out.stderr
   assert "SKIP overlap_bench run: dry run" in out.stderr

@@ -6,6 +6,8 @@ import json
 import re
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jax_overlap import runtime
 from jax_overlap._src import plan as plan_lib
@@ -81,56 +83,126 @@ BAD_PLANS = [
   ({"kernels": []}, ValueError, "missing key 'version' (expected 1)"),
   ({"version": 2}, ValueError, "unsupported plan version 2; this jax_overlap reads version 1"),
   ({"version": "1"}, TypeError, "'version' must be an integer, got '1'"),
-  ({"version": 1, "kernel": []}, ValueError,
-   "plan: unknown key 'kernel'; valid keys: comment, kernels, regions, streams, target, version"),
-  ({"version": 1, "target": "h1000"}, ValueError,
-   "'target': unknown GPU 'h1000'; valid choices: a100, a100-40, a40, h100, h200, mi250x"),
+  (
+    {"version": 1, "kernel": []},
+    ValueError,
+    "plan: unknown key 'kernel'; valid keys: comment, kernels, regions, streams, target, version",
+  ),
+  (
+    {"version": 1, "target": "h1000"},
+    ValueError,
+    "'target': unknown GPU 'h1000'; valid choices: a100, a100-40, a40, h100, h200, mi250x",
+  ),
   ({"version": 1, "target": "mi250x"}, ValueError, "is not an NVIDIA GPU"),
   ({"version": 1, "kernels": {"match": "x"}}, TypeError, "'kernels' must be a list of rules"),
-  ({"version": 1, "kernels": [{"match": "x", "blocks": 2}]}, ValueError,
-   "kernels[0]: unknown key 'blocks'; valid keys: blocks_per_sm, comment, match, padding_bytes, "
-   "regex"),
-  ({"version": 1, "kernels": [{"match": "x", "blocks_per_sm": 0}]}, ValueError,
-   "kernels[0]: kernel rule 'blocks_per_sm' must be a positive integer (>= 1), got 0"),
-  ({"version": 1, "kernels": [{"match": "x", "blocks_per_sm": -3}]}, ValueError,
-   "must be a positive integer (>= 1), got -3"),
-  ({"version": 1, "kernels": [{"match": "x", "padding_bytes": -1}]}, ValueError,
-   "kernel rule 'padding_bytes' must be a positive integer (>= 1), got -1"),
-  ({"version": 1, "kernels": [{"match": "x", "blocks_per_sm": 2.5}]}, TypeError,
-   "kernel rule 'blocks_per_sm' must be an integer, got float 2.5"),
-  ({"version": 1, "kernels": [{"match": "x", "blocks_per_sm": True}]}, TypeError,
-   "must be an integer, got bool True"),
-  ({"version": 1, "kernels": [{"blocks_per_sm": 2}]}, ValueError,
-   "needs exactly one of 'match' (glob) or 'regex'"),
-  ({"version": 1, "kernels": [{"match": "a", "regex": "b", "blocks_per_sm": 1}]}, ValueError,
-   "needs exactly one of 'match' (glob) or 'regex'"),
-  ({"version": 1, "kernels": [{"match": "a", "blocks_per_sm": 1, "padding_bytes": 4}]},
-   ValueError, "needs exactly one of 'blocks_per_sm' or 'padding_bytes'"),
-  ({"version": 1, "kernels": [{"regex": "(", "blocks_per_sm": 1}]}, ValueError,
-   "kernel rule 'regex' '(' does not compile"),
-  ({"version": 1, "kernels": [{"match": "a\tb", "blocks_per_sm": 1}]}, ValueError,
-   "must not contain tabs or line breaks"),
-  ({"version": 1, "kernels": [{"match": "", "blocks_per_sm": 1}]}, ValueError,
-   "kernel rule 'match' must not be empty"),
-  ({"version": 1, "target": "h100", "kernels": [{"match": "x", "blocks_per_sm": 33}]},
-   ValueError, "kernels[0]: 'blocks_per_sm' must be at most 32 on h100, got 33"),
-  ({"version": 1, "target": "a100", "kernels": [{"match": "x", "padding_bytes": 10**6}]},
-   ValueError, "'padding_bytes' must be at most 166912 (the opt-in shared memory per block on "
-   "a100), got 1000000"),
-  ({"version": 1, "regions": {"mlp": {"blocks": 1}}}, ValueError,
-   "regions['mlp']: unknown key 'blocks'; valid keys: blocks_per_sm, comment"),
-  ({"version": 1, "regions": {"mlp": {}}}, ValueError, "regions['mlp']: missing key 'blocks_per_sm'"),
-  ({"version": 1, "regions": {"mlp": 0}}, ValueError,
-   "regions['mlp'] 'blocks_per_sm' must be a positive integer (>= 1), got 0"),
+  (
+    {"version": 1, "kernels": [{"match": "x", "blocks": 2}]},
+    ValueError,
+    "kernels[0]: unknown key 'blocks'; valid keys: blocks_per_sm, comment, match, padding_bytes, "
+    "regex",
+  ),
+  (
+    {"version": 1, "kernels": [{"match": "x", "blocks_per_sm": 0}]},
+    ValueError,
+    "kernels[0]: kernel rule 'blocks_per_sm' must be a positive integer (>= 1), got 0",
+  ),
+  (
+    {"version": 1, "kernels": [{"match": "x", "blocks_per_sm": -3}]},
+    ValueError,
+    "must be a positive integer (>= 1), got -3",
+  ),
+  (
+    {"version": 1, "kernels": [{"match": "x", "padding_bytes": -1}]},
+    ValueError,
+    "kernel rule 'padding_bytes' must be a positive integer (>= 1), got -1",
+  ),
+  (
+    {"version": 1, "kernels": [{"match": "x", "blocks_per_sm": 2.5}]},
+    TypeError,
+    "kernel rule 'blocks_per_sm' must be an integer, got float 2.5",
+  ),
+  (
+    {"version": 1, "kernels": [{"match": "x", "blocks_per_sm": True}]},
+    TypeError,
+    "must be an integer, got bool True",
+  ),
+  (
+    {"version": 1, "kernels": [{"blocks_per_sm": 2}]},
+    ValueError,
+    "needs exactly one of 'match' (glob) or 'regex'",
+  ),
+  (
+    {"version": 1, "kernels": [{"match": "a", "regex": "b", "blocks_per_sm": 1}]},
+    ValueError,
+    "needs exactly one of 'match' (glob) or 'regex'",
+  ),
+  (
+    {"version": 1, "kernels": [{"match": "a", "blocks_per_sm": 1, "padding_bytes": 4}]},
+    ValueError,
+    "needs exactly one of 'blocks_per_sm' or 'padding_bytes'",
+  ),
+  (
+    {"version": 1, "kernels": [{"regex": "(", "blocks_per_sm": 1}]},
+    ValueError,
+    "kernel rule 'regex' '(' does not compile",
+  ),
+  (
+    {"version": 1, "kernels": [{"match": "a\tb", "blocks_per_sm": 1}]},
+    ValueError,
+    "must not contain tabs or line breaks",
+  ),
+  (
+    {"version": 1, "kernels": [{"match": "", "blocks_per_sm": 1}]},
+    ValueError,
+    "kernel rule 'match' must not be empty",
+  ),
+  (
+    {"version": 1, "target": "h100", "kernels": [{"match": "x", "blocks_per_sm": 33}]},
+    ValueError,
+    "kernels[0]: 'blocks_per_sm' must be at most 32 on h100, got 33",
+  ),
+  (
+    {"version": 1, "target": "a100", "kernels": [{"match": "x", "padding_bytes": 10**6}]},
+    ValueError,
+    "'padding_bytes' must be at most 166912 (the opt-in shared memory per block on "
+    "a100), got 1000000",
+  ),
+  (
+    {"version": 1, "regions": {"mlp": {"blocks": 1}}},
+    ValueError,
+    "regions['mlp']: unknown key 'blocks'; valid keys: blocks_per_sm, comment",
+  ),
+  (
+    {"version": 1, "regions": {"mlp": {}}},
+    ValueError,
+    "regions['mlp']: missing key 'blocks_per_sm'",
+  ),
+  (
+    {"version": 1, "regions": {"mlp": 0}},
+    ValueError,
+    "regions['mlp'] 'blocks_per_sm' must be a positive integer (>= 1), got 0",
+  ),
   ({"version": 1, "regions": [1, 2]}, TypeError, "regions must map names to blocks_per_sm"),
-  ({"version": 1, "streams": {"priority": "high"}}, ValueError,
-   "streams 'priority' must be one of default, highest, got 'high'"),
-  ({"version": 1, "streams": {"priority": "highest", "order": [1]}}, ValueError,
-   "streams: unknown key 'order'; valid keys: comment, create_order, priority, promote_requested"),
-  ({"version": 1, "streams": {"priority": "highest", "create_order": [-1]}}, ValueError,
-   "streams 'create_order'[0] must be >= 0, got -1"),
-  ({"version": 1, "streams": {"create_order": "1"}}, TypeError,
-   "streams 'create_order' must be a list of integers, got str"),
+  (
+    {"version": 1, "streams": {"priority": "high"}},
+    ValueError,
+    "streams 'priority' must be one of default, highest, got 'high'",
+  ),
+  (
+    {"version": 1, "streams": {"priority": "highest", "order": [1]}},
+    ValueError,
+    "streams: unknown key 'order'; valid keys: comment, create_order, priority, promote_requested",
+  ),
+  (
+    {"version": 1, "streams": {"priority": "highest", "create_order": [-1]}},
+    ValueError,
+    "streams 'create_order'[0] must be >= 0, got -1",
+  ),
+  (
+    {"version": 1, "streams": {"create_order": "1"}},
+    TypeError,
+    "streams 'create_order' must be a list of integers, got str",
+  ),
   ({"version": 1, "streams": []}, TypeError, "'streams' must be a JSON object, got list"),
   ([1, 2], TypeError, "a plan must be a JSON object, got list"),
 ]
@@ -158,6 +230,8 @@ def test_constructor_errors_name_the_api():
     runtime.Plan(kernels=[{"match": "x", "blocks_per_sm": 0}])
   with pytest.raises(ValueError, match="duplicate region names"):
     runtime.Plan(regions=[runtime.RegionRule("a", 1), runtime.RegionRule("a", 2)])
+  with pytest.raises(ValueError, match="'12' and '012' name the same region id 12"):
+    runtime.Plan(regions={"12": 1, "012": 2})
 
 
 # ---------------------------------------------------------------------------
@@ -211,3 +285,37 @@ def test_arithmetic_input_errors(args, exc, message):
 def test_arithmetic_unknown_gpu():
   with pytest.raises(ValueError, match="unknown GPU 'b200'"):
     plan_lib.blocks_per_sm("b200", 256, 32, 0)
+
+
+_names = st.text(alphabet="abcdefghijklmnopqrstuvwxyz_*0123456789", min_size=1, max_size=20)
+_kernel_rules = st.builds(
+  lambda pattern, use_blocks, n: runtime.KernelRule(
+    match=pattern,
+    blocks_per_sm=n if use_blocks else None,
+    padding_bytes=None if use_blocks else n * 512,
+  ),
+  _names,
+  st.booleans(),
+  st.integers(1, 32),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+  kernels=st.lists(_kernel_rules, max_size=5),
+  regions=st.dictionaries(_names.filter(lambda s: "*" not in s), st.integers(1, 32), max_size=4),
+  priority=st.sampled_from(["default", "highest"]),
+  order=st.lists(st.integers(0, 20), max_size=3),
+)
+def test_plans_round_trip_and_compile(kernels, regions, priority, order):
+  plan = runtime.Plan(
+    target="h100",
+    kernels=kernels,
+    regions=regions,
+    streams={"priority": priority, "create_order": order},
+  )
+  assert runtime.Plan.from_json(plan.to_json()) == plan
+  lines = plan.to_rules().splitlines()
+  assert sum(line.startswith("kernel\t") for line in lines) == len(kernels)
+  assert sum(line.startswith("region\t") for line in lines) == len(regions)
+  assert all(len(line.split("\t")) in (2, 3, 4, 5) for line in lines)

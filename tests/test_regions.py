@@ -107,8 +107,9 @@ def test_grad_with_integer_and_non_array_arguments():
 def test_vmap():
   f = rt.occupancy(mlp, blocks_per_sm=2)
   xs = jnp.stack([X, 2 * X])
-  np.testing.assert_allclose(jax.vmap(f, in_axes=(0, None))(xs, W),
-                             jax.vmap(mlp, in_axes=(0, None))(xs, W), rtol=1e-6)
+  np.testing.assert_allclose(
+    jax.vmap(f, in_axes=(0, None))(xs, W), jax.vmap(mlp, in_axes=(0, None))(xs, W), rtol=1e-6
+  )
 
 
 def test_shard_map_on_eight_devices():

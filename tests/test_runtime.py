@@ -10,8 +10,8 @@ import sys
 
 import numpy as np
 import pytest
-
 from fake_cuda import harness
+
 from jax_overlap import runtime as public_runtime
 from jax_overlap._src import plan as plan_lib
 from jax_overlap._src import runtime, targets
@@ -89,16 +89,27 @@ def test_nothing_changes_without_a_plan(fake, mode, tmp_path):
 
 
 def test_without_the_library_launches_reach_the_driver(fake, tmp_path):
-  r = harness.run_app(fake, "dlopen", ["launch:gemm_fusion_1:256:0"], preload=False,
-                      rules=rules("kernel\tglob\t*\tblocks_per_sm\t1"), tmp=tmp_path)
+  r = harness.run_app(
+    fake,
+    "dlopen",
+    ["launch:gemm_fusion_1:256:0"],
+    preload=False,
+    rules=rules("kernel\tglob\t*\tblocks_per_sm\t1"),
+    tmp=tmp_path,
+  )
   assert r.returncode == 0
   assert r.launch_dyn("gemm_fusion_1") == [0]
   assert r.counters == {}
 
 
 def test_procaddr_hands_out_per_thread_variants(fake, tmp_path):
-  r = harness.run_app(fake, "procaddr", ["launch:gemm_fusion_1:256:0"], tmp=tmp_path,
-                      rules=rules("kernel\tglob\tgemm*\tblocks_per_sm\t4"))
+  r = harness.run_app(
+    fake,
+    "procaddr",
+    ["launch:gemm_fusion_1:256:0"],
+    tmp=tmp_path,
+    rules=rules("kernel\tglob\tgemm*\tblocks_per_sm\t4"),
+  )
   assert [x["api"] for x in r.launches] == ["cuLaunchKernel_ptsz"]
   assert r.counters["lookups_procaddr"] >= 2
   assert r.counters["lookups_unhooked"] == 0
@@ -188,8 +199,13 @@ def test_padding_rule_and_first_match_wins(fake, tmp_path):
 
 @pytest.mark.parametrize(
   "fail",
-  ["cuFuncGetAttribute", "cuFuncSetAttribute", "cuDeviceGetAttribute", "cuCtxGetDevice",
-   "launch_dyn_over=49152"],
+  [
+    "cuFuncGetAttribute",
+    "cuFuncSetAttribute",
+    "cuDeviceGetAttribute",
+    "cuCtxGetDevice",
+    "launch_dyn_over=49152",
+  ],
 )
 def test_driver_errors_fall_back_to_the_original_launch(fake, tmp_path, fail):
   r = harness.run_app(
@@ -210,8 +226,11 @@ def test_driver_errors_fall_back_to_the_original_launch(fake, tmp_path, fail):
 @pytest.mark.parametrize("kind", ["coop", "cluster"])
 def test_cooperative_and_cluster_launches_are_not_shaped(fake, tmp_path, kind):
   r = harness.run_app(
-    fake, "dlopen", [f"launchex:gemm_fusion_1:256:0:{kind}"],
-    rules=rules("kernel\tglob\t*\tblocks_per_sm\t1"), tmp=tmp_path,
+    fake,
+    "dlopen",
+    [f"launchex:gemm_fusion_1:256:0:{kind}"],
+    rules=rules("kernel\tglob\t*\tblocks_per_sm\t1"),
+    tmp=tmp_path,
   )
   assert r.launch_dyn("gemm_fusion_1") == [0]
   assert r.counters["launches_skipped"] == 1
@@ -264,15 +283,19 @@ def test_region_policy_applies_between_begin_and_end(fake, tmp_path):
 
 
 def test_region_works_without_rules(fake, tmp_path):
-  r = harness.run_app(fake, "direct", ["region_begin:3:4", "launch:loop_fusion_7:128:0",
-                                       "region_end:3"], tmp=tmp_path)
+  r = harness.run_app(
+    fake, "direct", ["region_begin:3:4", "launch:loop_fusion_7:128:0", "region_end:3"], tmp=tmp_path
+  )
   assert r.launch_dyn("loop_fusion_7") == [233472 // 5 + 1 - 1024]
 
 
 def test_graph_kernel_nodes_are_shaped(fake, tmp_path):
   r = harness.run_app(
-    fake, "dlopen", ["graph:gemm_fusion_1:256:0", "graphset:gemm_fusion_1:256:0"],
-    rules=rules("kernel\tglob\tgemm_fusion_*\tblocks_per_sm\t2"), tmp=tmp_path,
+    fake,
+    "dlopen",
+    ["graph:gemm_fusion_1:256:0", "graphset:gemm_fusion_1:256:0"],
+    rules=rules("kernel\tglob\tgemm_fusion_*\tblocks_per_sm\t2"),
+    tmp=tmp_path,
   )
   assert [int(x["dyn"]) for x in r.launches] == [75777, 75777]
   assert r.counters["graph_nodes_seen"] == 2
@@ -281,9 +304,12 @@ def test_graph_kernel_nodes_are_shaped(fake, tmp_path):
 
 def test_stream_priority_promotes_requested_and_listed_streams(fake, tmp_path):
   r = harness.run_app(
-    fake, "dlopen", ["stream", "streamprio:-1", "stream", "streamprio:0"],
-    rules=rules("streams\tpriority\thighest", "streams\tpromote_requested\t1",
-                "streams\tcreate_order\t2"),
+    fake,
+    "dlopen",
+    ["stream", "streamprio:-1", "stream", "streamprio:0"],
+    rules=rules(
+      "streams\tpriority\thighest", "streams\tpromote_requested\t1", "streams\tcreate_order\t2"
+    ),
     tmp=tmp_path,
   )
   prios = [x.split("priority=")[1] for x in r.results]
@@ -296,7 +322,9 @@ def test_rules_can_be_replaced_at_run_time(fake, tmp_path):
   path = tmp_path / "rules.txt"
   path.write_text(rules("kernel\tglob\tloop_*\tblocks_per_sm\t1"))
   r = harness.run_app(
-    fake, "dlopen", ["launch:loop_fusion_7:128:0", f"rules:{path}", "launch:loop_fusion_7:128:0"],
+    fake,
+    "dlopen",
+    ["launch:loop_fusion_7:128:0", f"rules:{path}", "launch:loop_fusion_7:128:0"],
     tmp=tmp_path,
   )
   assert r.results[1].endswith(" 0")
@@ -305,9 +333,15 @@ def test_rules_can_be_replaced_at_run_time(fake, tmp_path):
 
 def test_bad_rule_lines_are_reported_and_ignored(fake, tmp_path):
   r = harness.run_app(
-    fake, "dlopen", ["launch:loop_fusion_7:128:0"],
-    rules=rules("kernel\tglob\tloop_*\tblocks_per_sm\t0", "kernel\tregex\t(\tblocks_per_sm\t1",
-                "bogus line", "kernel\tglob\tloop_*\tblocks_per_sm\t1"),
+    fake,
+    "dlopen",
+    ["launch:loop_fusion_7:128:0"],
+    rules=rules(
+      "kernel\tglob\tloop_*\tblocks_per_sm\t0",
+      "kernel\tregex\t(\tblocks_per_sm\t1",
+      "bogus line",
+      "kernel\tglob\tloop_*\tblocks_per_sm\t1",
+    ),
     tmp=tmp_path,
   )
   assert r.returncode == 0
@@ -317,9 +351,12 @@ def test_bad_rule_lines_are_reported_and_ignored(fake, tmp_path):
 
 def test_verbose_logs_and_prints_counters_at_exit(fake, tmp_path):
   r = harness.run_app(
-    fake, "dlopen", ["launch:gemm_fusion_1:256:0"],
+    fake,
+    "dlopen",
+    ["launch:gemm_fusion_1:256:0"],
     rules=rules("kernel\tglob\tgemm_fusion_*\tblocks_per_sm\t2"),
-    env={"JAX_OVERLAP_RT_VERBOSE": "2"}, tmp=tmp_path,
+    env={"JAX_OVERLAP_RT_VERBOSE": "2"},
+    tmp=tmp_path,
   )
   assert "counters: launches_seen=1 launches_shaped=1" in r.stderr
   assert "[jax_overlap_rt pid=" in r.stderr and " tid=" in r.stderr
@@ -356,16 +393,21 @@ def test_fuzz_shaping_never_exceeds_device_limits(rt):
     lim = runtime.DeviceLimits.from_gpu(gpu)
     threads = int(rng.integers(1, 1025))
     regs = int(rng.integers(0, 129)) if rng.random() < 0.9 else int(rng.integers(129, 256))
-    static = int(rng.integers(0, 16 * 1024 + 1)) if rng.random() < 0.8 else int(
-      rng.integers(0, 48 * 1024 + 1)
+    static = (
+      int(rng.integers(0, 16 * 1024 + 1))
+      if rng.random() < 0.8
+      else int(rng.integers(0, 48 * 1024 + 1))
     )
     room = max(1, gpu.smem_per_block_optin - static + 1)
-    dyn = int(rng.integers(0, min(room, 8 * 1024))) if rng.random() < 0.8 else int(
-      rng.integers(0, room)
+    dyn = (
+      int(rng.integers(0, min(room, 8 * 1024)))
+      if rng.random() < 0.8
+      else int(rng.integers(0, room))
     )
     n = int(rng.integers(1, 9)) if rng.random() < 0.9 else int(rng.integers(9, 33))
-    new = rt.jor_shaped_dynamic_smem(ctypes.byref(lim), threads, regs, static, dyn, n,
-                                     ctypes.byref(status))
+    new = rt.jor_shaped_dynamic_smem(
+      ctypes.byref(lim), threads, regs, static, dyn, n, ctypes.byref(status)
+    )
     st = status.value
     assert st in (0, 1, 2), (st, gpu, threads, regs, static, dyn, n)
     assert new >= dyn
@@ -401,10 +443,19 @@ def test_fuzz_end_to_end_through_the_fake_driver(fake, tmp_path):
     threads = int(rng.choice([64, 128, 256, 512, 1024]))
     dyn = int(rng.integers(0, 48 * 1024 - static + 1))
     actions.append(f"launch:f{i}:{threads}:{dyn}")
-  text = rules(*[f"kernel\tglob\tf{i}\tblocks_per_sm\t{int(rng.integers(1, 9))}" for i in range(60)])
+  text = rules(
+    *[f"kernel\tglob\tf{i}\tblocks_per_sm\t{int(rng.integers(1, 9))}" for i in range(60)]
+  )
   for device in ("a100", "h100"):
-    r = harness.run_app(fake, "dlopen", actions, rules=text, funcs=";".join(funcs),
-                        env={"FAKE_CUDA_DEVICE": device}, tmp=tmp_path)
+    r = harness.run_app(
+      fake,
+      "dlopen",
+      actions,
+      rules=text,
+      funcs=";".join(funcs),
+      env={"FAKE_CUDA_DEVICE": device},
+      tmp=tmp_path,
+    )
     assert r.returncode == 0
     assert all(x.endswith("failures=0") for x in r.results), r.results
     assert r.counters["launches_fallback"] == 0
@@ -438,8 +489,9 @@ def test_status_reads_counters_of_a_preloaded_library(tmp_path):
     JAX_OVERLAP_RT_PLAN=str(plan_path),
     JAX_OVERLAP_RT_RULES=public_runtime.Plan.from_json(plan_path).to_rules(),
   )
-  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                       timeout=120)
+  out = subprocess.run(
+    [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+  )
   assert out.returncode == 0, out.stderr
   loaded, library, n_rules, has_plan, seen, by_path = __import__("json").loads(out.stdout)
   assert loaded is True
@@ -451,3 +503,20 @@ def test_status_reads_counters_of_a_preloaded_library(tmp_path):
 def test_counter_names_match_the_library(rt):
   names = [rt.jor_counter_name(i).decode() for i in range(rt.jor_counter_count())]
   assert tuple(names) == tuple(f.name for f in dataclasses.fields(runtime.Counters))
+
+
+def test_procaddr_answers_that_are_not_exported_symbols_are_hooked(fake, tmp_path):
+  r = harness.run_app(
+    fake,
+    "procaddr",
+    ["launch:gemm_fusion_1:256:0:2", "launchex:gemm_fusion_1:256:0"],
+    rules=rules("kernel\tglob\tgemm_fusion_*\tblocks_per_sm\t2"),
+    env={"FAKE_CUDA_VERSIONED_PROCS": "1"},
+    tmp=tmp_path,
+  )
+  assert [x["api"] for x in r.launches] == ["cuLaunchKernel_v2_internal"] * 2 + [
+    "cuLaunchKernelEx_v2_internal"
+  ]
+  assert r.launch_dyn("gemm_fusion_1") == [75777] * 3
+  assert r.counters["launches_procaddr"] == 3
+  assert r.counters["lookups_unhooked"] == 0

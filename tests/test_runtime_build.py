@@ -45,7 +45,9 @@ def test_bazel_source_lists_match_the_setup_recipe():
 
 def test_setup_py_builds_from_the_same_recipe():
   tree = ast.parse((REPO / "setup.py").read_text())
-  calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "setup"]
+  calls = [
+    n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "setup"
+  ]
   assert len(calls) == 1
   keywords = {k.arg for k in calls[0].keywords}
   assert {"ext_modules", "cmdclass"} <= keywords
@@ -64,12 +66,15 @@ def test_every_source_file_is_built():
 
 def test_runtime_library_exports_only_its_api():
   lib = runtime.library_path(runtime.RUNTIME_LIBRARY)
-  out = subprocess.run(["nm", "-D", "--defined-only", str(lib)], capture_output=True, text=True,
-                       check=True).stdout
+  out = subprocess.run(
+    ["nm", "-D", "--defined-only", str(lib)], capture_output=True, text=True, check=True
+  ).stdout
   names = {line.split()[-1] for line in out.splitlines() if line.split()[1] in "TtWw"}
   names = {n for n in names if not n.startswith("_")}  # C++ runtime template instances
   header = (REPO / "xla_patches/runtime/hooks.h").read_text()
-  hooked = header[header.index("#define JOR_HOOKED_SYMBOLS") : header.index("#define JOR_USED_SYMBOLS")]
+  hooked = header[
+    header.index("#define JOR_HOOKED_SYMBOLS") : header.index("#define JOR_USED_SYMBOLS")
+  ]
   hooks = re.findall(r"^  X\((cu\w+),", hooked, re.M)
   assert len(hooks) == 12
   assert set(hooks) <= names

@@ -346,11 +346,20 @@ def test_random_workloads_terminate_and_keep_invariants(seed, target, policy):
 
 
 def test_priority_never_preempts():
-  # A batch that started runs to completion: every batch's SMs are the same at the end.
-  wl = sim.random_workload(3, n_items=8)
+  # A one-wave kernel fills every SM; a high-priority collective arrives while it runs. It
+  # must wait for blocks to finish: nothing running is evicted.
+  fill = sim.Kernel("fill", grid=132, threads=384, regs=168, smem=200 * 1024, flops=132 * 5e9,
+                    kind="gemm")
+  tick = sim.Kernel("tick", grid=1, threads=32, flops=1e3, stream=1)
+  comm = sim.Collective("c", "all-gather", 1 << 26, stream=1)
+  wl = sim.Workload((fill, tick, comm))
   r = sim.simulate(wl, "h100", "priority", check=True, baseline=False)
-  total = sum(nb for _, nb, *_ in r.batches)
-  assert total == sum(t.blocks for t in r.timings)
+  c = r.timing("c")
+  first_end = min(t1 for k, _, _, _, _, t1 in r.batches if k == 0)
+  assert c.ready_s < first_end  # it was ready while every SM was busy ...
+  assert c.start_s >= first_end  # ... and started only when blocks finished
+  placed = sum(nb for k, nb, *_ in r.batches if k == 0)
+  assert placed == 132  # each block ran once, none restarted
 
 
 def test_loop_guard_names_the_workload(monkeypatch):

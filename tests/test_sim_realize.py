@@ -94,6 +94,10 @@ def test_realize_all_policies_and_gap():
   assert res.gap("sequential") > 0.05
   assert res.results["concurrent"].makespan_s < res.results["sequential"].makespan_s
   assert "analysis (contention-free)" in res.table()
+  # No policy beats the unlimited-resource critical path of the simulator's own times.
+  for p in sim.POLICIES:
+    assert res.contention(p) >= -1e-9
+  assert res.contention("sequential") > res.contention("concurrent")
   assert res.best in sim.POLICIES
 
 

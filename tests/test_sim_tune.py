@@ -28,9 +28,9 @@ def test_coordinate_search_within_one_percent_of_exhaustive(target):
 def test_tuned_plan_reproduces_its_makespan_and_format():
   wl = _small()
   res = sim.tune(wl, "h100", progress=False)
-  plan = res.plan if isinstance(res.plan, dict) else json.loads(res.plan.to_json())
+  plan = res.plan
   assert plan["version"] == 1 and plan["target"] == "h100"
-  assert plan["streams"]["communication_priority"] in ("highest", "default")
+  assert plan["streams"]["priority"] in ("highest", "default")
   names = {it.name for it in wl.items}
   for k in plan["kernels"]:
     assert k["match"] in names and k["blocks_per_sm"] >= 1
@@ -51,9 +51,36 @@ def test_tuner_finds_priority_plus_shaping_on_attention_chain():
 
 def test_plan_dict_json_round_trip():
   d = sim.plan_dict("h100x8", {"k": 1}, True)
-  d = d if isinstance(d, dict) else json.loads(d.to_json())
   assert d == {"version": 1, "target": "h100", "kernels": [{"match": "k", "blocks_per_sm": 1}],
-               "streams": {"communication_priority": "highest"}}
+               "streams": {"priority": "highest"}}
+  assert json.loads(json.dumps(d)) == d
+  plan_mod = pytest.importorskip("jax_overlap._src.plan")
+  p = plan_mod.Plan.from_json(d)
+  assert p.kernels[0].blocks_per_sm == 1 and p.streams.priority == "highest"
+  # AMD targets get the dict unvalidated (the runtime library shapes CUDA launches only).
+  assert sim.plan_dict("mi250x", {}, False)["target"] == "mi250x"
+
+
+def test_plan_rejected_by_runtime_raises():
+  pytest.importorskip("jax_overlap._src.plan")
+  with pytest.raises(ValueError, match=r"'blocks_per_sm' must be at most 32"):
+    sim.plan_dict("h100", {"k": 64}, False)
+
+
+def test_shaping_matches_runtime_arithmetic():
+  plan_mod = pytest.importorskip("jax_overlap._src.plan")
+  from jax_overlap._src import targets
+
+  for gpu in ("a40", "a100", "h100"):
+    g = targets.get_gpu(gpu)
+    for threads, regs, smem in [(256, 32, 0), (128, 200, 64 * 1024), (384, 168, 8192)]:
+      for n in (1, 2, 3):
+        ours = sim.shaped_smem(g, smem, n)
+        theirs = plan_mod.shaped_dynamic_smem(g, threads, regs, smem, 0, n)
+        if plan_mod.blocks_per_sm(g, threads, regs, smem) > n:
+          assert ours == smem + theirs
+        assert sim.residency(g, threads, regs, smem) == plan_mod.blocks_per_sm(g, threads, regs,
+                                                                                smem)
 
 
 def test_tune_errors():
@@ -85,3 +112,24 @@ def test_progress_prints_without_tqdm(monkeypatch, capsys):
   off = tune_mod._Progress(10, False, "quiet")
   off.update(0.001)
   assert capsys.readouterr().err == ""
+
+
+def test_simulate_a_runtime_plan():
+  wl = _small()
+  res = sim.tune(wl, "h100", progress=False)
+  again = sim.simulate(wl, "h100", res.plan, baseline=False)
+  assert again.makespan_s == pytest.approx(res.makespan_s, rel=1e-12)
+  assert again.policy == "plan"
+  glob = {"version": 1, "kernels": [{"match": "gemm.*", "blocks_per_sm": 1}],
+          "streams": {"priority": "highest"}}
+  pol = sim.policy_from_plan(glob, wl)
+  assert pol.priority and set(pol.shaping) == {"gemm.0", "gemm.1", "gemm.2"}
+
+
+def test_plan_naming_missing_kernels():
+  wl = _small()
+  bad = {"version": 1, "kernels": [{"match": "attention_*", "blocks_per_sm": 1}]}
+  with pytest.raises(ValueError, match=r"plan kernels\[0\] \('attention_\*'\) names no kernel"):
+    sim.simulate(wl, "h100", bad)
+  with pytest.raises(ValueError, match=r"exactly one of 'match' or 'regex'"):
+    sim.policy_from_plan({"kernels": [{"blocks_per_sm": 1}]}, wl)

@@ -55,14 +55,18 @@ def run(out: str) -> int:
   s = runtime.status()
   import jax
 
-  print(json.dumps({
-    "backend": jax.default_backend(),
-    "runtime_loaded": s.loaded,
-    "launches_seen": s.counters.launches_seen,
-    "launches_shaped": s.counters.launches_shaped,
-    "graph_nodes_shaped": s.counters.graph_nodes_shaped,
-    "launches_fallback": s.counters.launches_fallback,
-  }))
+  print(
+    json.dumps(
+      {
+        "backend": jax.default_backend(),
+        "runtime_loaded": s.loaded,
+        "launches_seen": s.counters.launches_seen,
+        "launches_shaped": s.counters.launches_shaped,
+        "graph_nodes_shaped": s.counters.graph_nodes_shaped,
+        "launches_fallback": s.counters.launches_fallback,
+      }
+    )
+  )
   return 0
 
 

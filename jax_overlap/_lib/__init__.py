@@ -11,24 +11,24 @@ RUNTIME_LIBRARY = "libjax_overlap_rt.so"
 FFI_LIBRARY = "libjax_overlap_ffi.so"
 
 LIBRARIES = {
-    RUNTIME_LIBRARY: {
-        # LD_PRELOAD launch interposer: occupancy shaping, stream priority, counters.
-        "sources": ("xla_patches/runtime/runtime.cc", "xla_patches/runtime/shaping.cc"),
-        "headers": (
-            "xla_patches/runtime/cuda_types.h",
-            "xla_patches/runtime/hooks.h",
-            "xla_patches/runtime/shaping.h",
-        ),
-        "cflags": ("-std=c++17", "-O2", "-fPIC", "-fvisibility=hidden", "-Wall"),
-        "ldflags": ("-shared", "-ldl", "-lpthread"),
-        "ffi_headers": False,
-    },
-    FFI_LIBRARY: {
-        # XLA FFI handlers for occupancy regions (CPU and CUDA platforms).
-        "sources": ("xla_patches/regions/regions_ffi.cc",),
-        "headers": (),
-        "cflags": ("-std=c++17", "-O2", "-fPIC", "-fvisibility=hidden", "-Wall"),
-        "ldflags": ("-shared", "-ldl"),
-        "ffi_headers": True,
-    },
+  RUNTIME_LIBRARY: {
+    # LD_PRELOAD launch interposer: occupancy shaping, stream priority, counters.
+    "sources": ("xla_patches/runtime/runtime.cc", "xla_patches/runtime/shaping.cc"),
+    "headers": (
+      "xla_patches/runtime/cuda_types.h",
+      "xla_patches/runtime/hooks.h",
+      "xla_patches/runtime/shaping.h",
+    ),
+    "cflags": ("-std=c++17", "-O2", "-fPIC", "-fvisibility=hidden", "-Wall"),
+    "ldflags": ("-shared", "-ldl", "-lpthread"),
+    "ffi_headers": False,
+  },
+  FFI_LIBRARY: {
+    # XLA FFI handlers for occupancy regions (CPU and CUDA platforms).
+    "sources": ("xla_patches/regions/regions_ffi.cc",),
+    "headers": (),
+    "cflags": ("-std=c++17", "-O2", "-fPIC", "-fvisibility=hidden", "-Wall"),
+    "ldflags": ("-shared", "-ldl"),
+    "ffi_headers": True,
+  },
 }

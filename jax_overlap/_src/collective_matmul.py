@@ -73,8 +73,8 @@ def _axis_size(api: str, axis) -> int:
     return int(lax.axis_size(axis))
   except NameError:
     raise ValueError(
-        f"{api}: axis {axis!r} is not bound here; call it inside a shard_map body whose mesh "
-        "has that axis"
+      f"{api}: axis {axis!r} is not bound here; call it inside a shard_map body whose mesh "
+      "has that axis"
     ) from None
 
 
@@ -84,13 +84,13 @@ def _check_operands(api: str, x, w, x_desc: str) -> None:
       raise TypeError(f"{api}: {name} must be an array, got {type(v).__name__}")
   if np.ndim(x) != 2 or np.ndim(w) != 2:
     raise ValueError(
-        f"{api}: x and w must both be rank 2 ({x_desc} and (k, n)), got x with shape "
-        f"{tuple(x.shape)} and w with shape {tuple(w.shape)}"
+      f"{api}: x and w must both be rank 2 ({x_desc} and (k, n)), got x with shape "
+      f"{tuple(x.shape)} and w with shape {tuple(w.shape)}"
     )
   if x.shape[1] != w.shape[0]:
     raise ValueError(
-        f"{api}: the contracting dimensions must match: x.shape[1] ({x.shape[1]}) != "
-        f"w.shape[0] ({w.shape[0]})"
+      f"{api}: the contracting dimensions must match: x.shape[1] ({x.shape[1]}) != "
+      f"w.shape[0] ({w.shape[0]})"
     )
 
 
@@ -101,12 +101,12 @@ def _directions(api: str, rows: int, what: str, bidirectional: bool, chunks) -> 
     raise ValueError(f"{api}: chunks must be a positive int, got {chunks!r}")
   if bidirectional and chunks % 2:
     raise ValueError(
-        f"{api}: chunks must be even with bidirectional=True (half the pieces go each way), "
-        f"got {chunks}"
+      f"{api}: chunks must be even with bidirectional=True (half the pieces go each way), "
+      f"got {chunks}"
     )
   if rows % chunks:
     raise ValueError(
-        f"{api}: {what} ({rows}) must be divisible by the number of ring pieces chunks={chunks}"
+      f"{api}: {what} ({rows}) must be divisible by the number of ring pieces chunks={chunks}"
     )
   if bidirectional:
     return (1,) * (chunks // 2) + (-1,) * (chunks // 2)
@@ -149,7 +149,9 @@ def _ag_ring(x, w, axis, n, dirs, precision, preferred, collect):
   xf = jnp.zeros((n * m_loc, x.shape[1]), x.dtype) if collect else None
   for s in range(n):
     # Issue the next exchange before this step's dots: they are independent.
-    nxt = [lax.ppermute(pc, axis, _perm(n, dj)) for pc, dj in zip(pieces, dirs)] if s < n - 1 else None
+    nxt = (
+      [lax.ppermute(pc, axis, _perm(n, dj)) for pc, dj in zip(pieces, dirs)] if s < n - 1 else None
+    )
     for j, (pc, dj) in enumerate(zip(pieces, dirs)):
       row = ((d - dj * s) % n) * m_loc + j * p
       y = lax.dynamic_update_slice_in_dim(y, _step_dot(pc, w, precision, preferred), row, axis=0)
@@ -216,14 +218,14 @@ def _match_primal(ct, primal, checked):
 
 
 def all_gather_matmul(
-    x: jax.typing.ArrayLike,
-    w: jax.typing.ArrayLike,
-    *,
-    axis: AxisName,
-    bidirectional: bool = False,
-    chunks: int | None = None,
-    precision: Any = None,
-    preferred_element_type: Any = None,
+  x: jax.typing.ArrayLike,
+  w: jax.typing.ArrayLike,
+  *,
+  axis: AxisName,
+  bidirectional: bool = False,
+  chunks: int | None = None,
+  precision: Any = None,
+  preferred_element_type: Any = None,
 ) -> jax.Array:
   """``all_gather(x, axis, tiled=True) @ w`` as a ppermute ring interleaved with partial dots.
 
@@ -268,14 +270,14 @@ def all_gather_matmul(
 
 
 def matmul_reduce_scatter(
-    x: jax.typing.ArrayLike,
-    w: jax.typing.ArrayLike,
-    *,
-    axis: AxisName,
-    bidirectional: bool = False,
-    chunks: int | None = None,
-    precision: Any = None,
-    preferred_element_type: Any = None,
+  x: jax.typing.ArrayLike,
+  w: jax.typing.ArrayLike,
+  *,
+  axis: AxisName,
+  bidirectional: bool = False,
+  chunks: int | None = None,
+  precision: Any = None,
+  preferred_element_type: Any = None,
 ) -> jax.Array:
   """``psum_scatter(x @ w, axis, scatter_dimension=0, tiled=True)`` as a ring of partial dots.
 
@@ -315,7 +317,7 @@ def matmul_reduce_scatter(
   axis = axis[0] if isinstance(axis, (tuple, list)) else axis
   if x.shape[0] % n:
     raise ValueError(
-        f"{api}: x.shape[0] ({x.shape[0]}) must be divisible by the size of axis {axis!r} ({n})"
+      f"{api}: x.shape[0] ({x.shape[0]}) must be divisible by the size of axis {axis!r} ({n})"
     )
   dirs = _directions(api, x.shape[0] // n, "x.shape[0] / axis size", bidirectional, chunks)
   return _rs_matmul(x, w, axis, n, dirs, precision, preferred_element_type)
@@ -341,8 +343,8 @@ def _ag_matmul(x, w, axis, n, dirs, precision, preferred):
     dx = _rs_ring(ct, w.T.astype(ct.dtype), axis, n, dirs, precision, None)
     dw = _dot(xf.T, ct, precision, None)
     return (
-        _match_primal(dx.astype(x.dtype), x, checked),
-        _match_primal(dw.astype(w.dtype), w, checked),
+      _match_primal(dx.astype(x.dtype), x, checked),
+      _match_primal(dw.astype(w.dtype), w, checked),
     )
 
   f.defvjp(fwd, bwd)
@@ -360,12 +362,11 @@ def _rs_matmul(x, w, axis, n, dirs, precision, preferred):
   def bwd(res, ct):
     x, w = res
     checked = bool(_vma(x) | _vma(w))
-    dx, ct_full = _ag_ring(ct, w.T.astype(ct.dtype), axis, n, dirs, precision, None,
-                           collect=True)
+    dx, ct_full = _ag_ring(ct, w.T.astype(ct.dtype), axis, n, dirs, precision, None, collect=True)
     dw = _dot(x.T, ct_full.astype(x.dtype), precision, None)
     return (
-        _match_primal(dx.astype(x.dtype), x, checked),
-        _match_primal(dw.astype(w.dtype), w, checked),
+      _match_primal(dx.astype(x.dtype), x, checked),
+      _match_primal(dw.astype(w.dtype), w, checked),
     )
 
   f.defvjp(fwd, bwd)
@@ -399,18 +400,18 @@ class GainEstimate:
 
 
 def estimate_gain(
-    m: int,
-    n: int,
-    k: int,
-    axis_size: int,
-    dtype: Any = "bfloat16",
-    target: Any = "h100x8",
-    *,
-    kind: str = "all_gather",
-    bidirectional: bool = True,
-    chunks: int | None = None,
-    launch_overhead_s: float = 5e-6,
-    min_speedup: float = 1.05,
+  m: int,
+  n: int,
+  k: int,
+  axis_size: int,
+  dtype: Any = "bfloat16",
+  target: Any = "h100x8",
+  *,
+  kind: str = "all_gather",
+  bidirectional: bool = True,
+  chunks: int | None = None,
+  launch_overhead_s: float = 5e-6,
+  min_speedup: float = 1.05,
 ) -> GainEstimate:
   """Predicts the gain of a collective matmul over a collective followed by a GEMM.
 
@@ -478,10 +479,10 @@ def estimate_gain(
     overlapped = step + hops * max(step, exchange)
   speedup = baseline / overlapped
   return GainEstimate(
-      compute_s=compute,
-      comm_s=comm,
-      baseline_s=baseline,
-      overlapped_s=overlapped,
-      speedup=speedup,
-      worthwhile=speedup >= min_speedup,
+    compute_s=compute,
+    comm_s=comm,
+    baseline_s=baseline,
+    overlapped_s=overlapped,
+    speedup=speedup,
+    worthwhile=speedup >= min_speedup,
   )

@@ -31,7 +31,7 @@ same as ``lax.scan`` over a ``jax.checkpoint``-ed layer with the
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -70,9 +70,7 @@ def _axis_tuple(axis: AxisName) -> tuple[str, ...]:
     return (axis,)
   if isinstance(axis, (tuple, list)) and axis and all(isinstance(a, str) for a in axis):
     return tuple(axis)
-  raise TypeError(
-      f"{_API}: axis must be a mesh axis name or a tuple of names, got {axis!r}"
-  )
+  raise TypeError(f"{_API}: axis must be a mesh axis name or a tuple of names, got {axis!r}")
 
 
 def _bound_axis_size(axes: tuple[str, ...]) -> int | None:
@@ -90,27 +88,27 @@ def _check_leaves(name: str, tree, *, need_layer_dim: bool) -> tuple[list, Any]:
   path_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
   if not path_leaves:
     raise ValueError(f"{_API}: {name} must contain at least one array, got {tree!r}")
-  bad = [
-      f"{name}{_keystr(p)} ({type(v).__name__})" for p, v in path_leaves if not _is_array(v)
-  ]
+  bad = [f"{name}{_keystr(p)} ({type(v).__name__})" for p, v in path_leaves if not _is_array(v)]
   if bad:
-    raise TypeError(f"{_API}: every leaf of {name} must be an array, got non-arrays at {', '.join(bad)}")
+    raise TypeError(
+      f"{_API}: every leaf of {name} must be an array, got non-arrays at {', '.join(bad)}"
+    )
   bad = [
-      f"{name}{_keystr(p)} ({jnp.dtype(v.dtype).name})"
-      for p, v in path_leaves
-      if not jnp.issubdtype(v.dtype, jnp.inexact)
+    f"{name}{_keystr(p)} ({jnp.dtype(v.dtype).name})"
+    for p, v in path_leaves
+    if not jnp.issubdtype(v.dtype, jnp.inexact)
   ]
   if bad:
     raise TypeError(
-        f"{_API}: every leaf of {name} must have a floating dtype (it is differentiated), "
-        f"got {', '.join(bad)}"
+      f"{_API}: every leaf of {name} must have a floating dtype (it is differentiated), "
+      f"got {', '.join(bad)}"
     )
   if need_layer_dim:
     bad = [f"{name}{_keystr(p)}" for p, v in path_leaves if np.ndim(v) == 0]
     if bad:
       raise ValueError(
-          f"{_API}: every leaf of {name} needs a leading layer dimension, got scalars at "
-          f"{', '.join(bad)}"
+        f"{_API}: every leaf of {name} needs a leading layer dimension, got scalars at "
+        f"{', '.join(bad)}"
       )
   return path_leaves, treedef
 
@@ -124,8 +122,8 @@ def _normalize_gather_dims(gather_dim, path_leaves, treedef) -> list[int | None]
       dims = treedef.flatten_up_to(gather_dim)
     except (ValueError, TypeError) as e:
       raise ValueError(
-          f"{_API}: gather_dim must be an int, None, or a pytree with the structure of "
-          f"stacked_params ({treedef}), got {gather_dim!r}"
+        f"{_API}: gather_dim must be an int, None, or a pytree with the structure of "
+        f"stacked_params ({treedef}), got {gather_dim!r}"
       ) from e
   out = []
   for (path, leaf), d in zip(path_leaves, dims):
@@ -134,15 +132,14 @@ def _normalize_gather_dims(gather_dim, path_leaves, treedef) -> list[int | None]
       continue
     if not isinstance(d, (int, np.integer)) or isinstance(d, bool):
       raise TypeError(
-          f"{_API}: gather_dim for stacked_params{_keystr(path)} must be an int or None, "
-          f"got {d!r}"
+        f"{_API}: gather_dim for stacked_params{_keystr(path)} must be an int or None, got {d!r}"
       )
     rank = np.ndim(leaf) - 1  # the per-layer rank
     if not -rank <= d < rank:
       raise ValueError(
-          f"{_API}: gather_dim for stacked_params{_keystr(path)} must index a dimension of "
-          f"the per-layer shape {tuple(np.shape(leaf)[1:])} (between {-rank} and {rank - 1}), "
-          f"got {d}"
+        f"{_API}: gather_dim for stacked_params{_keystr(path)} must index a dimension of "
+        f"the per-layer shape {tuple(np.shape(leaf)[1:])} (between {-rank} and {rank - 1}), "
+        f"got {d}"
       )
     out.append(int(d) % rank)
   return out
@@ -154,18 +151,18 @@ def _normalize_gather_dims(gather_dim, path_leaves, treedef) -> list[int | None]
 
 
 def scan_layers(
-    layer_fn: Callable[[PyTree, PyTree], tuple[PyTree, PyTree]],
-    stacked_params: PyTree,
-    carry: PyTree,
-    *,
-    axis: AxisName = "fsdp",
-    prefetch: int = 1,
-    gather_dim: int | None | PyTree = 0,
-    unroll: int | bool = 1,
-    remat_policy: Callable[..., bool] | None = None,
-    mesh: jax.sharding.Mesh | None = None,
-    carry_spec: Any = None,
-    ys_spec: Any = None,
+  layer_fn: Callable[[PyTree, PyTree], tuple[PyTree, PyTree]],
+  stacked_params: PyTree,
+  carry: PyTree,
+  *,
+  axis: AxisName = "fsdp",
+  prefetch: int = 1,
+  gather_dim: int | None | PyTree = 0,
+  unroll: int | bool = 1,
+  remat_policy: Callable[..., bool] | None = None,
+  mesh: jax.sharding.Mesh | None = None,
+  carry_spec: Any = None,
+  ys_spec: Any = None,
 ) -> tuple[PyTree, PyTree]:
   """Runs stacked FSDP layers with ``lax.scan``, overlapping gathers and reduce-scatters.
 
@@ -249,12 +246,10 @@ def scan_layers(
   _check_leaves("carry", carry, need_layer_dim=False)
   lengths = {int(np.shape(v)[0]) for _, v in path_leaves}
   if len(lengths) != 1:
-    detail = ", ".join(
-        f"stacked_params{_keystr(p)}: {np.shape(v)[0]}" for p, v in path_leaves
-    )
+    detail = ", ".join(f"stacked_params{_keystr(p)}: {np.shape(v)[0]}" for p, v in path_leaves)
     raise ValueError(
-        f"{_API}: every leaf of stacked_params must have the same leading layer dimension, "
-        f"got {detail}"
+      f"{_API}: every leaf of stacked_params must have the same leading layer dimension, "
+      f"got {detail}"
     )
   num_layers = lengths.pop()
   if num_layers < 1:
@@ -263,17 +258,16 @@ def scan_layers(
     raise TypeError(f"{_API}: prefetch must be an int, got {prefetch!r}")
   if not 0 <= prefetch <= num_layers:
     raise ValueError(
-        f"{_API}: prefetch must be between 0 and the number of layers ({num_layers}), "
-        f"got {prefetch}"
+      f"{_API}: prefetch must be between 0 and the number of layers ({num_layers}), got {prefetch}"
     )
   if not isinstance(unroll, (bool, int, np.integer)) or (
-      not isinstance(unroll, bool) and unroll < 1
+    not isinstance(unroll, bool) and unroll < 1
   ):
     raise ValueError(f"{_API}: unroll must be a positive int or a bool, got {unroll!r}")
   if remat_policy is not None and not callable(remat_policy):
     raise TypeError(
-        f"{_API}: remat_policy must be a jax.checkpoint policy (callable) or None, "
-        f"got {type(remat_policy).__name__}"
+      f"{_API}: remat_policy must be a jax.checkpoint policy (callable) or None, "
+      f"got {type(remat_policy).__name__}"
     )
   dims = _normalize_gather_dims(gather_dim, path_leaves, treedef)
   cfg = _Config(axes, int(prefetch), tuple(dims), unroll, remat_policy)
@@ -284,8 +278,8 @@ def scan_layers(
   size = _bound_axis_size(axes)
   if size is None:
     raise ValueError(
-        f"{_API}: axis {axis!r} is not bound here; call scan_layers inside a shard_map body "
-        "whose mesh has that axis, or pass mesh= to let scan_layers wrap itself in shard_map"
+      f"{_API}: axis {axis!r} is not bound here; call scan_layers inside a shard_map body "
+      "whose mesh has that axis, or pass mesh= to let scan_layers wrap itself in shard_map"
     )
   return _scan_layers_local(layer_fn, stacked_params, carry, cfg)
 
@@ -316,7 +310,7 @@ def _scan_layers_mesh(layer_fn, stacked, carry, cfg: _Config, mesh, carry_spec, 
   missing = [a for a in cfg.axes if a not in mesh.axis_names]
   if missing:
     raise ValueError(
-        f"{_API}: axis {cfg.axis!r} is not an axis of mesh (axes {tuple(mesh.axis_names)})"
+      f"{_API}: axis {cfg.axis!r} is not an axis of mesh (axes {tuple(mesh.axis_names)})"
     )
   size = int(np.prod([mesh.shape[a] for a in cfg.axes]))
   path_leaves = jax.tree_util.tree_flatten_with_path(stacked)[0]
@@ -328,13 +322,15 @@ def _scan_layers_mesh(layer_fn, stacked, carry, cfg: _Config, mesh, carry_spec, 
       continue
     n = np.shape(leaf)[d + 1]
     if n % size:
-      bad.append(f"stacked_params{_keystr(path)} dimension {d} (of the per-layer shape "
-                 f"{tuple(np.shape(leaf)[1:])}) has size {n}")
+      bad.append(
+        f"stacked_params{_keystr(path)} dimension {d} (of the per-layer shape "
+        f"{tuple(np.shape(leaf)[1:])}) has size {n}"
+      )
     specs.append(P(*([None] * (d + 1)), cfg.axis))
   if bad:
     raise ValueError(
-        f"{_API}: sharded dimensions must be divisible by the size of axis {cfg.axis!r} "
-        f"({size}), got {'; '.join(bad)}"
+      f"{_API}: sharded dimensions must be divisible by the size of axis {cfg.axis!r} "
+      f"({size}), got {'; '.join(bad)}"
     )
   param_specs = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(stacked), specs)
   if carry_spec is None:
@@ -346,11 +342,11 @@ def _scan_layers_mesh(layer_fn, stacked, carry, cfg: _Config, mesh, carry_spec, 
     return _scan_layers_local(layer_fn, p, c, cfg)
 
   fn = _shard_map(
-      body,
-      mesh=mesh,
-      in_specs=(param_specs, carry_spec),
-      out_specs=(carry_spec, ys_spec),
-      check_vma=False,
+    body,
+    mesh=mesh,
+    in_specs=(param_specs, carry_spec),
+    out_specs=(carry_spec, ys_spec),
+    check_vma=False,
   )
   return fn(stacked, carry)
 
@@ -359,8 +355,8 @@ def _gather(tree, dims, axis, *, stacked: bool):
   leaves, treedef = jax.tree_util.tree_flatten(tree)
   off = 1 if stacked else 0
   out = [
-      x if d is None else lax.all_gather(x, axis, axis=d + off, tiled=True)
-      for x, d in zip(leaves, dims)
+    x if d is None else lax.all_gather(x, axis, axis=d + off, tiled=True)
+    for x, d in zip(leaves, dims)
   ]
   return jax.tree_util.tree_unflatten(treedef, out)
 
@@ -368,18 +364,10 @@ def _gather(tree, dims, axis, *, stacked: bool):
 def _scatter(tree, dims, axis):
   leaves, treedef = jax.tree_util.tree_flatten(tree)
   out = [
-      x if d is None else lax.psum_scatter(x, axis, scatter_dimension=d, tiled=True)
-      for x, d in zip(leaves, dims)
+    x if d is None else lax.psum_scatter(x, axis, scatter_dimension=d, tiled=True)
+    for x, d in zip(leaves, dims)
   ]
   return jax.tree_util.tree_unflatten(treedef, out)
-
-
-def _take(tree, i):
-  return jax.tree.map(lambda a: a[i], tree)
-
-
-def _slice(tree, start, stop):
-  return jax.tree.map(lambda a: a[start:stop], tree)
 
 
 def _concat(parts):
@@ -395,124 +383,134 @@ def _expand(tree):
   return jax.tree.map(lambda a: a[None], tree)
 
 
-def _pipeline(step, first_step, carry, local, extra, *, n, k, gather, unroll):
-  """Runs ``step`` over ``n`` items in order, gathering item ``i + k`` at item ``i``.
+def _index(tree, i):
+  """Item ``i`` (a Python int or a traced index) of every stacked leaf."""
+  if isinstance(i, (int, np.integer)):
+    return jax.tree.map(lambda a: a[i], tree)
+  return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 0, keepdims=False), tree)
+
+
+def _store(tree, values, i):
+  """Writes ``values`` at item ``i`` of every stacked leaf (in place in a loop)."""
+  return jax.tree.map(lambda a, v: lax.dynamic_update_index_in_dim(a, v, i, 0), tree, values)
+
+
+def _pipeline(step, first_step, carry, local, *, n, k, gather, unroll, reverse=False):
+  """Runs ``step`` over the ``n`` layers, gathering the layer ``k`` items ahead.
+
+  Items are the layers in order, or from the last to the first when
+  ``reverse``. Every stacked array is read by index inside the loops, so no
+  sliced or reversed copies of the parameters or residuals are made.
 
   Args:
-    step: ``step(full_params, carry, extra_i) -> (carry, y)``.
-    first_step: like ``step`` for item 0 (which may change the carry's
-      structure, and whose ``y`` may be None), or None to use ``step``.
+    step: ``step(full_params, carry, layer) -> (carry, y)``, with ``layer``
+      the (possibly traced) layer index of the item.
+    first_step: like ``step`` for the first item (it may change the carry's
+      structure and return ``y=None``), or None to use ``step``.
     carry: the initial carry.
-    local: pytree of stacked local shards, leading dimension ``n``, in
-      processing order.
-    extra: pytree of per-item inputs with leading dimension ``n``, or None.
-    n: number of items.
+    local: pytree of stacked local shards, leading dimension ``n``.
+    n: number of layers.
     k: prefetch depth, ``0 <= k <= n``.
     gather: ``gather(tree, stacked) -> tree`` of full parameters.
     unroll: passed to ``lax.scan``.
+    reverse: process the layers from last to first.
 
   Returns:
-    ``(carry, ys)`` with ``ys`` the stacked outputs of the items that have one.
+    ``(carry, ys)`` with ``ys`` the stacked outputs of the items that have
+    one, in layer order.
   """
-  ys_parts = []
 
-  def run_first(full, c, e):
+  def layer(i):
+    return n - 1 - i if reverse else i
+
+  def scan(body, c, lo, hi):
+    return lax.scan(body, c, np.arange(lo, hi, dtype=np.int32), unroll=unroll)
+
+  ys_parts = []  # in processing order
+
+  def run_first(full, c):
     if first_step is None:
-      c, y = step(full, c, e)
+      c, y = step(full, c, layer(0))
       return c, _expand(y)
-    c, y = first_step(full, c, e)
+    c, y = first_step(full, c, layer(0))
     return c, (None if y is None else _expand(y))
+
+  def result(c):
+    ys = _concat(ys_parts)
+    if reverse and ys is not None:
+      ys = jax.tree.map(lambda a: jnp.flip(a, axis=0), ys)
+    return c, ys
 
   if k == 0:
     start = 0
     if first_step is not None:
-      carry, y = run_first(gather(_take(local, 0), stacked=False), carry, _take(extra, 0))
+      carry, y = run_first(gather(_index(local, layer(0)), stacked=False), carry)
       ys_parts.append(y)
       start = 1
     if n > start:
 
-      def body(c, xe):
-        x, e = xe
-        return step(gather(x, stacked=False), c, e)
+      def body(c, i):
+        return step(gather(_index(local, layer(i)), stacked=False), c, layer(i))
 
-      carry, ys = lax.scan(body, carry, (_slice(local, start, n), _slice(extra, start, n)),
-                           unroll=unroll)
+      carry, ys = scan(body, carry, start, n)
       ys_parts.append(ys)
-    return carry, _concat(ys_parts)
+    return result(carry)
 
-  # Prologue: one gather for the first k layers.
-  buf = gather(_slice(local, 0, k), stacked=True)
+  # Prologue: one gather for the first k items; slot j holds item j (mod k).
+  lo, hi = (n - k, n) if reverse else (0, k)
+  buf = gather(jax.tree.map(lambda a: a[lo:hi], local), stacked=True)
   if k == 1:
-    buf = _take(buf, 0)
+    buf = _index(buf, 0)
+  elif reverse:
+    buf = jax.tree.map(lambda a: jnp.flip(a, axis=0), buf)
 
   def read(b, slot):
-    if k == 1:
-      return b
-    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, slot, 0, keepdims=False), b)
+    return b if k == 1 else _index(b, slot)
 
   def write(b, v, slot):
-    if k == 1:
-      return v
-    return jax.tree.map(lambda a, x: lax.dynamic_update_index_in_dim(a, x, slot, 0), b, v)
+    return v if k == 1 else _store(b, v, slot)
 
   # Main loop: item i computes with slot i % k and refills it with item i + k.
   n_main = n - k
   start = 0
   if n_main > 0 and first_step is not None:
-    cur = read(buf, 0)
-    nxt = gather(_take(local, k), stacked=False)
-    carry, y = run_first(cur, carry, _take(extra, 0))
+    nxt = gather(_index(local, layer(k)), stacked=False)
+    carry, y = run_first(read(buf, 0), carry)
     buf = write(buf, nxt, 0)
     ys_parts.append(y)
     start = 1
   if n_main > start:
 
-    def main_body(state, xe):
+    def main_body(state, i):
       c, b = state
-      x, e, i = xe
       slot = i % k
-      nxt = gather(x, stacked=False)
-      c, y = step(read(b, slot), c, e)
+      nxt = gather(_index(local, layer(i + k)), stacked=False)
+      c, y = step(read(b, slot), c, layer(i))
       return (c, write(b, nxt, slot)), y
 
-    idx = jnp.arange(start, n_main, dtype=jnp.int32)
-    (carry, buf), ys = lax.scan(
-        main_body,
-        (carry, buf),
-        (_slice(local, start + k, n), _slice(extra, start, n_main), idx),
-        unroll=unroll,
-    )
+    (carry, buf), ys = scan(main_body, (carry, buf), start, n_main)
     ys_parts.append(ys)
 
-  # Epilogue: the last k items, already gathered, in slot order.
-  if k == 1:
-    rest = _expand(buf)
-  else:
-    shift = n_main % k
-    rest = jax.tree.map(lambda a: jnp.roll(a, -shift, axis=0), buf) if shift else buf
-  start = 0
+  # Epilogue: the last k items, already gathered.
+  start = n_main
   if n_main == 0 and first_step is not None:
-    carry, y = run_first(_take(rest, 0), carry, _take(extra, 0))
+    carry, y = run_first(read(buf, 0), carry)
     ys_parts.append(y)
     start = 1
-  if k > start:
+  if n > start:
 
-    def epi_body(c, xe):
-      full, e = xe
-      return step(full, c, e)
+    def epi_body(c, i):
+      return step(read(buf, i % k), c, layer(i))
 
-    carry, ys = lax.scan(
-        epi_body, carry, (_slice(rest, start, k), _slice(extra, n_main + start, n)),
-        unroll=unroll,
-    )
+    carry, ys = scan(epi_body, carry, start, n)
     ys_parts.append(ys)
-  return carry, _concat(ys_parts)
+  return result(carry)
 
 
 def _not_differentiable(e: Exception) -> TypeError:
   return TypeError(
-      f"{_API}: layer_fn could not be differentiated with respect to its params and carry "
-      f"(the backward pass re-runs it under jax.vjp): {type(e).__name__}: {e}"
+    f"{_API}: layer_fn could not be differentiated with respect to its params and carry "
+    f"(the backward pass re-runs it under jax.vjp): {type(e).__name__}: {e}"
   )
 
 
@@ -535,42 +533,43 @@ def _scan_layers_local(layer_fn, stacked, carry, cfg: _Config):
 
   policy = cfg.remat_policy
 
+  run_layers = functools.partial(_pipeline, n=num_layers, k=k, gather=gather, unroll=cfg.unroll)
+
   @jax.custom_vjp
   def run(stacked_, carry_, consts_):
     def step(full, c, _):
       return f(full, c, consts_)
 
-    return _pipeline(step, None, carry_, stacked_, None, n=num_layers, k=k, gather=gather,
-                     unroll=cfg.unroll)
+    return run_layers(step, None, carry_, stacked_)
 
   def run_fwd(stacked_, carry_, consts_):
-    if policy is None:
+    # The input carry of every layer goes into a preallocated stack (in place).
+    saved0 = jax.tree.map(
+      lambda a: jnp.broadcast_to(jnp.zeros_like(a)[None], (num_layers, *a.shape)), carry_
+    )
 
-      def step(full, c, _):
+    def step(full, state, i):
+      c, saved = state
+      saved = _store(saved, c, i)
+      if policy is None:
         c2, y = f(full, c, consts_)
-        return c2, (y, c)
-
-      c_out, (ys, saved) = _pipeline(step, None, carry_, stacked_, None, n=num_layers, k=k,
-                                     gather=gather, unroll=cfg.unroll)
-      return (c_out, ys), (stacked_, saved, None, consts_)
-
-    def step(full, c, _):
+        return (c2, saved), (y, None)
       (c2, y), res = _vjp_residuals(f, full, c, consts_, policy)
-      return c2, (y, c, res)
+      return (c2, saved), (y, res)
 
-    c_out, (ys, saved, res) = _pipeline(step, None, carry_, stacked_, None, n=num_layers, k=k,
-                                        gather=gather, unroll=cfg.unroll)
+    (c_out, saved), ys_res = run_layers(step, None, (carry_, saved0), stacked_)
+    ys, res = (None, None) if ys_res is None else ys_res
     return (c_out, ys), (stacked_, saved, res, consts_)
 
   def run_bwd(residuals, cts):
     stacked_, saved, res, consts_ = residuals
     ct_carry, ct_ys = cts
-    rev = lambda t: jax.tree.map(lambda a: a[::-1], t)
-    extra = (rev(saved), rev(ct_ys), rev(res))
     zeros_consts = jax.tree.map(jnp.zeros_like, consts_)
+    grads0 = jax.tree.map(jnp.zeros_like, stacked_)
 
-    def layer_vjp(full, ct_c, e):
-      c_in, ct_y, r = e
+    def layer_vjp(full, ct_c, i):
+      c_in, ct_y = _index(saved, i), _index(ct_ys, i)
+      r = None if res is None else _index(res, i)
       try:
         if r is None:
           _, vjp_fn = jax.vjp(f, full, c_in, consts_)
@@ -584,33 +583,34 @@ def _scan_layers_local(layer_fn, stacked, carry, cfg: _Config):
 
     if k == 0:
       # No pipelining: reduce-scatter in the iteration that produced the cotangent.
-      def step(full, state, e):
-        ct_c, acc = state
-        ct_p, ct_c2, ct_k = layer_vjp(full, ct_c, e)
-        return (ct_c2, add(acc, ct_k)), _scatter(ct_p, dims, axis)
+      def step(full, state, i):
+        ct_c, acc, grads = state
+        ct_p, ct_c2, ct_k = layer_vjp(full, ct_c, i)
+        grads = _store(grads, _scatter(ct_p, dims, axis), i)
+        return (ct_c2, add(acc, ct_k), grads), None
 
-      (ct_c0, ct_consts), grads = _pipeline(
-          step, None, (ct_carry, zeros_consts), rev(stacked_), extra, n=num_layers, k=0,
-          gather=gather, unroll=cfg.unroll)
+      (ct_c0, ct_consts, grads), _ = run_layers(
+        step, None, (ct_carry, zeros_consts, grads0), stacked_, reverse=True
+      )
     else:
       # The cotangent of layer i is reduce-scattered in the iteration of layer i - 1.
-      def first(full, state, e):
-        ct_c, acc = state
-        ct_p, ct_c2, ct_k = layer_vjp(full, ct_c, e)
-        return (ct_c2, add(acc, ct_k), ct_p), None
+      def first(full, state, i):
+        ct_c, acc, grads = state
+        ct_p, ct_c2, ct_k = layer_vjp(full, ct_c, i)
+        return (ct_c2, add(acc, ct_k), grads, ct_p), None
 
-      def step(full, state, e):
-        ct_c, acc, pending = state
+      def step(full, state, i):
+        ct_c, acc, grads, pending = state
         scattered = _scatter(pending, dims, axis)
-        ct_p, ct_c2, ct_k = layer_vjp(full, ct_c, e)
-        return (ct_c2, add(acc, ct_k), ct_p), scattered
+        ct_p, ct_c2, ct_k = layer_vjp(full, ct_c, i)
+        grads = _store(grads, scattered, i + 1)
+        return (ct_c2, add(acc, ct_k), grads, ct_p), None
 
-      (ct_c0, ct_consts, pending), grads = _pipeline(
-          step, first, (ct_carry, zeros_consts), rev(stacked_), extra, n=num_layers, k=k,
-          gather=gather, unroll=cfg.unroll)
-      last = _expand(_scatter(pending, dims, axis))
-      grads = last if grads is None else _concat([grads, last])
-    return rev(grads), ct_c0, ct_consts
+      (ct_c0, ct_consts, grads, pending), _ = run_layers(
+        step, first, (ct_carry, zeros_consts, grads0), stacked_, reverse=True
+      )
+      grads = _store(grads, _scatter(pending, dims, axis), 0)
+    return grads, ct_c0, ct_consts
 
   run.defvjp(run_fwd, run_bwd)
   return run(stacked, carry, consts)
@@ -624,17 +624,17 @@ def _check_layer_out(fn, params, carry, consts):
   out = jax.eval_shape(lambda p, c, cs: fn(p, c, *cs), params, carry, consts)
   if not (isinstance(out, tuple) and len(out) == 2):
     raise TypeError(
-        f"{_API}: layer_fn must return a pair (carry, y), got {jax.tree.structure(out)}"
+      f"{_API}: layer_fn must return a pair (carry, y), got {jax.tree.structure(out)}"
     )
   new_c = out[0]
   want = jax.tree.map(lambda x: (tuple(np.shape(x)), jnp.dtype(x.dtype)), carry)
   got = jax.tree.map(lambda x: (tuple(x.shape), jnp.dtype(x.dtype)), new_c)
   if jax.tree.structure(want) != jax.tree.structure(got) or jax.tree.leaves(
-      want, is_leaf=lambda x: isinstance(x, tuple)
+    want, is_leaf=lambda x: isinstance(x, tuple)
   ) != jax.tree.leaves(got, is_leaf=lambda x: isinstance(x, tuple)):
     raise TypeError(
-        f"{_API}: layer_fn must return a carry with the structure, shapes and dtypes of "
-        f"carry; expected {want}, got {got}"
+      f"{_API}: layer_fn must return a carry with the structure, shapes and dtypes of "
+      f"carry; expected {want}, got {got}"
     )
 
 
@@ -663,7 +663,7 @@ def _vjp_from_residuals(f, full, c, consts, policy, kept):
   param_ids = {id(x) for x in jax.tree.leaves(full)}
   if len(leaves) != len(kept):
     raise ValueError(
-        f"{_API}: remat_policy residuals changed structure between forward and backward"
+      f"{_API}: remat_policy residuals changed structure between forward and backward"
     )
   merged = [x if id(x) in param_ids else r for x, r in zip(leaves, kept)]
   return jax.tree_util.tree_unflatten(treedef, merged)

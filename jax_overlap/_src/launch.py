@@ -111,8 +111,10 @@ def main(argv: list[str]) -> int:
   if command and command[0] == "--":
     command = command[1:]
   if not command:
-    print(f"{_PROG}: error: no command given; usage: {_PROG} [--plan plan.json] -- cmd args...",
-          file=sys.stderr)
+    print(
+      f"{_PROG}: error: no command given; usage: {_PROG} [--plan plan.json] -- cmd args...",
+      file=sys.stderr,
+    )
     return 2
   plan = None
   if args.plan is not None:

@@ -161,7 +161,9 @@ class KernelRule:
       try:
         re.compile(self.regex)
       except re.error as e:
-        raise ValueError(f"{_API}: kernel rule 'regex' {self.regex!r} does not compile: {e}") from None
+        raise ValueError(
+          f"{_API}: kernel rule 'regex' {self.regex!r} does not compile: {e}"
+        ) from None
     if (self.blocks_per_sm is None) == (self.padding_bytes is None):
       raise ValueError(
         f"{_API}: a kernel rule needs exactly one of 'blocks_per_sm' or 'padding_bytes', got "
@@ -223,8 +225,7 @@ class StreamPolicy:
   def __post_init__(self):
     if self.priority not in _PRIORITIES:
       raise ValueError(
-        f"{_API}: streams 'priority' must be one of {', '.join(_PRIORITIES)}, got "
-        f"{self.priority!r}"
+        f"{_API}: streams 'priority' must be one of {', '.join(_PRIORITIES)}, got {self.priority!r}"
       )
     if isinstance(self.create_order, (str, bytes)) or not isinstance(self.create_order, Iterable):
       raise TypeError(
@@ -334,7 +335,9 @@ class Plan:
         f"{PLAN_VERSION}"
       )
     if isinstance(self.kernels, (str, bytes, Mapping)) or not isinstance(self.kernels, Iterable):
-      raise TypeError(f"{_API}: 'kernels' must be a list of rules, got {type(self.kernels).__name__}")
+      raise TypeError(
+        f"{_API}: 'kernels' must be a list of rules, got {type(self.kernels).__name__}"
+      )
     object.__setattr__(
       self, "kernels", tuple(_kernel_rule(i, r) for i, r in enumerate(self.kernels))
     )
@@ -342,6 +345,13 @@ class Plan:
     names = [r.name for r in self.regions]
     if len(set(names)) != len(names):
       raise ValueError(f"{_API}: regions: duplicate region names in {names}")
+    seen: dict[int, str] = {}
+    for r in self.regions:
+      if r.id in seen:
+        raise ValueError(
+          f"{_API}: regions: {seen[r.id]!r} and {r.name!r} name the same region id {r.id}"
+        )
+      seen[r.id] = r.name
     if self.streams is None:
       object.__setattr__(self, "streams", StreamPolicy())
     elif isinstance(self.streams, Mapping):
@@ -463,9 +473,13 @@ class Plan:
     lines = [f"version\t{self.version}"]
     for r in self.kernels:
       kind = "glob" if r.match is not None else "regex"
-      what = ("blocks_per_sm", r.blocks_per_sm) if r.blocks_per_sm is not None else (
-        "padding_bytes",
-        r.padding_bytes,
+      what = (
+        ("blocks_per_sm", r.blocks_per_sm)
+        if r.blocks_per_sm is not None
+        else (
+          "padding_bytes",
+          r.padding_bytes,
+        )
       )
       lines.append(f"kernel\t{kind}\t{r.pattern}\t{what[0]}\t{what[1]}")
     for r in self.regions:
@@ -507,7 +521,9 @@ def _reg_alloc_unit(gpu: targets.Gpu) -> int:
   return _NVIDIA_REG_ALLOC_UNIT if gpu.vendor == "nvidia" else gpu.reg_alloc_unit
 
 
-def blocks_per_sm(gpu: str | targets.Gpu, threads: int, regs_per_thread: int, smem_total: int) -> int:
+def blocks_per_sm(
+  gpu: str | targets.Gpu, threads: int, regs_per_thread: int, smem_total: int
+) -> int:
   """Resident blocks of one kernel per SM (0 if it cannot run).
 
   Args:

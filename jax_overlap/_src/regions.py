@@ -62,10 +62,12 @@ def _library() -> ctypes.CDLL:
 
     lib = ctypes.CDLL(str(library_path(FFI_LIBRARY)))
     for platform, (begin, end) in _HANDLERS.items():
-      jax.ffi.register_ffi_target(BEGIN_TARGET, jax.ffi.pycapsule(getattr(lib, begin)),
-                                  platform=platform)
-      jax.ffi.register_ffi_target(END_TARGET, jax.ffi.pycapsule(getattr(lib, end)),
-                                  platform=platform)
+      jax.ffi.register_ffi_target(
+        BEGIN_TARGET, jax.ffi.pycapsule(getattr(lib, begin)), platform=platform
+      )
+      jax.ffi.register_ffi_target(
+        END_TARGET, jax.ffi.pycapsule(getattr(lib, end)), platform=platform
+      )
     lib.jor_ffi_region_event_count.restype = ctypes.c_int64
     lib.jor_ffi_region_events.restype = ctypes.c_int64
     lib.jor_ffi_region_events.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.c_int64]
@@ -306,4 +308,3 @@ def occupancy(fun=None, /, *, blocks_per_sm=None, name=None):
   if fun is None:
     return region
   return region(fun)
-

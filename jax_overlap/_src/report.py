@@ -198,7 +198,7 @@ class Report:
     """Writes a PNG timeline: one lane per stream, collectives coloured by kind."""
     plt = _pyplot()
     lanes = sorted({e.lane for e in self.events}, key=lambda s: (s != "compute", s)) or ["compute"]
-    fig, ax = plt.subplots(figsize=(12, 1.2 + 0.7 * len(lanes)))
+    fig, ax = plt.subplots(figsize=(12, 1.9 + 0.7 * len(lanes)))
     y = {lane: len(lanes) - 1 - i for i, lane in enumerate(lanes)}
     scale = 1e3
     for e in self.events:
@@ -227,7 +227,7 @@ class Report:
     handles += [Patch(color=c, label=k) for k, c in COLLECTIVE_COLOURS.items()
                 if any(e.kind == k for e in self.events)]
     handles.append(Patch(facecolor="#ffdddd", edgecolor="#d62728", hatch="///", label="exposed (waiting)"))
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=len(handles), fontsize=8)
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.45), ncol=len(handles), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -88,8 +88,13 @@ def _source_paths(name: str, root: pathlib.Path = _REPO_ROOT) -> list[pathlib.Pa
   return [root / p for p in (*spec["sources"], *spec["headers"])]
 
 
-def compile_command(name: str, output: str | os.PathLike, *, cxx: str | None = None,
-                    root: str | os.PathLike | None = None) -> list[str]:
+def compile_command(
+  name: str,
+  output: str | os.PathLike,
+  *,
+  cxx: str | None = None,
+  root: str | os.PathLike | None = None,
+) -> list[str]:
   """The compiler command line that builds library ``name`` into ``output``."""
   spec = _spec(name)
   base = pathlib.Path(root) if root is not None else _REPO_ROOT
@@ -101,8 +106,13 @@ def compile_command(name: str, output: str | os.PathLike, *, cxx: str | None = N
   return cmd
 
 
-def build_library(name: str, out_dir: str | os.PathLike, *, cxx: str | None = None,
-                  root: str | os.PathLike | None = None) -> pathlib.Path:
+def build_library(
+  name: str,
+  out_dir: str | os.PathLike,
+  *,
+  cxx: str | None = None,
+  root: str | os.PathLike | None = None,
+) -> pathlib.Path:
   """Builds library ``name`` (e.g. ``"libjax_overlap_rt.so"``) into ``out_dir``.
 
   Returns:

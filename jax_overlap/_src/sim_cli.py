@@ -88,9 +88,8 @@ def main(argv: list[str]) -> int:
     t = tune.tune(wl, args.target, progress=progress)
     print(f"{'tuned':>18}: {t.makespan_s * 1e3:10.4f} ms  ({t.gain:+.1%} vs concurrent, "
           f"{t.evaluations} simulations, {t.method})")
-    print(json.dumps(t.plan if isinstance(t.plan, dict) else t.plan.to_json(), indent=1))
-    out["tuned"] = {"makespan_s": t.makespan_s, "gain": t.gain,
-                    "plan": t.plan if isinstance(t.plan, dict) else json.loads(t.plan.to_json())}
+    print(json.dumps(t.plan, indent=1))
+    out["tuned"] = {"makespan_s": t.makespan_s, "gain": t.gain, "plan": t.plan}
   if args.json:
     with open(args.json, "w") as f:
       json.dump(out, f, indent=1)

@@ -25,13 +25,32 @@ def build(out_dir: pathlib.Path) -> pathlib.Path:
   """Builds libcuda.so.1, fake_app (dlopen) and fake_app_direct (linked) into out_dir."""
   out_dir.mkdir(parents=True, exist_ok=True)
   cmds = [
-    [CC, "-O1", "-fPIC", "-shared", "-fvisibility=hidden", "-Wl,-Bsymbolic",
-     "-Wl,-soname,libcuda.so.1", "-o", str(out_dir / "libcuda.so.1"),
-     str(TESTING / "fake_cuda.c"), "-lpthread"],
+    [
+      CC,
+      "-O1",
+      "-fPIC",
+      "-shared",
+      "-fvisibility=hidden",
+      "-Wl,-Bsymbolic",
+      "-Wl,-soname,libcuda.so.1",
+      "-o",
+      str(out_dir / "libcuda.so.1"),
+      str(TESTING / "fake_cuda.c"),
+      "-lpthread",
+    ],
     [CC, "-O1", "-o", str(out_dir / "fake_app"), str(TESTING / "fake_app.c"), "-ldl", "-lpthread"],
-    [CC, "-O1", "-DLINK_DIRECT", "-o", str(out_dir / "fake_app_direct"),
-     str(TESTING / "fake_app.c"), str(out_dir / "libcuda.so.1"), f"-Wl,-rpath,{out_dir}",
-     "-ldl", "-lpthread"],
+    [
+      CC,
+      "-O1",
+      "-DLINK_DIRECT",
+      "-o",
+      str(out_dir / "fake_app_direct"),
+      str(TESTING / "fake_app.c"),
+      str(out_dir / "libcuda.so.1"),
+      f"-Wl,-rpath,{out_dir}",
+      "-ldl",
+      "-lpthread",
+    ],
   ]
   for cmd in cmds:
     subprocess.run(cmd, check=True, capture_output=True, text=True)
@@ -82,14 +101,15 @@ def run_app(
     e["JAX_OVERLAP_RT_RULES"] = rules
   e.update(env or {})
   app = fake_dir / ("fake_app_direct" if mode == "direct" else "fake_app")
-  proc = subprocess.run([str(app), mode, *actions], capture_output=True, text=True, env=e,
-                        timeout=60)
+  proc = subprocess.run(
+    [str(app), mode, *actions], capture_output=True, text=True, env=e, timeout=60
+  )
   results, counters = [], {}
   for line in proc.stdout.splitlines():
     if line.startswith("result "):
-      results.append(line[len("result "):])
+      results.append(line[len("result ") :])
     elif line.startswith("counters "):
-      counters = json.loads(line[len("counters "):])
+      counters = json.loads(line[len("counters ") :])
   lines = log.read_text().splitlines() if log.exists() else []
   launches = [_parse(x) for x in lines if re.match(r"^(launch|graphnode) ", x)]
   return AppRun(proc.returncode, results, counters, launches, lines, proc.stderr)

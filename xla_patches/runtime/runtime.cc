@@ -463,13 +463,23 @@ bool RuleMatches(const KernelRule& rule, const std::string& name) {
 }
 
 // Looks up (or queries) `f` and its matching kernel rule under `rules`.
-bool FuncFor(CUfunction f, const Rules* rules, FuncInfo* out) {
+// The name is copied only when `want_name` (logging): the per-launch path
+// copies a few integers under a shared lock.
+bool FuncFor(CUfunction f, const Rules* rules, FuncInfo* out, bool want_name) {
   {
     std::shared_lock<std::shared_mutex> lock(g_func_mu);
     if (g_funcs != nullptr) {
       auto it = g_funcs->find(f);
       if (it != g_funcs->end() && it->second.generation == rules->generation) {
-        *out = it->second;
+        const FuncInfo& cached = it->second;
+        out->static_smem = cached.static_smem;
+        out->regs = cached.regs;
+        out->max_dynamic_smem = cached.max_dynamic_smem;
+        out->carveout_set = cached.carveout_set;
+        out->queried = cached.queried;
+        out->generation = cached.generation;
+        out->rule = cached.rule;
+        if (want_name) out->name = cached.name;
         return true;
       }
     }
@@ -550,7 +560,7 @@ Decision Decide(CUfunction f, unsigned threads, unsigned dyn, bool skip,
   if (rules == nullptr) rules = kEmpty;
   if (f == nullptr) return kPass;
   FuncInfo info;
-  if (!FuncFor(f, rules, &info)) return kFallback;
+  if (!FuncFor(f, rules, &info, Verbose() >= 3)) return kFallback;
   int64_t blocks = 0, padding = 0;
   if (info.rule >= 0) {
     blocks = rules->kernels[info.rule].blocks_per_sm;
@@ -595,10 +605,20 @@ void InitOnce();
 // Hooks.
 // ---------------------------------------------------------------------------
 
-template <int kPath, int kId>
+// Driver answers from cuGetProcAddress that are not the exported entry points
+// (versioned implementations) each get a hook instance of their own, a slot,
+// that forwards to exactly that answer.
+constexpr int kExtraSlots = 4;
+std::atomic<void*> g_slot_real[kNumHooked][kExtraSlots];
+
+void* RealOrSlot(int id, int slot) {
+  return slot < 0 ? Real(id) : g_slot_real[id][slot].load(std::memory_order_acquire);
+}
+
+template <int kPath, int kId, int kSlot = -1>
 CUresult LaunchKernelHook JOR_LAUNCH_PARAMS {
   pthread_once(&g_init_once, InitOnce);
-  auto real = reinterpret_cast<PFN_cuLaunchKernel>(Real(kId));
+  auto real = reinterpret_cast<PFN_cuLaunchKernel>(RealOrSlot(kId, kSlot));
   if (real == nullptr) return JOR_CUDA_ERROR_NOT_INITIALIZED;
   Count(kCounter_launches_seen);
   CountPath(kPath);
@@ -630,10 +650,10 @@ bool SkipLaunchEx(const CUlaunchConfig* config) {
   return false;
 }
 
-template <int kPath, int kId>
+template <int kPath, int kId, int kSlot = -1>
 CUresult LaunchKernelExHook JOR_LAUNCH_EX_PARAMS {
   pthread_once(&g_init_once, InitOnce);
-  auto real = reinterpret_cast<PFN_cuLaunchKernelEx>(Real(kId));
+  auto real = reinterpret_cast<PFN_cuLaunchKernelEx>(RealOrSlot(kId, kSlot));
   if (real == nullptr) return JOR_CUDA_ERROR_NOT_INITIALIZED;
   Count(kCounter_launches_seen);
   CountPath(kPath);
@@ -766,8 +786,8 @@ bool IsOurHook(void* p);
 
 // The hook to hand out for a cuGetProcAddress answer, or -1 for none.
 int ProcAddrHookId(const char* symbol, int version, cuuint64_t flags, void* answer,
-                   bool* known_name) {
-  *known_name = false;
+                   int* intended) {
+  *intended = -1;
   if (symbol == nullptr) return -1;
   const bool ptsz = (flags & JOR_CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM) != 0;
   int id = -1;
@@ -796,7 +816,7 @@ int ProcAddrHookId(const char* symbol, int version, cuuint64_t flags, void* answ
     }
   }
   if (id < 0) return -1;
-  *known_name = true;
+  *intended = id;
   // The driver's answer must be the entry point the hook forwards to; if it is
   // the other variant's, hand out that hook; if it is neither, hand out none.
   void* known = Real(id);
@@ -810,16 +830,59 @@ int ProcAddrHookId(const char* symbol, int version, cuuint64_t flags, void* answ
   return -1;
 }
 
+void* SlotHook(int id, int slot) {
+#define JOR_SLOTS(sym, tmpl)                                                     \
+  case kSym_##sym: {                                                             \
+    static void* const kSlots[kExtraSlots] = {                                   \
+        reinterpret_cast<void*>(tmpl<kPathProcAddr, kSym_##sym, 0>),             \
+        reinterpret_cast<void*>(tmpl<kPathProcAddr, kSym_##sym, 1>),             \
+        reinterpret_cast<void*>(tmpl<kPathProcAddr, kSym_##sym, 2>),             \
+        reinterpret_cast<void*>(tmpl<kPathProcAddr, kSym_##sym, 3>)};            \
+    return kSlots[slot];                                                         \
+  }
+  switch (id) {
+    JOR_SLOTS(cuLaunchKernel, LaunchKernelHook)
+    JOR_SLOTS(cuLaunchKernel_ptsz, LaunchKernelHook)
+    JOR_SLOTS(cuLaunchKernelEx, LaunchKernelExHook)
+    JOR_SLOTS(cuLaunchKernelEx_ptsz, LaunchKernelExHook)
+    default:
+      return nullptr;
+  }
+#undef JOR_SLOTS
+}
+
+// A slot hook forwarding to `answer` for launch entry points, or null.
+void* SlotHookFor(int id, void* answer) {
+  if (SlotHook(id, 0) == nullptr) return nullptr;
+  for (int slot = 0; slot < kExtraSlots; ++slot) {
+    void* expected = nullptr;
+    if (g_slot_real[id][slot].compare_exchange_strong(expected, answer) || expected == answer) {
+      Log(2, "cuGetProcAddress(%s): versioned entry point %p in slot %d", kSymNames[id], answer,
+          slot);
+      return SlotHook(id, slot);
+    }
+  }
+  return nullptr;
+}
+
 CUresult ProcAddrCommon(const char* symbol, void** pfn, int version, cuuint64_t flags,
                         CUresult r) {
   if (r != JOR_CUDA_SUCCESS || pfn == nullptr || *pfn == nullptr) return r;
   // A driver that resolves its own exports through the symbol table hands back
   // this library's definitions: they are hooks already.
   if (IsOurHook(*pfn)) return r;
-  bool known_name = false;
-  int id = ProcAddrHookId(symbol, version, flags, *pfn, &known_name);
+  int intended = -1;
+  int id = ProcAddrHookId(symbol, version, flags, *pfn, &intended);
+  if (id < 0 && intended >= 0) {
+    void* hook = SlotHookFor(intended, *pfn);
+    if (hook != nullptr) {
+      Count(kCounter_lookups_procaddr);
+      *pfn = hook;
+      return r;
+    }
+  }
   if (id < 0) {
-    if (known_name) {
+    if (intended >= 0) {
       Count(kCounter_lookups_unhooked);
       Log(1, "cuGetProcAddress(%s): unexpected entry point; left unhooked", symbol);
     }
@@ -901,6 +964,11 @@ bool IsOurHook(void* p) {
   for (int path = 0; path < kNumPaths; ++path) {
     for (int i = 0; i < kNumHooked; ++i) {
       if (HookFor(path, i) == p) return true;
+    }
+  }
+  for (int i = 0; i < kNumHooked; ++i) {
+    for (int slot = 0; slot < kExtraSlots && SlotHook(i, 0) != nullptr; ++slot) {
+      if (SlotHook(i, slot) == p) return true;
     }
   }
   return false;

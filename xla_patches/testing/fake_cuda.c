@@ -15,6 +15,9 @@
  *                     "launch_dyn_over=N": launches with more than N bytes of
  *                     dynamic shared memory fail.
  *   FAKE_CUDA_LOG     file to which every call is appended, one line each.
+ *   FAKE_CUDA_VERSIONED_PROCS  "1": cuGetProcAddress answers launches with
+ *                     internal entry points that are not the exported symbols,
+ *                     as a driver with versioned implementations may.
  *
  * Launch records are also kept in memory: fake_cuda_launch_count() and
  * fake_cuda_launch_dyn(i).
@@ -402,6 +405,20 @@ EXPORT CUresult cuGraphExecKernelNodeSetParams_v2(CUgraphExec e, CUgraphNode n,
   return graph_node("cuGraphExecKernelNodeSetParams_v2", (const CUDA_KERNEL_NODE_PARAMS_v1*)p);
 }
 
+/* Internal, unexported launch entry points (FAKE_CUDA_VERSIONED_PROCS). */
+static CUresult launch_v2_internal(LAUNCH_PARAMS) {
+  (void)params; (void)extra;
+  CHECK_FAIL("cuLaunchKernel");
+  return do_launch("cuLaunchKernel_v2_internal", f, gx, gy, gz, bx, by, bz, dyn, s);
+}
+static CUresult launch_ex_v2_internal(const CUlaunchConfig* c, CUfunction f, void** params,
+                                      void** extra) {
+  (void)params; (void)extra;
+  CHECK_FAIL("cuLaunchKernelEx");
+  return do_launch("cuLaunchKernelEx_v2_internal", f, c->gridDimX, c->gridDimY, c->gridDimZ,
+                   c->blockDimX, c->blockDimY, c->blockDimZ, c->sharedMemBytes, c->hStream);
+}
+
 /* ---- cuGetProcAddress: answers with this library's own entry points. ---- */
 typedef struct ProcEntry {
   const char* name;
@@ -410,6 +427,11 @@ typedef struct ProcEntry {
 
 static void* lookup_proc(const char* symbol, int version, cuuint64_t flags) {
   const int ptsz = (flags & JOR_CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM) != 0;
+  const char* versioned = getenv("FAKE_CUDA_VERSIONED_PROCS");
+  if (versioned && !strcmp(versioned, "1")) {
+    if (!strcmp(symbol, "cuLaunchKernel")) return (void*)launch_v2_internal;
+    if (!strcmp(symbol, "cuLaunchKernelEx")) return (void*)launch_ex_v2_internal;
+  }
   if (!strcmp(symbol, "cuLaunchKernel")) return ptsz ? (void*)cuLaunchKernel_ptsz : (void*)cuLaunchKernel;
   if (!strcmp(symbol, "cuLaunchKernelEx")) return ptsz ? (void*)cuLaunchKernelEx_ptsz : (void*)cuLaunchKernelEx;
   if (!strcmp(symbol, "cuGraphAddKernelNode"))

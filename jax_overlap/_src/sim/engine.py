@@ -213,8 +213,13 @@ class _Batch:
     self.t0 = t0
 
 
-def _shape_smem(gpu, name, smem, spec) -> int:
-  """Shared memory per block after applying a shaping spec (int or dict)."""
+def _shape_smem(gpu, name, threads, regs, smem, spec) -> int:
+  """Shared memory per block after applying a shaping spec (int or dict).
+
+  As the runtime library does: padding adds bytes; a blocks-per-SM cap leaves a kernel that
+  already fits at most that many blocks alone, and otherwise pads to the smallest size that
+  enforces the cap (see :func:`~jax_overlap._src.sim.model.shaped_smem`).
+  """
   if spec is None:
     return smem
   if isinstance(spec, bool) or not isinstance(spec, (int, Mapping)):
@@ -244,7 +249,8 @@ def _shape_smem(gpu, name, smem, spec) -> int:
       raise ValueError(
           f"jax_overlap.sim: shaping[{name!r}].blocks_per_sm must be an int >= 1, got {n!r}"
       )
-    out = shaped_smem(gpu, out, n)
+    if min(residency_limits(gpu, threads, regs, out).values()) > n:
+      out = shaped_smem(gpu, out, n)
   if out > gpu.smem_per_block_optin:
     raise ValueError(
         f"jax_overlap.sim: shaping[{name!r}] asks for {out} bytes of shared memory per block, "
@@ -329,7 +335,7 @@ class _Compiled:
         self.mem[i] = bytes_b
       natural = min(residency_limits(gpu, threads, regs, smem).values())
       if not self.comm[i]:
-        smem = _shape_smem(gpu, it.name, smem, shaping.get(it.name))
+        smem = _shape_smem(gpu, it.name, threads, regs, smem, shaping.get(it.name))
       self._check_fits(it, threads, regs, smem)
       lim = residency_limits(gpu, threads, regs, smem)
       res = min(lim.values())

@@ -451,10 +451,18 @@ class Workload:
     return [it for it in self.items if isinstance(it, Collective)]
 
   def index(self, name: str) -> int:
-    for i, it in enumerate(self.items):
-      if it.name == name:
-        return i
-    raise KeyError(name)
+    """Position of the item called ``name``."""
+    idx = self.__dict__.get("_index")
+    if idx is None:
+      idx = {it.name: i for i, it in enumerate(self.items)}
+      object.__setattr__(self, "_index", idx)
+    if name not in idx:
+      raise KeyError(f"sim.Workload({self.name!r}): no item named {name!r}")
+    return idx[name]
+
+  def item(self, name: str):
+    """The kernel or collective called ``name``."""
+    return self.items[self.index(name)]
 
   def overlap_windows(self) -> dict[str, list[str]]:
     """For each collective, the compute kernels of other streams that may run beside it.

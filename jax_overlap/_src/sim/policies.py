@@ -19,6 +19,9 @@ block so that a waiting communication CTA can land there.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
+import json
+import re
 from collections.abc import Mapping
 
 from jax_overlap._src import targets
@@ -34,7 +37,15 @@ from jax_overlap._src.sim.model import (
 )
 from jax_overlap._src.sim.model import residency as _residency
 
-__all__ = ["POLICIES", "Policy", "get_policy", "simulate", "default_shaping", "compare"]
+__all__ = [
+    "POLICIES",
+    "Policy",
+    "get_policy",
+    "policy_from_plan",
+    "simulate",
+    "default_shaping",
+    "compare",
+]
 
 POLICIES = ("sequential", "concurrent", "priority", "shaping", "priority+shaping")
 # Kinds the default shaping pads: GEMMs and fused custom kernels (attention). Memory-bound
@@ -86,6 +97,51 @@ def get_policy(policy: str | Policy) -> Policy:
   raise ValueError(f"jax_overlap.sim: unknown policy {policy!r}; choose one of {POLICIES}")
 
 
+def policy_from_plan(plan, wl: Workload) -> Policy:
+  """The :class:`Policy` a runtime plan (dict, JSON text or ``Plan``) applies to ``wl``.
+
+  Kernel rules select kernels by glob (``match``) or regular expression (``regex``); the
+  first rule that matches a kernel wins, as in the runtime library.
+
+  Raises:
+    ValueError: for a rule that matches no kernel of the workload, or a malformed plan.
+  """
+  if hasattr(plan, "to_dict"):
+    plan = plan.to_dict()
+  elif isinstance(plan, str):
+    plan = json.loads(plan)
+  if not isinstance(plan, Mapping):
+    raise TypeError(f"jax_overlap.sim: a plan must be a dict or JSON text, got {type(plan).__name__}")
+  rules = plan.get("kernels", [])
+  names = [it.name for it in wl.items if not isinstance(it, Collective)]
+  shaping: dict[str, object] = {}
+  for i, rule in enumerate(rules):
+    if not isinstance(rule, Mapping) or ("match" in rule) == ("regex" in rule):
+      raise ValueError(
+          f"jax_overlap.sim: plan kernels[{i}] needs exactly one of 'match' or 'regex', got "
+          f"{rule!r}"
+      )
+    if "match" in rule:
+      hits = [n for n in names if fnmatch.fnmatchcase(n, rule["match"])]
+    else:
+      rx = re.compile(rule["regex"])
+      hits = [n for n in names if rx.search(n)]
+    if not hits:
+      raise ValueError(
+          f"jax_overlap.sim: plan kernels[{i}] ({rule.get('match', rule.get('regex'))!r}) "
+          f"names no kernel of workload {wl.name!r}"
+      )
+    spec = {k: rule[k] for k in ("blocks_per_sm", "padding_bytes") if k in rule}
+    for n in hits:
+      shaping.setdefault(n, spec)
+  prio = plan.get("streams", {}).get("priority", "default")
+  if prio not in ("highest", "default"):
+    raise ValueError(
+        f"jax_overlap.sim: plan streams.priority must be 'highest' or 'default', got {prio!r}"
+    )
+  return Policy("plan", priority=prio == "highest", shaping=shaping)
+
+
 def _comm_streams(wl: Workload) -> set[int]:
   return {c.stream for c in wl.collectives}
 
@@ -94,8 +150,11 @@ def shaping_choices(wl: Workload, target, kernel_name: str,
                     constants: Constants | None = None) -> list[int]:
   """Blocks-per-SM settings that change a kernel's residency, from natural down to 1."""
   topo = engine.resolve_target(target)
-  gpu = topo.gpu
-  k = next(it for it in wl.items if it.name == kernel_name)
+  k = wl.item(kernel_name)
+  return _choices(k, topo.gpu)
+
+
+def _choices(k, gpu) -> list[int]:
   threads, regs, smem = _launch(k, gpu)
   nat = _residency(gpu, threads, regs, smem)
   out = []
@@ -120,6 +179,7 @@ def default_shaping(wl: Workload, target, constants: Constants | None = None) ->
   out: dict[str, int] = {}
   by_name = {it.name: it for it in wl.items}
   windows = wl.overlap_windows()
+  memo: dict = {}
   for cname, names in windows.items():
     c = by_name[cname]
     assert isinstance(c, Collective)
@@ -132,9 +192,13 @@ def default_shaping(wl: Workload, target, constants: Constants | None = None) ->
       k = by_name[name]
       if k.kind not in _SHAPED_KINDS:
         continue
+      key = (name, cth, creg, csm)
+      if key in memo:
+        out[name] = min(out.get(name, memo[key]), memo[key])
+        continue
       threads, regs, smem = _launch(k, gpu)
       best = 1
-      for r in shaping_choices(wl, topo, name):
+      for r in _choices(k, gpu):
         s = shaped_smem(gpu, smem, r) + gpu.smem_reserved_per_block
         thr = -(-threads // gpu.warp_size) * gpu.warp_size
         if (r * s + csm + gpu.smem_reserved_per_block <= gpu.smem_per_sm
@@ -143,13 +207,14 @@ def default_shaping(wl: Workload, target, constants: Constants | None = None) ->
             and r + 1 <= gpu.max_blocks_per_sm):
           best = r
           break
+      memo[key] = best
       out[name] = min(out.get(name, best), best)
   return out
 
 
-def apply(policy: str | Policy, wl: Workload, target, constants: Constants | None = None):
+def apply(policy, wl: Workload, target, constants: Constants | None = None):
   """(workload, priorities, shaping) that realise ``policy`` for ``wl``."""
-  pol = get_policy(policy)
+  pol = _resolve(policy, wl)
   topo = engine.resolve_target(target)
   if pol.sequential:
     items = tuple(dataclasses.replace(it, stream=0, after=()) for it in wl.items)
@@ -169,7 +234,7 @@ def apply(policy: str | Policy, wl: Workload, target, constants: Constants | Non
 def simulate(
     workload: Workload,
     target: str | targets.Topology | targets.Gpu = "h100x8",
-    policy: str | Policy = "concurrent",
+    policy: str | Policy | Mapping = "concurrent",
     *,
     constants: Constants | Mapping[str, float] | None = None,
     record: bool = False,
@@ -181,7 +246,8 @@ def simulate(
   Args:
     workload: a :class:`~jax_overlap._src.sim.model.Workload`.
     target: topology name ("h100x8"), GPU name ("h100"), Gpu or Topology.
-    policy: one of ``POLICIES`` or a :class:`Policy`.
+    policy: one of ``POLICIES``, a :class:`Policy`, or a runtime plan (dict, JSON text or
+      ``Plan``, see :func:`policy_from_plan`).
     constants: model constants, or overrides of the target's defaults.
     record: keep per-SM occupancy over time (for plots).
     check: verify invariants at every event (tests).
@@ -204,8 +270,14 @@ def simulate(
   const = _constants(constants, topo)
   wl2, prios, shaping = apply(policy, workload, topo, const)
   return engine.run(wl2, topo, priorities=prios, shaping=shaping, constants=const,
-                    policy_name=get_policy(policy).name, record=record, check=check,
+                    policy_name=_resolve(policy, workload).name, record=record, check=check,
                     baseline=baseline)
+
+
+def _resolve(policy, wl: Workload) -> Policy:
+  if isinstance(policy, (str, Policy)):
+    return get_policy(policy)
+  return policy_from_plan(policy, wl)
 
 
 def _constants(constants, topo) -> Constants:

@@ -15,7 +15,11 @@ The result is a plan in the runtime library's JSON format::
 
   {"version": 1, "target": "h100",
    "kernels": [{"match": "<kernel name>", "blocks_per_sm": 1}, ...],
-   "streams": {"communication_priority": "highest" | "default"}}
+   "streams": {"priority": "highest" | "default"}}
+
+the format :class:`jax_overlap._src.plan.Plan` reads (its ``streams.priority`` promotes the
+communication streams). When that module is importable the plan is validated through
+``Plan.from_json`` (NVIDIA targets; the runtime library shapes CUDA launches only).
 """
 
 from __future__ import annotations
@@ -44,8 +48,8 @@ class TuneResult:
   """What :func:`tune` found.
 
   Attributes:
-    plan: the plan dict (runtime JSON format), or a ``Plan`` when the runtime library's
-      plan module is importable.
+    plan: the plan dict (runtime JSON format; validated by the runtime library's plan
+      module when it is importable).
     policy: the same choice as a :class:`Policy` for ``sim.simulate``.
     makespan_s: predicted makespan with the plan.
     baseline_s: predicted makespan under plain concurrency (equal priority, no shaping).
@@ -56,7 +60,7 @@ class TuneResult:
     table: one row per evaluation: {"priority", "shaping", "makespan_s"}.
   """
 
-  plan: object
+  plan: dict
   policy: Policy
   makespan_s: float
   baseline_s: float
@@ -75,22 +79,29 @@ class TuneResult:
     return "\n".join(out)
 
 
-def plan_dict(target, shaping: Mapping[str, int], priority: bool):
-  """The runtime plan for a shaping/priority choice, validated by the plan module if present."""
+def plan_dict(target, shaping: Mapping[str, int], priority: bool) -> dict:
+  """The runtime plan for a shaping/priority choice, validated by the plan module if present.
+
+  Raises:
+    ValueError: when the runtime's plan module rejects it.
+  """
   topo = engine.resolve_target(target)
   d = {
       "version": 1,
       "target": topo.gpu.name,
       "kernels": [{"match": k, "blocks_per_sm": int(v)} for k, v in sorted(shaping.items())],
-      "streams": {"communication_priority": "highest" if priority else "default"},
+      "streams": {"priority": "highest" if priority else "default"},
   }
+  if topo.gpu.vendor != "nvidia":
+    return d
   try:
-    from jax_overlap._src import plan as _plan  # type: ignore[attr-defined]
+    from jax_overlap._src import plan as _plan
   except ImportError:
     return d
   cls = getattr(_plan, "Plan", None)
-  if cls is not None and hasattr(cls, "from_dict"):
-    return cls.from_dict(d)
+  reader = getattr(cls, "from_dict", None) or getattr(cls, "from_json", None)
+  if reader is not None:
+    reader(d)  # raises on anything the runtime would reject
   return d
 
 
@@ -214,7 +225,7 @@ def tune(
     >>> from jax_overlap import sim
     >>> wl = sim.synthetic([(4096, 4096, 4096)] * 2, [("all-gather", 64 << 20)])
     >>> res = sim.tune(wl, "a100x8", progress=False)
-    >>> res.plan["streams"]["communication_priority"] in ("highest", "default")
+    >>> res.plan["streams"]["priority"] in ("highest", "default")
     True
   """
   if method not in ("auto", "exhaustive", "coordinate"):

@@ -1,0 +1,36 @@
+"""Helpers shared by the benchmark scripts: machine description and result files."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def machine() -> dict:
+  import jax
+  import jaxlib
+
+  return {
+      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      "platform": platform.platform(),
+      "python": platform.python_version(),
+      "cpu_count": os.cpu_count(),
+      "jax": jax.__version__,
+      "jaxlib": jaxlib.__version__,
+      "devices": str(jax.devices()[0].platform) if jax.devices() else "none",
+  }
+
+
+def write(name: str, payload: dict, markdown: str | None = None) -> str:
+  os.makedirs(RESULTS, exist_ok=True)
+  path = os.path.join(RESULTS, f"{name}.json")
+  with open(path, "w") as f:
+    json.dump(payload, f, indent=1, default=str)
+  if markdown is not None:
+    with open(os.path.join(RESULTS, f"{name}.md"), "w") as f:
+      f.write(markdown)
+  return path

@@ -1,0 +1,86 @@
+"""The paper table and the sanity anchors, written to benchmarks/results/sim_paper.{md,json}.
+
+Run: JAX_PLATFORMS=cpu python benchmarks/sim_paper.py
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import time
+
+from jax_overlap import sim
+
+RESULTS = os.path.join(os.path.dirname(__file__), "results")
+
+
+def anchors() -> dict:
+  """The published observations of BACKGROUND section 2, as the model sees them."""
+  out = {}
+  seq = sim.simulate(sim.tail_effect(), "h100x8", "sequential")
+  con = sim.simulate(sim.tail_effect(), "h100x8", "concurrent")
+  out["h100_tail_effect_gemm_ratio"] = con.timing("gemm").duration_s / seq.timing(
+      "gemm").duration_s
+  wl = sim.synthetic([(16384, 16384, 8192)], [("all-gather", 4 << 30)])
+  for g in ("a100", "h100", "mi250x"):
+    out[f"{g}_gemm_slowdown_beside_allgather"] = sim.simulate(wl, g, "concurrent").compute_slowdown
+  for g in ("a100", "h100"):
+    step = sim.transformer_step(2, d=8192, tokens=4096)
+    s = sim.simulate(step, g, "sequential", baseline=False).makespan_s
+    c = sim.simulate(step, g, "concurrent", baseline=False).makespan_s
+    out[f"{g}_sequential_vs_overlapped"] = s / c - 1
+  return out
+
+
+def main() -> int:
+  t0 = time.perf_counter()
+  table = sim.paper_table(progress=False)
+  anc = anchors()
+  secs = time.perf_counter() - t0
+  date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+  machine = {"platform": platform.platform(), "python": platform.python_version(),
+             "cpu_count": os.cpu_count()}
+  data = json.loads(table.to_json())
+  data.update(date=date, machine=machine, anchors=anc, seconds=secs,
+              config={"mixes": list(sim.paper_mixes()), "gpus": ["a40", "a100", "h100", "mi250x"],
+                      "constants": {g: sim.constants_for(g).__dict__
+                                    for g in ("a40", "a100", "h100", "mi250x")}})
+  with open(os.path.join(RESULTS, "sim_paper.json"), "w") as f:
+    json.dump(data, f, indent=1, default=str)
+  lines = [
+      "# Paper table: five policies on A40, A100, H100, MI250X (simulated)",
+      "",
+      f"Date {date}; {machine['platform']}, Python {machine['python']}, "
+      f"{machine['cpu_count']} CPUs; {secs:.1f} s. Produced by benchmarks/sim_paper.py "
+      "(`jax-overlap simulate --paper` prints the same table).",
+      "",
+      table.markdown(),
+      "",
+      "## Sanity anchors (BACKGROUND section 2)",
+      "",
+      "| observation | published | model |",
+      "|---|---|---|",
+      f"| H100 132-block GEMM beside a 24-CTA all-gather | nearly doubles | "
+      f"x{anc['h100_tail_effect_gemm_ratio']:.2f} |",
+  ]
+  for g in ("a100", "h100", "mi250x"):
+    lines.append(f"| {g} GEMM slowdown beside an all-gather | 18.9% avg, max 40% "
+                 f"(arXiv 2507.03114) | {anc[f'{g}_gemm_slowdown_beside_allgather']:.1%} |")
+  for g in ("a100", "h100"):
+    lines.append(f"| {g} sequential vs overlapped (2-layer FSDP step) | +10.2% avg, max 26.6% | "
+                 f"+{anc[f'{g}_sequential_vs_overlapped']:.1%} |")
+  lines += [
+      "",
+      "MI250X: RCCL's 256-thread CTAs fit beside the GEMM blocks, so the GEMM keeps its CUs and "
+      "slows only through shared memory bandwidth.",
+  ]
+  with open(os.path.join(RESULTS, "sim_paper.md"), "w") as f:
+    f.write("\n".join(lines) + "\n")
+  print("\n".join(lines))
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
