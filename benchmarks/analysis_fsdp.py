@@ -13,7 +13,8 @@ import os
 import sys
 import time
 
-from absl import app, flags as absl_flags
+from absl import app
+from absl import flags as absl_flags
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402

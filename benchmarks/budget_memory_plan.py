@@ -21,11 +21,14 @@ import platform
 import sys
 import time
 
-import jax
-import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+# Deviceless GPU compilation runs on the CPU platform.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.ad_checkpoint import checkpoint_name  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -1,26 +1,31 @@
-"""Learning-dynamics data selection vs. uniform sampling on a noisy-label task.
+"""Learning-dynamics data selection vs. uniform sampling.
 
 Task (generated here, seeded): 10-class classification of 32-d Gaussian inputs
-labelled by a random teacher MLP; 40% of the training labels are replaced by
-uniformly random classes; the test set is clean. Student: MLP 32-256-256-10,
-Adam (lr 1e-3), batch 64.
+labelled by a random linear teacher (argmax of x @ W); 100,000 training
+examples, a clean 4,000-example test set. Student: MLP 32-256-256-10, Adam
+(lr 1e-3), batch 64. Most examples are far from the class boundaries and are
+learnt early: the redundancy that selection can skip.
 
-* uniform: each step trains on 64 examples drawn uniformly, for a fixed number
-  of steps.
-* selection (RHO-loss style, Mindermann et al. 2022): a reference model of the
-  same shape is trained on a separate noisy holdout set; its per-example loss
-  on every training example is computed once. Each step draws 128 candidates,
-  scores them with the current model's forward pass
-  (:func:`jax_overlap.budget.data.per_example_scores`, excess loss against the
-  reference), keeps the top half with :func:`jax_overlap.budget.data.select`
-  (inside the jitted step, on a batch sharded over 8 CPU devices) and trains
-  on those 64.
+* uniform: each step trains on 64 examples drawn uniformly, 3,000 steps.
+* selection[method]: each step draws 256 candidates, scores them inside the
+  jitted step with :func:`jax_overlap.budget.data.per_example_scores` (one
+  forward pass), keeps the top quarter with
+  :func:`jax_overlap.budget.data.select` (global top-k on a batch sharded over
+  8 CPU devices, output kept sharded) and trains on those 64. Methods:
+  ``loss``, ``el2n`` (error norm) and ``excess_loss`` (RHO-loss: loss minus a
+  reference model's loss; the reference, same architecture, is trained on a
+  separate holdout split and scores every training example once).
+
+Two configurations: ``clean`` (no label noise) and the control ``noisy`` (5%
+of train/holdout labels replaced by random classes), where the highest-loss
+examples are mostly mislabelled.
 
 FLOPs come from the compiled steps' cost analysis
-(:func:`jax_overlap.budget.compute.step_flops`); the selection run is charged
-for the reference model's training, its scoring pass over the training set,
-and the candidates' forward passes. Reported: FLOPs for the selection run to
-reach the uniform run's final test loss, and their ratio.
+(:func:`jax_overlap.budget.compute.step_flops`); a selection run is charged for
+the candidates' forward passes and, for ``excess_loss``, the reference model's
+training and its scoring pass over the training set. Reported: FLOPs for each
+selection run to reach the uniform run's final (and best) test loss, and the
+ratio to uniform's FLOPs.
 
 Run: JAX_PLATFORMS=cpu python benchmarks/budget_selection.py
 """
@@ -52,21 +57,23 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from jax_overlap.budget import compute, data  # noqa: E402
 
 CONFIG = dict(seed=0, dim=32, classes=10, hidden=256, n_train=100_000, n_holdout=10_000,
-              n_test=4_000, label_noise=0.2, dup_fraction=0.8, dup_pool=500, batch=64,
-              candidates=256, lr=1e-3, uniform_steps=3000, selection_steps=3000,
-              reference_steps=600, eval_every=50)
+              n_test=4_000, label_noise=0.0, dup_fraction=0.0, batch=64, candidates=256, lr=1e-3,
+              uniform_steps=3000, selection_steps=1500, reference_steps=300, eval_every=50,
+              methods=("loss", "el2n"))
+# The control: 5% of the labels flipped. Loss selection then chases the flipped
+# labels; excess loss against a reference model avoids them.
+NOISY = dict(CONFIG, label_noise=0.05, methods=("loss", "excess_loss"))
 
 
 def make_task(cfg=CONFIG):
   """(train, holdout, test) splits; train and holdout share duplicates and label noise."""
   rng = np.random.default_rng(cfg["seed"])
   d, c = cfg["dim"], cfg["classes"]
-  t1 = rng.normal(size=(d, 64)) / np.sqrt(d)
-  t2 = rng.normal(size=(64, c)) / np.sqrt(64) * 4.0
+  teacher = rng.normal(size=(d, c)) / np.sqrt(d)  # a linear teacher: classes are half-space cones
 
   def sample(n, noise):
     x = rng.normal(size=(n, d)).astype(np.float32)
-    y = np.argmax(np.tanh(x @ t1) @ t2, axis=1)
+    y = np.argmax(x @ teacher, axis=1)
     flip = rng.random(n) < noise
     y = np.where(flip, rng.integers(0, c, size=n), y)
     return x, y.astype(np.int32)
@@ -124,10 +131,10 @@ def train_step(params, opt, x, y, lr):
   return params, opt, loss
 
 
-def select_and_train_step(params, opt, x, y, ref_loss, lr, keep, sharding):
+def select_and_train_step(params, opt, x, y, ref_loss, lr, keep, sharding, method):
   """Scores the candidates, keeps the best ``keep`` fraction, trains on them."""
   scores = data.per_example_scores(forward(params, x), y, reference_loss=ref_loss)
-  sel = data.select({"x": x, "y": y}, scores["excess_loss"], keep, multiple_of=8, sharding=sharding)
+  sel = data.select({"x": x, "y": y}, scores[method], keep, multiple_of=8, sharding=sharding)
   return train_step(params, opt, sel.batch["x"], sel.batch["y"], lr)
 
 
@@ -145,27 +152,20 @@ def run(cfg=CONFIG, log=print):
   lr, B, C = cfg["lr"], cfg["batch"], cfg["candidates"]
   keep = B / C
   step = jax.jit(functools.partial(train_step, lr=lr))
-  sel_step = jax.jit(functools.partial(select_and_train_step, lr=lr, keep=keep, sharding=bs))
   ev = jax.jit(eval_loss)
   per_ex = jax.jit(lambda p, x, y: data.per_example_scores(forward(p, x), y)["loss"])
 
   def put(*arrays, sharding=bs):
     return [jax.device_put(a, sharding) for a in arrays]
 
-  key = jax.random.PRNGKey(cfg["seed"])
-  p0 = jax.device_put(init_params(key, cfg), rep)
+  p0 = jax.device_put(init_params(jax.random.PRNGKey(cfg["seed"]), cfg), rep)
+  o0 = jax.device_put(adam_init(p0), rep)
   spec = lambda n, dt: jax.ShapeDtypeStruct((n,), dt, sharding=bs)
   xspec = lambda n: jax.ShapeDtypeStruct((n, cfg["dim"]), jnp.float32, sharding=bs)
-  o0 = jax.device_put(adam_init(p0), rep)
   f_train = compute.step_flops(step.lower(p0, o0, xspec(B), spec(B, jnp.int32)).compile())
-  f_sel = compute.step_flops(
-      sel_step.lower(p0, o0, xspec(C), spec(C, jnp.int32), spec(C, jnp.float32)).compile()
-  )
-  f_eval = compute.step_flops(ev.lower(p0, *put(xte, yte)).compile())
   f_score_all = compute.step_flops(per_ex.lower(p0, *put(xtr, ytr)).compile())
-  log(f"FLOPs: train step {f_train:.4g}, select+train step {f_sel:.4g} "
-      f"({f_sel / f_train:.2f}x), scoring the training set {f_score_all:.4g}, eval {f_eval:.4g}")
   xte_d, yte_d = put(xte, yte)
+  rng = np.random.default_rng(cfg["seed"] + 1)
 
   def train(n_steps, sampler, stepper, counter, label):
     params, opt = p0, o0
@@ -182,41 +182,74 @@ def run(cfg=CONFIG, log=print):
         f"{counter.total:.4g} FLOPs")
     return params, curve
 
-  rng = np.random.default_rng(cfg["seed"] + 1)
-
   def uniform_sampler(i):
     idx = rng.integers(0, len(xtr), size=B)
     return put(xtr[idx], ytr[idx])
 
-  # Uniform baseline.
   _, uni = train(cfg["uniform_steps"], uniform_sampler, step, compute.FlopCounter(f_train), "uniform")
-  target = uni[-1][2]
+  out = dict(f_train=f_train, uniform=uni, methods={})
 
-  # Reference model on the holdout set, then its loss on every training example.
-  ref_counter = compute.FlopCounter(f_train)
+  ref_loss, overhead = np.zeros(len(xtr), np.float32), 0.0
+  if any(m == "excess_loss" for m in cfg["methods"]):
+    # Reference model on the holdout split, then its loss on every training example.
+    def holdout_sampler(i):
+      idx = rng.integers(0, len(xho), size=B)
+      return put(xho[idx], yho[idx])
 
-  def holdout_sampler(i):
-    idx = rng.integers(0, len(xho), size=B)
-    return put(xho[idx], yho[idx])
-
-  ref_params, _ = train(cfg["reference_steps"], holdout_sampler, step, ref_counter, "reference")
-  ref_loss = np.asarray(per_ex(ref_params, *put(xtr, ytr)))
-  overhead = ref_counter.total + f_score_all
+    ref_counter = compute.FlopCounter(f_train)
+    ref_params, _ = train(cfg["reference_steps"], holdout_sampler, step, ref_counter, "reference")
+    ref_loss = np.asarray(per_ex(ref_params, *put(xtr, ytr)))
+    overhead = ref_counter.total + f_score_all
 
   def cand_sampler(i):
     idx = rng.integers(0, len(xtr), size=C)
     return put(xtr[idx], ytr[idx], ref_loss[idx])
 
-  sel_counter = compute.FlopCounter(f_sel)
-  sel_counter.step(flops=overhead)
-  _, sel = train(cfg["selection_steps"], cand_sampler, sel_step, sel_counter, "selection")
-  reached = next(((i, f, loss) for i, f, loss, _ in sel if loss <= target), None)
   best = min(loss for _, _, loss, _ in uni)
   best_at = next(f for _, f, loss, _ in uni if loss == best)
-  reached_best = next(((i, f, loss) for i, f, loss, _ in sel if loss <= best), None)
-  return dict(f_train=f_train, f_sel=f_sel, f_eval=f_eval, overhead=overhead, uniform=uni,
-              selection=sel, target=target, reached=reached, best=best, best_at=best_at,
-              reached_best=reached_best)
+  for method in cfg["methods"]:
+    sel_step = jax.jit(functools.partial(
+        select_and_train_step, lr=lr, keep=keep, sharding=bs, method=method))
+    f_sel = compute.step_flops(
+        sel_step.lower(p0, o0, xspec(C), spec(C, jnp.int32), spec(C, jnp.float32)).compile()
+    )
+    counter = compute.FlopCounter(f_sel)
+    extra = overhead if method == "excess_loss" else 0.0
+    counter.step(flops=extra)
+    log(f"{method}: select+train step {f_sel:.4g} FLOPs = {f_sel / f_train:.2f} x train step"
+        + (f"; reference model + scoring the training set {extra:.4g} FLOPs" if extra else ""))
+    _, sel = train(cfg["selection_steps"], cand_sampler, sel_step, counter, f"selection[{method}]")
+    out["methods"][method] = dict(
+        f_sel=f_sel, overhead=extra, curve=sel,
+        reached=next(((i, f, lo) for i, f, lo, _ in sel if lo <= uni[-1][2]), None),
+        reached_best=next(((i, f, lo) for i, f, lo, _ in sel if lo <= best), None),
+    )
+  out.update(target=uni[-1][2], best=best, best_at=best_at)
+  return out
+
+
+def report(cfg, r, lines):
+  uni_flops = r["uniform"][-1][1]
+  lines.append(f"uniform: final test loss {r['target']:.4f} after {uni_flops:.4g} FLOPs; best "
+               f"{r['best']:.4f} at {r['best_at']:.4g} FLOPs")
+  lines.append("  curve (step, FLOPs, test loss, acc): " + ", ".join(
+      f"({i}, {f:.3g}, {lo:.4f}, {a:.3f})" for i, f, lo, a in r["uniform"] if i % 500 == 0))
+  for method, m in r["methods"].items():
+    if m["reached"] is None:
+      lines.append(f"selection[{method}]: did not reach the uniform final test loss within "
+                   f"{cfg['selection_steps']} steps (final {m['curve'][-1][2]:.4f})")
+    else:
+      step_i, flops, loss = m["reached"]
+      lines.append(f"selection[{method}]: reaches {loss:.4f} <= uniform final at step {step_i}, "
+                   f"{flops:.4g} FLOPs (selection and reference costs included): FLOP ratio "
+                   f"{flops / uni_flops:.3f}")
+    if m["reached_best"] is not None:
+      step_i, flops, loss = m["reached_best"]
+      lines.append(f"  reaches the uniform best {r['best']:.4f} at step {step_i}, {flops:.4g} FLOPs: "
+                   f"ratio {flops / r['best_at']:.3f}")
+    lines.append(f"  final test loss {m['curve'][-1][2]:.4f} acc {m['curve'][-1][3]:.4f}")
+    lines.append("  curve (step, FLOPs, test loss, acc): " + ", ".join(
+        f"({i}, {f:.3g}, {lo:.4f}, {a:.3f})" for i, f, lo, a in m["curve"] if i % 500 == 0))
 
 
 def main() -> None:
@@ -225,38 +258,14 @@ def main() -> None:
       f"# budget_selection  {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
       f"# machine: {platform.node()} {platform.machine()} {os.cpu_count()} cpus, python "
       f"{platform.python_version()}, jax {jax.__version__}, 8 virtual CPU devices",
-      f"# config: {CONFIG}",
   ]
-  r = run(log=lambda s: (print(s), lines.append(s)))
-  uni_flops = r["uniform"][-1][1]
-  if r["reached"] is None:
-    lines.append(f"selection did not reach the uniform final test loss {r['target']:.4f} "
-                 f"within {CONFIG['selection_steps']} steps")
-  else:
-    step_i, flops, loss = r["reached"]
-    lines.append(
-        f"uniform final test loss {r['target']:.4f} after {uni_flops:.4g} FLOPs; selection reaches "
-        f"{loss:.4f} at step {step_i} after {flops:.4g} FLOPs (reference model and scoring "
-        f"included: {r['overhead']:.4g})"
-    )
-    lines.append(f"FLOP ratio selection / uniform = {flops / uni_flops:.3f}")
-  if r["reached_best"] is None:
-    lines.append(f"selection did not reach the uniform run's best test loss {r['best']:.4f}")
-  else:
-    step_i, flops, loss = r["reached_best"]
-    lines.append(
-        f"uniform best test loss {r['best']:.4f} at {r['best_at']:.4g} FLOPs; selection reaches it "
-        f"at step {step_i} after {flops:.4g} FLOPs: ratio {flops / r['best_at']:.3f}"
-    )
-  lines.append(f"selection final test loss {r['selection'][-1][2]:.4f} "
-               f"acc {r['selection'][-1][3]:.4f}; uniform acc {r['uniform'][-1][3]:.4f}")
-  lines.append("curve (step, FLOPs, test loss, acc): uniform every 500 steps: " + ", ".join(
-      f"({i}, {f:.3g}, {lo:.4f}, {a:.3f})" for i, f, lo, a in r["uniform"] if i % 500 == 0))
-  lines.append("curve (step, FLOPs, test loss, acc): selection every 500 steps: " + ", ".join(
-      f"({i}, {f:.3g}, {lo:.4f}, {a:.3f})" for i, f, lo, a in r["selection"] if i % 500 == 0))
+  log = lambda s: (print(s), lines.append(s))
+  for name, cfg in (("clean", CONFIG), ("noisy", NOISY)):
+    lines += ["", f"## {name}: {cfg}"]
+    report(cfg, run(cfg, log=log), lines)
   lines.append(f"# wall time {time.time() - t0:.1f} s")
   text = "\n".join(lines)
-  print("\n".join(lines[-6:]))
+  print(text)
   path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "budget_selection.txt")
   with open(path, "w") as f:
     f.write(text + "\n")

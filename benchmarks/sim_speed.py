@@ -28,8 +28,14 @@ def _time(wl, target, policy, repeat=3):
     res = sim.simulate(wl, target, policy, baseline=False)
     best = min(best, time.perf_counter() - t)
   blocks = sum(t.blocks for t in res.timings)
-  return {"seconds": best, "events": res.events, "blocks": blocks, "kernels": len(wl.items),
-          "blocks_per_s": blocks / best, "makespan_s": res.makespan_s}
+  return {
+    "seconds": best,
+    "events": res.events,
+    "blocks": blocks,
+    "kernels": len(wl.items),
+    "blocks_per_s": blocks / best,
+    "makespan_s": res.makespan_s,
+  }
 
 
 def _stress(n_items, seed=0):
@@ -44,27 +50,34 @@ def main(argv=None) -> int:
   rep = 1 if args.quick else 3
   h100 = targets.get_gpu("h100")
   out = {
-      "benchmark": "sim_speed",
-      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-      "machine": {"platform": platform.platform(), "python": platform.python_version(),
-                  "cpu_count": os.cpu_count(), "processor": platform.processor()},
-      "runs": [],
+    "benchmark": "sim_speed",
+    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    "machine": {
+      "platform": platform.platform(),
+      "python": platform.python_version(),
+      "cpu_count": os.cpu_count(),
+      "processor": platform.processor(),
+    },
+    "runs": [],
   }
 
   def record(name, wl, target, policy, **extra):
     r = _time(wl, target, policy, rep)
     r.update(name=name, policy=policy, target=getattr(target, "name", target), **extra)
     out["runs"].append(r)
-    print(f"{name:28} {policy:17} {r['kernels']:6d} kernels {r['blocks']:9d} blocks "
-          f"{r['events']:7d} events {r['seconds']:7.3f} s {r['blocks_per_s'] / 1e6:7.2f} M blocks/s",
-          flush=True)
+    print(
+      f"{name:28} {policy:17} {r['kernels']:6d} kernels {r['blocks']:9d} blocks "
+      f"{r['events']:7d} events {r['seconds']:7.3f} s {r['blocks_per_s'] / 1e6:7.2f} M blocks/s",
+      flush=True,
+    )
 
   big = sim.large_step(2000, 1_000_000)
   for pol in ("sequential", "concurrent", "priority+shaping"):
     record("step 2000 kernels, 1M blocks", big, "h100x8", pol)
   for blocks in (100_000, 300_000, 1_000_000, 3_000_000):
-    record("scaling: blocks", sim.large_step(2000, blocks), "h100x8", "concurrent",
-           scale_blocks=blocks)
+    record(
+      "scaling: blocks", sim.large_step(2000, blocks), "h100x8", "concurrent", scale_blocks=blocks
+    )
   for sms in (33, 66, 132, 264, 528):
     gpu = dataclasses.replace(h100, sm_count=sms)
     record("scaling: SMs", big, gpu, "concurrent", scale_sms=sms)
@@ -72,22 +85,27 @@ def main(argv=None) -> int:
   with open(os.path.join(RESULTS, "sim_speed.json"), "w") as f:
     json.dump(out, f, indent=1)
   lines = [
-      "# Simulator speed",
-      "",
-      f"Date {out['date']}; {out['machine']['platform']}, Python {out['machine']['python']}, "
-      f"{out['machine']['cpu_count']} CPUs. Best of {rep} runs, H100 model unless noted.",
-      "",
-      "| run | policy | kernels | blocks | SMs | events | seconds | M blocks/s |",
-      "|---|---|---|---|---|---|---|---|",
+    "# Simulator speed",
+    "",
+    f"Date {out['date']}; {out['machine']['platform']}, Python {out['machine']['python']}, "
+    f"{out['machine']['cpu_count']} CPUs. Best of {rep} runs, H100 model unless noted.",
+    "",
+    "| run | policy | kernels | blocks | SMs | events | seconds | M blocks/s |",
+    "|---|---|---|---|---|---|---|---|",
   ]
   for r in out["runs"]:
-    lines.append(f"| {r['name']} | {r['policy']} | {r['kernels']} | {r['blocks']} | "
-                 f"{r.get('scale_sms', 132)} | {r['events']} | {r['seconds']:.3f} | "
-                 f"{r['blocks_per_s'] / 1e6:.2f} |")
-  lines += ["", "Identical SMs are simulated as one group and blocks placed together on an SM "
-            "complete as one batch, so the cost follows events (waves x distinct SM states), "
-            "not blocks: time grows with the number of waves, roughly linearly in blocks for "
-            "a fixed SM count, and falls as SMs grow (fewer waves)."]
+    lines.append(
+      f"| {r['name']} | {r['policy']} | {r['kernels']} | {r['blocks']} | "
+      f"{r.get('scale_sms', 132)} | {r['events']} | {r['seconds']:.3f} | "
+      f"{r['blocks_per_s'] / 1e6:.2f} |"
+    )
+  lines += [
+    "",
+    "Identical SMs are simulated as one group and blocks placed together on an SM "
+    "complete as one batch, so the cost follows events (waves x distinct SM states), "
+    "not blocks: time grows with the number of waves, roughly linearly in blocks for "
+    "a fixed SM count, and falls as SMs grow (fewer waves).",
+  ]
   with open(os.path.join(RESULTS, "sim_speed.md"), "w") as f:
     f.write("\n".join(lines) + "\n")
   return 0

@@ -4,20 +4,35 @@ The data flow, stage by stage:
 
   program -> transform -> compile -> schedule analysis -> simulation / plan -> runtime
 
+* ``jax_overlap.overlap``, ``jax_overlap.fsdp``, ``jax_overlap.collective_matmul``:
+  the transform (prefetch, per-layer reduce-scatter, annotations, pipelined
+  scanned layers, collective matmuls).
 * ``jax_overlap.flags``: version-safe XLA options per GPU target and workload.
 * ``jax_overlap.targets``: the GPU catalogue and compile-only meshes.
 * ``jax_overlap.analyze`` / ``compare``: deviceless schedule analysis.
 * ``jax_overlap.profile.measure``: the same metrics from a real profiler trace.
+* ``jax_overlap.sim``: SM-level simulation of the runtime controls, and the tuner.
+* ``jax_overlap.runtime``, ``jax_overlap.occupancy``: runtime plans and regions.
+* ``jax_overlap.budget``: memory, compute and data decided together.
 """
 
 from jax_overlap import analysis as analysis
+from jax_overlap import budget as budget
+from jax_overlap import collective_matmul as collective_matmul
 from jax_overlap import flags as flags
+from jax_overlap import fsdp as fsdp
 from jax_overlap import profile as profile
+from jax_overlap import runtime as runtime
+from jax_overlap import sim as sim
 from jax_overlap import targets as targets
+from jax_overlap import transform as transform
 from jax_overlap._src.analysis import analyze as analyze
 from jax_overlap._src.errors import ConfigError as ConfigError
+from jax_overlap._src.regions import occupancy as occupancy
 from jax_overlap._src.report import Report as Report
 from jax_overlap._src.report import compare as compare
+from jax_overlap._src.transform import overlap as overlap
+from jax_overlap._src.transform import priority as priority
 
 __version__ = "0.1.0"
 
@@ -26,9 +41,18 @@ __all__ = [
     "Report",
     "analysis",
     "analyze",
+    "budget",
+    "collective_matmul",
     "compare",
     "flags",
+    "fsdp",
+    "occupancy",
+    "overlap",
+    "priority",
     "profile",
+    "runtime",
+    "sim",
     "targets",
+    "transform",
     "__version__",
 ]

@@ -25,11 +25,15 @@ def _sds(shape, mesh, spec, dtype=jnp.bfloat16):
 
 
 def _smap(f, mesh, in_specs, out_specs):
-  return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False))
+  return jax.jit(
+    jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+  )
 
 
 def _gemm_time(m, n, k, dtype="bf16"):
-  return cm.kernel_time(2.0 * m * n * k, 2.0 * (m * k + k * n + m * n), H100.gpu, dtype=dtype, is_dot=True)
+  return cm.kernel_time(
+    2.0 * m * n * k, 2.0 * (m * k + k * n + m * n), H100.gpu, dtype=dtype, is_dot=True
+  )
 
 
 def test_all_gather_feeding_a_matmul_is_fully_exposed():
@@ -41,7 +45,9 @@ def test_all_gather_feeding_a_matmul_is_fully_exposed():
     return x @ wg
 
   fn = _smap(f, mesh, (P("fsdp"), P()), P())
-  r = jax_overlap.analyze(fn, _sds((n, n), mesh, P("fsdp")), _sds((1024, n), mesh, P()), target="h100x8", xla_options=LHS)
+  r = jax_overlap.analyze(
+    fn, _sds((n, n), mesh, P("fsdp")), _sds((1024, n), mesh, P()), target="h100x8", xla_options=LHS
+  )
   (ag,) = r.collectives
   assert ag.kind == "all-gather" and ag.group_size == 8
   assert ag.bytes == n * n * 2  # the gathered result
@@ -82,7 +88,13 @@ def test_reduce_scatter_after_the_last_matmul_is_exposed():
     return jax.lax.psum_scatter(x @ w, "fsdp", scatter_dimension=0, tiled=True)
 
   fn = _smap(f, mesh, (P(), P()), P("fsdp"))
-  r = jax_overlap.analyze(fn, _sds((4096, 4096), mesh, P()), _sds((4096, 4096), mesh, P()), target="h100x8", xla_options=LHS)
+  r = jax_overlap.analyze(
+    fn,
+    _sds((4096, 4096), mesh, P()),
+    _sds((4096, 4096), mesh, P()),
+    target="h100x8",
+    xla_options=LHS,
+  )
   (rs,) = r.collectives
   assert rs.kind == "reduce-scatter"
   expected = cm.collective_time("reduce-scatter", 4096 * 4096 * 2, 8, H100)
@@ -108,12 +120,15 @@ def _cpu_programs():
   c = jnp.ones((384, 128), jnp.float32)
   q = jnp.ones((4, 64, 32), jnp.float32)
   return {
-      "matmul": (lambda a, b: a @ b, (a, b)),
-      "chain": (lambda a, b, c: jnp.tanh(a @ b) @ c, (a, b, c)),
-      "mlp_grad": (jax.grad(lambda a, b, c: jnp.sum(jax.nn.gelu(a @ b) @ c)), (a, b, c)),
-      "softmax": (lambda a: jax.nn.softmax(a, axis=-1), (a,)),
-      "attention": (lambda q, k, v: jax.nn.softmax(jnp.einsum("bqd,bkd->bqk", q, k)) @ v, (q, q, q)),
-      "layernorm": (lambda a: (a - a.mean(-1, keepdims=True)) * jax.lax.rsqrt(a.var(-1, keepdims=True) + 1e-5), (a,)),
+    "matmul": (lambda a, b: a @ b, (a, b)),
+    "chain": (lambda a, b, c: jnp.tanh(a @ b) @ c, (a, b, c)),
+    "mlp_grad": (jax.grad(lambda a, b, c: jnp.sum(jax.nn.gelu(a @ b) @ c)), (a, b, c)),
+    "softmax": (lambda a: jax.nn.softmax(a, axis=-1), (a,)),
+    "attention": (lambda q, k, v: jax.nn.softmax(jnp.einsum("bqd,bkd->bqk", q, k)) @ v, (q, q, q)),
+    "layernorm": (
+      lambda a: (a - a.mean(-1, keepdims=True)) * jax.lax.rsqrt(a.var(-1, keepdims=True) + 1e-5),
+      (a,),
+    ),
   }
 
 
@@ -123,7 +138,11 @@ def test_flop_and_byte_counts_match_xla_cost_analysis(name):
   step = compile_for_target(fn, *args, target=None)
   module = hlo.parse_module(step.hlo_text)
   comp = module.entry_computation
-  ops = [i for i in comp.instructions if i.opcode not in ("parameter", "constant", "get-tuple-element", "tuple", "bitcast")]
+  ops = [
+    i
+    for i in comp.instructions
+    if i.opcode not in ("parameter", "constant", "get-tuple-element", "tuple", "bitcast")
+  ]
   flops = sum(module.instruction_flops(i) for i in ops)
   trans = sum(module.instruction_transcendentals(i) for i in ops)
   nbytes = sum(module.instruction_bytes(i) for i in ops)
@@ -151,7 +170,9 @@ def test_report_outputs(tmp_path):
   from jax_overlap.examples import fsdp_mlp
 
   fn, args = fsdp_mlp.build("h100x8", layers=2, hidden=1024, mlp=4096, tokens_per_device=1024)
-  r = jax_overlap.analyze(fn, *args, target="h100x8", xla_options=jax_overlap.flags.as_compiler_options("h100x8"))
+  r = jax_overlap.analyze(
+    fn, *args, target="h100x8", xla_options=jax_overlap.flags.as_compiler_options("h100x8")
+  )
   text = str(r)
   assert "all-gather" in text and "exposed comm" in text
   d = json.loads(r.to_json())
@@ -185,7 +206,13 @@ def test_compare_table():
 
   fn, args = fsdp_mlp.build("a100x8", layers=2, hidden=1024, mlp=4096, tokens_per_device=2048)
   base = jax_overlap.analyze(fn, *args, target="a100x8", name="defaults")
-  rec = jax_overlap.analyze(fn, *args, target="a100x8", xla_options=jax_overlap.flags.as_compiler_options("a100x8"), name="recommended")
+  rec = jax_overlap.analyze(
+    fn,
+    *args,
+    target="a100x8",
+    xla_options=jax_overlap.flags.as_compiler_options("a100x8"),
+    name="recommended",
+  )
   table = jax_overlap.compare([base, rec])
   text = str(table)
   assert "defaults" in text and "recommended" in text
@@ -213,6 +240,7 @@ def test_meshes_captured_in_shard_map_are_retargeted():
   def f(w, x):
     def body(w, x):
       return jax.lax.psum(jnp.sum(x @ jax.lax.all_gather(w, "fsdp", axis=0, tiled=True)), "fsdp")
+
     return jax.shard_map(body, mesh=cpu_mesh, in_specs=(P("fsdp"), P("fsdp")), out_specs=P())(w, x)
 
   w = jax.device_put(np.ones((256, 256), np.float32), NamedSharding(cpu_mesh, P("fsdp")))

@@ -17,7 +17,6 @@ def _matmul(a, b):
 
 
 class TestStepFlops:
-
   def test_function_counts_matmul_flops(self):
     x, y = jnp.ones((8, 16)), jnp.ones((16, 4))
     assert compute.step_flops(_matmul, x, y) == 2 * 8 * 16 * 4
@@ -38,7 +37,7 @@ class TestStepFlops:
     assert compute.step_flops(step, w, x) >= 2 * (2 * 16 * 64 * 32)
 
   @pytest.mark.skipif(
-      importlib.util.find_spec("jax_plugins") is None, reason="needs the CUDA plugin (deviceless)"
+    importlib.util.find_spec("jax_plugins") is None, reason="needs the CUDA plugin (deviceless)"
   )
   def test_deviceless_gpu_without_cost_analysis_raises(self):
     from jax.sharding import NamedSharding
@@ -58,7 +57,6 @@ class TestStepFlops:
 
 
 class TestFlopCounter:
-
   def test_accumulates_steps_and_extra_flops(self):
     c = FlopCounter(flops_per_step=1e12)
     c.step()
@@ -82,7 +80,6 @@ class TestFlopCounter:
 
 
 class TestGovernor:
-
   def test_linear_loss_gives_exact_slope(self):
     gov = ComputeGovernor(flop_budget=1e18, min_gain_per_pflop=0.0, window=3, log=False)
     for k in range(3):
@@ -121,8 +118,9 @@ class TestGovernor:
     assert gov.best_loss == 2.0
 
   def test_nan_loss_raises_when_asked(self):
-    gov = ComputeGovernor(flop_budget=1e18, min_gain_per_pflop=0.0, window=2, on_nan="raise",
-                          log=False)
+    gov = ComputeGovernor(
+      flop_budget=1e18, min_gain_per_pflop=0.0, window=2, on_nan="raise", log=False
+    )
     with pytest.raises(FloatingPointError, match="loss is inf at evaluation 0"):
       gov.update(flops=1e14, loss=math.inf)
 
@@ -134,8 +132,9 @@ class TestGovernor:
       gov.update(flops=1e15, loss=3.0)
       gov.update(flops=2e15, loss=2.0)
     assert "gain/PFLOP=1" in gov.summary()
-    assert any("ComputeGovernor" in r.getMessage() and "loss=2" in r.getMessage()
-               for r in caplog.records)
+    assert any(
+      "ComputeGovernor" in r.getMessage() and "loss=2" in r.getMessage() for r in caplog.records
+    )
 
   def test_flops_must_not_decrease(self):
     gov = ComputeGovernor(flop_budget=1e18, min_gain_per_pflop=0.0, log=False)
@@ -144,14 +143,23 @@ class TestGovernor:
       gov.update(flops=1e14, loss=1.0)
 
   @pytest.mark.parametrize(
-      "kwargs, message",
-      [
-          (dict(flop_budget=0, min_gain_per_pflop=1.0), "flop_budget must be a finite number > 0, got 0"),
-          (dict(flop_budget=-5.0, min_gain_per_pflop=1.0), "flop_budget must be a finite number > 0"),
-          (dict(flop_budget=1e15, min_gain_per_pflop=-1.0), "min_gain_per_pflop must be a number >= 0"),
-          (dict(flop_budget=1e15, min_gain_per_pflop=1.0, window=1), "window must be an integer >= 2, got 1"),
-          (dict(flop_budget=1e15, min_gain_per_pflop=1.0, on_nan="skip"), "on_nan must be 'stop' or 'raise'"),
-      ],
+    "kwargs, message",
+    [
+      (
+        dict(flop_budget=0, min_gain_per_pflop=1.0),
+        "flop_budget must be a finite number > 0, got 0",
+      ),
+      (dict(flop_budget=-5.0, min_gain_per_pflop=1.0), "flop_budget must be a finite number > 0"),
+      (dict(flop_budget=1e15, min_gain_per_pflop=-1.0), "min_gain_per_pflop must be a number >= 0"),
+      (
+        dict(flop_budget=1e15, min_gain_per_pflop=1.0, window=1),
+        "window must be an integer >= 2, got 1",
+      ),
+      (
+        dict(flop_budget=1e15, min_gain_per_pflop=1.0, on_nan="skip"),
+        "on_nan must be 'stop' or 'raise'",
+      ),
+    ],
   )
   def test_bad_configuration(self, kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -176,17 +184,19 @@ class TestGovernor:
 
 
 class TestKeepFraction:
-
   def test_fits_the_budget(self):
-    kf = keep_fraction_for_budget(2.5e12, flops_per_example=3e6, examples=1_000_000,
-                                  score_flops_per_example=1e6)
+    kf = keep_fraction_for_budget(
+      2.5e12, flops_per_example=3e6, examples=1_000_000, score_flops_per_example=1e6
+    )
     assert kf == pytest.approx(0.5)
     spent = 1_000_000 * (1e6 + kf * 3e6)
     assert spent <= 2.5e12 * (1 + 1e-12)
 
   def test_clips(self):
     assert keep_fraction_for_budget(1e20, flops_per_example=1.0, examples=10) == 1.0
-    assert keep_fraction_for_budget(11.0, flops_per_example=1e3, examples=10, min_fraction=0.1) == 0.1
+    assert (
+      keep_fraction_for_budget(11.0, flops_per_example=1e3, examples=10, min_fraction=0.1) == 0.1
+    )
 
   def test_budget_below_scoring_cost(self):
     with pytest.raises(ValueError, match="does not cover scoring"):

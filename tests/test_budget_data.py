@@ -22,7 +22,6 @@ def _auto_mesh():
 
 
 class TestScores:
-
   def test_classification_matches_reference_and_gradient_norm(self):
     rng = np.random.default_rng(0)
     logits = jnp.asarray(rng.normal(size=(6, 5)), jnp.float32)
@@ -72,12 +71,16 @@ class TestScores:
     assert data.combine(s, "loss") is s["loss"]
 
   def test_errors(self):
-    with pytest.raises(ValueError, match="kind must be 'classification' or 'regression', got 'ranking'"):
+    with pytest.raises(
+      ValueError, match="kind must be 'classification' or 'regression', got 'ranking'"
+    ):
       data.per_example_scores(jnp.zeros((2, 3)), jnp.zeros(2, jnp.int32), kind="ranking")
     with pytest.raises(ValueError, match="labels must have the logits' shape"):
       data.per_example_scores(jnp.zeros((2, 3)), jnp.zeros(3, jnp.int32))
     with pytest.raises(ValueError, match="reference_loss must have shape"):
-      data.per_example_scores(jnp.zeros((2, 3)), jnp.zeros(2, jnp.int32), reference_loss=jnp.zeros(3))
+      data.per_example_scores(
+        jnp.zeros((2, 3)), jnp.zeros(2, jnp.int32), reference_loss=jnp.zeros(3)
+      )
     with pytest.raises(KeyError, match="score 'excess_loss' is not available"):
       data.combine({"loss": jnp.zeros(2)}, "excess_loss")
 
@@ -98,8 +101,8 @@ class TestScores:
       return (w - g, s["el2n"]) if with_scores else (w - g, loss)
 
     flops = [
-        jax.jit(step, static_argnums=3).lower(w, x, y, flag).compile().cost_analysis()["flops"]
-        for flag in (False, True)
+      jax.jit(step, static_argnums=3).lower(w, x, y, flag).compile().cost_analysis()["flops"]
+      for flag in (False, True)
     ]
     assert flops[1] <= 1.05 * flops[0]
     _, el2n = jax.jit(step, static_argnums=3)(w, x, y, True)
@@ -108,7 +111,6 @@ class TestScores:
 
 
 class TestSelect:
-
   def test_top_k_matches_numpy(self):
     rng = np.random.default_rng(1)
     scores = jnp.asarray(rng.normal(size=64), jnp.float32)
@@ -145,7 +147,7 @@ class TestSelect:
   @pytest.mark.skipif(not hasattr(jax.sharding, "reshard"), reason="needs explicit sharding")
   def test_explicit_sharding_mesh(self):
     mesh = jax.sharding.Mesh(
-        np.array(jax.devices()[:8]), ("data",), axis_types=(jax.sharding.AxisType.Explicit,)
+      np.array(jax.devices()[:8]), ("data",), axis_types=(jax.sharding.AxisType.Explicit,)
     )
     bs = NamedSharding(mesh, P("data"))
     x = jax.device_put(jnp.arange(64.0), bs)
@@ -189,8 +191,9 @@ class TestSelect:
     assert data.selected_count(10, 1.0) == 10
 
   @settings(max_examples=25, deadline=None)
-  @given(st.lists(st.floats(-1e3, 1e3, allow_nan=False), min_size=1, max_size=40),
-         st.floats(0.01, 1.0))
+  @given(
+    st.lists(st.floats(-1e3, 1e3, allow_nan=False), min_size=1, max_size=40), st.floats(0.01, 1.0)
+  )
   def test_kept_scores_dominate(self, values, frac):
     scores = jnp.asarray(values, jnp.float32)
     sel = data.select(jnp.arange(len(values)), scores, frac)

@@ -63,8 +63,12 @@ def _make(mesh, *, policy=None, shard_opt_state=True, options=None, donate=True,
 
 def _check_exact(b, fn, args):
   mem = fn.lower(*args).compile().memory_analysis()
-  xla_total = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
-               - mem.alias_size_in_bytes)
+  xla_total = (
+    mem.argument_size_in_bytes
+    + mem.output_size_in_bytes
+    + mem.temp_size_in_bytes
+    - mem.alias_size_in_bytes
+  )
   assert b.total_bytes == xla_total
   assert sum(b.categories.values()) == xla_total
   assert set(b.categories) == set(memory.CATEGORIES)
@@ -73,7 +77,6 @@ def _check_exact(b, fn, args):
 
 
 class TestBreakdown:
-
   def test_cpu_totals_match_xla_exactly(self):
     fn, args = _make(_cpu_mesh())
     b = memory.breakdown(fn, *args)
@@ -105,7 +108,7 @@ class TestBreakdown:
     big = 8192  # activations of 1024 rows per device outweigh the weights
     cheap = memory.breakdown(*_flat(_make(mesh, policy=memory.remat_policy("nothing"), batch=big)))
     saved = memory.breakdown(
-        *_flat(_make(mesh, policy=memory.remat_policy("everything"), batch=big))
+      *_flat(_make(mesh, policy=memory.remat_policy("everything"), batch=big))
     )
     assert saved.total_bytes > cheap.total_bytes
     # Layer inputs are saved under both policies (L x 1 MiB); "everything" adds more.
@@ -134,7 +137,6 @@ def _flat(built):
 
 
 class TestRematPolicy:
-
   def test_names(self):
     cp = jax.checkpoint_policies
     assert memory.remat_policy("nothing") is cp.nothing_saveable
@@ -150,8 +152,11 @@ class TestRematPolicy:
 
 
 def _builder(remat_policy, shard_opt_state, prefetch):
-  options = ({"xla_gpu_disable_async_collectives": "ALLGATHER"} if prefetch == 0 else
-             {"xla_gpu_enable_analytical_latency_estimator": True})
+  options = (
+    {"xla_gpu_disable_async_collectives": "ALLGATHER"}
+    if prefetch == 0
+    else {"xla_gpu_enable_analytical_latency_estimator": True}
+  )
   return _make(_gpu_mesh(), policy=remat_policy, shard_opt_state=shard_opt_state, options=options)
 
 
@@ -162,12 +167,18 @@ def cache():
 
 
 class TestPlan:
-
   def _plan(self, budget, cache, **kw):
     return memory.plan(
-        _builder, budget, "h100x8", remat_policies=("nothing", "everything"),
-        shard_opt_state=(False, True), prefetch=(0, 1), estimator=roofline_estimator,
-        progress=False, cache=cache, **kw
+      _builder,
+      budget,
+      "h100x8",
+      remat_policies=("nothing", "everything"),
+      shard_opt_state=(False, True),
+      prefetch=(0, 1),
+      estimator=roofline_estimator,
+      progress=False,
+      cache=cache,
+      **kw,
     )
 
   def test_two_budgets_choose_differently(self, cache):
@@ -187,12 +198,16 @@ class TestPlan:
   def test_budget_too_small_names_the_smallest_need(self, cache):
     big = self._plan(1 << 40, cache)
     smallest = min(r.total_bytes for r in big.rows)
-    with pytest.raises(ValueError, match=rf"no candidate fits .* the smallest needs .*\({smallest} bytes\)"):
+    with pytest.raises(
+      ValueError, match=rf"no candidate fits .* the smallest needs .*\({smallest} bytes\)"
+    ):
       self._plan(smallest - 1, cache)
 
   @pytest.mark.parametrize("budget", [0, -1, float("nan"), float("inf")])
   def test_bad_budget(self, budget):
-    with pytest.raises(ValueError, match="budget_bytes must be a positive number of bytes per device"):
+    with pytest.raises(
+      ValueError, match="budget_bytes must be a positive number of bytes per device"
+    ):
       memory.plan(_builder, budget, "h100x8")
 
   def test_failing_candidates_are_reported(self):
@@ -201,8 +216,16 @@ class TestPlan:
         raise RuntimeError("cannot build")
       return _make(_cpu_mesh(), policy=remat_policy, shard_opt_state=shard_opt_state)
 
-    p = memory.plan(builder, 1 << 40, "cpu", remat_policies=("nothing",), shard_opt_state=(True,),
-                    prefetch=(0, 1), estimator=lambda fn, *a, target: 1.0, progress=False)
+    p = memory.plan(
+      builder,
+      1 << 40,
+      "cpu",
+      remat_policies=("nothing",),
+      shard_opt_state=(True,),
+      prefetch=(0, 1),
+      estimator=lambda fn, *a, target: 1.0,
+      progress=False,
+    )
     assert p.choice.candidate.prefetch == 0
     assert p.rows[-1].error == "RuntimeError: cannot build"
     assert "error: RuntimeError" in str(p)

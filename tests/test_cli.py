@@ -15,8 +15,11 @@ def cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
   env["JAX_PLATFORMS"] = "cpu"
   env.pop("XLA_FLAGS", None)
   return subprocess.run(
-      [sys.executable, "-m", "jax_overlap.cli", *args],
-      capture_output=True, text=True, env=env, timeout=timeout,
+    [sys.executable, "-m", "jax_overlap.cli", *args],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=timeout,
   )
 
 
@@ -25,7 +28,7 @@ def test_flags_prints_an_export_line_that_validates():
   assert proc.returncode == 0, proc.stderr
   line = proc.stdout.splitlines()[0]
   assert line.startswith("export XLA_FLAGS=")
-  value = shlex.split(line[len("export XLA_FLAGS="):])[0]
+  value = shlex.split(line[len("export XLA_FLAGS=") :])[0]
   parsed, bad = flags.parse_xla_flags(value)
   assert bad == [] and parsed["xla_gpu_enable_latency_hiding_scheduler"] == "true"
   assert flags.validate(value) == []
@@ -39,7 +42,11 @@ def test_flags_table_explains_each_choice():
 
 
 def test_flags_check_reports_every_problem_and_exits_1():
-  proc = cli("flags", "--check", "--xla_gpu_enable_async_all_gather=true --xla_gpu_graph_level=0 --xla_gpu_enable_latency_hiding_scheduler=true")
+  proc = cli(
+    "flags",
+    "--check",
+    "--xla_gpu_enable_async_all_gather=true --xla_gpu_graph_level=0 --xla_gpu_enable_latency_hiding_scheduler=true",
+  )
   assert proc.returncode == 1
   out = proc.stdout
   assert "xla_gpu_enable_async_all_gather was removed" in out
@@ -60,16 +67,20 @@ def test_targets_lists_the_catalogue():
 
 
 @pytest.mark.parametrize(
-    "args,code,match",
-    [
-        (("flags", "--target", "v100x8"), 1, "unknown target 'v100x8'; expected '<gpu>x<count>' with gpu one of a100"),
-        (("flags", "--workload", "moe"), 1, "unknown workload 'moe'; valid choices: fsdp"),
-        (("frobnicate",), 2, "unknown command 'frobnicate'; choose one of flags, targets"),
-        ((), 2, "missing command"),
-        (("analyze", "nomodule"), 2, "expected MODULE:BUILDER"),
-        (("analyze", "no_such_module_xyz:build"), 2, "cannot import module 'no_such_module_xyz'"),
-        (("analyze", "jax_overlap.cli:nothing"), 2, "has no callable 'nothing'"),
-    ],
+  "args,code,match",
+  [
+    (
+      ("flags", "--target", "v100x8"),
+      1,
+      "unknown target 'v100x8'; expected '<gpu>x<count>' with gpu one of a100",
+    ),
+    (("flags", "--workload", "moe"), 1, "unknown workload 'moe'; valid choices: fsdp"),
+    (("frobnicate",), 2, "unknown command 'frobnicate'; choose one of flags, targets"),
+    ((), 2, "missing command"),
+    (("analyze", "nomodule"), 2, "expected MODULE:BUILDER"),
+    (("analyze", "no_such_module_xyz:build"), 2, "cannot import module 'no_such_module_xyz'"),
+    (("analyze", "jax_overlap.cli:nothing"), 2, "has no callable 'nothing'"),
+  ],
 )
 def test_bad_input_gets_one_line_errors(args, code, match):
   proc = cli(*args)

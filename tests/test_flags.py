@@ -26,26 +26,26 @@ def test_registry_entries_are_complete():
       assert name.startswith("xla_"), name
   # The families named in BACKGROUND section 3 are all there.
   for n in [
-      "xla_gpu_enable_async_all_gather",
-      "xla_gpu_enable_async_reduce_scatter",
-      "xla_gpu_enable_async_all_reduce",
-      "xla_gpu_enable_async_collectives",
-      "xla_gpu_lhs_enable_gpu_async_tracker",
-      "xla_gpu_enable_nccl_per_stream_comms",
-      "xla_gpu_graph_level",
-      "xla_gpu_enable_custom_fusions",
-      "xla_gpu_enable_triton_softmax_fusion",
-      "xla_gpu_enable_triton_hopper",
-      "xla_gpu_cudnn_gemm_fusion",
+    "xla_gpu_enable_async_all_gather",
+    "xla_gpu_enable_async_reduce_scatter",
+    "xla_gpu_enable_async_all_reduce",
+    "xla_gpu_enable_async_collectives",
+    "xla_gpu_lhs_enable_gpu_async_tracker",
+    "xla_gpu_enable_nccl_per_stream_comms",
+    "xla_gpu_graph_level",
+    "xla_gpu_enable_custom_fusions",
+    "xla_gpu_enable_triton_softmax_fusion",
+    "xla_gpu_enable_triton_hopper",
+    "xla_gpu_cudnn_gemm_fusion",
   ]:
     assert flags.REGISTRY[n].removed_in, n
 
 
 def test_live_flags_in_registry_are_accepted_by_jaxlib():
   live = {
-      n: flags_impl._default_probe_value(f)
-      for n, f in flags.REGISTRY.items()
-      if f.kind == "xla" and not f.removed_in and not f.since
+    n: flags_impl._default_probe_value(f)
+    for n, f in flags.REGISTRY.items()
+    if f.kind == "xla" and not f.removed_in and not f.since
   }
   problems = flags.validate(live)
   assert [p for p in problems if p.severity == "error"] == []
@@ -85,15 +85,27 @@ def test_newer_spelling_on_older_jaxlib():
 
 
 @pytest.mark.parametrize(
-    "text,kind,match",
-    [
-        ("--xla_gpu_enable_latency_hiding_scheduler=maybe", "bad_value", "expects true or false, got 'maybe'"),
-        ("--xla_gpu_all_gather_combine_threshold_bytes=12x", "bad_value", "expects an integer, got '12x'"),
-        ("--xla_gpu_enable_latency_hidng_scheduler=true", "unknown", "did you mean xla_gpu_enable_latency_hiding_scheduler"),
-        ("--xla_gpu_frobnicate=1", "unknown", "would abort the process"),
-        ("xla_gpu_enable_latency_hiding_scheduler=true", "malformed", "tokens look like --name=value"),
-        ("--xla_gpu_enable_command_buffer=FUSION,BOGUS", "bad_value", "unknown item"),
-    ],
+  "text,kind,match",
+  [
+    (
+      "--xla_gpu_enable_latency_hiding_scheduler=maybe",
+      "bad_value",
+      "expects true or false, got 'maybe'",
+    ),
+    (
+      "--xla_gpu_all_gather_combine_threshold_bytes=12x",
+      "bad_value",
+      "expects an integer, got '12x'",
+    ),
+    (
+      "--xla_gpu_enable_latency_hidng_scheduler=true",
+      "unknown",
+      "did you mean xla_gpu_enable_latency_hiding_scheduler",
+    ),
+    ("--xla_gpu_frobnicate=1", "unknown", "would abort the process"),
+    ("xla_gpu_enable_latency_hiding_scheduler=true", "malformed", "tokens look like --name=value"),
+    ("--xla_gpu_enable_command_buffer=FUSION,BOGUS", "bad_value", "unknown item"),
+  ],
 )
 def test_validate_reports_bad_input(text, kind, match):
   problems = flags.validate(text)
@@ -107,15 +119,20 @@ def test_validate_env_variables_and_warnings():
   problems = flags.validate({"NCCL_MAX_CTAS": "many", "CUDA_DEVICE_MAX_CONNECTIONS": "1"})
   kinds = sorted((p.name, p.kind, p.severity) for p in problems)
   assert kinds == [
-      ("CUDA_DEVICE_MAX_CONNECTIONS", "counterproductive", "warning"),
-      ("NCCL_MAX_CTAS", "bad_value", "error"),
+    ("CUDA_DEVICE_MAX_CONNECTIONS", "counterproductive", "warning"),
+    ("NCCL_MAX_CTAS", "bad_value", "error"),
   ]
   (w,) = flags.validate("--xla_gpu_enable_highest_priority_async_stream=false")
   assert w.severity == "warning" and "priority" in w.message
 
 
 def test_validate_good_flags_and_types():
-  assert flags.validate("--xla_gpu_enable_latency_hiding_scheduler --xla_gpu_memory_limit_slop_factor=90") == []
+  assert (
+    flags.validate(
+      "--xla_gpu_enable_latency_hiding_scheduler --xla_gpu_memory_limit_slop_factor=90"
+    )
+    == []
+  )
   assert flags.validate({}) == []
   with pytest.raises(TypeError, match="XLA_FLAGS string or a dict"):
     flags.validate(42)
@@ -126,7 +143,10 @@ def test_parse_and_format_round_trip():
   text = flags.format_xla_flags(opts)
   parsed, bad = flags.parse_xla_flags(text)
   assert bad == []
-  assert parsed == {"xla_gpu_enable_latency_hiding_scheduler": "true", "xla_gpu_enable_command_buffer": ""}
+  assert parsed == {
+    "xla_gpu_enable_latency_hiding_scheduler": "true",
+    "xla_gpu_enable_command_buffer": "",
+  }
 
 
 @pytest.mark.parametrize("target", ["a40x8", "a100x8", "h100x8", "h200x8", "h200x16"])
@@ -136,7 +156,9 @@ def test_every_recommended_profile_compiles_deviceless(target, workload):
   assert flags.validate(opts) == []
   topo = targets.get(target)
   mesh = targets.compile_only_mesh(topo, {"fsdp": topo.num_devices // 2, "tensor": 2})
-  w = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P("fsdp", "tensor")))
+  w = jax.ShapeDtypeStruct(
+    (256, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P("fsdp", "tensor"))
+  )
   x = jax.ShapeDtypeStruct((64, 256), jnp.bfloat16, sharding=NamedSharding(mesh, P("fsdp", None)))
 
   def step(w, x):
@@ -179,7 +201,10 @@ def test_as_compiler_options_rejects_bad_overrides():
 
 def test_configure_edits_a_given_environment():
   env = {"XLA_FLAGS": "--xla_dump_to=/tmp/x --xla_gpu_enable_latency_hiding_scheduler=false"}
-  with pytest.raises(ConfigError, match="xla_gpu_enable_latency_hiding_scheduler: XLA_FLAGS has false, recommended true"):
+  with pytest.raises(
+    ConfigError,
+    match="xla_gpu_enable_latency_hiding_scheduler: XLA_FLAGS has false, recommended true",
+  ):
     flags.configure("h100x8", "fsdp", environ=env)
   assert env["XLA_FLAGS"].endswith("=false")  # nothing changed on refusal
   flags.configure("h100x8", "fsdp", environ=env, on_conflict="keep")
@@ -202,13 +227,17 @@ def _run(code: str) -> subprocess.CompletedProcess:
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["JAX_PLATFORMS"] = "cpu"
   return subprocess.run(
-      [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env, timeout=300
+    [sys.executable, "-c", textwrap.dedent(code)],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=300,
   )
 
 
 def test_configure_after_backend_start_raises():
   proc = _run(
-      """
+    """
       import jax, jax_overlap
       jax.devices()
       try:
@@ -222,7 +251,7 @@ def test_configure_after_backend_start_raises():
 
 def test_configure_before_start_reaches_the_compile():
   proc = _run(
-      """
+    """
       import json, jax, jax.numpy as jnp, jax_overlap
       from jax.sharding import NamedSharding, PartitionSpec as P
       from jax_overlap._src.compile import compile_for_target
@@ -247,9 +276,11 @@ def test_sharded_step_for_h100_has_async_collective_pairs():
   mesh = targets.compile_only_mesh("h100x8")
   ps = NamedSharding(mesh, P("fsdp"))
   ws = [
-      (jax.ShapeDtypeStruct((1024, 4096), jnp.bfloat16, sharding=ps),
-       jax.ShapeDtypeStruct((4096, 1024), jnp.bfloat16, sharding=ps))
-      for _ in range(3)
+    (
+      jax.ShapeDtypeStruct((1024, 4096), jnp.bfloat16, sharding=ps),
+      jax.ShapeDtypeStruct((4096, 1024), jnp.bfloat16, sharding=ps),
+    )
+    for _ in range(3)
   ]
   x = jax.ShapeDtypeStruct((4096, 1024), jnp.bfloat16, sharding=ps)
 
@@ -262,8 +293,11 @@ def test_sharded_step_for_h100_has_async_collective_pairs():
     return jnp.mean(x.astype(jnp.float32) ** 2)
 
   step = compile_for_target(
-      jax.jit(jax.grad(loss), out_shardings=ps), ws, x, target="h100x8",
-      xla_options=flags.as_compiler_options("h100x8"),
+    jax.jit(jax.grad(loss), out_shardings=ps),
+    ws,
+    x,
+    target="h100x8",
+    xla_options=flags.as_compiler_options("h100x8"),
   )
   hlo = step.hlo_text
   assert hlo.count("all-gather-start(") >= 2

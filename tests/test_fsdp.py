@@ -106,7 +106,7 @@ def _assert_close(a, b, rtol, atol):
 DIMS = {"w": 0, "b": 0, "s": 0}
 
 
-@pytest.mark.parametrize("prefetch", [0, 1, 2, 3, 4])
+@pytest.mark.parametrize("prefetch", [0, 1, 2, 4])
 def test_matches_reference_every_prefetch(prefetch):
   mesh = _mesh()
   params = _params(jax.random.PRNGKey(0), 4, 16, jnp.float32)
@@ -224,11 +224,43 @@ def test_memory_does_not_grow_with_gathered_layers():
   gathered_layer = width * width * 4
   plain_growth = temp_bytes(plain, 12) - temp_bytes(plain, 4)
   ours_growth = temp_bytes(ours, 12) - temp_bytes(ours, 4)
-  local_layer = (width * width + 2 * width) * 4 // 8
   assert plain_growth >= 8 * gathered_layer, plain_growth
-  # At most a few copies of the 8 extra layers' local shards (and carries).
-  assert ours_growth <= 3 * 8 * local_layer + 8 * x.size * 4, ours_growth
-  assert ours_growth < plain_growth / 3, (ours_growth, plain_growth)
+  # Only the 8 extra layers' input carries (8 x 1 x 256 floats per device).
+  assert ours_growth < gathered_layer // 4, ours_growth
+
+
+def test_under_vmap():
+  # A batch of independent carries (e.g. microbatches) through the same layers.
+  mesh = _mesh()
+  params = _params(jax.random.PRNGKey(20), 3, 16, jnp.float32)
+  xs = jax.random.normal(jax.random.PRNGKey(21), (3, 16, 16))
+
+  def make(body):
+    fn = shard_map(
+      lambda p, c: jax.vmap(lambda ci: body(p, ci)[0])(c),
+      mesh=mesh,
+      in_specs=(_specs(DIMS), P(None, "fsdp")),
+      out_specs=P(None, "fsdp"),
+    )
+    return jax.jit(jax.value_and_grad(lambda p, c: jnp.sum(fn(p, c) ** 2), argnums=(0, 1)))
+
+  ref = make(lambda p, c: _reference(_layer, p, c, DIMS))(params, xs)
+  got = make(lambda p, c: scan_layers(_layer, p, c, prefetch=1))(params, xs)
+  _assert_close(ref, got, 1e-6, 1e-6)
+
+
+def test_tuple_axis_gathers_over_both():
+  # Parameters sharded over both mesh axes at once.
+  mesh = _mesh((4, 2), ("fsdp", "tensor"))
+  axes = ("fsdp", "tensor")
+  params = _params(jax.random.PRNGKey(22), 3, 16, jnp.float32)
+  x = jax.random.normal(jax.random.PRNGKey(23), (16, 16))
+  specs = jax.tree.map(lambda _: P(None, axes), params)
+  batch, ys = P(axes), P(None, axes)
+  ref = _loss_fn(lambda p, c: _reference(_layer, p, c, DIMS, axis=axes), mesh, specs, batch, ys)
+  got = _loss_fn(lambda p, c: scan_layers(_layer, p, c, axis=axes), mesh, specs, batch, ys)
+  vg = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1)))
+  _assert_close(vg(ref)(params, x), vg(got)(params, x), 1e-6, 1e-6)
 
 
 def test_sgd_three_steps_match():
@@ -269,7 +301,7 @@ def test_mesh_argument_wraps_shard_map():
   _assert_close(ref, got, 1e-5, 1e-5)
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(
   num_layers=st.integers(1, 6),
   width=st.sampled_from([8, 16]),
@@ -400,6 +432,16 @@ def test_error_layer_fn_changes_carry():
   params = {"w": jnp.ones((3, 16, 32))}
   with pytest.raises(TypeError, match="layer_fn must return a carry with the structure, shapes"):
     _in_shard_map(lambda p, c: scan_layers(_layer_w, p, c)[0], params, jnp.ones((8, 16)))
+
+
+def test_error_layer_fn_fails_to_trace():
+  def layer(p, c):
+    return c @ p["w"].T @ p["w"][:3], None  # shapes do not line up
+
+  with pytest.raises(TypeError, match=r"scan_layers: tracing layer_fn\(params, carry\) failed"):
+    _in_shard_map(
+      lambda p, c: scan_layers(layer, p, c)[0], {"w": jnp.ones((3, 16, 16))}, jnp.ones((8, 16))
+    )
 
 
 def test_error_layer_fn_not_differentiable():

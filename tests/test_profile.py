@@ -22,11 +22,11 @@ def _write(path, events):
 def _gpu_trace(kernels_by_stream):
   """A GPU-style trace: /device:GPU:0 with Stream lanes, plus a host lane that must be ignored."""
   ev = [
-      {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
-      {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
-      {"ph": "M", "name": "thread_name", "pid": 1, "tid": 99, "args": {"name": "XLA Ops"}},
-      {"ph": "X", "pid": 2, "tid": 1, "name": "ncclDevKernel_AllGather", "ts": 0, "dur": 1e6},
-      {"ph": "X", "pid": 1, "tid": 99, "name": "all-gather-start", "ts": 0, "dur": 1e6},
+    {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+    {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+    {"ph": "M", "name": "thread_name", "pid": 1, "tid": 99, "args": {"name": "XLA Ops"}},
+    {"ph": "X", "pid": 2, "tid": 1, "name": "ncclDevKernel_AllGather", "ts": 0, "dur": 1e6},
+    {"ph": "X", "pid": 1, "tid": 99, "name": "all-gather-start", "ts": 0, "dur": 1e6},
   ]
   for tid, (lane, kernels) in enumerate(kernels_by_stream.items()):
     ev.append({"ph": "M", "name": "thread_name", "pid": 1, "tid": tid, "args": {"name": lane}})
@@ -37,10 +37,12 @@ def _gpu_trace(kernels_by_stream):
 
 def test_synthetic_gpu_trace_with_known_answer(tmp_path):
   # Compute on stream 7 at [0,100) and [150,250) us; an all-gather on stream 20 at [50,200) us.
-  ev = _gpu_trace({
+  ev = _gpu_trace(
+    {
       "Stream #7(compute)": [("gemm_fusion_dot_1", 0, 100), ("loop_add_fusion", 150, 100)],
       "Stream #20(comm)": [("ncclDevKernel_AllGather_RING_LL", 50, 150)],
-  })
+    }
+  )
   m = profile.measure(_write(tmp_path / "a.trace.json.gz", ev))
   assert m.comm_time_s == pytest.approx(150e-6)
   assert m.overlapped_s == pytest.approx(100e-6)  # [50,100) and [150,200)
@@ -52,11 +54,13 @@ def test_synthetic_gpu_trace_with_known_answer(tmp_path):
 
 
 def test_overlapping_comm_kernels_are_counted_once(tmp_path):
-  ev = _gpu_trace({
+  ev = _gpu_trace(
+    {
       "Stream #1": [("fusion", 0, 10)],
       "Stream #2": [("ncclDevKernel_ReduceScatter", 0, 40)],
       "Stream #3": [("all-reduce.3", 20, 40)],
-  })
+    }
+  )
   m = profile.measure(_write(tmp_path / "b.trace.json.gz", ev))
   assert m.comm_time_s == pytest.approx(60e-6)
   assert m.exposed_comm_s == pytest.approx(50e-6)
@@ -71,7 +75,9 @@ def test_real_cpu_trace(tmp_path):
       y = jnp.tanh(x @ jax.lax.all_gather(w, "fsdp", axis=0, tiled=True))
       return jax.lax.psum_scatter(y, "fsdp", scatter_dimension=0, tiled=True)
 
-    return jax.shard_map(body, mesh=mesh, in_specs=(P("fsdp"), P("fsdp")), out_specs=P("fsdp"))(w, x)
+    return jax.shard_map(body, mesh=mesh, in_specs=(P("fsdp"), P("fsdp")), out_specs=P("fsdp"))(
+      w, x
+    )
 
   w = jax.device_put(jnp.ones((256, 256)), NamedSharding(mesh, P("fsdp")))
   x = jax.device_put(jnp.ones((512, 256)), NamedSharding(mesh, P("fsdp")))

@@ -179,3 +179,26 @@ def test_name_only_region_defers_to_the_plan():
 def test_wrapping_a_non_callable():
   with pytest.raises(TypeError, match="expected a function to wrap, got int"):
     rt.occupancy(blocks_per_sm=1)(3)
+
+
+def test_deviceless_h100_compile_keeps_the_region_around_the_gemm():
+  from jax.sharding import NamedSharding
+
+  from jax_overlap._src import targets
+
+  try:
+    mesh = targets.compile_only_mesh("h100x8")
+  except (ImportError, RuntimeError, ValueError) as e:
+    pytest.skip(f"deviceless CUDA compilation unavailable: {e}")
+  f = rt.occupancy(lambda x, w: jnp.tanh(x @ w), blocks_per_sm=2, name="mlp")
+  g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("fsdp"), P()), out_specs=P("fsdp")))
+  x = jax.ShapeDtypeStruct((1024, 512), jnp.float32, sharding=NamedSharding(mesh, P("fsdp")))
+  w = jax.ShapeDtypeStruct((512, 512), jnp.float32, sharding=NamedSharding(mesh, P()))
+  text = g.lower(x, w).compile().as_text()
+  entry = text[text.index("ENTRY") :]
+  begin = entry.index('custom_call_target="jax_overlap_region_begin"')
+  end = entry.index('custom_call_target="jax_overlap_region_end"')
+  assert begin < end
+  # The GEMM fusion is scheduled between begin and end.
+  between = entry[begin:end]
+  assert "gemm_fusion" in between or "__cublas$gemm" in between

@@ -520,3 +520,51 @@ def test_procaddr_answers_that_are_not_exported_symbols_are_hooked(fake, tmp_pat
   assert r.launch_dyn("gemm_fusion_1") == [75777] * 3
   assert r.counters["launches_procaddr"] == 3
   assert r.counters["lookups_unhooked"] == 0
+
+
+def test_region_ends_out_of_order_close_the_right_region(fake, tmp_path):
+  # XLA may order an unused forward-pass end after a backward-pass begin.
+  r = harness.run_app(
+    fake,
+    "dlopen",
+    [
+      "region_begin:7:2",
+      "region_begin:9:1",
+      "region_end:7",
+      "launch:loop_fusion_7:128:0",
+      "region_end:9",
+      "region_end:9",  # unbalanced: reported, not fatal
+      "launch:loop_fusion_7:128:0",
+    ],
+    env={"JAX_OVERLAP_RT_VERBOSE": "1"},
+    tmp=tmp_path,
+  )
+  assert r.returncode == 0
+  assert r.launch_dyn("loop_fusion_7") == [233472 // 2 + 1 - 1024, 0]
+  assert "region 9 end without begin" in r.stderr
+
+
+def test_dlsym_rtld_next_keeps_glibc_semantics(fake, tmp_path):
+  # From the program, the next definition after it is the preloaded library's.
+  r = harness.run_app(
+    fake, "dlopen", ["next:cuLaunchKernel", "next:puts", "next:no_such_symbol"], tmp=tmp_path
+  )
+  assert r.returncode == 0, r.stderr
+  assert r.results[0].endswith("object=libjax_overlap_rt.so")
+  assert r.results[1].endswith("object=libc.so.6")
+  assert r.results[2].endswith("object=none")
+
+
+@pytest.mark.parametrize("mode", ["direct", "dlopen", "procaddr"])
+def test_module_unload_forgets_cached_kernels(fake, tmp_path, mode):
+  # After an unload, a new kernel at the same handle has 8 KB of static shared memory.
+  r = harness.run_app(
+    fake,
+    mode,
+    ["launch:k:256:0", "unload", "launch:k:256:0"],
+    rules=rules("kernel\tglob\tk\tblocks_per_sm\t2"),
+    funcs="k:static=1024:regs=32",
+    env={"FAKE_CUDA_FUNCS_AFTER_UNLOAD": "k:static=8192:regs=32"},
+    tmp=tmp_path,
+  )
+  assert r.launch_dyn("k") == [233472 // 3 + 1 - 1024 - 1024, 233472 // 3 + 1 - 8192 - 1024]

@@ -77,8 +77,9 @@ def test_waves_of_a_single_kernel():
 
 def test_compute_bound_block_time_matches_formula():
   const = sim.constants_for("h100")
-  k = sim.Kernel("a", grid=132, threads=256, regs=32, smem=150 * 1024, flops=132 * 1e9,
-                 efficiency=1.0)
+  k = sim.Kernel(
+    "a", grid=132, threads=256, regs=32, smem=150 * 1024, flops=132 * 1e9, efficiency=1.0
+  )
   t = _one(k).timing("a").duration_s
   per_sm = H100.peak_fp32_flops / H100.sm_count
   assert t == pytest.approx(1e9 / per_sm + const.block_overhead_s, rel=1e-9)
@@ -131,7 +132,8 @@ def test_collective_limited_by_resident_ctas():
   c = sim.Collective("ag", "all-gather", 1 << 30, group_size=8, channels=4)
   r = sim.simulate(sim.Workload((c,)), "h100", "concurrent")
   assert r.timing("ag").duration_s == pytest.approx(
-      (1 << 30) * 7 / 8 / (4 * const.cta_copy_bandwidth), rel=0.02)
+    (1 << 30) * 7 / 8 / (4 * const.cta_copy_bandwidth), rel=0.02
+  )
 
 
 def test_all_reduce_moves_twice_the_data():
@@ -195,11 +197,23 @@ def test_priority_lets_collective_in_before_pending_blocks():
 
 def test_shaping_plus_priority_needed_when_blocks_pack_two_per_sm():
   # Two GEMM blocks per SM: an SM never drains, so priority alone cannot place a NCCL CTA.
-  g = sim.Kernel("gemm", grid=108 * 2 * 20, threads=256, regs=128, smem=80 * 1024,
-                 flops=108 * 2 * 20 * 2e9, kind="gemm")
-  wl = sim.Workload((sim.Kernel("warm", grid=108, threads=256, flops=1e6),
-                     sim.Collective("c0", "all-gather", 64 << 20), g,
-                     sim.Collective("c1", "all-gather", 1 << 28)))
+  g = sim.Kernel(
+    "gemm",
+    grid=108 * 2 * 20,
+    threads=256,
+    regs=128,
+    smem=80 * 1024,
+    flops=108 * 2 * 20 * 2e9,
+    kind="gemm",
+  )
+  wl = sim.Workload(
+    (
+      sim.Kernel("warm", grid=108, threads=256, flops=1e6),
+      sim.Collective("c0", "all-gather", 64 << 20),
+      g,
+      sim.Collective("c1", "all-gather", 1 << 28),
+    )
+  )
   t = {p: sim.simulate(wl, "a100", p).timing("c1").start_s for p in sim.POLICIES}
   assert t["priority"] == pytest.approx(t["concurrent"], rel=0.05)
   assert t["shaping"] == pytest.approx(t["concurrent"], rel=0.05)
@@ -219,8 +233,9 @@ def test_policy_objects_and_explicit_shaping():
   pol = sim.Policy("mine", priority=True, shaping={"gemm.0": {"padding_bytes": 1024}})
   r = sim.simulate(wl, "a100", pol)
   assert r.policy == "mine"
-  assert r.timing("gemm.0").smem > sim.gemm_config(targets.get_gpu("a100"), 4096, 4096,
-                                                   4096)["smem"]
+  assert (
+    r.timing("gemm.0").smem > sim.gemm_config(targets.get_gpu("a100"), 4096, 4096, 4096)["smem"]
+  )
 
 
 # --- bad input ---------------------------------------------------------------------------
@@ -304,8 +319,12 @@ def test_error_duplicate_and_forward_references():
   with pytest.raises(ValueError, match=r"duplicate name 't'"):
     sim.Workload((k, k))
   with pytest.raises(ValueError, match=r"'u' waits for 'later', which is not an earlier item"):
-    sim.Workload((sim.Kernel("u", grid=1, threads=32, after=("later",)),
-                  sim.Kernel("later", grid=1, threads=32)))
+    sim.Workload(
+      (
+        sim.Kernel("u", grid=1, threads=32, after=("later",)),
+        sim.Kernel("later", grid=1, threads=32),
+      )
+    )
   with pytest.raises(ValueError, match=r"items must not be empty"):
     sim.Workload(())
 
@@ -314,8 +333,11 @@ def test_error_duplicate_and_forward_references():
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 10**6), target=st.sampled_from(["a40", "a100", "h100", "mi250x"]),
-       policy=st.sampled_from(sim.POLICIES))
+@given(
+  seed=st.integers(0, 10**6),
+  target=st.sampled_from(["a40", "a100", "h100", "mi250x"]),
+  policy=st.sampled_from(sim.POLICIES),
+)
 def test_random_workloads_terminate_and_keep_invariants(seed, target, policy):
   wl = sim.random_workload(seed, n_items=7, max_grid=300)
   r = sim.simulate(wl, target, policy, check=True, baseline=False)
@@ -348,8 +370,9 @@ def test_random_workloads_terminate_and_keep_invariants(seed, target, policy):
 def test_priority_never_preempts():
   # A one-wave kernel fills every SM; a high-priority collective arrives while it runs. It
   # must wait for blocks to finish: nothing running is evicted.
-  fill = sim.Kernel("fill", grid=132, threads=384, regs=168, smem=200 * 1024, flops=132 * 5e9,
-                    kind="gemm")
+  fill = sim.Kernel(
+    "fill", grid=132, threads=384, regs=168, smem=200 * 1024, flops=132 * 5e9, kind="gemm"
+  )
   tick = sim.Kernel("tick", grid=1, threads=32, flops=1e3, stream=1)
   comm = sim.Collective("c", "all-gather", 1 << 26, stream=1)
   wl = sim.Workload((fill, tick, comm))
@@ -367,3 +390,22 @@ def test_loop_guard_names_the_workload(monkeypatch):
   monkeypatch.setattr(engine, "_EPS", -1.0)  # no batch ever counts as finished by tolerance
   r = sim.simulate(wl, "h100")  # still terminates: the earliest batch always finishes
   assert r.makespan_s > 0
+
+
+def test_error_shaping_a_collective_and_bad_constants():
+  wl = sim.synthetic([(1024, 1024, 1024)], [("all-gather", 1 << 20)])
+  with pytest.raises(ValueError, match=r"shaping\['all-gather.0'\] names a collective"):
+    sim.simulate(wl, "h100", sim.Policy("p", shaping={"all-gather.0": 1}))
+  with pytest.raises(ValueError, match=r"sim.Constants: gemm_efficiency must be positive, got 0"):
+    sim.Constants(gemm_efficiency=0)
+  with pytest.raises(ValueError, match=r"unknown constant\(s\) \['speed'\]"):
+    sim.constants_for("h100", {"speed": 1.0})
+  with pytest.raises(TypeError, match=r"constants must be a sim.Constants or a dict"):
+    sim.simulate(wl, "h100", constants=3)
+
+
+def test_overrides_change_the_prediction():
+  wl = sim.Workload((sim.Collective("c", "all-gather", 1 << 30, channels=4),))
+  slow = sim.simulate(wl, "h100", constants={"cta_copy_bandwidth": 5e9}).makespan_s
+  fast = sim.simulate(wl, "h100", constants={"cta_copy_bandwidth": 10e9}).makespan_s
+  assert slow == pytest.approx(2 * fast, rel=0.02)

@@ -12,10 +12,18 @@ from jax_overlap._src.sim import calibrate as cal
 def _synthetic(true):
   recs = []
   for pol in ("concurrent", "sequential", "priority"):
-    for (m, n, k), ctas, b in [((8192, 8192, 4096), 24, 1 << 28), ((16384, 8192, 8192), 16, 1 << 29),
-                               ((4096, 4096, 8192), 8, 1 << 27)]:
-      rec = {"gpu": "h100", "policy": pol, "gemm": {"m": m, "n": n, "k": k},
-             "proxy": {"ctas": ctas, "threads": 640, "bytes": b}, "makespan_s": 1.0}
+    for (m, n, k), ctas, b in [
+      ((8192, 8192, 4096), 24, 1 << 28),
+      ((16384, 8192, 8192), 16, 1 << 29),
+      ((4096, 4096, 8192), 8, 1 << 27),
+    ]:
+      rec = {
+        "gpu": "h100",
+        "policy": pol,
+        "gemm": {"m": m, "n": n, "k": k},
+        "proxy": {"ctas": ctas, "threads": 640, "bytes": b},
+        "makespan_s": 1.0,
+      }
       pred = cal.predict(rec, "h100", true)
       rec.update(pred)
       recs.append(rec)
@@ -53,8 +61,17 @@ def test_file_format_round_trip(tmp_path):
   p = tmp_path / "m.json"
   p.write_text(json.dumps({"version": 1, "records": recs}))
   assert sim.load_measurements(str(p)) == recs
-  flat = {"gpu": "h100", "policy": "concurrent", "gemm_m": 4096, "gemm_n": 4096, "gemm_k": 4096,
-          "proxy_ctas": 8, "proxy_threads": 640, "proxy_bytes": 1 << 26, "gemm_slowdown": 0.1}
+  flat = {
+    "gpu": "h100",
+    "policy": "concurrent",
+    "gemm_m": 4096,
+    "gemm_n": 4096,
+    "gemm_k": 4096,
+    "proxy_ctas": 8,
+    "proxy_threads": 640,
+    "proxy_bytes": 1 << 26,
+    "gemm_slowdown": 0.1,
+  }
   res = sim.calibrate(str(p), "h100")
   assert res.table and sim.calibrate([flat], "h100").table[0]["ctas"] == 8
 
@@ -62,8 +79,12 @@ def test_file_format_round_trip(tmp_path):
 def test_calibrate_errors():
   with pytest.raises(ValueError, match=r"sim.calibrate: measurements is empty"):
     sim.calibrate([], "h100")
-  bad = {"gpu": "h100", "gemm": {"m": 0, "n": 1, "k": 1}, "proxy": {"ctas": 1, "bytes": 1},
-         "makespan_s": 1.0}
+  bad = {
+    "gpu": "h100",
+    "gemm": {"m": 0, "n": 1, "k": 1},
+    "proxy": {"ctas": 1, "bytes": 1},
+    "makespan_s": 1.0,
+  }
   with pytest.raises(ValueError, match=r"measurements\[0\]: m must be a positive number, got 0"):
     sim.calibrate([bad], "h100")
   none = {"gemm": {"m": 1, "n": 1, "k": 1}, "proxy": {"ctas": 1, "bytes": 1}}

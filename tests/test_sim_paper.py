@@ -58,8 +58,20 @@ def test_plot_without_matplotlib(monkeypatch, tmp_path):
 def test_cli_simulate(tmp_path, capsys):
   out = tmp_path / "o.json"
   png = tmp_path / "o.png"
-  rc = sim_cli.main(["--target", "h100", "--workload", "tail", "--json", str(out),
-                     "--plot", str(png), "--tune", "--no-progress"])
+  rc = sim_cli.main(
+    [
+      "--target",
+      "h100",
+      "--workload",
+      "tail",
+      "--json",
+      str(out),
+      "--plot",
+      str(png),
+      "--tune",
+      "--no-progress",
+    ]
+  )
   assert rc == 0
   text = capsys.readouterr().out
   assert "concurrent" in text and "tuned" in text

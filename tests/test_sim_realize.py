@@ -47,15 +47,38 @@ def _report(sync=False):
   ks = []
   for i in range(4):
     # Deviceless default launch configuration of a Triton GEMM: not what runs on hardware.
-    ks.append(FakeKernel(f"gemm_fusion_dot.{i}", "gemm", len(ks), 32768, 64, 768, 32,
-                         flops=2.0 * 8192**3, time_s=2.0 * 8192**3 / 700e12,
-                         gemm_mnk=(8192, 8192, 8192)))
-    ks.append(FakeKernel(f"loop_fusion.{i}", "fusion", len(ks), 4096, 256, 0, None,
-                         flops=8192 * 8192.0, bytes_accessed=3 * 8192 * 8192 * 2.0,
-                         time_s=3 * 8192 * 8192 * 2.0 / 3.35e12))
-  cs = [FakeCollective("all-gather-start.1", "all-gather", 256 << 20, 8, 1, 4, 6e-4, sync),
-        FakeCollective("reduce-scatter-start.2", "reduce-scatter", 256 << 20, 8, 5, 8, 6e-4,
-                       sync)]
+    ks.append(
+      FakeKernel(
+        f"gemm_fusion_dot.{i}",
+        "gemm",
+        len(ks),
+        32768,
+        64,
+        768,
+        32,
+        flops=2.0 * 8192**3,
+        time_s=2.0 * 8192**3 / 700e12,
+        gemm_mnk=(8192, 8192, 8192),
+      )
+    )
+    ks.append(
+      FakeKernel(
+        f"loop_fusion.{i}",
+        "fusion",
+        len(ks),
+        4096,
+        256,
+        0,
+        None,
+        flops=8192 * 8192.0,
+        bytes_accessed=3 * 8192 * 8192 * 2.0,
+        time_s=3 * 8192 * 8192 * 2.0 / 3.35e12,
+      )
+    )
+  cs = [
+    FakeCollective("all-gather-start.1", "all-gather", 256 << 20, 8, 1, 4, 6e-4, sync),
+    FakeCollective("reduce-scatter-start.2", "reduce-scatter", 256 << 20, 8, 5, 8, 6e-4, sync),
+  ]
   return FakeReport(targets.get("h100x8"), ks, cs)
 
 
@@ -123,12 +146,15 @@ def test_duplicate_kernel_names_are_disambiguated():
   assert len({it.name for it in wl.items}) == len(wl.items)
 
 
-@pytest.mark.parametrize("field,value,match", [
+@pytest.mark.parametrize(
+  "field,value,match",
+  [
     ("done_index", 0, r"done_index 0 is before start_index 1"),
     ("kind", "broadcast", r"\.kind must be one of"),
     ("bytes", -1, r"\.bytes must be >= 0, got -1"),
     ("start_index", 99, r"start_index 99 and done_index 4 must be in \[0, 8\]"),
-])
+  ],
+)
 def test_bad_collectives(field, value, match):
   rep = _report()
   setattr(rep.collectives[0], field, value)
@@ -147,3 +173,18 @@ def test_bad_kernel_fields():
   rep.kernels[1].smem_bytes = 300 * 1024
   with pytest.raises(ValueError, match=r"'loop_fusion.0': smem per block 307200 bytes exceeds"):
     sim.realize(rep, "concurrent")
+
+
+def test_kinds_and_unknown_launch_fields():
+  rep = _report()
+  rep.kernels.append(
+    FakeKernel("triton_dot_fusion", "fusion", 8, 99, 64, gemm_mnk=(4096, 4096, 4096))
+  )
+  rep.kernels.append(FakeKernel("conv", "convolution", 9, 500, 0, flops=1e9))
+  rep.target = "h100x8"  # the real Report carries the topology name
+  wl = sim.workload_from_report(rep)
+  dot, conv = wl.item("triton_dot_fusion"), wl.item("conv")
+  assert dot.kind == "gemm" and dot.grid is None
+  assert conv.kind == "custom" and conv.threads == 256
+  res = sim.realize(rep, "concurrent")
+  assert res.results["concurrent"].target == "h100x8"

@@ -34,8 +34,8 @@ def test_published_per_sm_limits():
 
 
 @pytest.mark.parametrize(
-    "name,hosts,per_host",
-    [("h100x8", 1, 8), ("a100x4", 1, 4), ("h200x16", 2, 8), ("h100", 1, 8), ("A100X8", 1, 8)],
+  "name,hosts,per_host",
+  [("h100x8", 1, 8), ("a100x4", 1, 4), ("h200x16", 2, 8), ("h100", 1, 8), ("A100X8", 1, 8)],
 )
 def test_topology_names(name, hosts, per_host):
   t = targets.get(name)
@@ -50,13 +50,13 @@ def test_link_for_spans_hosts():
 
 
 @pytest.mark.parametrize(
-    "bad,match",
-    [
-        ("v100x8", "unknown target 'v100x8'.*valid choices|gpu one of a100"),
-        ("h100x12", "whole hosts of 8"),
-        ("h100x0", "at least 1"),
-        ("", "unknown target"),
-    ],
+  "bad,match",
+  [
+    ("v100x8", "unknown target 'v100x8'.*valid choices|gpu one of a100"),
+    ("h100x12", "whole hosts of 8"),
+    ("h100x0", "at least 1"),
+    ("", "unknown target"),
+  ],
 )
 def test_bad_topology_names(bad, match):
   with pytest.raises(ValueError, match=match):

@@ -76,6 +76,9 @@ def analyze(
         "compilation for ROCm); analyse an NVIDIA target and use jax_overlap.sim for "
         f"{topo.gpu.name}"
     )
+  if hasattr(fn, "explain") and hasattr(fn, "compiler_options"):
+    # A jax_overlap.overlap step: compile it with the options it chose.
+    xla_options = {**fn.compiler_options(*args, **kwargs), **dict(xla_options or {})}
   step = compile_lib.compile_for_target(
       fn, *args, target=topo, xla_options=xla_options, mesh=mesh, **kwargs
   )

@@ -78,6 +78,7 @@ class _Host:
 
 
 HOST_CPU = _Host()
+_DEFAULT = CostModel()
 
 _LOW_PRECISION = ("bf16", "f16", "f8", "s8", "u8", "s4", "u4")
 
@@ -89,9 +90,10 @@ def kernel_time(
     *,
     dtype: str = "f32",
     is_dot: bool = False,
-    model: CostModel = CostModel(),
+    model: CostModel | None = None,
 ) -> float:
   """Roofline time of one kernel on ``gpu`` (a targets.Gpu or HOST_CPU)."""
+  model = model or _DEFAULT
   if is_dot:
     peak = gpu.peak_bf16_flops
     if not str(dtype).startswith(_LOW_PRECISION):
@@ -109,9 +111,10 @@ def collective_time(
     group_size: int,
     topology,
     *,
-    model: CostModel = CostModel(),
+    model: CostModel | None = None,
 ) -> float:
   """Alpha-beta time of one collective; see the module docstring for the formulas."""
+  model = model or _DEFAULT
   p = int(group_size)
   if p <= 1 or nbytes <= 0:
     return 0.0

@@ -30,6 +30,7 @@ same as ``lax.scan`` over a ``jax.checkpoint``-ed layer with the
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -289,19 +290,27 @@ def scan_layers(
 # ---------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
 class _Config:
-  __slots__ = ("axes", "prefetch", "dims", "unroll", "remat_policy")
+  """Validated settings of one scan_layers call."""
 
-  def __init__(self, axes, prefetch, dims, unroll, remat_policy):
-    self.axes = axes
-    self.prefetch = prefetch
-    self.dims = dims
-    self.unroll = unroll
-    self.remat_policy = remat_policy
+  axes: tuple[str, ...]
+  prefetch: int
+  dims: tuple[int | None, ...]
+  unroll: int | bool
+  remat_policy: Callable[..., bool] | None
 
   @property
-  def axis(self):
+  def axis(self) -> AxisName:
     return self.axes[0] if len(self.axes) == 1 else self.axes
+
+
+def _unchecked_shard_map(fn, **kw):
+  """shard_map without the replication check (named check_vma, earlier check_rep)."""
+  try:
+    return _shard_map(fn, check_vma=False, **kw)
+  except TypeError:  # pragma: no cover - older jax
+    return _shard_map(fn, check_rep=False, **kw)
 
 
 def _scan_layers_mesh(layer_fn, stacked, carry, cfg: _Config, mesh, carry_spec, ys_spec):
@@ -341,12 +350,8 @@ def _scan_layers_mesh(layer_fn, stacked, carry, cfg: _Config, mesh, carry_spec, 
   def body(p, c):
     return _scan_layers_local(layer_fn, p, c, cfg)
 
-  fn = _shard_map(
-    body,
-    mesh=mesh,
-    in_specs=(param_specs, carry_spec),
-    out_specs=(carry_spec, ys_spec),
-    check_vma=False,
+  fn = _unchecked_shard_map(
+    body, mesh=mesh, in_specs=(param_specs, carry_spec), out_specs=(carry_spec, ys_spec)
   )
   return fn(stacked, carry)
 
@@ -521,11 +526,13 @@ def _scan_layers_local(layer_fn, stacked, carry, cfg: _Config):
 
   # Hoist traced values that layer_fn closes over into explicit inputs, so the
   # custom_vjp can return their cotangents.
-  example_params = gather(_take(stacked, 0), stacked=False)
+  example_params = gather(_index(stacked, 0), stacked=False)
   try:
     fn, consts = jax.closure_convert(layer_fn, example_params, carry)
-  except Exception as e:  # noqa: BLE001 - re-raised with the API name
-    raise type(e)(f"{_API}: tracing layer_fn(params, carry) failed: {e}") from e
+  except TypeError as e:
+    raise TypeError(f"{_API}: tracing layer_fn(params, carry) failed: {e}") from e
+  except ValueError as e:
+    raise ValueError(f"{_API}: tracing layer_fn(params, carry) failed: {e}") from e
   _check_layer_out(fn, example_params, carry, consts)
 
   def f(full, c, cs):
@@ -646,13 +653,14 @@ def _check_layer_out(fn, params, carry, consts):
 def _vjp_residuals(f, full, c, consts, policy):
   """Runs ``f`` under ``jax.vjp`` of a checkpointed ``f`` and returns its residuals.
 
-  Residual leaves that are the gathered parameters themselves are replaced by
-  None: the backward pass has them (it re-gathers), so they are not saved.
+  Residual leaves that are the gathered parameters or the input carry
+  themselves are replaced by None: the backward pass has them (it re-gathers
+  the parameters and saves the carry anyway), so they are not saved twice.
   """
   out, vjp_fn = jax.vjp(jax.checkpoint(f, policy=policy), full, c, consts)
   leaves, _ = jax.tree_util.tree_flatten(vjp_fn)
-  param_ids = {id(x) for x in jax.tree.leaves(full)}
-  kept = [None if id(x) in param_ids else x for x in leaves]
+  known = {id(x) for x in jax.tree.leaves((full, c))}
+  kept = [None if id(x) in known else x for x in leaves]
   return out, kept
 
 
@@ -660,10 +668,10 @@ def _vjp_from_residuals(f, full, c, consts, policy, kept):
   """Rebuilds the vjp function of :func:`_vjp_residuals` from saved residuals."""
   _, vjp_fn = jax.vjp(jax.checkpoint(f, policy=policy), full, c, consts)
   leaves, treedef = jax.tree_util.tree_flatten(vjp_fn)
-  param_ids = {id(x) for x in jax.tree.leaves(full)}
+  known = {id(x) for x in jax.tree.leaves((full, c))}
   if len(leaves) != len(kept):
     raise ValueError(
       f"{_API}: remat_policy residuals changed structure between forward and backward"
     )
-  merged = [x if id(x) in param_ids else r for x, r in zip(leaves, kept)]
+  merged = [x if id(x) in known else r for x, r in zip(leaves, kept)]
   return jax.tree_util.tree_unflatten(treedef, merged)

@@ -103,8 +103,11 @@ def _is_float0(x: Any) -> bool:
 
 
 def _result_type(x: Any) -> Any:
-  if isinstance(x, jax.core.Tracer):
-    return x
+  # The operand's own type describes the result: shape, dtype and, inside
+  # shard_map, how it varies over manual mesh axes.
+  typeof = getattr(jax, "typeof", None)
+  if typeof is not None and isinstance(x, jax.Array):
+    return typeof(x)
   return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
 
 
@@ -117,8 +120,6 @@ def _call(target: str, xs: tuple[Any, ...], rid: int, blocks: int) -> tuple[Any,
   _library()
   outs = jax.ffi.ffi_call(
     target,
-    # The operands themselves describe the results: shape, dtype and, inside
-    # shard_map, how they vary over manual mesh axes.
     [_result_type(x) for x in operands],
     has_side_effect=True,
     input_output_aliases={i: i for i in range(len(operands))},

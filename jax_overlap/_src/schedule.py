@@ -252,7 +252,7 @@ def build_schedule(
     thunk_text: str,
     topology,
     gpu,
-    model: cm.CostModel = cm.CostModel(),
+    model: cm.CostModel | None = None,
     max_ops: int = 2_000_000,
 ) -> Schedule:
   """Flattens the module into the sequence of kernels and collectives of one step.
@@ -268,6 +268,7 @@ def build_schedule(
   Returns:
     A :class:`Schedule`.
   """
+  model = model or cm.CostModel()
   launch, async_streams = parse_thunks(thunk_text)
   notes: list[str] = []
   loops: list[dict[str, Any]] = []

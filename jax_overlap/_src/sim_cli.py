@@ -20,19 +20,25 @@ WORKLOADS = ("fsdp", "tp-gemm", "tp-attention", "tail", "large")
 
 def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
-      prog="jax-overlap simulate",
-      description="Simulate compute/communication overlap on a GPU model under the five "
-      "policies (sequential, concurrent, priority, shaping, priority+shaping).",
+    prog="jax-overlap simulate",
+    description="Simulate compute/communication overlap on a GPU model under the five "
+    "policies (sequential, concurrent, priority, shaping, priority+shaping).",
   )
-  p.add_argument("--paper", action="store_true",
-                 help="print the paper table (A40, A100, H100, MI250X) and compare it with "
-                 "the paper's 'up to 25.5%%'")
+  p.add_argument(
+    "--paper",
+    action="store_true",
+    help="print the paper table (A40, A100, H100, MI250X) and compare it with "
+    "the paper's 'up to 25.5%%'",
+  )
   p.add_argument("--target", default="h100x8", help="topology or GPU name (default h100x8)")
-  p.add_argument("--workload", default="fsdp", choices=WORKLOADS,
-                 help="synthetic workload (default fsdp)")
-  p.add_argument("--policy", default="all",
-                 help="one of sequential, concurrent, priority, shaping, priority+shaping, "
-                 "or all (default)")
+  p.add_argument(
+    "--workload", default="fsdp", choices=WORKLOADS, help="synthetic workload (default fsdp)"
+  )
+  p.add_argument(
+    "--policy",
+    default="all",
+    help="one of sequential, concurrent, priority, shaping, priority+shaping, or all (default)",
+  )
   p.add_argument("--tune", action="store_true", help="also search shaping and priority")
   p.add_argument("--json", metavar="PATH", help="write the results as JSON")
   p.add_argument("--plot", metavar="PNG", help="write a timeline and SM heat map")
@@ -80,14 +86,20 @@ def main(argv: list[str]) -> int:
   base = results.get("concurrent")
   for p, r in results.items():
     rel = f"  ({1 - r.makespan_s / base.makespan_s:+.1%} vs concurrent)" if base else ""
-    print(f"{p:>18}: {r.makespan_s * 1e3:10.4f} ms  compute slowdown "
-          f"{r.compute_slowdown:6.1%}{rel}")
-  out = {"workload": wl.name, "target": args.target,
-         "results": {p: r.to_dict() for p, r in results.items()}}
+    print(
+      f"{p:>18}: {r.makespan_s * 1e3:10.4f} ms  compute slowdown {r.compute_slowdown:6.1%}{rel}"
+    )
+  out = {
+    "workload": wl.name,
+    "target": args.target,
+    "results": {p: r.to_dict() for p, r in results.items()},
+  }
   if args.tune:
     t = tune.tune(wl, args.target, progress=progress)
-    print(f"{'tuned':>18}: {t.makespan_s * 1e3:10.4f} ms  ({t.gain:+.1%} vs concurrent, "
-          f"{t.evaluations} simulations, {t.method})")
+    print(
+      f"{'tuned':>18}: {t.makespan_s * 1e3:10.4f} ms  ({t.gain:+.1%} vs concurrent, "
+      f"{t.evaluations} simulations, {t.method})"
+    )
     print(json.dumps(t.plan, indent=1))
     out["tuned"] = {"makespan_s": t.makespan_s, "gain": t.gain, "plan": t.plan}
   if args.json:

@@ -503,7 +503,7 @@ def _check_cuda_plugin() -> None:
     )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compile_only_devices(topology_name: str) -> tuple:
   from jax.experimental import topologies as jtop
 

@@ -20,6 +20,7 @@ typedef int CUresult;  // enum cudaError_enum
 typedef int CUdevice;
 typedef struct CUctx_st* CUcontext;
 typedef struct CUmod_st* CUmodule;
+typedef struct CUlib_st* CUlibrary;
 typedef struct CUfunc_st* CUfunction;
 typedef struct CUkern_st* CUkernel;
 typedef struct CUstream_st* CUstream;

@@ -52,6 +52,8 @@
   X(cuStreamCreateWithPriority, CUresult,                                       \
     (CUstream * phStream, unsigned int flags, int priority),                    \
     (phStream, flags, priority))                                                \
+  X(cuModuleUnload, CUresult, (CUmodule hmod), (hmod))                          \
+  X(cuLibraryUnload, CUresult, (CUlibrary library), (library))                  \
   X(cuGetProcAddress, CUresult,                                                 \
     (const char* symbol, void** pfn, int cudaVersion, cuuint64_t flags),        \
     (symbol, pfn, cudaVersion, flags))                                          \

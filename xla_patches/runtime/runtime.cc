@@ -514,30 +514,76 @@ bool FuncFor(CUfunction f, const Rules* rules, FuncInfo* out, bool want_name) {
   return true;
 }
 
-// Raises the kernel's MAX_DYNAMIC_SHARED_SIZE_BYTES to `dyn` if it is lower.
-bool EnsureMaxDynamic(CUfunction f, const FuncInfo& info, int64_t dyn) {
+// A per-thread, direct-mapped copy of the attributes of recently launched
+// functions, so that the common launch takes no lock.
+struct FuncLite {
+  CUfunction f = nullptr;
+  uint64_t generation = 0;
+  uint64_t epoch = 0;
+  int static_smem = 0;
+  int regs = 0;
+  int max_dynamic_smem = 0;
+  bool carveout_set = false;
+  int rule = -1;
+};
+constexpr int kTlsFuncs = 16;
+thread_local FuncLite t_funcs[kTlsFuncs];
+
+FuncLite& TlsFunc(CUfunction f) {
+  return t_funcs[(reinterpret_cast<uintptr_t>(f) >> 4) % kTlsFuncs];
+}
+
+// Bumped when a module or library is unloaded: its CUfunction handles may be
+// reused by kernels loaded later, so every cached entry is dropped.
+std::atomic<uint64_t> g_func_epoch{1};
+
+void FillTls(CUfunction f, const FuncInfo& info) {
+  FuncLite& slot = TlsFunc(f);
+  slot.f = f;
+  slot.epoch = g_func_epoch.load(std::memory_order_acquire);
+  slot.generation = info.generation;
+  slot.static_smem = info.static_smem;
+  slot.regs = info.regs;
+  slot.max_dynamic_smem = info.max_dynamic_smem;
+  slot.carveout_set = info.carveout_set;
+  slot.rule = info.rule;
+}
+
+// Raises the kernel's MAX_DYNAMIC_SHARED_SIZE_BYTES to `dyn` if it is lower
+// (and asks once for the largest carve-out). The shared entry is checked under
+// the lock so that one raise serves every thread.
+bool EnsureMaxDynamic(CUfunction f, FuncLite* lite, int64_t dyn) {
+  if (dyn <= lite->max_dynamic_smem && lite->carveout_set) return true;
   auto set_attr = REAL(cuFuncSetAttribute);
   if (set_attr == nullptr) return false;
-  if (!info.carveout_set) {
+  std::unique_lock<std::shared_mutex> lock(g_func_mu);
+  FuncInfo* entry = nullptr;
+  if (g_funcs != nullptr) {
+    auto it = g_funcs->find(f);
+    if (it != g_funcs->end()) entry = &it->second;
+  }
+  int current = entry ? entry->max_dynamic_smem : lite->max_dynamic_smem;
+  bool carveout = entry ? entry->carveout_set : lite->carveout_set;
+  if (!carveout) {
     // Ask for the largest shared-memory carve-out so that residency is the one
     // computed from smem_per_sm; a refusal only makes residency lower.
     set_attr(f, JOR_CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100);
+    carveout = true;
   }
-  if (dyn > info.max_dynamic_smem) {
+  if (dyn > current) {
     if (set_attr(f, JOR_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                  static_cast<int>(dyn)) != JOR_CUDA_SUCCESS) {
       return false;
     }
     Count(kCounter_func_attr_raised);
+    current = static_cast<int>(dyn);
   }
-  std::unique_lock<std::shared_mutex> lock(g_func_mu);
-  if (g_funcs != nullptr) {
-    auto it = g_funcs->find(f);
-    if (it != g_funcs->end()) {
-      it->second.carveout_set = true;
-      if (dyn > it->second.max_dynamic_smem) it->second.max_dynamic_smem = static_cast<int>(dyn);
-    }
+  if (entry != nullptr) {
+    entry->carveout_set = carveout;
+    entry->max_dynamic_smem = current;
   }
+  lite->carveout_set = carveout;
+  lite->max_dynamic_smem = current;
   return true;
 }
 
@@ -559,12 +605,20 @@ Decision Decide(CUfunction f, unsigned threads, unsigned dyn, bool skip,
   }();
   if (rules == nullptr) rules = kEmpty;
   if (f == nullptr) return kPass;
-  FuncInfo info;
-  if (!FuncFor(f, rules, &info, Verbose() >= 3)) return kFallback;
+  FuncLite* lite = &TlsFunc(f);
+  std::string name;
+  if (lite->f != f || lite->generation != rules->generation ||
+      lite->epoch != g_func_epoch.load(std::memory_order_acquire) || Verbose() >= 3) {
+    FuncInfo info;
+    if (!FuncFor(f, rules, &info, Verbose() >= 3)) return kFallback;
+    FillTls(f, info);
+    lite = &TlsFunc(f);
+    name = info.name;
+  }
   int64_t blocks = 0, padding = 0;
-  if (info.rule >= 0) {
-    blocks = rules->kernels[info.rule].blocks_per_sm;
-    padding = rules->kernels[info.rule].padding_bytes;
+  if (lite->rule >= 0) {
+    blocks = rules->kernels[lite->rule].blocks_per_sm;
+    padding = rules->kernels[lite->rule].padding_bytes;
   } else {
     blocks = region_blocks;
   }
@@ -577,18 +631,18 @@ Decision Decide(CUfunction f, unsigned threads, unsigned dyn, bool skip,
   if (!DeviceLimits(&limits)) return kFallback;
   int status = JOR_SHAPE_INVALID;
   int64_t shaped =
-      blocks > 0 ? jor_shaped_dynamic_smem(&limits, threads, info.regs, info.static_smem,
+      blocks > 0 ? jor_shaped_dynamic_smem(&limits, threads, lite->regs, lite->static_smem,
                                            dyn, blocks, &status)
-                 : jor_padded_dynamic_smem(&limits, info.static_smem, dyn, padding, &status);
+                 : jor_padded_dynamic_smem(&limits, lite->static_smem, dyn, padding, &status);
   if (status == JOR_SHAPE_INVALID) {
     Count(kCounter_launches_skipped);
     return kPass;
   }
   if (status == JOR_SHAPE_UNCHANGED || shaped == dyn) return kPass;
-  if (!EnsureMaxDynamic(f, info, shaped)) return kFallback;
+  if (!EnsureMaxDynamic(f, lite, shaped)) return kFallback;
   if (status == JOR_SHAPE_CAPPED) Count(kCounter_launches_capped);
   *new_dyn = static_cast<unsigned>(shaped);
-  Log(3, "launch %s: %u threads, dynamic smem %u -> %u", info.name.c_str(), threads,
+  Log(3, "launch %s: %u threads, dynamic smem %u -> %u", name.c_str(), threads,
       dyn, *new_dyn);
   return kShape;
 }
@@ -784,6 +838,32 @@ CUresult StreamCreateWithPriorityHook(CUstream* ph, unsigned int flags, int prio
 void* HookFor(int path, int id);
 bool IsOurHook(void* p);
 
+void ForgetFunctions() {
+  std::unique_lock<std::shared_mutex> lock(g_func_mu);
+  if (g_funcs != nullptr) g_funcs->clear();
+  g_func_epoch.fetch_add(1, std::memory_order_acq_rel);
+}
+
+template <int kPath, int kId>
+CUresult ModuleUnloadHook(CUmodule hmod) {
+  pthread_once(&g_init_once, InitOnce);
+  auto real = reinterpret_cast<PFN_cuModuleUnload>(Real(kId));
+  if (real == nullptr) return JOR_CUDA_ERROR_NOT_INITIALIZED;
+  CUresult r = real(hmod);
+  ForgetFunctions();
+  return r;
+}
+
+template <int kPath, int kId>
+CUresult LibraryUnloadHook(CUlibrary library) {
+  pthread_once(&g_init_once, InitOnce);
+  auto real = reinterpret_cast<PFN_cuLibraryUnload>(Real(kId));
+  if (real == nullptr) return JOR_CUDA_ERROR_NOT_INITIALIZED;
+  CUresult r = real(library);
+  ForgetFunctions();
+  return r;
+}
+
 // The hook to hand out for a cuGetProcAddress answer, or -1 for none.
 int ProcAddrHookId(const char* symbol, int version, cuuint64_t flags, void* answer,
                    int* intended) {
@@ -938,6 +1018,8 @@ JOR_BIND(cuGraphExecKernelNodeSetParams_v2,
 JOR_BIND(cuStreamCreate, (StreamCreateHook<kPath, kSym_cuStreamCreate>))
 JOR_BIND(cuStreamCreateWithPriority,
          (StreamCreateWithPriorityHook<kPath, kSym_cuStreamCreateWithPriority>))
+JOR_BIND(cuModuleUnload, (ModuleUnloadHook<kPath, kSym_cuModuleUnload>))
+JOR_BIND(cuLibraryUnload, (LibraryUnloadHook<kPath, kSym_cuLibraryUnload>))
 JOR_BIND(cuGetProcAddress, (GetProcAddressHook<kPath, kSym_cuGetProcAddress>))
 JOR_BIND(cuGetProcAddress_v2, (GetProcAddressV2Hook<kPath, kSym_cuGetProcAddress_v2>))
 #undef JOR_BIND
@@ -998,7 +1080,9 @@ bool IsLibcuda(void* handle) {
 }
 
 // dlsym(RTLD_NEXT, ...) from another object: the real dlsym would answer
-// relative to this library, so search the objects loaded after the caller.
+// relative to this library (its caller), so search the objects loaded after
+// the caller, in load order, as glibc would. This library is one of them when
+// it comes later: an interposer preloaded before it then finds its hooks.
 void* DlsymNextFromCaller(const char* name, void* caller) {
   DlsymFn real = RealDlsym();
   Dl_info info;
@@ -1007,13 +1091,9 @@ void* DlsymNextFromCaller(const char* name, void* caller) {
       lm == nullptr) {
     return real(RTLD_NEXT, name);
   }
-  Dl_info self;
-  struct link_map* self_lm = nullptr;
-  dladdr1(reinterpret_cast<void*>(&DlsymNextFromCaller), &self,
-          reinterpret_cast<void**>(&self_lm), RTLD_DL_LINKMAP);
   for (struct link_map* l = lm->l_next; l != nullptr; l = l->l_next) {
-    if (l == self_lm) continue;
-    void* h = dlopen(l->l_name && *l->l_name ? l->l_name : nullptr, RTLD_LAZY | RTLD_NOLOAD);
+    if (l->l_name == nullptr || l->l_name[0] == '\0') continue;
+    void* h = dlopen(l->l_name, RTLD_LAZY | RTLD_NOLOAD);
     if (h == nullptr) continue;
     void* p = real(h, name);
     dlclose(h);

@@ -15,6 +15,8 @@
  *         threads:N:NAME:THREADS:DYN:COUNT    N threads launching concurrently
  *         region_begin:ID:BLOCKS | region_end:ID   jor_region_* if loaded
  *         rules:FILE                          jor_set_rules(contents of FILE)
+ *         unload                              cuModuleUnload
+ *         next:SYMBOL                         which object dlsym(RTLD_NEXT, SYMBOL) finds
  * Prints one "result ..." line per action and a final "counters {...}" line.
  */
 #define _GNU_SOURCE
@@ -38,6 +40,7 @@ typedef CUresult (*PFN_graphset)(CUgraphExec, CUgraphNode, const CUDA_KERNEL_NOD
 typedef CUresult (*PFN_streamcreate)(CUstream*, unsigned);
 typedef CUresult (*PFN_streamprio)(CUstream*, unsigned, int);
 typedef CUresult (*PFN_streamgetprio)(CUstream, int*);
+typedef CUresult (*PFN_unload)(CUmodule);
 typedef CUresult (*PFN_procaddr2)(const char*, void**, int, cuuint64_t,
                                   CUdriverProcAddressQueryResult*);
 typedef CUresult (*PFN_procaddr1)(const char*, void**, int, cuuint64_t);
@@ -52,6 +55,7 @@ static struct {
   PFN_streamcreate streamcreate;
   PFN_streamprio streamprio;
   PFN_streamgetprio streamgetprio;
+  PFN_unload unload;
 } api;
 
 #ifdef LINK_DIRECT
@@ -67,7 +71,9 @@ CUresult cuGraphExecKernelNodeSetParams_v2(CUgraphExec, CUgraphNode,
 CUresult cuStreamCreate(CUstream*, unsigned);
 CUresult cuStreamCreateWithPriority(CUstream*, unsigned, int);
 CUresult cuStreamGetPriority(CUstream, int*);
+CUresult cuModuleUnload(CUmodule);
 static int load_direct(void) {
+  api.unload = cuModuleUnload;
   api.init = cuInit;
   api.getfunc = cuModuleGetFunction;
   api.launch = cuLaunchKernel;
@@ -101,6 +107,7 @@ static int load_dlopen(void) {
   SYM(streamcreate, "cuStreamCreate");
   SYM(streamprio, "cuStreamCreateWithPriority");
   SYM(streamgetprio, "cuStreamGetPriority");
+  SYM(unload, "cuModuleUnload");
 #undef SYM
   return 0;
 }
@@ -130,6 +137,7 @@ static int load_procaddr(int v2) {
   SYM(streamcreate, "cuStreamCreate");
   SYM(streamprio, "cuStreamCreateWithPriority");
   SYM(streamgetprio, "cuStreamGetPriority");
+  SYM(unload, "cuModuleUnload");
   if (v2) {
     SYM(graphadd, "cuGraphAddKernelNode");
   }
@@ -286,6 +294,14 @@ int main(int argc, char** argv) {
     } else if (!strcmp(act, "region_end") && nf >= 2) {
       int (*end)(int64_t) = dlsym(RTLD_DEFAULT, "jor_region_end");
       printf("result %s %d\n", argv[a], end ? end(atoll(fields[1])) : -99);
+    } else if (!strcmp(act, "unload")) {
+      printf("result %s %d\n", argv[a], api.unload((CUmodule)0));
+    } else if (!strcmp(act, "next") && nf >= 2) {
+      void* p = dlsym(RTLD_NEXT, fields[1]);
+      Dl_info info;
+      const char* where = (p && dladdr(p, &info) && info.dli_fname) ? info.dli_fname : "none";
+      const char* base = strrchr(where, '/');
+      printf("result %s 0 object=%s\n", argv[a], base ? base + 1 : where);
     } else if (!strcmp(act, "rules") && nf >= 2) {
       int (*set)(const char*) = dlsym(RTLD_DEFAULT, "jor_set_rules");
       FILE* fp = fopen(fields[1], "r");

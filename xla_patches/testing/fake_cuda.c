@@ -15,6 +15,9 @@
  *                     "launch_dyn_over=N": launches with more than N bytes of
  *                     dynamic shared memory fail.
  *   FAKE_CUDA_LOG     file to which every call is appended, one line each.
+ *   FAKE_CUDA_FUNCS_AFTER_UNLOAD  kernels as in FAKE_CUDA_FUNCS, given new
+ *                     attributes (same handles) by cuModuleUnload: a new kernel
+ *                     at an old handle.
  *   FAKE_CUDA_VERSIONED_PROCS  "1": cuGetProcAddress answers launches with
  *                     internal entry points that are not the exported symbols,
  *                     as a driver with versioned implementations may.
@@ -271,6 +274,44 @@ EXPORT CUresult cuModuleGetFunction(CUfunction* f, CUmodule m, const char* name)
   return 0;
 }
 
+static void reload_funcs(const char* specs) {
+  char buf[8192];
+  snprintf(buf, sizeof(buf), "%s", specs);
+  char* save = NULL;
+  for (char* tok = strtok_r(buf, ";", &save); tok; tok = strtok_r(NULL, ";", &save)) {
+    char name[128];
+    snprintf(name, sizeof(name), "%s", tok);
+    char* colon = strchr(name, ':');
+    if (colon) *colon = '\0';
+    for (int i = 0; i < g_num_funcs; ++i) {
+      if (!strcmp(g_funcs[i].name, name)) {
+        int n = g_num_funcs;
+        g_num_funcs = i;
+        add_func(tok); /* rewrites slot i in place */
+        g_num_funcs = n;
+      }
+    }
+  }
+}
+
+EXPORT CUresult cuModuleUnload(CUmodule m) {
+  (void)m;
+  CHECK_FAIL("cuModuleUnload");
+  const char* after = getenv("FAKE_CUDA_FUNCS_AFTER_UNLOAD");
+  pthread_mutex_lock(&g_mu);
+  if (after) reload_funcs(after);
+  pthread_mutex_unlock(&g_mu);
+  logf_("unload api=cuModuleUnload");
+  return 0;
+}
+
+EXPORT CUresult cuLibraryUnload(void* lib) {
+  (void)lib;
+  CHECK_FAIL("cuLibraryUnload");
+  logf_("unload api=cuLibraryUnload");
+  return 0;
+}
+
 EXPORT CUresult cuFuncGetAttribute(int* pi, int attrib, CUfunction hf) {
   CHECK_FAIL("cuFuncGetAttribute");
   FakeFunc* f = (FakeFunc*)hf;
@@ -451,6 +492,8 @@ static void* lookup_proc(const char* symbol, int version, cuuint64_t flags) {
       {"cuStreamGetPriority", (void*)cuStreamGetPriority},
       {"cuModuleLoadData", (void*)cuModuleLoadData},
       {"cuModuleGetFunction", (void*)cuModuleGetFunction},
+      {"cuModuleUnload", (void*)cuModuleUnload},
+      {"cuLibraryUnload", (void*)cuLibraryUnload},
       {"cuFuncGetAttribute", (void*)cuFuncGetAttribute},
       {"cuFuncSetAttribute", (void*)cuFuncSetAttribute},
       {"cuFuncGetName", (void*)cuFuncGetName},

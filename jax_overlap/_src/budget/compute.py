@@ -42,9 +42,11 @@ PFLOP = 1e15
 
 
 def step_flops(compiled_or_fn: Any, *args: Any, target: str | None = None, **kwargs: Any) -> float:
-  """FLOPs of one call of a step function (summed over every device).
+  """FLOPs of one call of a step function, summed over every device it runs on.
 
-  Reads the ``"flops"`` entry of the compiled executable's cost analysis. A
+  Reads the ``"flops"`` entry of the compiled executable's cost analysis,
+  which XLA gives per partition for SPMD programs, and multiplies it by the
+  number of devices (replicated work counts once per device). A
   deviceless GPU executable has no cost analysis; then the FLOPs are counted
   from the optimized HLO by ``jax_overlap.analyze`` (``Report.flops``) when that
   is installed.
@@ -87,7 +89,8 @@ def step_flops(compiled_or_fn: Any, *args: Any, target: str | None = None, **kwa
   if isinstance(cost, Sequence) and not isinstance(cost, dict):
     cost = cost[0] if cost else None
   if cost and "flops" in cost and cost["flops"] >= 0:
-    return float(cost["flops"])
+    # XLA reports one partition's FLOPs for an SPMD program: scale to every device.
+    return float(cost["flops"]) * _num_devices(compiled)
   if fn is not None:
     try:
       from jax_overlap import analyze  # type: ignore[attr-defined]
@@ -103,6 +106,19 @@ def step_flops(compiled_or_fn: Any, *args: Any, target: str | None = None, **kwa
       "function and its arguments (not a Compiled) with jax_overlap.analyze installed, or give "
       "the FLOPs per step to FlopCounter yourself"
   )
+
+
+def _num_devices(compiled: Any) -> int:
+  """Devices an SPMD executable runs on (1 when the shardings cannot be read)."""
+  import jax
+
+  try:
+    shardings = jax.tree_util.tree_leaves(compiled.input_shardings) + jax.tree_util.tree_leaves(
+        compiled.output_shardings
+    )
+  except Exception:  # e.g. executables that do not expose shardings
+    return 1
+  return max((len(s.device_set) for s in shardings if hasattr(s, "device_set")), default=1)
 
 
 @dataclasses.dataclass

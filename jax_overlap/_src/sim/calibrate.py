@@ -50,11 +50,11 @@ from jax_overlap._src.sim.model import Collective, Constants, Kernel, Workload, 
 from jax_overlap._src.sim.policies import POLICIES, simulate
 
 __all__ = [
-    "CalibrationResult",
-    "calibrate",
-    "load_measurements",
-    "predict",
-    "published_measurements",
+  "CalibrationResult",
+  "calibrate",
+  "load_measurements",
+  "predict",
+  "published_measurements",
 ]
 
 _QUANTITIES = ("makespan_s", "proxy_latency_s", "gemm_slowdown")
@@ -70,33 +70,32 @@ def _normalise(rec: Mapping, i: int) -> dict:
   if not isinstance(rec, Mapping):
     raise TypeError(f"sim.calibrate: measurements[{i}] must be a dict, got {type(rec).__name__}")
   out = {
-      "gpu": rec.get("gpu"),
-      "policy": rec.get("policy", "concurrent"),
-      "m": _get(rec, "gemm", "m", "gemm_m"),
-      "n": _get(rec, "gemm", "n", "gemm_n"),
-      "k": _get(rec, "gemm", "k", "gemm_k"),
-      "dtype": _get(rec, "gemm", "dtype", "gemm_dtype", "bf16"),
-      "ctas": _get(rec, "proxy", "ctas", "proxy_ctas"),
-      "threads": _get(rec, "proxy", "threads", "proxy_threads"),
-      "regs": _get(rec, "proxy", "regs", "proxy_regs"),
-      "bytes": _get(rec, "proxy", "bytes", "proxy_bytes"),
-      "kind": _get(rec, "proxy", "kind", "proxy_kind", "all-gather"),
-      "group_size": _get(rec, "proxy", "group_size", "proxy_group_size", 8),
+    "gpu": rec.get("gpu"),
+    "policy": rec.get("policy", "concurrent"),
+    "m": _get(rec, "gemm", "m", "gemm_m"),
+    "n": _get(rec, "gemm", "n", "gemm_n"),
+    "k": _get(rec, "gemm", "k", "gemm_k"),
+    "dtype": _get(rec, "gemm", "dtype", "gemm_dtype", "bf16"),
+    "ctas": _get(rec, "proxy", "ctas", "proxy_ctas"),
+    "threads": _get(rec, "proxy", "threads", "proxy_threads"),
+    "regs": _get(rec, "proxy", "regs", "proxy_regs"),
+    "bytes": _get(rec, "proxy", "bytes", "proxy_bytes"),
+    "kind": _get(rec, "proxy", "kind", "proxy_kind", "all-gather"),
+    "group_size": _get(rec, "proxy", "group_size", "proxy_group_size", 8),
   }
   for f in ("m", "n", "k", "ctas", "bytes"):
     v = out[f]
     if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
-      raise ValueError(f"sim.calibrate: measurements[{i}]: {f} must be a positive number, got {v!r}")
+      raise ValueError(
+        f"sim.calibrate: measurements[{i}]: {f} must be a positive number, got {v!r}"
+      )
   if out["policy"] not in POLICIES:
     raise ValueError(
-        f"sim.calibrate: measurements[{i}]: policy must be one of {POLICIES}, got "
-        f"{out['policy']!r}"
+      f"sim.calibrate: measurements[{i}]: policy must be one of {POLICIES}, got {out['policy']!r}"
     )
   meas = {q: rec.get(q) for q in _QUANTITIES if rec.get(q) is not None}
   if not meas:
-    raise ValueError(
-        f"sim.calibrate: measurements[{i}] has none of {_QUANTITIES}; nothing to fit"
-    )
+    raise ValueError(f"sim.calibrate: measurements[{i}] has none of {_QUANTITIES}; nothing to fit")
   for q, v in meas.items():
     if not isinstance(v, (int, float)) or not math.isfinite(v) or (q != "gemm_slowdown" and v <= 0):
       raise ValueError(f"sim.calibrate: measurements[{i}].{q} must be a positive number, got {v!r}")
@@ -113,10 +112,16 @@ def load_measurements(path: str) -> list[dict]:
 
 
 def _workload(r: dict) -> Workload:
-  proxy = Collective("proxy", r["kind"], float(r["bytes"]), group_size=int(r["group_size"]),
-                     stream=1, channels=int(r["ctas"]),
-                     threads=int(r["threads"]) if r["threads"] else None,
-                     regs=int(r["regs"]) if r["regs"] else None)
+  proxy = Collective(
+    "proxy",
+    r["kind"],
+    float(r["bytes"]),
+    group_size=int(r["group_size"]),
+    stream=1,
+    channels=int(r["ctas"]),
+    threads=int(r["threads"]) if r["threads"] else None,
+    regs=int(r["regs"]) if r["regs"] else None,
+  )
   gemm = Kernel.gemm("gemm", int(r["m"]), int(r["n"]), int(r["k"]), dtype=r["dtype"])
   return Workload((proxy, gemm), "calibration")
 
@@ -129,9 +134,9 @@ def predict(record: Mapping, target, constants: Constants) -> dict:
   p = res.timing("proxy")
   iso = res.isolated_s["gemm"]
   return {
-      "makespan_s": res.makespan_s,
-      "proxy_latency_s": p.end_s - p.ready_s,
-      "gemm_slowdown": g.duration_s / iso - 1.0,
+    "makespan_s": res.makespan_s,
+    "proxy_latency_s": p.end_s - p.ready_s,
+    "gemm_slowdown": g.duration_s / iso - 1.0,
   }
 
 
@@ -157,12 +162,12 @@ class CalibrationResult:
 
 
 def calibrate(
-    measurements: Sequence[Mapping] | str,
-    target,
-    *,
-    params: Sequence[str] = ("cta_copy_bandwidth", "gemm_efficiency"),
-    start: Constants | None = None,
-    max_iter: int = 30,
+  measurements: Sequence[Mapping] | str,
+  target,
+  *,
+  params: Sequence[str] = ("cta_copy_bandwidth", "gemm_efficiency"),
+  start: Constants | None = None,
+  max_iter: int = 30,
 ) -> CalibrationResult:
   """Fits per-target model constants to measurements by least squares.
 
@@ -193,8 +198,8 @@ def calibrate(
   for i, r in enumerate(recs):
     if r["gpu"] is not None and r["gpu"] != topo.gpu.name:
       raise ValueError(
-          f"sim.calibrate: measurements[{i}] is for gpu {r['gpu']!r}, not the target "
-          f"{topo.gpu.name!r}"
+        f"sim.calibrate: measurements[{i}] is for gpu {r['gpu']!r}, not the target "
+        f"{topo.gpu.name!r}"
       )
   const0 = start or constants_for(topo.gpu)
   fields = {f.name for f in dataclasses.fields(Constants)}
@@ -241,8 +246,14 @@ def calibrate(
     lo = np.full(len(params), -np.inf)
     hi = np.array([math.log(upper.get(p, math.inf)) if p in upper else np.inf for p in params])
     # Central differences: min(link, CTAs x per-CTA bandwidth) has one-sided slopes.
-    sol = least_squares(residuals, np.minimum(x0, hi - 1e-9), bounds=(lo, hi), jac="3-point",
-                        diff_step=1e-3, max_nfev=max_iter * (2 * len(params) + 1))
+    sol = least_squares(
+      residuals,
+      np.minimum(x0, hi - 1e-9),
+      bounds=(lo, hi),
+      jac="3-point",
+      diff_step=1e-3,
+      max_nfev=max_iter * (2 * len(params) + 1),
+    )
     x, method = sol.x, "scipy"
   except ImportError:
     x, method = _lm(residuals, x0, max_iter), "numpy"
@@ -251,15 +262,22 @@ def calibrate(
   table = []
   for r in recs:
     pred = predict(r, topo, c)
-    table.append({"policy": r["policy"], "gemm": (r["m"], r["n"], r["k"]), "ctas": r["ctas"],
-                  "measured": r["measured"], "predicted": {q: pred[q] for q in r["measured"]}})
+    table.append(
+      {
+        "policy": r["policy"],
+        "gemm": (r["m"], r["n"], r["k"]),
+        "ctas": r["ctas"],
+        "measured": r["measured"],
+        "predicted": {q: pred[q] for q in r["measured"]},
+      }
+    )
   return CalibrationResult(
-      constants=c,
-      params={p: getattr(c, p) for p in params},
-      error_before=float(np.sqrt(np.mean(r0**2))),
-      error_after=float(np.sqrt(np.mean(r1**2))),
-      table=table,
-      method=method,
+    constants=c,
+    params={p: getattr(c, p) for p in params},
+    error_before=float(np.sqrt(np.mean(r0**2))),
+    error_after=float(np.sqrt(np.mean(r1**2))),
+    table=table,
+    method=method,
   )
 
 
@@ -304,21 +322,37 @@ def published_measurements(gpu: str = "h100") -> list[dict]:
   """
   busbw = {"h100": 360e9, "h200": 360e9, "a100": 230e9, "a100-40": 230e9}
   if gpu not in busbw:
-    raise ValueError(f"sim.published_measurements: no published figures for {gpu!r}; "
-                     f"choose one of {sorted(busbw)}")
+    raise ValueError(
+      f"sim.published_measurements: no published figures for {gpu!r}; choose one of {sorted(busbw)}"
+    )
   nbytes = float(1 << 30)
   recs = [
-      {"gpu": gpu, "policy": "concurrent", "gemm": {"m": 16384, "n": 16384, "k": 8192},
-       "proxy": {"ctas": 24 if gpu.startswith("h") else 16, "bytes": 4 * nbytes},
-       "gemm_slowdown": 0.189, "source": "arXiv 2507.03114 (average overlap slowdown)"},
-      {"gpu": gpu, "policy": "sequential", "gemm": {"m": 16384, "n": 16384, "k": 8192},
-       "proxy": {"ctas": 24 if gpu.startswith("h") else 16, "bytes": nbytes},
-       "proxy_latency_s": nbytes * 7 / 8 / busbw[gpu],
-       "source": "nccl-tests all_gather_perf bus bandwidth, 8 GPUs NVLink"},
+    {
+      "gpu": gpu,
+      "policy": "concurrent",
+      "gemm": {"m": 16384, "n": 16384, "k": 8192},
+      "proxy": {"ctas": 24 if gpu.startswith("h") else 16, "bytes": 4 * nbytes},
+      "gemm_slowdown": 0.189,
+      "source": "arXiv 2507.03114 (average overlap slowdown)",
+    },
+    {
+      "gpu": gpu,
+      "policy": "sequential",
+      "gemm": {"m": 16384, "n": 16384, "k": 8192},
+      "proxy": {"ctas": 24 if gpu.startswith("h") else 16, "bytes": nbytes},
+      "proxy_latency_s": nbytes * 7 / 8 / busbw[gpu],
+      "source": "nccl-tests all_gather_perf bus bandwidth, 8 GPUs NVLink",
+    },
   ]
   if gpu in ("h100", "h200"):
-    recs.append({"gpu": gpu, "policy": "concurrent",
-                 "gemm": {"m": 128 * 12, "n": 256 * 11, "k": 8192},
-                 "proxy": {"ctas": 24, "bytes": nbytes}, "gemm_slowdown": 0.9,
-                 "source": "NVIDIA developer forum, tail effect"})
+    recs.append(
+      {
+        "gpu": gpu,
+        "policy": "concurrent",
+        "gemm": {"m": 128 * 12, "n": 256 * 11, "k": 8192},
+        "proxy": {"ctas": 24, "bytes": nbytes},
+        "gemm_slowdown": 0.9,
+        "source": "NVIDIA developer forum, tail effect",
+      }
+    )
   return recs

@@ -56,12 +56,12 @@ def channel_work(c: Collective, topo: targets.Topology, const: Constants) -> dic
   link_bw, lat = topo.link_for(c.group_size, c.spans_hosts)
   moved, steps = link_bytes_and_steps(c.kind, c.bytes, c.group_size)
   return {
-      "channels": channels,
-      "threads": c.threads or const.comm_threads,
-      "regs": c.regs or const.comm_regs,
-      "smem": const.comm_smem if c.smem is None else c.smem,
-      "bytes": moved / channels,
-      "latency_s": steps * lat,
-      "link_bandwidth": link_bw,
-      "cta_bandwidth": const.cta_copy_bandwidth,
+    "channels": channels,
+    "threads": c.threads or const.comm_threads,
+    "regs": c.regs or const.comm_regs,
+    "smem": const.comm_smem if c.smem is None else c.smem,
+    "bytes": moved / channels,
+    "latency_s": steps * lat,
+    "link_bandwidth": link_bw,
+    "cta_bandwidth": const.cta_copy_bandwidth,
   }

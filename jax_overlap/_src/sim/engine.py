@@ -40,7 +40,8 @@ kernel's tail, or when it holds one block at a time (occupancy shaping).
 
 Speed: identical SMs are kept as one *group* (same resident batches, same progress), so a
 wave of a kernel over 132 SMs is one event, not 132 x blocks_per_sm. Groups split when
-blocks land on part of them and merge again when their states coincide (e.g. when empty).
+blocks land on part of them and merge again when their states coincide: empty groups at
+every event, identical busy groups whenever there are more than ``_FULL_MERGE_ABOVE``.
 Every loop iteration completes at least one batch of blocks or makes a kernel ready, so the
 loop ends after at most (blocks + kernels) iterations; a guard raises if it ever would not.
 """
@@ -59,15 +60,15 @@ import numpy as np
 from jax_overlap._src import targets
 from jax_overlap._src.sim import collectives as coll
 from jax_overlap._src.sim.model import (
-    Collective,
-    Constants,
-    Kernel,
-    Workload,
-    constants_for,
-    gemm_config,
-    regs_per_block,
-    residency_limits,
-    shaped_smem,
+  Collective,
+  Constants,
+  Kernel,
+  Workload,
+  constants_for,
+  gemm_config,
+  regs_per_block,
+  residency_limits,
+  shaped_smem,
 )
 
 __all__ = ["KernelTiming", "SimResult", "run", "resolve_target", "isolated_time"]
@@ -82,8 +83,8 @@ def resolve_target(target) -> targets.Topology:
     return targets.get(target)
   if not isinstance(target, str):
     raise TypeError(
-        f"jax_overlap.sim: target must be a name such as 'h100x8', a Gpu or a Topology, got "
-        f"{type(target).__name__}"
+      f"jax_overlap.sim: target must be a name such as 'h100x8', a Gpu or a Topology, got "
+      f"{type(target).__name__}"
     )
   try:
     return targets.get(target)
@@ -127,6 +128,8 @@ class SimResult:
     occupancy: array [events, sm_count] of the fraction of each SM in use (max over
       threads, registers, shared memory, blocks) from each event time on, else None.
     isolated_s: isolated duration of each compute kernel (alone on the device, unshaped).
+    batches: with ``check=True``, one entry per finished batch of blocks: (item index,
+      blocks, blocks per SM, SM ids, start, end); else None.
   """
 
   target: str
@@ -171,13 +174,13 @@ class SimResult:
 
   def to_dict(self) -> dict:
     return {
-        "target": self.target,
-        "policy": self.policy,
-        "makespan_s": self.makespan_s,
-        "compute_time_s": self.compute_time_s,
-        "compute_slowdown": self.compute_slowdown,
-        "events": self.events,
-        "kernels": [dataclasses.asdict(t) for t in self.timings],
+      "target": self.target,
+      "policy": self.policy,
+      "makespan_s": self.makespan_s,
+      "compute_time_s": self.compute_time_s,
+      "compute_slowdown": self.compute_slowdown,
+      "events": self.events,
+      "kernels": [dataclasses.asdict(t) for t in self.timings],
     }
 
   def to_json(self, indent: int | None = 1) -> str:
@@ -224,37 +227,37 @@ def _shape_smem(gpu, name, threads, regs, smem, spec) -> int:
     return smem
   if isinstance(spec, bool) or not isinstance(spec, (int, Mapping)):
     raise TypeError(
-        f"jax_overlap.sim: shaping[{name!r}] must be blocks per SM (int) or a dict with "
-        f"'blocks_per_sm' or 'padding_bytes', got {spec!r}"
+      f"jax_overlap.sim: shaping[{name!r}] must be blocks per SM (int) or a dict with "
+      f"'blocks_per_sm' or 'padding_bytes', got {spec!r}"
     )
   if isinstance(spec, int):
     spec = {"blocks_per_sm": spec}
   bad = sorted(set(spec) - {"blocks_per_sm", "padding_bytes"})
   if bad:
     raise ValueError(
-        f"jax_overlap.sim: shaping[{name!r}] has unknown key(s) {bad}; use 'blocks_per_sm' or "
-        "'padding_bytes'"
+      f"jax_overlap.sim: shaping[{name!r}] has unknown key(s) {bad}; use 'blocks_per_sm' or "
+      "'padding_bytes'"
     )
   out = smem
   if spec.get("padding_bytes") is not None:
     pad = spec["padding_bytes"]
     if isinstance(pad, bool) or not isinstance(pad, int) or pad < 0:
       raise ValueError(
-          f"jax_overlap.sim: shaping[{name!r}].padding_bytes must be an int >= 0, got {pad!r}"
+        f"jax_overlap.sim: shaping[{name!r}].padding_bytes must be an int >= 0, got {pad!r}"
       )
     out += pad
   if spec.get("blocks_per_sm") is not None:
     n = spec["blocks_per_sm"]
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
       raise ValueError(
-          f"jax_overlap.sim: shaping[{name!r}].blocks_per_sm must be an int >= 1, got {n!r}"
+        f"jax_overlap.sim: shaping[{name!r}].blocks_per_sm must be an int >= 1, got {n!r}"
       )
     if min(residency_limits(gpu, threads, regs, out).values()) > n:
       out = shaped_smem(gpu, out, n)
   if out > gpu.smem_per_block_optin:
     raise ValueError(
-        f"jax_overlap.sim: shaping[{name!r}] asks for {out} bytes of shared memory per block, "
-        f"more than {gpu.name}'s opt-in limit of {gpu.smem_per_block_optin}"
+      f"jax_overlap.sim: shaping[{name!r}] asks for {out} bytes of shared memory per block, "
+      f"more than {gpu.name}'s opt-in limit of {gpu.smem_per_block_optin}"
     )
   return out
 
@@ -292,15 +295,14 @@ class _Compiled:
     missing = sorted(set(shaping) - names)
     if missing:
       raise ValueError(
-          f"jax_overlap.sim: the plan shapes kernel(s) {missing} that are not in workload "
-          f"{wl.name!r}"
+        f"jax_overlap.sim: the plan shapes kernel(s) {missing} that are not in workload {wl.name!r}"
       )
     for i, it in enumerate(wl.items):
       if isinstance(it, Collective):
         if it.name in shaping:
           raise ValueError(
-              f"jax_overlap.sim: shaping[{it.name!r}] names a collective; only compute kernels "
-              "can be shaped"
+            f"jax_overlap.sim: shaping[{it.name!r}] names a collective; only compute kernels "
+            "can be shaped"
           )
         cw = coll.channel_work(it, topo, const)
         grid, threads, regs, smem = cw["channels"], cw["threads"], cw["regs"], cw["smem"]
@@ -348,8 +350,9 @@ class _Compiled:
       self.smem_user[i] = smem
       self.res[i] = res
       if not self.comm[i]:
-        sat = 1 if it.kind == "gemm" else min(max(natural, 1),
-                                              -(-const.saturating_threads // threads))
+        sat = (
+          1 if it.kind == "gemm" else min(max(natural, 1), -(-const.saturating_threads // threads))
+        )
         self.w[i] = 1.0 / max(sat, 1)
 
   def _check_fits(self, it, threads, regs, smem):
@@ -357,39 +360,39 @@ class _Compiled:
     api = f"jax_overlap.sim: kernel {it.name!r}"
     if threads > gpu.max_threads_per_block:
       raise ValueError(
-          f"{api}: threads per block {threads} exceeds {gpu.name}'s limit of "
-          f"{gpu.max_threads_per_block}"
+        f"{api}: threads per block {threads} exceeds {gpu.name}'s limit of "
+        f"{gpu.max_threads_per_block}"
       )
     if smem > gpu.smem_per_block_optin:
       raise ValueError(
-          f"{api}: smem per block {smem} bytes exceeds {gpu.name}'s opt-in limit of "
-          f"{gpu.smem_per_block_optin}"
+        f"{api}: smem per block {smem} bytes exceeds {gpu.name}'s opt-in limit of "
+        f"{gpu.smem_per_block_optin}"
       )
     if regs_per_block(gpu, threads, regs) > gpu.regs_per_block:
       raise ValueError(
-          f"{api}: registers per block {threads} x {regs} exceed {gpu.name}'s limit of "
-          f"{gpu.regs_per_block}"
+        f"{api}: registers per block {threads} x {regs} exceed {gpu.name}'s limit of "
+        f"{gpu.regs_per_block}"
       )
     lim = residency_limits(gpu, threads, regs, smem)
     if min(lim.values()) < 1:
       bad = [k for k, v in lim.items() if v < 1]
       raise ValueError(
-          f"{api}: a block ({threads} threads, {regs} registers/thread, {smem} bytes shared "
-          f"memory) cannot fit on one {gpu.name} SM at all (limited by {', '.join(bad)})"
+        f"{api}: a block ({threads} threads, {regs} registers/thread, {smem} bytes shared "
+        f"memory) cannot fit on one {gpu.name} SM at all (limited by {', '.join(bad)})"
       )
 
 
 def run(
-    wl: Workload,
-    target,
-    *,
-    priorities: Mapping[int, int] | None = None,
-    shaping: Mapping[str, object] | None = None,
-    constants: Constants | None = None,
-    policy_name: str = "custom",
-    record: bool = False,
-    check: bool = False,
-    baseline: bool = True,
+  wl: Workload,
+  target,
+  *,
+  priorities: Mapping[int, int] | None = None,
+  shaping: Mapping[str, object] | None = None,
+  constants: Constants | None = None,
+  policy_name: str = "custom",
+  record: bool = False,
+  check: bool = False,
+  baseline: bool = True,
 ) -> SimResult:
   """Simulates ``wl`` on one device of ``target``.
 
@@ -417,9 +420,7 @@ def run(
   iso = None
   if baseline:
     iso = {
-        it.name: isolated_time(_strip(it), topo, const)
-        for it in wl.items
-        if isinstance(it, Kernel)
+      it.name: isolated_time(_strip(it), topo, const) for it in wl.items if isinstance(it, Kernel)
     }
   timings, events, occ_t, occ, log = out
   makespan = max(t.end_s for t in timings)
@@ -442,7 +443,12 @@ def isolated_time(kernel: Kernel, topo: targets.Topology, const: Constants) -> f
 def _loop(wl, topo, const, cp: _Compiled, *, record: bool, check: bool):
   gpu = topo.gpu
   n_sm = gpu.sm_count
-  THR, REG, SMEM, BLK = gpu.max_threads_per_sm, gpu.regs_per_sm, gpu.smem_per_sm, gpu.max_blocks_per_sm
+  THR, REG, SMEM, BLK = (
+    gpu.max_threads_per_sm,
+    gpu.regs_per_sm,
+    gpu.smem_per_sm,
+    gpu.max_blocks_per_sm,
+  )
   bw_total = gpu.memory_bandwidth
   n = len(wl.items)
   grid, thr, regs, smem = cp.grid, cp.thr, cp.regs, cp.smem
@@ -507,8 +513,9 @@ def _loop(wl, topo, const, cp: _Compiled, *, record: bool, check: bool):
 
   def split(g, m):
     """Splits the first m SMs of g into a new group (a copy of g's state)."""
-    ng = _Group(g.sms[:m], g.thr, g.regs, g.smem, g.blk,
-                [_Batch(b.k, b.cnt, b.rem, b.t0) for b in g.batches])
+    ng = _Group(
+      g.sms[:m], g.thr, g.regs, g.smem, g.blk, [_Batch(b.k, b.cnt, b.rem, b.t0) for b in g.batches]
+    )
     g.sms = g.sms[m:]
     groups.append(ng)
     return ng
@@ -569,8 +576,8 @@ def _loop(wl, topo, const, cp: _Compiled, *, record: bool, check: bool):
     events += 1
     if events > max_events:
       raise RuntimeError(
-          f"jax_overlap.sim: the event loop did not terminate after {max_events} events "
-          f"(workload {wl.name!r}); this is a bug in the simulator"
+        f"jax_overlap.sim: the event loop did not terminate after {max_events} events "
+        f"(workload {wl.name!r}); this is a bug in the simulator"
       )
     while heap and heap[0][0] <= t * (1 + 1e-12) + 1e-18:
       _, k = heapq.heappop(heap)
@@ -596,7 +603,7 @@ def _loop(wl, topo, const, cp: _Compiled, *, record: bool, check: bool):
         continue
       stuck = [wl.items[k].name for k in range(n) if math.isnan(end[k])]
       raise RuntimeError(
-          f"jax_overlap.sim: nothing can run but {stuck[:5]} have not finished; this is a bug"
+        f"jax_overlap.sim: nothing can run but {stuck[:5]} have not finished; this is a bug"
       )
     n_comm: dict[float, int] = {}
     for g, b in batches:
@@ -608,7 +615,7 @@ def _loop(wl, topo, const, cp: _Compiled, *, record: bool, check: bool):
       for b in g.batches:
         if not comm[b.k]:
           wsum += b.cnt * w[b.k]
-      scale = 1.0 / wsum if wsum >= 1.0 else (wsum ** gamma) / wsum if wsum > 0 else 1.0
+      scale = 1.0 / wsum if wsum >= 1.0 else (wsum**gamma) / wsum if wsum > 0 else 1.0
       ng = len(g.sms)
       for b in g.batches:
         k = b.k
@@ -660,12 +667,21 @@ def _loop(wl, topo, const, cp: _Compiled, *, record: bool, check: bool):
       _merge(groups)
 
   timings = [
-      KernelTiming(
-          name=it.name, kind=it.kind, stream=it.stream, priority=prio[i], ready_s=ready[i],
-          start_s=start[i], end_s=end[i], blocks=grid[i], blocks_per_sm=cp.res[i],
-          threads=thr[i], smem=cp.smem_user[i], is_collective=comm[i],
-      )
-      for i, it in enumerate(wl.items)
+    KernelTiming(
+      name=it.name,
+      kind=it.kind,
+      stream=it.stream,
+      priority=prio[i],
+      ready_s=ready[i],
+      start_s=start[i],
+      end_s=end[i],
+      blocks=grid[i],
+      blocks_per_sm=cp.res[i],
+      threads=thr[i],
+      smem=cp.smem_user[i],
+      is_collective=comm[i],
+    )
+    for i, it in enumerate(wl.items)
   ]
   occ_times = np.asarray(occ_t) if record else None
   occ = np.vstack(occ_rows) if record and occ_rows else None
@@ -710,8 +726,12 @@ def _check_state(groups, cp, gpu, pending, fit) -> None:
     blk = sum(b.cnt for b in g.batches)
     if (thr, regs, smem, blk) != (g.thr, g.regs, g.smem, g.blk):
       raise AssertionError("group bookkeeping out of sync")
-    if (thr > gpu.max_threads_per_sm or regs > gpu.regs_per_sm or smem > gpu.smem_per_sm
-        or blk > gpu.max_blocks_per_sm):
+    if (
+      thr > gpu.max_threads_per_sm
+      or regs > gpu.regs_per_sm
+      or smem > gpu.smem_per_sm
+      or blk > gpu.max_blocks_per_sm
+    ):
       raise AssertionError(f"SM over a limit: threads={thr} regs={regs} smem={smem} blocks={blk}")
   if sorted(sms) != list(range(gpu.sm_count)):
     raise AssertionError("groups do not partition the SMs")

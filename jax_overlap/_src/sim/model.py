@@ -47,28 +47,53 @@ from collections.abc import Mapping
 from jax_overlap._src import targets
 
 __all__ = [
-    "COLLECTIVE_KINDS",
-    "COMPUTE_KINDS",
-    "Constants",
-    "Kernel",
-    "Collective",
-    "constants_for",
-    "residency",
-    "residency_limits",
-    "shaped_smem",
-    "gemm_config",
-    "dtype_bytes",
-    "Workload",
-    "regs_per_block",
+  "COLLECTIVE_KINDS",
+  "COMPUTE_KINDS",
+  "Constants",
+  "Kernel",
+  "Collective",
+  "constants_for",
+  "residency",
+  "residency_limits",
+  "shaped_smem",
+  "gemm_config",
+  "dtype_bytes",
+  "Workload",
+  "regs_per_block",
 ]
 
 COMPUTE_KINDS = ("gemm", "fusion", "reduction", "copy", "custom", "other")
-COLLECTIVE_KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+COLLECTIVE_KINDS = (
+  "all-gather",
+  "reduce-scatter",
+  "all-reduce",
+  "all-to-all",
+  "collective-permute",
+)
 
 _DTYPE_BYTES = {
-    "f64": 8, "float64": 8, "f32": 4, "float32": 4, "tf32": 4, "bf16": 2, "bfloat16": 2,
-    "f16": 2, "float16": 2, "f8": 1, "fp8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s8": 1, "int8": 1,
-    "u8": 1, "s32": 4, "int32": 4, "u32": 4, "pred": 1, "s64": 8, "int64": 8,
+  "f64": 8,
+  "float64": 8,
+  "f32": 4,
+  "float32": 4,
+  "tf32": 4,
+  "bf16": 2,
+  "bfloat16": 2,
+  "f16": 2,
+  "float16": 2,
+  "f8": 1,
+  "fp8": 1,
+  "f8e4m3fn": 1,
+  "f8e5m2": 1,
+  "s8": 1,
+  "int8": 1,
+  "u8": 1,
+  "s32": 4,
+  "int32": 4,
+  "u32": 4,
+  "pred": 1,
+  "s64": 8,
+  "int64": 8,
 }
 
 
@@ -134,8 +159,18 @@ class Constants:
       v = getattr(self, f.name)
       if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
         raise TypeError(f"sim.Constants: {f.name} must be a finite number, got {v!r}")
-      if v < 0 or (v == 0 and f.name not in ("launch_overhead_s", "event_latency_s", "block_overhead_s", "comm_smem", "block_jitter",
-                                               "occupancy_exponent")):
+      if v < 0 or (
+        v == 0
+        and f.name
+        not in (
+          "launch_overhead_s",
+          "event_latency_s",
+          "block_overhead_s",
+          "comm_smem",
+          "block_jitter",
+          "occupancy_exponent",
+        )
+      ):
         raise ValueError(f"sim.Constants: {f.name} must be positive, got {v!r}")
 
   def replace(self, **changes) -> Constants:
@@ -143,20 +178,29 @@ class Constants:
 
 
 _CONSTANTS = {
-    "a40": Constants(gemm_efficiency=0.75, cta_copy_bandwidth=16e9, channels=2,
-                     saturating_threads=768),
-    "a100": Constants(gemm_efficiency=0.85, cta_copy_bandwidth=15e9, channels=16),
-    "a100-40": Constants(gemm_efficiency=0.85, cta_copy_bandwidth=15e9, channels=16),
-    "h100": Constants(gemm_efficiency=0.72, cta_copy_bandwidth=20e9, channels=24),
-    "h200": Constants(gemm_efficiency=0.74, cta_copy_bandwidth=20e9, channels=24),
-    # RCCL on MI250X: 256-thread CTAs; register use is an assumption (128 VGPRs/lane).
-    "mi250x": Constants(gemm_efficiency=0.62, cta_copy_bandwidth=12e9, channels=16,
-                        launch_overhead_s=3e-6, event_latency_s=8e-6, comm_threads=256,
-                        comm_regs=128),
+  "a40": Constants(
+    gemm_efficiency=0.75, cta_copy_bandwidth=16e9, channels=2, saturating_threads=768
+  ),
+  "a100": Constants(gemm_efficiency=0.85, cta_copy_bandwidth=15e9, channels=16),
+  "a100-40": Constants(gemm_efficiency=0.85, cta_copy_bandwidth=15e9, channels=16),
+  "h100": Constants(gemm_efficiency=0.72, cta_copy_bandwidth=20e9, channels=24),
+  "h200": Constants(gemm_efficiency=0.74, cta_copy_bandwidth=20e9, channels=24),
+  # RCCL on MI250X: 256-thread CTAs; register use is an assumption (128 VGPRs/lane).
+  "mi250x": Constants(
+    gemm_efficiency=0.62,
+    cta_copy_bandwidth=12e9,
+    channels=16,
+    launch_overhead_s=3e-6,
+    event_latency_s=8e-6,
+    comm_threads=256,
+    comm_regs=128,
+  ),
 }
 
 
-def constants_for(gpu: str | targets.Gpu, overrides: Mapping[str, float] | None = None) -> Constants:
+def constants_for(
+  gpu: str | targets.Gpu, overrides: Mapping[str, float] | None = None
+) -> Constants:
   """Default :class:`Constants` for a catalogue GPU, with optional overrides."""
   g = targets.get_gpu(gpu)
   c = _CONSTANTS.get(g.name, Constants())
@@ -178,10 +222,10 @@ def residency_limits(gpu: targets.Gpu, threads: int, regs_per_thread: int, smem_
   smem_block = smem_bytes + gpu.smem_reserved_per_block
   by_smem = gpu.smem_per_sm // smem_block if smem_block > 0 else gpu.max_blocks_per_sm
   return {
-      "threads": by_threads,
-      "registers": by_regs,
-      "shared_memory": by_smem,
-      "blocks": gpu.max_blocks_per_sm,
+    "threads": by_threads,
+    "registers": by_regs,
+    "shared_memory": by_smem,
+    "blocks": gpu.max_blocks_per_sm,
   }
 
 
@@ -292,8 +336,18 @@ class Kernel:
     object.__setattr__(self, "after", tuple(self.after))
 
   @classmethod
-  def gemm(cls, name: str, m: int, n: int, k: int, *, dtype: str = "bf16", stream: int = 0,
-           after: tuple[str, ...] = (), batch: int = 1) -> Kernel:
+  def gemm(
+    cls,
+    name: str,
+    m: int,
+    n: int,
+    k: int,
+    *,
+    dtype: str = "bf16",
+    stream: int = 0,
+    after: tuple[str, ...] = (),
+    batch: int = 1,
+  ) -> Kernel:
     """A GEMM of ``batch`` x (m x k) @ (k x n), launch configuration chosen per target."""
     api = f"sim.Kernel.gemm({name!r})"
     for f, v in (("m", m), ("n", n), ("k", k), ("batch", batch)):
@@ -301,8 +355,18 @@ class Kernel:
     elt = dtype_bytes(dtype)
     flops = 2.0 * m * n * k * batch
     byts = float(batch) * (2 * (m * k + k * n) * elt + m * n * elt)
-    return cls(name=name, grid=None, threads=None, flops=flops, bytes=byts, stream=stream,
-               after=tuple(after), kind="gemm", dtype=dtype, gemm_mnk=(m * batch, n, k))
+    return cls(
+      name=name,
+      grid=None,
+      threads=None,
+      flops=flops,
+      bytes=byts,
+      stream=stream,
+      after=tuple(after),
+      kind="gemm",
+      dtype=dtype,
+      gemm_mnk=(m * batch, n, k),
+    )
 
   @property
   def is_collective(self) -> bool:
@@ -361,10 +425,10 @@ class Collective:
 
 # (tm, tn, tk, stages, threads, regs) per architecture family, large tile first.
 _GEMM_TILES = {
-    "hopper": [(128, 256, 64, 4, 384, 168), (128, 128, 64, 6, 384, 168)],
-    "ampere": [(256, 128, 64, 3, 256, 232), (128, 128, 32, 5, 256, 128)],
-    "ampere86": [(256, 128, 32, 3, 256, 232), (128, 128, 32, 3, 256, 128)],
-    "cdna2": [(256, 128, 32, 2, 256, 256), (128, 128, 32, 2, 256, 128)],
+  "hopper": [(128, 256, 64, 4, 384, 168), (128, 128, 64, 6, 384, 168)],
+  "ampere": [(256, 128, 64, 3, 256, 232), (128, 128, 32, 5, 256, 128)],
+  "ampere86": [(256, 128, 32, 3, 256, 232), (128, 128, 32, 3, 256, 128)],
+  "cdna2": [(256, 128, 32, 2, 256, 256), (128, 128, 32, 2, 256, 128)],
 }
 
 
@@ -397,11 +461,11 @@ def gemm_config(gpu: targets.Gpu, m: int, n: int, k: int, dtype: str = "bf16") -
     smem += 8 * 1024  # epilogue staging and pipeline barriers
   smem = min(smem, gpu.smem_per_block_optin)
   return {
-      "tile": (tm, tn, tk),
-      "grid": math.ceil(m / tm) * math.ceil(n / tn),
-      "threads": threads,
-      "regs": regs,
-      "smem": int(smem),
+    "tile": (tm, tn, tk),
+    "grid": math.ceil(m / tm) * math.ceil(n / tn),
+    "threads": threads,
+    "regs": regs,
+    "smem": int(smem),
   }
 
 
@@ -426,19 +490,19 @@ class Workload:
     for i, it in enumerate(items):
       if not isinstance(it, (Kernel, Collective)):
         raise TypeError(
-            f"sim.Workload({self.name!r}): items[{i}] must be a sim.Kernel or sim.Collective, "
-            f"got {type(it).__name__}"
+          f"sim.Workload({self.name!r}): items[{i}] must be a sim.Kernel or sim.Collective, "
+          f"got {type(it).__name__}"
         )
       if it.name in seen:
         raise ValueError(
-            f"sim.Workload({self.name!r}): duplicate name {it.name!r} at items[{seen[it.name]}] "
-            f"and items[{i}]"
+          f"sim.Workload({self.name!r}): duplicate name {it.name!r} at items[{seen[it.name]}] "
+          f"and items[{i}]"
         )
       for a in it.after:
         if a not in seen:
           raise ValueError(
-              f"sim.Workload({self.name!r}): {it.name!r} waits for {a!r}, which is not an "
-              "earlier item of the workload"
+            f"sim.Workload({self.name!r}): {it.name!r} waits for {a!r}, which is not an "
+            "earlier item of the workload"
           )
       seen[it.name] = i
 
@@ -475,7 +539,7 @@ class Workload:
       if not isinstance(c, Collective):
         continue
       names = []
-      for it in self.items[i + 1:]:
+      for it in self.items[i + 1 :]:
         if c.name in it.after:
           break
         if isinstance(it, Kernel) and it.stream != c.stream:

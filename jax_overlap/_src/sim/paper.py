@@ -40,10 +40,11 @@ def paper_mixes() -> dict:
   """The workloads of the table, by name."""
   att = workloads.attention("attn", 4096, 4096, 2048)
   return {
-      "fsdp": workloads.transformer_step(4, d=4096, tokens=4096, name="fsdp"),
-      "tp-gemm": workloads.tp_chain(6, 8192, 8192, lag=2, name="tp-gemm"),
-      "tp-attention": workloads.tp_chain(6, 8192, 4096, lag=2, kernel=lambda i: att,
-                                         name="tp-attention"),
+    "fsdp": workloads.transformer_step(4, d=4096, tokens=4096, name="fsdp"),
+    "tp-gemm": workloads.tp_chain(6, 8192, 8192, lag=2, name="tp-gemm"),
+    "tp-attention": workloads.tp_chain(
+      6, 8192, 4096, lag=2, kernel=lambda i: att, name="tp-attention"
+    ),
   }
 
 
@@ -64,64 +65,85 @@ class PaperTable:
       best = max(rows, key=lambda r: r["controls_reduction"])
       seq = max(rows, key=lambda r: r["vs_sequential"])
       lines.append(
-          f"{g}: controls cut up to {best['controls_reduction']:.1%} vs concurrency "
-          f"({best['mix']}, {best['best_policy']}); up to {seq['vs_sequential']:.1%} vs "
-          f"sequential ({seq['mix']}); with free shaping p+s reaches "
-          f"{max(r['free_reduction'] for r in rows):.1%}"
+        f"{g}: controls cut up to {best['controls_reduction']:.1%} vs concurrency "
+        f"({best['mix']}, {best['best_policy']}); up to {seq['vs_sequential']:.1%} vs "
+        f"sequential ({seq['mix']}); with free shaping p+s reaches "
+        f"{max(r['free_reduction'] for r in rows):.1%}"
       )
     best = self.best_reduction()
     verdict = (
-        "agrees with" if best >= 0.8 * PAPER_REDUCTION else
-        "is below" if best < PAPER_REDUCTION else "exceeds"
+      "agrees with"
+      if best >= 0.8 * PAPER_REDUCTION
+      else "is below"
+      if best < PAPER_REDUCTION
+      else "exceeds"
     )
     lines.append(
-        f"Best reduction from the controls over plain concurrency: {best:.1%}; the paper "
-        f"reports up to {PAPER_REDUCTION:.1%}: the model {verdict} it."
+      f"Best reduction from the controls over plain concurrency: {best:.1%}; the paper "
+      f"reports up to {PAPER_REDUCTION:.1%}: the model {verdict} it."
     )
     lines.append(
-        "Where the model agrees: the controls pay off when a collective on the critical path "
-        "becomes ready while a compute kernel is still dispatching blocks (tp mixes); "
-        "priority alone suffices where compute blocks sit one per SM (Hopper GEMM tiles), "
-        "shaping is needed as well where they pack two or more per SM (attention, Ampere), "
-        "because an NCCL CTA (640 threads x 96 registers) needs an SM to itself and an SM "
-        "only drains when it holds one block."
+      "Where the model agrees: the controls pay off when a collective on the critical path "
+      "becomes ready while a compute kernel is still dispatching blocks (tp mixes); "
+      "priority alone suffices where compute blocks sit one per SM (Hopper GEMM tiles), "
+      "shaping is needed as well where they pack two or more per SM (attention, Ampere), "
+      "because an NCCL CTA (640 threads x 96 registers) needs an SM to itself and an SM "
+      "only drains when it holds one block."
     )
     lines.append(
-        "Where it does not: in the FSDP step communication is mostly off the critical path, "
-        "so the controls change little and priority can even cost time (communication CTAs "
-        "take SMs from a one-wave GEMM: the tail effect); shaping a kernel below the "
-        "occupancy it needs costs throughput (occupancy_exponent), which can cancel the "
-        "gain; on MI250X RCCL's 256-thread CTAs fit beside GEMM blocks, so there is nothing "
-        "for shaping to free and overlap costs the GEMM only memory bandwidth, while "
-        "kernels that take the whole 64 KB LDS (attention) leave RCCL waiting for a CU to "
-        "drain, which priority alone fixes. The paper's figure is a best case over its "
-        "workloads; the model reaches it only where a collective on the critical path is "
-        "blocked by a multi-wave kernel."
+      "Where it does not: in the FSDP step communication is mostly off the critical path, "
+      "so the controls change little and priority can even cost time (communication CTAs "
+      "take SMs from a one-wave GEMM: the tail effect); shaping a kernel below the "
+      "occupancy it needs costs throughput (occupancy_exponent), which can cancel the "
+      "gain; on MI250X RCCL's 256-thread CTAs fit beside GEMM blocks, so there is nothing "
+      "for shaping to free and overlap costs the GEMM only memory bandwidth, while "
+      "kernels that take the whole 64 KB LDS (attention) leave RCCL waiting for a CU to "
+      "drain, which priority alone fixes. The paper's figure is a best case over its "
+      "workloads; the model reaches it only where a collective on the critical path is "
+      "blocked by a multi-wave kernel."
     )
     return "\n".join(lines)
 
   def markdown(self) -> str:
-    cols = ["gpu", "mix", *POLICIES, "p+s (free)", "tuned", "controls vs conc.",
-            "conc. vs seq."]
+    cols = ["gpu", "mix", *POLICIES, "p+s (free)", "tuned", "controls vs conc.", "conc. vs seq."]
     out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in self.rows:
-      vals = [r["gpu"], r["mix"]] + [f"{r['ms'][p]:.3f}" for p in POLICIES] + [
-          f"{r['free_ms']:.3f}", f"{r['tuned_ms']:.3f}" if r["tuned_ms"] else "-",
-          f"{r['controls_reduction']:.1%}", f"{r['vs_sequential']:.1%}"]
+      vals = (
+        [r["gpu"], r["mix"]]
+        + [f"{r['ms'][p]:.3f}" for p in POLICIES]
+        + [
+          f"{r['free_ms']:.3f}",
+          f"{r['tuned_ms']:.3f}" if r["tuned_ms"] else "-",
+          f"{r['controls_reduction']:.1%}",
+          f"{r['vs_sequential']:.1%}",
+        ]
+      )
       out.append("| " + " | ".join(vals) + " |")
     out.append("")
-    out.append("Times in ms of simulated step time on one device. " + self.summary().replace(
-        "\n", "\n\n"))
+    out.append(
+      "Times in ms of simulated step time on one device. " + self.summary().replace("\n", "\n\n")
+    )
     return "\n".join(out)
 
   def to_json(self) -> str:
-    return json.dumps({"rows": self.rows, "summary": self.summary(),
-                       "paper_reduction": PAPER_REDUCTION,
-                       "machine": {"platform": platform.platform()}}, indent=1)
+    return json.dumps(
+      {
+        "rows": self.rows,
+        "summary": self.summary(),
+        "paper_reduction": PAPER_REDUCTION,
+        "machine": {"platform": platform.platform()},
+      },
+      indent=1,
+    )
 
 
-def paper_table(gpus: Sequence[str] = PAPER_GPUS, *, mixes: dict | None = None,
-                tune: bool = True, progress: bool | None = False) -> PaperTable:
+def paper_table(
+  gpus: Sequence[str] = PAPER_GPUS,
+  *,
+  mixes: dict | None = None,
+  tune: bool = True,
+  progress: bool | None = False,
+) -> PaperTable:
   """Simulates each mix on each GPU under the five policies (and the tuner).
 
   Args:
@@ -140,16 +162,17 @@ def paper_table(gpus: Sequence[str] = PAPER_GPUS, *, mixes: dict | None = None,
     const = constants_for(g)
     free = const.replace(occupancy_exponent=0.0)
     for name, wl in mixes.items():
-      ms = {p: simulate(wl, g, p, constants=const, baseline=False).makespan_s * 1e3
-            for p in POLICIES}
-      free_ms = simulate(wl, g, "priority+shaping", constants=free,
-                         baseline=False).makespan_s * 1e3
+      ms = {
+        p: simulate(wl, g, p, constants=const, baseline=False).makespan_s * 1e3 for p in POLICIES
+      }
+      free_ms = simulate(wl, g, "priority+shaping", constants=free, baseline=False).makespan_s * 1e3
       tuned = _tune(wl, g, constants=const, progress=progress, max_evals=32) if tune else None
       controls = {p: ms[p] for p in ("priority", "shaping", "priority+shaping")}
       if tuned is not None:
         controls["tuned"] = tuned.makespan_s * 1e3
       best_policy = min(controls, key=controls.get)
-      rows.append({
+      rows.append(
+        {
           "gpu": g,
           "mix": name,
           "ms": ms,
@@ -160,5 +183,6 @@ def paper_table(gpus: Sequence[str] = PAPER_GPUS, *, mixes: dict | None = None,
           "controls_reduction": max(0.0, 1 - controls[best_policy] / ms["concurrent"]),
           "free_reduction": 1 - free_ms / ms["concurrent"],
           "vs_sequential": 1 - ms["concurrent"] / ms["sequential"],
-      })
+        }
+      )
   return PaperTable(rows)

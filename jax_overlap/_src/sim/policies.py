@@ -38,13 +38,13 @@ from jax_overlap._src.sim.model import (
 from jax_overlap._src.sim.model import residency as _residency
 
 __all__ = [
-    "POLICIES",
-    "Policy",
-    "get_policy",
-    "policy_from_plan",
-    "simulate",
-    "default_shaping",
-    "compare",
+  "POLICIES",
+  "Policy",
+  "get_policy",
+  "policy_from_plan",
+  "simulate",
+  "default_shaping",
+  "compare",
 ]
 
 POLICIES = ("sequential", "concurrent", "priority", "shaping", "priority+shaping")
@@ -111,15 +111,16 @@ def policy_from_plan(plan, wl: Workload) -> Policy:
   elif isinstance(plan, str):
     plan = json.loads(plan)
   if not isinstance(plan, Mapping):
-    raise TypeError(f"jax_overlap.sim: a plan must be a dict or JSON text, got {type(plan).__name__}")
+    raise TypeError(
+      f"jax_overlap.sim: a plan must be a dict or JSON text, got {type(plan).__name__}"
+    )
   rules = plan.get("kernels", [])
   names = [it.name for it in wl.items if not isinstance(it, Collective)]
   shaping: dict[str, object] = {}
   for i, rule in enumerate(rules):
     if not isinstance(rule, Mapping) or ("match" in rule) == ("regex" in rule):
       raise ValueError(
-          f"jax_overlap.sim: plan kernels[{i}] needs exactly one of 'match' or 'regex', got "
-          f"{rule!r}"
+        f"jax_overlap.sim: plan kernels[{i}] needs exactly one of 'match' or 'regex', got {rule!r}"
       )
     if "match" in rule:
       hits = [n for n in names if fnmatch.fnmatchcase(n, rule["match"])]
@@ -128,8 +129,8 @@ def policy_from_plan(plan, wl: Workload) -> Policy:
       hits = [n for n in names if rx.search(n)]
     if not hits:
       raise ValueError(
-          f"jax_overlap.sim: plan kernels[{i}] ({rule.get('match', rule.get('regex'))!r}) "
-          f"names no kernel of workload {wl.name!r}"
+        f"jax_overlap.sim: plan kernels[{i}] ({rule.get('match', rule.get('regex'))!r}) "
+        f"names no kernel of workload {wl.name!r}"
       )
     spec = {k: rule[k] for k in ("blocks_per_sm", "padding_bytes") if k in rule}
     for n in hits:
@@ -137,7 +138,7 @@ def policy_from_plan(plan, wl: Workload) -> Policy:
   prio = plan.get("streams", {}).get("priority", "default")
   if prio not in ("highest", "default"):
     raise ValueError(
-        f"jax_overlap.sim: plan streams.priority must be 'highest' or 'default', got {prio!r}"
+      f"jax_overlap.sim: plan streams.priority must be 'highest' or 'default', got {prio!r}"
     )
   return Policy("plan", priority=prio == "highest", shaping=shaping)
 
@@ -146,8 +147,9 @@ def _comm_streams(wl: Workload) -> set[int]:
   return {c.stream for c in wl.collectives}
 
 
-def shaping_choices(wl: Workload, target, kernel_name: str,
-                    constants: Constants | None = None) -> list[int]:
+def shaping_choices(
+  wl: Workload, target, kernel_name: str, constants: Constants | None = None
+) -> list[int]:
   """Blocks-per-SM settings that change a kernel's residency, from natural down to 1."""
   topo = engine.resolve_target(target)
   k = wl.item(kernel_name)
@@ -201,10 +203,12 @@ def default_shaping(wl: Workload, target, constants: Constants | None = None) ->
       for r in _choices(k, gpu):
         s = shaped_smem(gpu, smem, r) + gpu.smem_reserved_per_block
         thr = -(-threads // gpu.warp_size) * gpu.warp_size
-        if (r * s + csm + gpu.smem_reserved_per_block <= gpu.smem_per_sm
-            and r * regs_per_block(gpu, threads, regs) + c_regs <= gpu.regs_per_sm
-            and r * thr + c_thr <= gpu.max_threads_per_sm
-            and r + 1 <= gpu.max_blocks_per_sm):
+        if (
+          r * s + csm + gpu.smem_reserved_per_block <= gpu.smem_per_sm
+          and r * regs_per_block(gpu, threads, regs) + c_regs <= gpu.regs_per_sm
+          and r * thr + c_thr <= gpu.max_threads_per_sm
+          and r + 1 <= gpu.max_blocks_per_sm
+        ):
           best = r
           break
       memo[key] = best
@@ -227,19 +231,21 @@ def apply(policy, wl: Workload, target, constants: Constants | None = None):
   elif pol.shaping in (None, False):
     shaping = {}
   else:
-    raise TypeError(f"jax_overlap.sim: Policy.shaping must be a dict or a bool, got {pol.shaping!r}")
+    raise TypeError(
+      f"jax_overlap.sim: Policy.shaping must be a dict or a bool, got {pol.shaping!r}"
+    )
   return wl, priorities, shaping
 
 
 def simulate(
-    workload: Workload,
-    target: str | targets.Topology | targets.Gpu = "h100x8",
-    policy: str | Policy | Mapping = "concurrent",
-    *,
-    constants: Constants | Mapping[str, float] | None = None,
-    record: bool = False,
-    check: bool = False,
-    baseline: bool = True,
+  workload: Workload,
+  target: str | targets.Topology | targets.Gpu = "h100x8",
+  policy: str | Policy | Mapping = "concurrent",
+  *,
+  constants: Constants | Mapping[str, float] | None = None,
+  record: bool = False,
+  check: bool = False,
+  baseline: bool = True,
 ) -> engine.SimResult:
   """Simulates ``workload`` on one device of ``target`` under ``policy``.
 
@@ -269,9 +275,17 @@ def simulate(
   topo = engine.resolve_target(target)
   const = _constants(constants, topo)
   wl2, prios, shaping = apply(policy, workload, topo, const)
-  return engine.run(wl2, topo, priorities=prios, shaping=shaping, constants=const,
-                    policy_name=_resolve(policy, workload).name, record=record, check=check,
-                    baseline=baseline)
+  return engine.run(
+    wl2,
+    topo,
+    priorities=prios,
+    shaping=shaping,
+    constants=const,
+    policy_name=_resolve(policy, workload).name,
+    record=record,
+    check=check,
+    baseline=baseline,
+  )
 
 
 def _resolve(policy, wl: Workload) -> Policy:
@@ -287,7 +301,9 @@ def _constants(constants, topo) -> Constants:
     return constants
   if isinstance(constants, Mapping):
     return constants_for(topo.gpu, constants)
-  raise TypeError(f"jax_overlap.sim: constants must be a sim.Constants or a dict, got {constants!r}")
+  raise TypeError(
+    f"jax_overlap.sim: constants must be a sim.Constants or a dict, got {constants!r}"
+  )
 
 
 def compare(workload: Workload, target="h100x8", policies=POLICIES, **kwargs) -> dict:

@@ -9,10 +9,12 @@ share DRAM bandwidth with the kernels, under each policy. The gap between the tw
 tells a user whether the runtime controls are worth turning on.
 
 Conversion (:func:`workload_from_report`):
-  * kernels keep their order on stream 0. GEMMs with ``gemm_mnk`` are rebuilt by shape
-    (:meth:`Kernel.gemm`): a deviceless compile cannot autotune, so its GEMM launch
-    configurations are defaults, not what runs on hardware. Other kernels keep the
-    report's grid, threads, shared memory and registers (32 when unknown), flops and bytes;
+  * kernels keep their order on stream 0. Kernels with ``gemm_mnk`` (GEMMs and fusions
+    containing a dot) are rebuilt by shape (:meth:`Kernel.gemm`): a deviceless compile
+    cannot autotune, so its GEMM launch configurations are defaults, not what runs on
+    hardware. Other kernels keep the report's grid, threads (256 when unknown), shared
+    memory and registers (32 when unknown), flops and bytes; convolutions count as
+    tensor-core ("custom") kernels;
   * a kernel with an empty grid (a memcpy or a custom call without launch information) is
     modelled as one 32-thread block carrying its bytes and flops;
   * asynchronous collectives go on stream 1 in issue order; each waits (event) for the
@@ -31,23 +33,24 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from jax_overlap._src import targets
 from jax_overlap._src.sim import engine
 from jax_overlap._src.sim.model import (
-    COLLECTIVE_KINDS,
-    COMPUTE_KINDS,
-    Collective,
-    Constants,
-    Kernel,
-    Workload,
+  COLLECTIVE_KINDS,
+  COMPUTE_KINDS,
+  Collective,
+  Constants,
+  Kernel,
+  Workload,
 )
 from jax_overlap._src.sim.policies import POLICIES, Policy, _constants, get_policy, simulate
 
 __all__ = [
-    "workload_from_report",
-    "analysis_step_time",
-    "critical_path",
-    "realize",
-    "RealizeResult",
+  "workload_from_report",
+  "analysis_step_time",
+  "critical_path",
+  "realize",
+  "RealizeResult",
 ]
 
 
@@ -104,18 +107,16 @@ def _convert(report, channels):
     kind = _attr(c, "kind", where)
     if kind not in COLLECTIVE_KINDS:
       raise ValueError(
-          f"sim.workload_from_report: {where}.kind must be one of {COLLECTIVE_KINDS}, got "
-          f"{kind!r}"
+        f"sim.workload_from_report: {where}.kind must be one of {COLLECTIVE_KINDS}, got {kind!r}"
       )
     s, d = int(_attr(c, "start_index", where)), int(_attr(c, "done_index", where))
     if not 0 <= s <= n or not 0 <= d <= n:
       raise ValueError(
-          f"sim.workload_from_report: {where}: start_index {s} and done_index {d} must be in "
-          f"[0, {n}]"
+        f"sim.workload_from_report: {where}: start_index {s} and done_index {d} must be in [0, {n}]"
       )
     if d < s:
       raise ValueError(
-          f"sim.workload_from_report: {where}: done_index {d} is before start_index {s}"
+        f"sim.workload_from_report: {where}: done_index {d} is before start_index {s}"
       )
     nbytes = float(_attr(c, "bytes", where))
     if nbytes < 0:
@@ -126,8 +127,17 @@ def _convert(report, channels):
     cnames.add(cname)
     sync = bool(getattr(c, "synchronous", False))
     after = (names[s - 1],) if (s > 0 and not sync) else ()
-    issued[s].append(Collective(cname, kind, nbytes, group_size=int(_attr(c, "group_size", where)),
-                                stream=0 if sync else 1, after=after, channels=channels))
+    issued[s].append(
+      Collective(
+        cname,
+        kind,
+        nbytes,
+        group_size=int(_attr(c, "group_size", where)),
+        stream=0 if sync else 1,
+        after=after,
+        channels=channels,
+      )
+    )
     times[cname] = float(getattr(c, "time_s", 0.0) or 0.0)
     if not sync and d < n:
       waits[d].append(cname)
@@ -141,7 +151,7 @@ def _convert(report, channels):
 
 def _kernel(k, name: str, after: tuple[str, ...]) -> Kernel:
   where = f"report kernel {name!r}"
-  kind = str(_attr(k, "kind", where))
+  raw_kind = kind = str(_attr(k, "kind", where))
   if kind not in COMPUTE_KINDS:
     kind = "other"
   for f in ("grid_blocks", "threads_per_block", "smem_bytes", "flops", "bytes_accessed"):
@@ -152,19 +162,30 @@ def _kernel(k, name: str, after: tuple[str, ...]) -> Kernel:
   mnk = getattr(k, "gemm_mnk", None)
   flops = float(_attr(k, "flops", where) or 0.0)
   nbytes = float(_attr(k, "bytes_accessed", where) or 0.0)
-  if kind == "gemm" and mnk:
-    g = Kernel.gemm(name, *(int(x) for x in mnk), dtype=dtype, after=after)
-    return g
+  if mnk:
+    # Any kernel with a dot (a Triton GEMM fusion, a cuBLAS call): rebuilt by shape.
+    return Kernel.gemm(name, *(int(x) for x in mnk), dtype=dtype, after=after)
+  if raw_kind == "convolution":
+    kind = "custom"  # tensor-core kernel with its own launch configuration
   grid = int(_attr(k, "grid_blocks", where))
   threads = int(_attr(k, "threads_per_block", where))
   if grid == 0:
     grid, threads = 1, 32
-  if threads < 1:
-    raise ValueError(f"sim.workload_from_report: {where}: threads_per_block must be >= 1")
+  elif threads == 0:
+    threads = 256  # unknown: XLA's usual block size for loop fusions
   regs = getattr(k, "regs_per_thread", None) or 32
-  return Kernel(name, grid=grid, threads=threads, regs=int(regs),
-                smem=int(_attr(k, "smem_bytes", where) or 0), flops=flops, bytes=nbytes,
-                after=after, kind=kind, dtype=dtype)
+  return Kernel(
+    name,
+    grid=grid,
+    threads=threads,
+    regs=int(regs),
+    smem=int(_attr(k, "smem_bytes", where) or 0),
+    flops=flops,
+    bytes=nbytes,
+    after=after,
+    kind=kind,
+    dtype=dtype,
+  )
 
 
 def critical_path(wl: Workload, durations) -> float:
@@ -220,17 +241,34 @@ class RealizeResult:
     return min(self.results, key=lambda p: self.results[p].makespan_s)
 
   def table(self) -> str:
-    lines = [f"analysis (contention-free): {self.analysis_s * 1e3:.4f} ms",
-             f"simulator, no contention:   {self.ideal_s * 1e3:.4f} ms"]
+    lines = [
+      f"analysis (contention-free): {self.analysis_s * 1e3:.4f} ms",
+      f"simulator, no contention:   {self.ideal_s * 1e3:.4f} ms",
+    ]
     for p, r in self.results.items():
-      lines.append(f"{p:>18}: {r.makespan_s * 1e3:.4f} ms  ({self.gap(p):+.1%} vs analysis, "
-                   f"{self.contention(p):+.1%} over unlimited resources, compute slowdown "
-                   f"{r.compute_slowdown:.1%})")
+      lines.append(
+        f"{p:>18}: {r.makespan_s * 1e3:.4f} ms  ({self.gap(p):+.1%} vs analysis, "
+        f"{self.contention(p):+.1%} over unlimited resources, compute slowdown "
+        f"{r.compute_slowdown:.1%})"
+      )
     return "\n".join(lines)
 
 
-def realize(report, policy: str | Policy | Sequence[str | Policy] | None = None, *,
-            constants: Constants | dict | None = None, channels: int | None = None):
+def _target(report) -> targets.Topology:
+  """The report's topology: its ``topology`` object when it has one, else ``target``."""
+  topo = getattr(report, "topology", None)
+  if isinstance(topo, targets.Topology):
+    return topo
+  return engine.resolve_target(_attr(report, "target", "report"))
+
+
+def realize(
+  report,
+  policy: str | Policy | Sequence[str | Policy] | None = None,
+  *,
+  constants: Constants | dict | None = None,
+  channels: int | None = None,
+):
   """Contention-aware step time of ``report``'s kernel sequence.
 
   Args:
@@ -247,8 +285,7 @@ def realize(report, policy: str | Policy | Sequence[str | Policy] | None = None,
     >>> res = realize(report)  # doctest: +SKIP
     >>> print(res.table())     # doctest: +SKIP
   """
-  target = _attr(report, "target", "report")
-  topo = engine.resolve_target(target)
+  topo = _target(report)
   wl = workload_from_report(report, channels=channels)
   if policy is None:
     pols = list(POLICIES)
@@ -264,6 +301,7 @@ def realize(report, policy: str | Policy | Sequence[str | Policy] | None = None,
   iso = dict(next(iter(results.values())).isolated_s)
   for c in wl.collectives:
     alone = dataclasses.replace(c, stream=0, after=())
-    iso[c.name] = engine.run(Workload((alone,), "alone"), topo, constants=const,
-                             baseline=False).makespan_s
+    iso[c.name] = engine.run(
+      Workload((alone,), "alone"), topo, constants=const, baseline=False
+    ).makespan_s
   return RealizeResult(analysis_step_time(report), critical_path(wl, iso), results, wl)

@@ -33,11 +33,11 @@ from collections.abc import Mapping
 from jax_overlap._src.sim import engine
 from jax_overlap._src.sim.model import Constants, Kernel, Workload
 from jax_overlap._src.sim.policies import (
-    Policy,
-    _constants,
-    default_shaping,
-    shaping_choices,
-    simulate,
+  Policy,
+  _constants,
+  default_shaping,
+  shaping_choices,
+  simulate,
 )
 
 __all__ = ["TuneResult", "tune", "plan_dict", "search_space"]
@@ -87,10 +87,10 @@ def plan_dict(target, shaping: Mapping[str, int], priority: bool) -> dict:
   """
   topo = engine.resolve_target(target)
   d = {
-      "version": 1,
-      "target": topo.gpu.name,
-      "kernels": [{"match": k, "blocks_per_sm": int(v)} for k, v in sorted(shaping.items())],
-      "streams": {"priority": "highest" if priority else "default"},
+    "version": 1,
+    "target": topo.gpu.name,
+    "kernels": [{"match": k, "blocks_per_sm": int(v)} for k, v in sorted(shaping.items())],
+    "streams": {"priority": "highest" if priority else "default"},
   }
   if topo.gpu.vendor != "nvidia":
     return d
@@ -107,8 +107,9 @@ def plan_dict(target, shaping: Mapping[str, int], priority: bool) -> dict:
 
 def _groups(wl: Workload, mode: str) -> list[list[str]]:
   kinds = {it.name: it for it in wl.items}
-  windows = [[n for n in names if isinstance(kinds[n], Kernel)]
-             for names in wl.overlap_windows().values()]
+  windows = [
+    [n for n in names if isinstance(kinds[n], Kernel)] for names in wl.overlap_windows().values()
+  ]
   windows = [w for w in windows if w]
   if mode == "kernel":
     seen: list[str] = []
@@ -181,8 +182,11 @@ class _Progress:
     if now - self.last >= 2.0:
       self.last = now
       tot = f"/{self.total}" if self.total else ""
-      print(f"{self.desc}: {self.n}{tot} evaluations, best {best * 1e3:.4f} ms",
-            file=sys.stderr, flush=True)
+      print(
+        f"{self.desc}: {self.n}{tot} evaluations, best {best * 1e3:.4f} ms",
+        file=sys.stderr,
+        flush=True,
+      )
 
   def close(self):
     if self.bar is not None:
@@ -190,15 +194,16 @@ class _Progress:
 
 
 def tune(
-    workload: Workload,
-    target="h100x8",
-    *,
-    groups: str = "window",
-    method: str = "auto",
-    max_evals: int = 256,
-    priority: bool | None = None,
-    constants: Constants | Mapping[str, float] | None = None,
-    progress: bool | None = None,
+  workload: Workload,
+  target="h100x8",
+  *,
+  groups: str = "window",
+  method: str = "auto",
+  max_evals: int = 256,
+  priority: bool | None = None,
+  min_gain: float = 0.002,
+  constants: Constants | Mapping[str, float] | None = None,
+  progress: bool | None = None,
 ) -> TuneResult:
   """Chooses shaping and priority for ``workload`` on ``target`` by simulation.
 
@@ -211,6 +216,8 @@ def tune(
       "coordinate".
     max_evals: the largest space searched exhaustively under "auto".
     priority: fix communication priority on/off; None searches both.
+    min_gain: a plan that beats plain concurrency by less than this fraction is not worth
+      turning the controls on for; the empty plan is returned instead.
     constants: model constants or overrides.
     progress: show progress (tqdm if installed, else a line every 2 s); None: only when
       stderr is a terminal.
@@ -230,7 +237,7 @@ def tune(
   """
   if method not in ("auto", "exhaustive", "coordinate"):
     raise ValueError(
-        f"sim.tune: method must be 'auto', 'exhaustive' or 'coordinate', got {method!r}"
+      f"sim.tune: method must be 'auto', 'exhaustive' or 'coordinate', got {method!r}"
     )
   topo = engine.resolve_target(target)
   const = _constants(constants, topo)
@@ -264,12 +271,9 @@ def tune(
       t_best, p_best, s_best = min(cands, key=lambda c: c[0])
     else:
       default = default_shaping(workload, topo, const)
-      start = tuple(
-          min((default[n] for n in g if n in default), default=None) for g in gs
-      )
+      start = tuple(min((default[n] for n in g if n in default), default=None) for g in gs)
       starts = [(p, s) for p in prios for s in {tuple([None] * len(gs)), start}]
-      t_best, p_best, s_best = min(((evaluate(p, s), p, s) for p, s in starts),
-                                   key=lambda c: c[0])
+      t_best, p_best, s_best = min(((evaluate(p, s), p, s) for p, s in starts), key=lambda c: c[0])
       improved = True
       passes = 0
       while improved and passes < 4:
@@ -281,7 +285,7 @@ def tune(
             t_best, p_best, improved = t, p, True
         for gi in range(len(gs)):
           for v in settings[gi]:
-            s = s_best[:gi] + (v,) + s_best[gi + 1:]
+            s = s_best[:gi] + (v,) + s_best[gi + 1 :]
             t = evaluate(p_best, s)
             if t < t_best * (1 - 1e-12):
               t_best, s_best, improved = t, s, True
@@ -290,16 +294,23 @@ def tune(
   shaping = _shaping_for(gs, s_best, choices)
   base = simulate(workload, topo, "concurrent", constants=const, baseline=False).makespan_s
   seq = simulate(workload, topo, "sequential", constants=const, baseline=False).makespan_s
-  if base < t_best:  # the plain-concurrency point is in the space; keep the invariant exact
-    t_best, shaping, p_best = base, {}, False
+  if t_best > base * (1 - min_gain):  # not worth turning the controls on
+    p_best, shaping = bool(priority), {}
+    t_best = (
+      base
+      if not p_best
+      else simulate(
+        workload, topo, Policy("tuned", priority=True), constants=const, baseline=False
+      ).makespan_s
+    )
   return TuneResult(
-      plan=plan_dict(topo, shaping, p_best),
-      policy=Policy("tuned", priority=p_best, shaping=shaping),
-      makespan_s=t_best,
-      baseline_s=base,
-      sequential_s=seq,
-      gain=1.0 - t_best / base,
-      evaluations=len(cache),
-      method=method,
-      table=table,
+    plan=plan_dict(topo, shaping, p_best),
+    policy=Policy("tuned", priority=p_best, shaping=shaping),
+    makespan_s=t_best,
+    baseline_s=base,
+    sequential_s=seq,
+    gain=1.0 - t_best / base,
+    evaluations=len(cache),
+    method=method,
+    table=table,
   )

@@ -1,0 +1,766 @@
+"""``@jax_overlap.overlap``: rewrite a sharded step so collectives interleave with compute.
+
+The decorator traces the step to a jaxpr once per input signature and
+re-evaluates it with these changes, all of which keep the arithmetic exactly
+as written (operations are reordered and annotated, never changed):
+
+1. *Prefetch.* Inside each ``shard_map`` body, parameter all-gathers (gathers
+   whose input depends only on the body's inputs) are grouped into layers —
+   consecutive gathers in program order that no matmul separates — and each
+   group is issued ``prefetch`` layers ahead of its first use, so that the
+   gather of layer i+1 is in flight while layer i computes.
+2. *Per-layer reduce-scatter.* Each ``psum_scatter`` is issued right after
+   the operation that produces its input, so gradient reduce-scatters run
+   during the rest of the backward pass instead of piling up at its end.
+3. *Separate collectives.* The compile gets XLA combine thresholds no larger
+   than one layer's collective, so the combiner cannot merge the gathers of
+   several layers into one that nothing can hide.
+4. *Annotations.* Every collective gets frontend attributes naming the layer
+   group it belongs to (``_jax_overlap_pair``), its priority class
+   (``_jax_overlap_priority``) and occupancy class (``_jax_overlap_occupancy``);
+   the matmuls it should hide under carry the same pair id. They reach the
+   compiled HLO (combiners join them with commas), where the analysis and the
+   runtime controls read them.
+5. *Compiler options.* The target's recommended options (``flags.py``).
+
+Programs without explicit collectives (GSPMD inserts them during
+partitioning) get 3 and 5 only; ``explain()`` says so. Stacked layers under
+``lax.scan`` are pipelined by :func:`jax_overlap.fsdp.scan_layers`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental.xla_metadata import set_xla_metadata
+
+from jax_overlap._src import flags as flags_lib
+from jax_overlap._src import targets as targets_lib
+
+__all__ = ["overlap", "Overlapped", "Explanation", "Action", "priority"]
+
+_GATHER = "all_gather"
+_SCATTER = "reduce_scatter"
+_COLLECTIVES = {"all_gather", "reduce_scatter", "psum", "psum_invariant", "ppermute", "all_to_all", "pmax", "pmin"}
+SCHEDULING_GROUPS = False
+_MATMUL = {"dot_general", "conv_general_dilated", "ragged_dot_general"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Action:
+  """One thing the transform did (or left alone, with the reason)."""
+
+  kind: str  # "prefetch", "reduce_scatter", "annotate", "compiler_option", "left_alone"
+  where: str
+  detail: str
+
+
+@dataclasses.dataclass
+class Explanation:
+  """What ``overlap`` rewrote and why."""
+
+  actions: list[Action]
+  xla_options: dict[str, Any]
+  notes: list[str]
+
+  def of_kind(self, kind: str) -> list[Action]:
+    return [a for a in self.actions if a.kind == kind]
+
+  def __str__(self) -> str:
+    lines = ["jax_overlap.overlap:"]
+    for kind in ("prefetch", "reduce_scatter", "annotate", "compiler_option", "left_alone"):
+      acts = self.of_kind(kind)
+      if acts:
+        lines.append(f"  {kind} ({len(acts)}):")
+        lines.extend(f"    [{a.where}] {a.detail}" for a in acts)
+    lines.extend(f"  note: {n}" for n in self.notes)
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------
+# Manual annotation.
+# ---------------------------------------------------------------------------
+
+
+class priority:  # noqa: N801 - used as a context manager, like jax's own
+  """Marks the collectives (and ops) traced inside as a priority class.
+
+  ``with jax_overlap.priority("high"): y = jax.lax.all_gather(...)`` attaches
+  the frontend attribute ``_jax_overlap_priority="high"`` to the enclosed ops;
+  it reaches the compiled HLO, where the analysis and the runtime plan read it.
+  Also usable as a decorator.
+  """
+
+  _CLASSES = ("high", "normal", "low")
+
+  def __init__(self, level: str = "high"):
+    if level not in self._CLASSES:
+      raise ValueError(f"priority: level must be one of {', '.join(self._CLASSES)}, got {level!r}")
+    self.level = level
+    self._cm = None
+
+  def __enter__(self):
+    self._cm = set_xla_metadata(_jax_overlap_priority=self.level)
+    return self._cm.__enter__()
+
+  def __exit__(self, *exc):
+    cm, self._cm = self._cm, None
+    return cm.__exit__(*exc)
+
+  def __call__(self, fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+      with priority(self.level):
+        return fn(*args, **kwargs)
+
+    return wrapped
+
+
+# ---------------------------------------------------------------------------
+# The jaxpr pass.
+# ---------------------------------------------------------------------------
+
+
+def _pure(eqn) -> bool:
+  """No effects other than naming a mesh axis (which every collective has)."""
+  return all(type(eff).__name__ == "NamedAxisEffect" for eff in eqn.effects)
+
+
+def _is_var(x) -> bool:
+  return not hasattr(x, "val")
+
+
+def _nbytes(aval) -> int:
+  try:
+    return int(math.prod(aval.shape) * np.dtype(aval.dtype).itemsize)
+  except (TypeError, AttributeError):
+    return 0
+
+
+@dataclasses.dataclass
+class _BodyPlan:
+  order: list[int]
+  metadata: dict[int, dict[str, str]]
+  actions: list[Action]
+  gather_groups: int
+  max_group_gather_bytes: int
+  max_scatter_bytes: int
+  max_gather_bytes: int = 0
+  max_scatter_out_bytes: int = 0
+  axis_size: int = 1
+  chain_prev: dict = dataclasses.field(default_factory=dict)
+
+
+def _plan_body(
+    jaxpr, where: str, prefetch: int, reduce_scatter: str, annotate: bool, chain: bool = False
+) -> _BodyPlan:
+  eqns = list(jaxpr.eqns)
+  n = len(eqns)
+  producer: dict[Any, int] = {}
+  for i, e in enumerate(eqns):
+    for v in e.outvars:
+      producer[v] = i
+  deps = [[producer[v] for v in e.invars if _is_var(v) and v in producer] for e in eqns]
+  # Operations that depend only on the body's inputs and have no effects can move freely.
+  input_only = [False] * n
+  for i, e in enumerate(eqns):
+    input_only[i] = _pure(e) and all(input_only[d] for d in deps[i])
+  actions: list[Action] = []
+  key = [float(i) for i in range(n)]
+  metadata: dict[int, dict[str, str]] = {}
+
+  # 1. Group parameter gathers into layers.
+  groups: list[list[int]] = []
+  current: list[int] = []
+  for i, e in enumerate(eqns):
+    name = e.primitive.name
+    if name == _GATHER and input_only[i]:
+      current.append(i)
+    elif name in _MATMUL and current:
+      groups.append(current)
+      current = []
+  if current:
+    groups.append(current)
+  group_bytes = [sum(_nbytes(eqns[i].outvars[0].aval) for i in g) for g in groups]
+
+  def closure(i: int) -> list[int]:
+    out, stack = set(), [i]
+    while stack:
+      j = stack.pop()
+      for d in deps[j]:
+        if d not in out:
+          out.add(d)
+          stack.append(d)
+    return sorted(out)
+
+  if prefetch > 0 and groups:
+    for k, g in enumerate(groups):
+      anchor = groups[k - prefetch][-1] if k >= prefetch else -1
+      first = min(g)
+      if anchor >= first - 1:
+        continue  # already issued there
+      for r, i in enumerate(g):
+        new_key = anchor + 0.5 + r * 1e-6
+        for d in closure(i):
+          key[d] = min(key[d], new_key - 0.25 + d * 1e-9)
+        key[i] = new_key
+      label = f"layer {k}" + (f" before layer {k - prefetch}'s compute" if k >= prefetch else " at the start")
+      actions.append(
+          Action(
+              "prefetch",
+              where,
+              f"{len(g)} all-gather(s) of {label} ({group_bytes[k] / 2**20:.1f} MiB gathered), "
+              f"issued {prefetch} layer(s) ahead of first use",
+          )
+      )
+
+  # 2. Reduce-scatters right after the op producing their input.
+  max_scatter = 0
+  if reduce_scatter == "per_layer":
+    for i, e in enumerate(eqns):
+      if e.primitive.name != _SCATTER:
+        continue
+      max_scatter = max(max_scatter, sum(_nbytes(v.aval) for v in e.invars if _is_var(v)))
+      ready = max([key[d] for d in deps[i]], default=-1.0)
+      if ready < key[i] - 1.5:
+        key[i] = ready + 1e-3
+        actions.append(
+            Action("reduce_scatter", where, f"reduce-scatter #{i} moved up to just after its producer")
+        )
+
+  order = sorted(range(n), key=lambda i: (key[i], i))
+  # The order must stay topological; keys were only ever lowered along dependencies.
+  pos = {i: p for p, i in enumerate(order)}
+  if any(pos[d] > pos[i] for i in range(n) for d in deps[i]):
+    order = list(range(n))
+    actions = [Action("left_alone", where, "reordering would break a dependency; order kept")]
+
+  # 4. Annotations.
+  if annotate:
+    group_of = {i: k for k, g in enumerate(groups) for i in g}
+    for i, e in enumerate(eqns):
+      name = e.primitive.name
+      if name in _COLLECTIVES:
+        k = group_of.get(i)
+        pair = f"g{k}" if k is not None else f"op{i}"
+        metadata[i] = {
+            "_jax_overlap_pair": pair,
+            "_jax_overlap_priority": "high",
+            "_jax_overlap_occupancy": "communication",
+        }
+        if SCHEDULING_GROUPS and k is not None and k >= prefetch > 0:
+          metadata[i]["_scheduling_group_id"] = str(k)
+    # Matmuls between a prefetched group's issue point and its first use hide it.
+    if prefetch > 0:
+      for k in range(len(groups)):
+        if k < prefetch:
+          continue
+        lo, hi = groups[k - prefetch][-1], min(groups[k])
+        for i in range(lo + 1, hi):
+          if eqns[i].primitive.name in _MATMUL:
+            metadata[i] = {"_jax_overlap_pair": f"g{k}", "_jax_overlap_occupancy": "shaped"}
+            if SCHEDULING_GROUPS:
+              metadata[i]["_scheduling_group_id"] = str(k)
+    if metadata:
+      n_coll = sum(1 for m in metadata.values() if m.get("_jax_overlap_priority"))
+      actions.append(
+          Action(
+              "annotate",
+              where,
+              f"{n_coll} collective(s) tagged with pair id, priority 'high' and occupancy "
+              f"class; {len(metadata) - n_coll} matmul(s) tagged as the compute they hide under",
+          )
+      )
+  # Fine-grained issue: the first layer's gathers, and the reduce-scatters, one
+  # after another (an optimization barrier ties each one's input to the previous
+  # one's result), so XLA cannot merge them and compute starts on the first
+  # tensors while the rest are in flight.
+  chain_prev: dict[int, int] = {}
+  if chain:
+    pos = {i: p for p, i in enumerate(order)}
+    if groups:
+      first = sorted(groups[0], key=lambda i: pos[i])
+      for a_, b_ in zip(first, first[1:]):
+        chain_prev[b_] = a_
+    if reduce_scatter == "per_layer":
+      rs = sorted((i for i, e in enumerate(eqns) if e.primitive.name == _SCATTER), key=lambda i: pos[i])
+      for a_, b_ in zip(rs, rs[1:]):
+        chain_prev[b_] = a_
+    if chain_prev:
+      actions.append(
+          Action(
+              "reduce_scatter" if not groups else "prefetch",
+              where,
+              f"{len(chain_prev)} collective(s) issued one by one (first layer's gathers, "
+              "reduce-scatters) so that none is merged with the next",
+          )
+      )
+  single_gather = max((_nbytes(eqns[i].outvars[0].aval) for g in groups for i in g), default=0)
+  scatter_out = max(
+      (_nbytes(e.outvars[0].aval) for e in eqns if e.primitive.name == _SCATTER), default=0
+  )
+  axis_size = max(
+      (int(e.params.get("axis_size", 1)) for e in eqns if e.primitive.name in (_GATHER, _SCATTER)),
+      default=1,
+  )
+  return _BodyPlan(
+      order, metadata, actions, len(groups), max(group_bytes, default=0), max_scatter,
+      single_gather, scatter_out, axis_size, chain_prev,
+  )
+
+
+def _eval_eqn(eqn, invals, metadata: dict[str, str] | None):
+  """Binds one equation as ``jax.core.eval_jaxpr`` does, optionally under XLA metadata."""
+  from jax._src import source_info_util
+
+  bound = eqn.primitive.get_bind_params(eqn.params)
+  # jax < 0.7 returns (subfuns, params); newer versions return params.
+  if isinstance(bound, tuple) and len(bound) == 2 and isinstance(bound[0], list):
+    subfuns, params = bound
+  else:
+    subfuns, params = [], bound
+  ctx = getattr(eqn, "ctx", None)
+  manager = getattr(ctx, "manager", None)
+  name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+  with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):
+    with manager if manager is not None else _null():
+      if metadata:
+        with set_xla_metadata(**metadata):
+          out = eqn.primitive.bind(*subfuns, *invals, **params)
+      else:
+        out = eqn.primitive.bind(*subfuns, *invals, **params)
+  return out if eqn.primitive.multiple_results else [out]
+
+
+class _null:
+  def __enter__(self):
+    return None
+
+  def __exit__(self, *exc):
+    return False
+
+
+def _run(jaxpr, consts, args, plan: _BodyPlan | None):
+  env: dict[Any, Any] = {}
+
+  def read(v):
+    return v.val if not _is_var(v) else env[v]
+
+  for v, c in zip(jaxpr.constvars, consts):
+    env[v] = c
+  for v, a in zip(jaxpr.invars, args):
+    env[v] = a
+  order = plan.order if plan is not None else range(len(jaxpr.eqns))
+  for i in order:
+    eqn = jaxpr.eqns[i]
+    md = plan.metadata.get(i) if plan is not None else None
+    invals = [read(v) for v in eqn.invars]
+    prev = plan.chain_prev.get(i) if plan is not None else None
+    if prev is not None and invals:
+      # Identity that orders this collective after the previous one.
+      _, invals[0] = jax.lax.optimization_barrier((read(jaxpr.eqns[prev].outvars[0]), invals[0]))
+    outs = _eval_eqn(eqn, invals, md)
+    for v, o in zip(eqn.outvars, outs):
+      env[v] = o
+  return [read(v) for v in jaxpr.outvars]
+
+
+@dataclasses.dataclass
+class _Config:
+  prefetch: int
+  reduce_scatter: str
+  annotate: bool
+  chain: bool = False  # issue the first layer's gathers and every reduce-scatter one by one
+
+
+def _evaluate(closed, args, cfg: _Config, actions: list[Action], stats: dict, counter: list[int]):
+  """Evaluates a top-level jaxpr, rewriting the bodies of its shard_maps."""
+  jaxpr, consts = closed.jaxpr, closed.consts
+  env: dict[Any, Any] = {}
+
+  def read(v):
+    return v.val if not _is_var(v) else env[v]
+
+  for v, c in zip(jaxpr.constvars, consts):
+    env[v] = c
+  for v, a in zip(jaxpr.invars, args):
+    env[v] = a
+  for eqn in jaxpr.eqns:
+    invals = [read(v) for v in eqn.invars]
+    name = eqn.primitive.name
+    if name == "shard_map":
+      counter[0] += 1
+      outs = _run_shard_map(eqn, invals, cfg, actions, stats, f"shard_map #{counter[0]}")
+    elif name in ("pjit", "jit") and "jaxpr" in eqn.params:
+      inner = eqn.params["jaxpr"]
+      outs = _evaluate(inner, invals, cfg, actions, stats, counter)
+      outs = _constrain(outs, eqn.params.get("out_shardings"))
+    else:
+      if name in ("custom_vjp_call", "custom_vjp_call_jaxpr", "custom_jvp_call", "scan", "while") and _has_collectives(eqn):
+        actions.append(
+            Action("left_alone", name, "collectives inside a custom derivative or loop are left as "
+                   "written (use jax_overlap.fsdp.scan_layers for scanned layers)")
+        )
+      outs = _eval_eqn(eqn, invals, None)
+    for v, o in zip(eqn.outvars, outs):
+      env[v] = o
+  return [read(v) for v in jaxpr.outvars]
+
+
+def _constrain(outs, shardings):
+  if not shardings:
+    return outs
+  res = []
+  for o, s in zip(outs, shardings):
+    if isinstance(s, jax.sharding.NamedSharding):
+      o = jax.lax.with_sharding_constraint(o, s)
+    res.append(o)
+  return res
+
+
+def _has_collectives(eqn) -> bool:
+  from jax._src import core
+
+  def visit(j) -> bool:
+    for e in j.eqns:
+      if e.primitive.name in _COLLECTIVES or e.primitive.name == "shard_map":
+        return True
+      for p in e.params.values():
+        sub = p.jaxpr if isinstance(p, core.ClosedJaxpr) else p
+        if isinstance(sub, core.Jaxpr) and visit(sub):
+          return True
+    return False
+
+  for p in eqn.params.values():
+    sub = p.jaxpr if isinstance(p, core.ClosedJaxpr) else p
+    if isinstance(sub, core.Jaxpr) and visit(sub):
+      return True
+  return False
+
+
+def _run_shard_map(eqn, invals, cfg: _Config, actions, stats, where: str):
+  params = eqn.params
+  body = params["jaxpr"]
+  plan = _plan_body(body, where, cfg.prefetch, cfg.reduce_scatter, cfg.annotate, cfg.chain)
+  actions.extend(plan.actions)
+  stats["gather_groups"] = max(stats.get("gather_groups", 0), plan.gather_groups)
+  stats["max_group_gather_bytes"] = max(stats.get("max_group_gather_bytes", 0), plan.max_group_gather_bytes)
+  stats["max_scatter_bytes"] = max(stats.get("max_scatter_bytes", 0), plan.max_scatter_bytes)
+  stats["max_gather_bytes"] = max(stats.get("max_gather_bytes", 0), plan.max_gather_bytes)
+  stats["max_scatter_out_bytes"] = max(stats.get("max_scatter_out_bytes", 0), plan.max_scatter_out_bytes)
+  stats["axis_size"] = max(stats.get("axis_size", 1), plan.axis_size)
+  consts = getattr(body, "consts", ())
+  inner = body.jaxpr if hasattr(body, "jaxpr") and not hasattr(body, "eqns") else body
+
+  def new_body(*args):
+    return tuple(_run(inner, consts, args, plan))
+
+  kwargs = dict(mesh=params["mesh"], in_specs=tuple(params["in_specs"]), out_specs=tuple(params["out_specs"]))
+  if "check_vma" in params:
+    kwargs["check_vma"] = params["check_vma"]
+  manual = params.get("newly_manual_axes", params.get("manual_axes"))
+  mesh_axes = set(params["mesh"].axis_names)
+  if manual is not None and set(manual) != mesh_axes:
+    kwargs["axis_names"] = set(manual)
+  out = jax.shard_map(new_body, **kwargs)(*invals)
+  return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+# ---------------------------------------------------------------------------
+# The decorator.
+# ---------------------------------------------------------------------------
+
+
+def _check_args(args, kwargs, mesh) -> None:
+  flat, _ = jax.tree_util.tree_flatten_with_path((args, kwargs))
+  for path, leaf in flat:
+    where = "args" + jax.tree_util.keystr(path)
+    if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic, int, float, bool, complex)):
+      pass
+    elif hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+      pass
+    else:
+      raise TypeError(
+          f"overlap: argument {where} is a {type(leaf).__name__}, not an array; pass arrays "
+          "(or jax.ShapeDtypeStruct) and close over other values"
+      )
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding):
+      m = sharding.mesh
+      for dim, entry in enumerate(sharding.spec):
+        if entry is None:
+          continue
+        axes = entry if isinstance(entry, tuple) else (entry,)
+        for a in axes:
+          if a not in m.axis_names:
+            raise ValueError(
+                f"overlap: argument {where} is sharded over mesh axis {a!r}, which the mesh "
+                f"{dict(m.shape)} does not have"
+            )
+        size = math.prod(m.shape[a] for a in axes)
+        if leaf.shape[dim] % size:
+          raise ValueError(
+              f"overlap: argument {where} has dimension {dim} of size {leaf.shape[dim]}, not "
+              f"divisible by the mesh axes {axes} ({size} devices)"
+          )
+  if mesh is not None:
+    for path, leaf in flat:
+      sharding = getattr(leaf, "sharding", None)
+      if isinstance(sharding, jax.sharding.NamedSharding):
+        missing = [a for a in sharding.mesh.axis_names if a not in mesh.axis_names]
+        if missing:
+          raise ValueError(
+              f"overlap: argument args{jax.tree_util.keystr(path)} uses mesh axes {missing} that "
+              f"mesh= {dict(mesh.shape)} does not have"
+          )
+
+
+def _signature(args, kwargs):
+  leaves, tree = jax.tree.flatten((args, kwargs))
+  sig = []
+  for x in leaves:
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+      sig.append((tuple(x.shape), str(x.dtype), str(getattr(x, "sharding", None))))
+    else:
+      sig.append(("static", repr(x)))
+  return tree, tuple(sig)
+
+
+class Overlapped:
+  """A step function rewritten for overlap; call it like the original.
+
+  Attributes:
+    fn: the original function.
+  """
+
+  def __init__(self, fn, *, mesh, target, prefetch, reduce_scatter, collective_matmul, annotate,
+               xla_options, workload, select, jit_kwargs):
+    self.select = select
+    self.fn = fn
+    self.mesh = mesh
+    self.target = target
+    self.prefetch = prefetch
+    self.reduce_scatter = reduce_scatter
+    self.collective_matmul = collective_matmul
+    self.annotate = annotate
+    self.extra_options = dict(xla_options or {})
+    self.workload = workload
+    self.jit_kwargs = dict(jit_kwargs)
+    self._cache: dict = {}
+    functools.update_wrapper(self, fn)
+
+  def _build(self, args, kwargs):
+    _check_args(args, kwargs, self.mesh)
+    key = _signature(args, kwargs)
+    hit = self._cache.get(key)
+    if hit is not None:
+      return hit
+    base = self.fn if hasattr(self.fn, "trace") else jax.jit(self.fn)
+    traced = base.trace(*args, **kwargs)
+    closed, out_info = traced.jaxpr, traced.out_info
+    out_tree = jax.tree.structure(out_info)
+    cfg = _Config(self.prefetch, self.reduce_scatter, self.annotate)
+    actions: list[Action] = []
+    stats: dict = {}
+    counter = [0]
+    # Dry-run the rewrite once (abstractly) to collect the plan and validate prefetch.
+    jax.eval_shape(
+        lambda *flat: _evaluate(closed, flat, cfg, actions, stats, counter), *jax.tree.leaves((args, kwargs))
+    )
+    groups = stats.get("gather_groups", 0)
+    if groups and self.prefetch > groups:
+      raise ValueError(
+          f"overlap: prefetch must be between 0 and the number of layers ({groups}), got {self.prefetch}"
+      )
+    notes = []
+    if counter[0] == 0:
+      notes.append(
+          "no shard_map in this program: its collectives are inserted by the SPMD partitioner, so "
+          "only compiler options apply; the full rewrite (prefetch, per-layer reduce-scatter, "
+          "annotations) needs shard_map or jax_overlap.fsdp.scan_layers"
+      )
+    if self.collective_matmul not in ("off", False, None) and counter[0]:
+      notes.append(
+          "collective matmul is applied where written with jax_overlap.collective_matmul; "
+          "automatic decomposition of all_gather->dot patterns is left to XLA's windowed-einsum "
+          "option (xla_gpu_threshold_for_windowed_einsum_mib, set for tensor_parallel)"
+      )
+    def make(cfg_: _Config, options_: dict[str, Any]):
+      def rewritten(*a, **kw):
+        out = _evaluate(closed, jax.tree.leaves((a, kw)), cfg_, [], {}, [0])
+        return jax.tree.unflatten(out_tree, out)
+
+      return rewritten
+
+    candidates = self._candidates(cfg, stats)
+    chosen = 0
+    if len(candidates) > 1:
+      chosen, table = self._select(candidates, make, args, kwargs)
+      notes.append(f"chosen by the cost model on {self.target}: " + "; ".join(table))
+    name, cfg_c, options = candidates[chosen]
+    if cfg_c != cfg:
+      actions = [a for a in actions if a.kind == "left_alone"]
+      actions.append(Action("left_alone", "program", f"kept as written: {name} estimated faster"))
+    for k, v in options.items():
+      actions.append(Action("compiler_option", "compile", f"{k}={flags_lib._format_value(v)}"))
+    explanation = Explanation(actions, options, notes)
+    python_fn = make(cfg_c, options)
+    jitted = jax.jit(python_fn, compiler_options=options or None, **self.jit_kwargs)
+    entry = (jitted, explanation, python_fn)
+    self._cache[key] = entry
+    return entry
+
+  def _candidates(self, cfg: _Config, stats: dict) -> list[tuple[str, _Config, dict[str, Any]]]:
+    base: dict[str, Any] = {}
+    if self.target is not None:
+      base.update(flags_lib.as_compiler_options(self.target, self.workload))
+    p = max(stats.get("axis_size", 1), 1)
+    per_layer = dict(base)
+    if stats.get("max_group_gather_bytes"):
+      # Large enough for one layer's gathers, too small to merge two layers.
+      per_layer["xla_gpu_all_gather_combine_threshold_bytes"] = int(stats["max_group_gather_bytes"])
+      if self.reduce_scatter == "per_layer":
+        per_layer["xla_gpu_reduce_scatter_combine_threshold_bytes"] = int(
+            stats["max_group_gather_bytes"] // p
+        )
+    per_op = dict(base)
+    if stats.get("max_gather_bytes"):
+      per_op["xla_gpu_all_gather_combine_threshold_bytes"] = int(stats["max_gather_bytes"])
+    if stats.get("max_scatter_out_bytes") and self.reduce_scatter == "per_layer":
+      per_op["xla_gpu_reduce_scatter_combine_threshold_bytes"] = int(stats["max_scatter_out_bytes"])
+    out = [("rewritten, one layer per collective", cfg, {**per_layer, **self.extra_options})]
+    has_collectives = stats.get("gather_groups", 0) or stats.get("max_scatter_out_bytes", 0)
+    if self.target is not None and self.select == "cost_model" and has_collectives:
+      out.append(("rewritten, one tensor per collective", cfg, {**per_op, **self.extra_options}))
+      out.append(
+          ("rewritten, one layer per collective, two collectives in flight", cfg,
+           {**per_layer, "xla_gpu_experimental_parallel_collective_overlap_limit": 2,
+            **self.extra_options})
+      )
+      out.append(
+          ("rewritten, first layer and reduce-scatters issued one by one",
+           dataclasses.replace(cfg, chain=True), {**per_layer, **self.extra_options})
+      )
+      out.append(
+          ("as written, recommended flags", _Config(0, "as_written", cfg.annotate),
+           {**base, **self.extra_options})
+      )
+    return out
+
+  def _select(self, candidates, make, args, kwargs) -> tuple[int, list[str]]:
+    from jax_overlap._src import analysis
+
+    times = []
+    for name, cfg_c, options in candidates:
+      report = analysis.analyze(
+          make(cfg_c, options), *args, target=self.target, name=name, xla_options=options, **kwargs
+      )
+      times.append(report.step_time_s)
+    best = min(range(len(times)), key=lambda i: (times[i], i))
+    table = [
+        f"{c[0]} {t * 1e3:.3f} ms" + (" (chosen)" if i == best else "")
+        for i, (c, t) in enumerate(zip(candidates, times))
+    ]
+    return best, table
+
+  def __call__(self, *args, **kwargs):
+    fn, _, python_fn = self._build(args, kwargs)
+    if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves((args, kwargs))):
+      # Called inside another transformation (jit, grad, vmap): inline the rewrite;
+      # compiler options can only be set by the outermost jit.
+      return python_fn(*args, **kwargs)
+    return fn(*args, **kwargs)
+
+  def lower(self, *args, **kwargs):
+    """Lowers the rewritten step like ``jax.jit(...).lower``."""
+    fn = self._build(args, kwargs)[0]
+    return fn.lower(*args, **kwargs)
+
+  def trace(self, *args, **kwargs):
+    """Traces the rewritten step like ``jax.jit(...).trace``."""
+    fn = self._build(args, kwargs)[0]
+    return fn.trace(*args, **kwargs)
+
+  def explain(self, *args, **kwargs) -> Explanation:
+    """What was rewritten and why, for these arguments."""
+    return self._build(args, kwargs)[1]
+
+  def compiler_options(self, *args, **kwargs) -> dict[str, Any]:
+    return dict(self.explain(*args, **kwargs).xla_options)
+
+
+def overlap(
+    fn: Callable | None = None,
+    *,
+    mesh=None,
+    target: str | None = None,
+    prefetch: int = 1,
+    reduce_scatter: str = "per_layer",
+    collective_matmul: str = "auto",
+    annotate: bool = True,
+    xla_options: dict[str, Any] | None = None,
+    workload: str = "fsdp",
+    select: str = "cost_model",
+    **jit_kwargs,
+):
+  """Rewrites a sharded step so its collectives overlap compute.
+
+  Usable as ``@overlap`` or ``@overlap(target="h100x8", prefetch=2)``.
+
+  Args:
+    fn: the step function (plain, jitted, or containing ``shard_map``).
+    mesh: the mesh the step runs on (checked against the arguments' shardings).
+    target: GPU topology whose recommended XLA options are applied ("h100x8"...).
+    prefetch: how many layers ahead parameter all-gathers are issued (>= 0).
+    reduce_scatter: "per_layer" (issue each gradient reduce-scatter as soon as
+      its input exists, and keep them separate) or "as_written".
+    collective_matmul: "auto" or "off"; see :meth:`Overlapped.explain`.
+    annotate: attach frontend attributes for the runtime controls.
+    xla_options: extra per-compile XLA options (win over the others).
+    workload: workload for the recommended options.
+    select: with a ``target``, "cost_model" compiles the rewritten step and the
+      step as written (with the recommended options) deviceless for the target
+      and keeps the one the analysis estimates faster, so the transform is never
+      slower than the flags alone by that estimate; "rewrite" always rewrites.
+    **jit_kwargs: passed to ``jax.jit`` (e.g. ``donate_argnums``).
+
+  Returns:
+    An :class:`Overlapped` callable with the same signature and outputs.
+
+  Raises:
+    ValueError: for a negative prefetch, an unknown mode or target.
+
+  Example:
+    >>> @overlap(target="h100x8")  # doctest: +SKIP
+    ... def train_step(params, batch): ...
+  """
+  if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
+    raise ValueError(f"overlap: prefetch must be a non-negative integer, got {prefetch!r}")
+  if reduce_scatter not in ("per_layer", "as_written"):
+    raise ValueError(f"overlap: reduce_scatter must be 'per_layer' or 'as_written', got {reduce_scatter!r}")
+  if select not in ("cost_model", "rewrite"):
+    raise ValueError(f"overlap: select must be 'cost_model' or 'rewrite', got {select!r}")
+  if collective_matmul not in ("auto", "off"):
+    raise ValueError(f"overlap: collective_matmul must be 'auto' or 'off', got {collective_matmul!r}")
+  if target is not None:
+    targets_lib.get(target)
+  flags_lib._check_workload(workload)
+  if "compiler_options" in jit_kwargs:
+    raise ValueError("overlap: pass XLA options as xla_options=, not compiler_options=")
+
+  def wrap(f):
+    if not callable(f):
+      raise TypeError(f"overlap: expected a function, got {type(f).__name__}")
+    return Overlapped(
+        f, mesh=mesh, target=target, prefetch=prefetch, reduce_scatter=reduce_scatter,
+        collective_matmul=collective_matmul, annotate=annotate, xla_options=xla_options,
+        workload=workload, select=select, jit_kwargs=jit_kwargs,
+    )
+
+  return wrap if fn is None else wrap(fn)
