@@ -54,6 +54,28 @@ def _compiler():
 class BuildNative(build_ext):
   """Compiles the native libraries with the system C++ compiler (no Python extension)."""
 
+  def run(self):
+    # Leave out what cannot be built here, so nothing later expects its file.
+    keep = []
+    for ext in self.extensions:
+      name = ext.name.split(".")[-1] + ".so"
+      if _compiler() is None:
+        self.warn(f"no C++ compiler found: {name} will be built on first use")
+      elif LIBRARIES[name]["ffi_headers"] and _ffi_include_dir() is None:
+        self.warn(f"jax is not importable at build time: {name} will be built on first use")
+      else:
+        keep.append(ext)
+    self.extensions = keep
+    super().run()
+
+  def copy_extensions_to_source(self):
+    # A library whose build failed is built on first use instead.
+    self.extensions = [e for e in self.extensions if os.path.exists(self.get_ext_fullpath(e.name))]
+    super().copy_extensions_to_source()
+
+  def get_outputs(self):
+    return [p for p in super().get_outputs() if os.path.exists(p)]
+
   def get_ext_filename(self, fullname):
     # Plain library names, not Python extension names (no ABI suffix).
     parts = fullname.split(".")

@@ -41,8 +41,15 @@ import numpy as np  # noqa: E402
 from jax_overlap.budget import compute  # noqa: E402
 
 _TASK_KEYS = ("seed", "dim", "classes", "hidden", "n_train", "n_holdout", "n_test", "batch", "lr")
-CONFIG = dict({k: task.CONFIG[k] for k in _TASK_KEYS}, label_noise=0.1, dup_fraction=0.0,
-              steps=15000, eval_every=250, window=8, rel_gain=0.01)
+CONFIG = dict(
+  {k: task.CONFIG[k] for k in _TASK_KEYS},
+  label_noise=0.1,
+  dup_fraction=0.0,
+  steps=15000,
+  eval_every=250,
+  window=8,
+  rel_gain=0.01,
+)
 
 
 def make_splits(cfg=CONFIG):
@@ -85,8 +92,9 @@ def run(cfg=CONFIG, log=print):
   fixed = train(None)
   # Chance-level loss ln(classes): 1% of it over the whole budget.
   threshold = cfg["rel_gain"] * float(np.log(cfg["classes"])) / (budget / 1e15)
-  gov = compute.ComputeGovernor(flop_budget=budget, min_gain_per_pflop=threshold,
-                                window=cfg["window"], log=False)
+  gov = compute.ComputeGovernor(
+    flop_budget=budget, min_gain_per_pflop=threshold, window=cfg["window"], log=False
+  )
   governed = train(gov)
   return dict(fixed=fixed, governed=governed, governor=gov, budget=budget, f_step=f_step)
 
@@ -94,32 +102,34 @@ def run(cfg=CONFIG, log=print):
 def main() -> None:
   t0 = time.time()
   lines = [
-      f"# budget_governor  {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
-      f"# machine: {platform.node()} {platform.machine()} {os.cpu_count()} cpus, python "
-      f"{platform.python_version()}, jax {jax.__version__}, 1 CPU device",
-      f"# config: {CONFIG}",
+    f"# budget_governor  {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
+    f"# machine: {platform.node()} {platform.machine()} {os.cpu_count()} cpus, python "
+    f"{platform.python_version()}, jax {jax.__version__}, 1 CPU device",
+    f"# config: {CONFIG}",
   ]
   r = run(log=lambda s: (print(s), lines.append(s)))
   (fs, ff, fl, fa, fcurve), (gs, gf, gl, ga, _) = r["fixed"], r["governed"]
   gov = r["governor"]
   lines += [
-      f"threshold: {gov.min_gain_per_pflop:.4g} loss/PFLOP; budget {r['budget']:.4g} FLOPs",
-      f"fixed:    {fs} steps, {ff:.4g} FLOPs, final test loss {fl:.4f} (acc {fa:.4f})",
-      f"governed: {gs} steps, {gf:.4g} FLOPs, final test loss {gl:.4f} (acc {ga:.4f}), "
-      f"stop reason {gov.decisions[-1].reason}",
-      f"FLOP saving {100 * (1 - gf / ff):.1f}%; final loss gap {100 * (gl - fl) / fl:+.2f}% "
-      "(governed vs fixed)",
-      "fixed run validation loss (step, FLOPs, loss) every 1500 steps: " + ", ".join(
-          f"({i}, {f:.3g}, {v:.4f})" for i, f, v in fcurve if i % 1500 == 0),
-      "governor decisions (last 8):",
-      *("  " + str(d) for d in gov.decisions[-8:]),
-      "same configuration, other seeds (data, initialization and batches):",
+    f"threshold: {gov.min_gain_per_pflop:.4g} loss/PFLOP; budget {r['budget']:.4g} FLOPs",
+    f"fixed:    {fs} steps, {ff:.4g} FLOPs, final test loss {fl:.4f} (acc {fa:.4f})",
+    f"governed: {gs} steps, {gf:.4g} FLOPs, final test loss {gl:.4f} (acc {ga:.4f}), "
+    f"stop reason {gov.decisions[-1].reason}",
+    f"FLOP saving {100 * (1 - gf / ff):.1f}%; final loss gap {100 * (gl - fl) / fl:+.2f}% "
+    "(governed vs fixed)",
+    "fixed run validation loss (step, FLOPs, loss) every 1500 steps: "
+    + ", ".join(f"({i}, {f:.3g}, {v:.4f})" for i, f, v in fcurve if i % 1500 == 0),
+    "governor decisions (last 8):",
+    *("  " + str(d) for d in gov.decisions[-8:]),
+    "same configuration, other seeds (data, initialization and batches):",
   ]
   for seed in (1, 2):
     o = run(dict(CONFIG, seed=seed), log=lambda s: None)
     (_, of, ol, *_), (os_, og, gl2, *_) = o["fixed"], o["governed"]
-    lines.append(f"  seed {seed}: governed stops at step {os_} ({o['governor'].decisions[-1].reason}), "
-                 f"FLOP saving {100 * (1 - og / of):.1f}%, final loss gap {100 * (gl2 - ol) / ol:+.2f}%")
+    lines.append(
+      f"  seed {seed}: governed stops at step {os_} ({o['governor'].decisions[-1].reason}), "
+      f"FLOP saving {100 * (1 - og / of):.1f}%, final loss gap {100 * (gl2 - ol) / ol:+.2f}%"
+    )
   lines.append(f"# wall time {time.time() - t0:.1f} s")
   text = "\n".join(lines)
   print("\n".join(lines[-18:]))

@@ -35,9 +35,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from jax_overlap._src.targets import compile_only_mesh  # noqa: E402
 from jax_overlap.budget import memory  # noqa: E402
 
-CONFIG = dict(layers=3, d_model=4096, d_ff=16384, heads=32, batch=32, seq=2048,
-              param_dtype="float32", compute_dtype="bfloat16", target="h100x8",
-              budgets_gib=(16, 8))
+CONFIG = dict(
+  layers=2,
+  d_model=4096,
+  d_ff=16384,
+  heads=32,
+  batch=32,
+  seq=2048,
+  param_dtype="float32",
+  compute_dtype="bfloat16",
+  target="h100x8",
+  budgets_gib=(16, 8),
+)
 GiB = 2**30
 
 
@@ -45,8 +54,8 @@ def prefetch_options(depth: int) -> dict:
   if depth == 0:
     return {"xla_gpu_disable_async_collectives": "ALLGATHER"}
   return {
-      "xla_gpu_enable_analytical_latency_estimator": True,
-      "xla_gpu_experimental_parallel_collective_overlap_limit": depth,
+    "xla_gpu_enable_analytical_latency_estimator": True,
+    "xla_gpu_experimental_parallel_collective_overlap_limit": depth,
   }
 
 
@@ -58,7 +67,9 @@ def make_builder(cfg: dict = CONFIG, mesh=None):
   shapes = {"wqkv": (L, D, 3 * D), "wo": (L, D, D), "w1": (L, D, F), "w2": (L, F, D)}
 
   def block(h, w):
-    x = h * jax.lax.rsqrt(jnp.mean(h.astype(jnp.float32) ** 2, -1, keepdims=True) + 1e-6).astype(cdt)
+    x = h * jax.lax.rsqrt(jnp.mean(h.astype(jnp.float32) ** 2, -1, keepdims=True) + 1e-6).astype(
+      cdt
+    )
     qkv = x @ w["wqkv"].astype(cdt)
     q, k, v = jnp.split(qkv.reshape(B, T, 3 * H, D // H), 3, axis=2)
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / (D // H) ** 0.5
@@ -82,7 +93,9 @@ def make_builder(cfg: dict = CONFIG, mesh=None):
       t = opt["count"] + 1
       mu = jax.tree.map(lambda m, g: 0.9 * m + 0.1 * g, opt["mu"], g)
       nu = jax.tree.map(lambda n, g: 0.999 * n + 0.001 * g * g, opt["nu"], g)
-      upd = jax.tree.map(lambda m, n: m / (1 - 0.9**t) / (jnp.sqrt(n / (1 - 0.999**t)) + 1e-8), mu, nu)
+      upd = jax.tree.map(
+        lambda m, n: m / (1 - 0.9**t) / (jnp.sqrt(n / (1 - 0.999**t)) + 1e-8), mu, nu
+      )
       params = jax.tree.map(lambda p, u: p - 1e-4 * u, params, upd)
       return params, {"mu": mu, "nu": nu, "count": t}, loss
 
@@ -90,9 +103,9 @@ def make_builder(cfg: dict = CONFIG, mesh=None):
     ospec = wspec if shard_opt_state else NamedSharding(mesh, P())
     params = {k: jax.ShapeDtypeStruct(s, pdt, sharding=wspec) for k, s in shapes.items()}
     opt = {
-        "mu": {k: jax.ShapeDtypeStruct(s, jnp.float32, sharding=ospec) for k, s in shapes.items()},
-        "nu": {k: jax.ShapeDtypeStruct(s, jnp.float32, sharding=ospec) for k, s in shapes.items()},
-        "count": jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P())),
+      "mu": {k: jax.ShapeDtypeStruct(s, jnp.float32, sharding=ospec) for k, s in shapes.items()},
+      "nu": {k: jax.ShapeDtypeStruct(s, jnp.float32, sharding=ospec) for k, s in shapes.items()},
+      "count": jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P())),
     }
     x = jax.ShapeDtypeStruct((B, T, D), cdt, sharding=NamedSharding(mesh, P("fsdp")))
     y = jax.ShapeDtypeStruct((B, T, D), jnp.float32, sharding=NamedSharding(mesh, P("fsdp")))
@@ -107,24 +120,29 @@ def main() -> None:
   builder = make_builder()
   cache: dict = {}
   out = [
-      f"# budget_memory_plan  {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
-      f"# machine: {platform.node()} {platform.machine()} {os.cpu_count()} cpus, python "
-      f"{platform.python_version()}, jax {jax.__version__}, deviceless compile for h100x8",
-      f"# config: {CONFIG}",
-      "# remat policies: nothing, dots, names:attn_out,mlp_hidden, everything; "
-      "shard_opt_state: False/True; prefetch: 0,1,2",
+    f"# budget_memory_plan  {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
+    f"# machine: {platform.node()} {platform.machine()} {os.cpu_count()} cpus, python "
+    f"{platform.python_version()}, jax {jax.__version__}, deviceless compile for h100x8",
+    f"# config: {CONFIG}",
+    "# remat policies: nothing, dots, names:attn_out,mlp_hidden, everything; "
+    "shard_opt_state: False/True; prefetch: 0,1,2",
   ]
   for gib in CONFIG["budgets_gib"]:
     p = memory.plan(
-        builder, gib * GiB, CONFIG["target"],
-        remat_policies=("nothing", "dots", "names:attn_out,mlp_hidden", "everything"),
-        prefetch=(0, 1, 2), cache=cache,
+      builder,
+      gib * GiB,
+      CONFIG["target"],
+      remat_policies=("nothing", "dots", "names:attn_out,mlp_hidden", "everything"),
+      prefetch=(0, 1, 2),
+      cache=cache,
     )
     out += ["", str(p), "", "chosen breakdown:", str(p.choice.breakdown)]
   out.append(f"\n# wall time {time.time() - t0:.1f} s")
   text = "\n".join(out)
   print(text)
-  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "budget_memory_plan.txt")
+  path = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "results", "budget_memory_plan.txt"
+  )
   with open(path, "w") as f:
     f.write(text + "\n")
 

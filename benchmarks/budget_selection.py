@@ -37,7 +37,7 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (
-      os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
   ).strip()
 
 import datetime  # noqa: E402
@@ -56,10 +56,25 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jax_overlap.budget import compute, data  # noqa: E402
 
-CONFIG = dict(seed=0, dim=32, classes=10, hidden=256, n_train=100_000, n_holdout=10_000,
-              n_test=4_000, label_noise=0.0, dup_fraction=0.0, batch=64, candidates=256, lr=1e-3,
-              uniform_steps=3000, selection_steps=1500, reference_steps=300, eval_every=50,
-              methods=("loss", "el2n"))
+CONFIG = dict(
+  seed=0,
+  dim=32,
+  classes=10,
+  hidden=256,
+  n_train=100_000,
+  n_holdout=10_000,
+  n_test=4_000,
+  label_noise=0.0,
+  dup_fraction=0.0,
+  batch=64,
+  candidates=256,
+  lr=1e-3,
+  uniform_steps=3000,
+  selection_steps=1500,
+  reference_steps=300,
+  eval_every=50,
+  methods=("loss", "el2n"),
+)
 # The control: 5% of the labels flipped. Loss selection then chases the flipped
 # labels; excess loss against a reference model avoids them.
 NOISY = dict(CONFIG, label_noise=0.05, methods=("loss", "excess_loss"))
@@ -118,7 +133,9 @@ def adam_update(params, grads, opt, lr):
   m = jax.tree.map(lambda m, g: 0.9 * m + 0.1 * g, opt["m"], grads)
   v = jax.tree.map(lambda v, g: 0.999 * v + 0.001 * g * g, opt["v"], grads)
   bc1, bc2 = 1 - 0.9**t, 1 - 0.999**t
-  params = jax.tree.map(lambda p, m, v: p - lr * (m / bc1) / (jnp.sqrt(v / bc2) + 1e-8), params, m, v)
+  params = jax.tree.map(
+    lambda p, m, v: p - lr * (m / bc1) / (jnp.sqrt(v / bc2) + 1e-8), params, m, v
+  )
   return params, {"m": m, "v": v, "t": t}
 
 
@@ -178,15 +195,19 @@ def run(cfg=CONFIG, log=print):
       if i % cfg["eval_every"] == 0 or i == n_steps:
         loss, acc = ev(params, xte_d, yte_d)
         curve.append((i, counter.total, float(loss), float(acc)))
-    log(f"{label}: {n_steps} steps, final test loss {curve[-1][2]:.4f} acc {curve[-1][3]:.4f}, "
-        f"{counter.total:.4g} FLOPs")
+    log(
+      f"{label}: {n_steps} steps, final test loss {curve[-1][2]:.4f} acc {curve[-1][3]:.4f}, "
+      f"{counter.total:.4g} FLOPs"
+    )
     return params, curve
 
   def uniform_sampler(i):
     idx = rng.integers(0, len(xtr), size=B)
     return put(xtr[idx], ytr[idx])
 
-  _, uni = train(cfg["uniform_steps"], uniform_sampler, step, compute.FlopCounter(f_train), "uniform")
+  _, uni = train(
+    cfg["uniform_steps"], uniform_sampler, step, compute.FlopCounter(f_train), "uniform"
+  )
   out = dict(f_train=f_train, uniform=uni, methods={})
 
   ref_loss, overhead = np.zeros(len(xtr), np.float32), 0.0
@@ -208,21 +229,26 @@ def run(cfg=CONFIG, log=print):
   best = min(loss for _, _, loss, _ in uni)
   best_at = next(f for _, f, loss, _ in uni if loss == best)
   for method in cfg["methods"]:
-    sel_step = jax.jit(functools.partial(
-        select_and_train_step, lr=lr, keep=keep, sharding=bs, method=method))
+    sel_step = jax.jit(
+      functools.partial(select_and_train_step, lr=lr, keep=keep, sharding=bs, method=method)
+    )
     f_sel = compute.step_flops(
-        sel_step.lower(p0, o0, xspec(C), spec(C, jnp.int32), spec(C, jnp.float32)).compile()
+      sel_step.lower(p0, o0, xspec(C), spec(C, jnp.int32), spec(C, jnp.float32)).compile()
     )
     counter = compute.FlopCounter(f_sel)
     extra = overhead if method == "excess_loss" else 0.0
     counter.step(flops=extra)
-    log(f"{method}: select+train step {f_sel:.4g} FLOPs = {f_sel / f_train:.2f} x train step"
-        + (f"; reference model + scoring the training set {extra:.4g} FLOPs" if extra else ""))
+    log(
+      f"{method}: select+train step {f_sel:.4g} FLOPs = {f_sel / f_train:.2f} x train step"
+      + (f"; reference model + scoring the training set {extra:.4g} FLOPs" if extra else "")
+    )
     _, sel = train(cfg["selection_steps"], cand_sampler, sel_step, counter, f"selection[{method}]")
     out["methods"][method] = dict(
-        f_sel=f_sel, overhead=extra, curve=sel,
-        reached=next(((i, f, lo) for i, f, lo, _ in sel if lo <= uni[-1][2]), None),
-        reached_best=next(((i, f, lo) for i, f, lo, _ in sel if lo <= best), None),
+      f_sel=f_sel,
+      overhead=extra,
+      curve=sel,
+      reached=next(((i, f, lo) for i, f, lo, _ in sel if lo <= uni[-1][2]), None),
+      reached_best=next(((i, f, lo) for i, f, lo, _ in sel if lo <= best), None),
     )
   out.update(target=uni[-1][2], best=best, best_at=best_at)
   return out
@@ -230,34 +256,50 @@ def run(cfg=CONFIG, log=print):
 
 def report(cfg, r, lines):
   uni_flops = r["uniform"][-1][1]
-  lines.append(f"uniform: final test loss {r['target']:.4f} after {uni_flops:.4g} FLOPs; best "
-               f"{r['best']:.4f} at {r['best_at']:.4g} FLOPs")
-  lines.append("  curve (step, FLOPs, test loss, acc): " + ", ".join(
-      f"({i}, {f:.3g}, {lo:.4f}, {a:.3f})" for i, f, lo, a in r["uniform"] if i % 500 == 0))
+  lines.append(
+    f"uniform: final test loss {r['target']:.4f} after {uni_flops:.4g} FLOPs; best "
+    f"{r['best']:.4f} at {r['best_at']:.4g} FLOPs"
+  )
+  lines.append(
+    "  curve (step, FLOPs, test loss, acc): "
+    + ", ".join(
+      f"({i}, {f:.3g}, {lo:.4f}, {a:.3f})" for i, f, lo, a in r["uniform"] if i % 500 == 0
+    )
+  )
   for method, m in r["methods"].items():
     if m["reached"] is None:
-      lines.append(f"selection[{method}]: did not reach the uniform final test loss within "
-                   f"{cfg['selection_steps']} steps (final {m['curve'][-1][2]:.4f})")
+      lines.append(
+        f"selection[{method}]: did not reach the uniform final test loss within "
+        f"{cfg['selection_steps']} steps (final {m['curve'][-1][2]:.4f})"
+      )
     else:
       step_i, flops, loss = m["reached"]
-      lines.append(f"selection[{method}]: reaches {loss:.4f} <= uniform final at step {step_i}, "
-                   f"{flops:.4g} FLOPs (selection and reference costs included): FLOP ratio "
-                   f"{flops / uni_flops:.3f}")
+      lines.append(
+        f"selection[{method}]: reaches {loss:.4f} <= uniform final at step {step_i}, "
+        f"{flops:.4g} FLOPs (selection and reference costs included): FLOP ratio "
+        f"{flops / uni_flops:.3f}"
+      )
     if m["reached_best"] is not None:
       step_i, flops, loss = m["reached_best"]
-      lines.append(f"  reaches the uniform best {r['best']:.4f} at step {step_i}, {flops:.4g} FLOPs: "
-                   f"ratio {flops / r['best_at']:.3f}")
+      lines.append(
+        f"  reaches the uniform best {r['best']:.4f} at step {step_i}, {flops:.4g} FLOPs: "
+        f"ratio {flops / r['best_at']:.3f}"
+      )
     lines.append(f"  final test loss {m['curve'][-1][2]:.4f} acc {m['curve'][-1][3]:.4f}")
-    lines.append("  curve (step, FLOPs, test loss, acc): " + ", ".join(
-        f"({i}, {f:.3g}, {lo:.4f}, {a:.3f})" for i, f, lo, a in m["curve"] if i % 500 == 0))
+    lines.append(
+      "  curve (step, FLOPs, test loss, acc): "
+      + ", ".join(
+        f"({i}, {f:.3g}, {lo:.4f}, {a:.3f})" for i, f, lo, a in m["curve"] if i % 500 == 0
+      )
+    )
 
 
 def main() -> None:
   t0 = time.time()
   lines = [
-      f"# budget_selection  {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
-      f"# machine: {platform.node()} {platform.machine()} {os.cpu_count()} cpus, python "
-      f"{platform.python_version()}, jax {jax.__version__}, 8 virtual CPU devices",
+    f"# budget_selection  {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}",
+    f"# machine: {platform.node()} {platform.machine()} {os.cpu_count()} cpus, python "
+    f"{platform.python_version()}, jax {jax.__version__}, 8 virtual CPU devices",
   ]
   log = lambda s: (print(s), lines.append(s))
   for name, cfg in (("clean", CONFIG), ("noisy", NOISY)):

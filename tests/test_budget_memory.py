@@ -236,3 +236,55 @@ class TestPlan:
 
     with pytest.raises(RuntimeError, match="every candidate failed"):
       memory.plan(builder, 1 << 30, "h100x8", progress=False)
+
+
+class TestDumpParsing:
+  """The temp split on a hand-written dump: peak moment, shared bytes, classification."""
+
+  ASSIGNMENT = """BufferAssignment:
+allocation 0: size 64, parameter 0, shape |f32[16]| at ShapeIndex {}:
+ value: <0 p0 @0> (size=64,offset=0): f32[16]{0}
+allocation 1: size 400, preallocated-temp:
+ value: <1 ag @0> (size=256,offset=0): f32[64]{0}
+ value: <2 fwd @0> (size=100,offset=256): f32[25]{0}
+ value: <3 inplace @0> (size=100,offset=256): f32[25]{0}
+ value: <4 bwd @0> (size=64,offset=0): f32[16]{0}
+ value: <5 late @0> (size=200,offset=0): f32[50]{0}
+
+Total bytes used: 464
+"""
+  LIVE = """HloLiveRange (max 9):
+  BufferLiveRange:
+    ag{}:1-3
+    fwd{}:2-4
+    inplace{}:3-6
+    bwd{}:4-5
+    late{}:6-8
+  Live ranges at 3 (peak):
+"""
+  HLO = """ENTRY %main (p0: f32[16]) -> f32[16] {
+  %ag = f32[64]{0} all-gather(%p0), dimensions={0}
+  %fwd = f32[25]{0} fusion(%ag), kind=kLoop, calls=%f, metadata={op_name="jit(s)/jvp()/tanh"}
+  %inplace = f32[25]{0} fusion(%fwd), kind=kLoop, calls=%g, metadata={op_name="jit(s)/jvp()/mul"}
+  %bwd = f32[16]{0} fusion(%inplace), kind=kLoop, calls=%h, metadata={op_name="jit(s)/transpose(jvp())/dot"}
+  ROOT %late = f32[50]{0} fusion(%bwd), kind=kLoop, calls=%k, metadata={op_name="jit(s)/add"}
+}
+"""
+
+  def test_split(self):
+    from jax_overlap._src.budget import memory as impl
+
+    cats, peak, total = impl._attribute_temp(
+      impl._parse_buffer_assignment(self.ASSIGNMENT),
+      impl._parse_live_ranges(self.LIVE),
+      impl._parse_hlo(self.HLO),
+      {(16,)},
+    )
+    assert total == 400  # only the temp allocation
+    # Fullest moment t=3: ag (256) + fwd/inplace sharing 100 bytes -> 356 live.
+    assert cats["gathered_weights"] == 256
+    assert cats["activations"] == 100
+    assert cats["gradients"] == 0 and cats["temporaries"] == 0
+    assert cats["fragmentation"] == 400 - 356
+    assert sum(cats.values()) == 400
+    assert peak[0] == ("ag", "gathered_weights", 256)

@@ -68,6 +68,8 @@ class Explanation:
   actions: list[Action]
   xla_options: dict[str, Any]
   notes: list[str]
+  candidates: list[tuple[str, float]] = dataclasses.field(default_factory=list)
+  chosen: str = ""
 
   def of_kind(self, kind: str) -> list[Action]:
     return [a for a in self.actions if a.kind == kind]
@@ -478,9 +480,9 @@ def _run_shard_map(eqn, invals, cfg: _Config, actions, stats, where: str):
 
 
 def _check_args(args, kwargs, mesh) -> None:
-  flat, _ = jax.tree_util.tree_flatten_with_path((args, kwargs))
-  for path, leaf in flat:
-    where = "args" + jax.tree_util.keystr(path)
+  flat = [("args" + jax.tree_util.keystr(p), leaf) for p, leaf in jax.tree_util.tree_flatten_with_path(tuple(args))[0]]
+  flat += [("kwargs" + jax.tree_util.keystr(p), leaf) for p, leaf in jax.tree_util.tree_flatten_with_path(dict(kwargs))[0]]
+  for where, leaf in flat:
     if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic, int, float, bool, complex)):
       pass
     elif hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
@@ -510,13 +512,13 @@ def _check_args(args, kwargs, mesh) -> None:
               f"divisible by the mesh axes {axes} ({size} devices)"
           )
   if mesh is not None:
-    for path, leaf in flat:
+    for where, leaf in flat:
       sharding = getattr(leaf, "sharding", None)
       if isinstance(sharding, jax.sharding.NamedSharding):
         missing = [a for a in sharding.mesh.axis_names if a not in mesh.axis_names]
         if missing:
           raise ValueError(
-              f"overlap: argument args{jax.tree_util.keystr(path)} uses mesh axes {missing} that "
+              f"overlap: argument {where} uses mesh axes {missing} that "
               f"mesh= {dict(mesh.shape)} does not have"
           )
 
@@ -600,8 +602,13 @@ class Overlapped:
 
     candidates = self._candidates(cfg, stats)
     chosen = 0
+    estimates: list[tuple[str, float]] = []
     if len(candidates) > 1:
-      chosen, table = self._select(candidates, make, args, kwargs)
+      chosen, estimates = self._select(candidates, make, args, kwargs)
+      table = [
+          f"{n} {t * 1e3:.3f} ms" + (" (chosen)" if i == chosen else "")
+          for i, (n, t) in enumerate(estimates)
+      ]
       notes.append(f"chosen by the cost model on {self.target}: " + "; ".join(table))
     name, cfg_c, options = candidates[chosen]
     if cfg_c != cfg:
@@ -609,7 +616,7 @@ class Overlapped:
       actions.append(Action("left_alone", "program", f"kept as written: {name} estimated faster"))
     for k, v in options.items():
       actions.append(Action("compiler_option", "compile", f"{k}={flags_lib._format_value(v)}"))
-    explanation = Explanation(actions, options, notes)
+    explanation = Explanation(actions, options, notes, estimates, name)
     python_fn = make(cfg_c, options)
     jitted = jax.jit(python_fn, compiler_options=options or None, **self.jit_kwargs)
     entry = (jitted, explanation, python_fn)
@@ -653,7 +660,7 @@ class Overlapped:
       )
     return out
 
-  def _select(self, candidates, make, args, kwargs) -> tuple[int, list[str]]:
+  def _select(self, candidates, make, args, kwargs) -> tuple[int, list[tuple[str, float]]]:
     from jax_overlap._src import analysis
 
     times = []
@@ -663,11 +670,7 @@ class Overlapped:
       )
       times.append(report.step_time_s)
     best = min(range(len(times)), key=lambda i: (times[i], i))
-    table = [
-        f"{c[0]} {t * 1e3:.3f} ms" + (" (chosen)" if i == best else "")
-        for i, (c, t) in enumerate(zip(candidates, times))
-    ]
-    return best, table
+    return best, [(c[0], t) for c, t in zip(candidates, times)]
 
   def __call__(self, *args, **kwargs):
     fn, _, python_fn = self._build(args, kwargs)

@@ -7,9 +7,9 @@ from jax_overlap._src.budget.compute import keep_fraction_for_budget as keep_fra
 from jax_overlap._src.budget.compute import step_flops as step_flops
 
 __all__ = [
-    "ComputeGovernor",
-    "Decision",
-    "FlopCounter",
-    "keep_fraction_for_budget",
-    "step_flops",
+  "ComputeGovernor",
+  "Decision",
+  "FlopCounter",
+  "keep_fraction_for_budget",
+  "step_flops",
 ]

@@ -10,12 +10,12 @@ from jax_overlap._src.budget.memory import plan as plan
 from jax_overlap._src.budget.memory import remat_policy as remat_policy
 
 __all__ = [
-    "CATEGORIES",
-    "Breakdown",
-    "Candidate",
-    "Plan",
-    "PlanRow",
-    "breakdown",
-    "plan",
-    "remat_policy",
+  "CATEGORIES",
+  "Breakdown",
+  "Candidate",
+  "Plan",
+  "PlanRow",
+  "breakdown",
+  "plan",
+  "remat_policy",
 ]

@@ -15,8 +15,23 @@ from __future__ import annotations
 import math
 import re
 
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2,
-                "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+_DTYPE_BYTES = {
+  "pred": 1,
+  "s8": 1,
+  "u8": 1,
+  "f8e4m3fn": 1,
+  "f8e5m2": 1,
+  "bf16": 2,
+  "f16": 2,
+  "s16": 2,
+  "u16": 2,
+  "f32": 4,
+  "s32": 4,
+  "u32": 4,
+  "f64": 8,
+  "s64": 8,
+  "u64": 8,
+}
 _ARRAY_RE = re.compile(r"([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
 _COMP_RE = re.compile(r"^(ENTRY\s+)?%?([^\s(]+)\s.*\{\s*$")
 _INSTR_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([^\s=]+)\s*=\s*(.*)$")
@@ -53,7 +68,7 @@ def _parse(text: str):
     if not op:
       continue
     shape = rest[: op.start() + 1].strip()
-    comps[current].append((m.group(1), shape, op.group(1), rest[op.end():]))
+    comps[current].append((m.group(1), shape, op.group(1), rest[op.end() :]))
   return comps, entry
 
 
@@ -116,8 +131,13 @@ def estimate_step_time(hlo_text: str, target) -> float:
     if opcode in ("parameter", "constant", "get-tuple-element", "tuple", "bitcast"):
       continue
     base = opcode.replace("-start", "").replace("-done", "")
-    is_coll = base in ("all-gather", "reduce-scatter", "all-reduce", "all-to-all",
-                       "collective-permute") or opcode in ("async-start", "async-done")
+    is_coll = base in (
+      "all-gather",
+      "reduce-scatter",
+      "all-reduce",
+      "all-to-all",
+      "collective-permute",
+    ) or opcode in ("async-start", "async-done")
     if opcode.endswith("-start") or opcode == "async-start":
       if opcode == "async-start":
         callee = re.search(r"calls=%?([^\s,}]+)", args)

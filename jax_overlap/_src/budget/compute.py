@@ -31,11 +31,11 @@ from typing import Any, Literal
 from absl import logging
 
 __all__ = [
-    "ComputeGovernor",
-    "Decision",
-    "FlopCounter",
-    "keep_fraction_for_budget",
-    "step_flops",
+  "ComputeGovernor",
+  "Decision",
+  "FlopCounter",
+  "keep_fraction_for_budget",
+  "step_flops",
 ]
 
 PFLOP = 1e15
@@ -101,10 +101,10 @@ def step_flops(compiled_or_fn: Any, *args: Any, target: str | None = None, **kwa
       report = analyze(fn, *args, **kw)
       return float(report.flops)
   raise RuntimeError(
-      "budget.compute.step_flops: the compiled executable has no cost analysis (deviceless GPU "
-      "executables return None) and the FLOPs could not be counted from the HLO; pass the step "
-      "function and its arguments (not a Compiled) with jax_overlap.analyze installed, or give "
-      "the FLOPs per step to FlopCounter yourself"
+    "budget.compute.step_flops: the compiled executable has no cost analysis (deviceless GPU "
+    "executables return None) and the FLOPs could not be counted from the HLO; pass the step "
+    "function and its arguments (not a Compiled) with jax_overlap.analyze installed, or give "
+    "the FLOPs per step to FlopCounter yourself"
   )
 
 
@@ -114,7 +114,7 @@ def _num_devices(compiled: Any) -> int:
 
   try:
     shardings = jax.tree_util.tree_leaves(compiled.input_shardings) + jax.tree_util.tree_leaves(
-        compiled.output_shardings
+      compiled.output_shardings
     )
   except Exception:  # e.g. executables that do not expose shardings
     return 1
@@ -133,7 +133,7 @@ class FlopCounter:
   Example:
     >>> counter = FlopCounter(flops_per_step=2e12)
     >>> for _ in range(3):
-    ...   counter.step()
+    ...   _ = counter.step()
     >>> counter.total, counter.pflops
     (6000000000000.0, 0.006)
   """
@@ -145,8 +145,7 @@ class FlopCounter:
   def __post_init__(self):
     if not (isinstance(self.flops_per_step, (int, float)) and math.isfinite(self.flops_per_step)):
       raise ValueError(
-          "FlopCounter: flops_per_step must be a finite number, got "
-          f"{self.flops_per_step!r}"
+        f"FlopCounter: flops_per_step must be a finite number, got {self.flops_per_step!r}"
       )
     if self.flops_per_step < 0:
       raise ValueError(f"FlopCounter: flops_per_step must be >= 0, got {self.flops_per_step!r}")
@@ -198,8 +197,8 @@ class Decision:
 
   def __str__(self) -> str:
     return (
-        f"eval {self.index}: flops={self.flops:.4g} loss={self.loss:.6g} "
-        f"gain/PFLOP={self.gain_per_pflop:.4g} -> {'STOP' if self.stop else 'go'} ({self.reason})"
+      f"eval {self.index}: flops={self.flops:.4g} loss={self.loss:.6g} "
+      f"gain/PFLOP={self.gain_per_pflop:.4g} -> {'STOP' if self.stop else 'go'} ({self.reason})"
     )
 
 
@@ -238,21 +237,23 @@ class ComputeGovernor:
   """
 
   def __init__(
-      self,
-      flop_budget: float,
-      min_gain_per_pflop: float,
-      window: int = 5,
-      *,
-      on_nan: Literal["stop", "raise"] = "stop",
-      log: bool = True,
+    self,
+    flop_budget: float,
+    min_gain_per_pflop: float,
+    window: int = 5,
+    *,
+    on_nan: Literal["stop", "raise"] = "stop",
+    log: bool = True,
   ):
-    if not isinstance(flop_budget, (int, float)) or not (flop_budget > 0) or math.isinf(flop_budget):
+    if (
+      not isinstance(flop_budget, (int, float)) or not (flop_budget > 0) or math.isinf(flop_budget)
+    ):
       raise ValueError(
-          f"ComputeGovernor: flop_budget must be a finite number > 0, got {flop_budget!r}"
+        f"ComputeGovernor: flop_budget must be a finite number > 0, got {flop_budget!r}"
       )
     if not isinstance(min_gain_per_pflop, (int, float)) or not (min_gain_per_pflop >= 0):
       raise ValueError(
-          f"ComputeGovernor: min_gain_per_pflop must be a number >= 0, got {min_gain_per_pflop!r}"
+        f"ComputeGovernor: min_gain_per_pflop must be a number >= 0, got {min_gain_per_pflop!r}"
       )
     if isinstance(window, bool) or not isinstance(window, int) or window < 2:
       raise ValueError(f"ComputeGovernor: window must be an integer >= 2, got {window!r}")
@@ -310,14 +311,14 @@ class ComputeGovernor:
       raise ValueError(f"ComputeGovernor.update: flops must be finite and >= 0, got {flops!r}")
     if self._points and flops < self._points[-1][0]:
       raise ValueError(
-          "ComputeGovernor.update: flops is cumulative and must not decrease, got "
-          f"{flops!r} after {self._points[-1][0]!r}"
+        "ComputeGovernor.update: flops is cumulative and must not decrease, got "
+        f"{flops!r} after {self._points[-1][0]!r}"
       )
     index = len(self.decisions)
     if not math.isfinite(loss):
       if self.on_nan == "raise":
         raise FloatingPointError(
-            f"ComputeGovernor.update: loss is {loss!r} at evaluation {index} ({flops:.4g} FLOPs)"
+          f"ComputeGovernor.update: loss is {loss!r} at evaluation {index} ({flops:.4g} FLOPs)"
         )
       return self._record(Decision(index, flops, loss, math.nan, True, "nan"))
     self._points.append((flops, loss))
@@ -335,8 +336,12 @@ class ComputeGovernor:
   def _record(self, decision: Decision) -> Decision:
     self.decisions.append(decision)
     if self.log:
-      logging.info("ComputeGovernor %s (threshold %.4g/PFLOP, budget %.4g FLOPs)",
-                   decision, self.min_gain_per_pflop, self.flop_budget)
+      logging.info(
+        "ComputeGovernor %s (threshold %.4g/PFLOP, budget %.4g FLOPs)",
+        decision,
+        self.min_gain_per_pflop,
+        self.flop_budget,
+      )
     return decision
 
   def summary(self) -> str:
@@ -345,13 +350,13 @@ class ComputeGovernor:
 
 
 def keep_fraction_for_budget(
-    flop_budget: float,
-    *,
-    flops_per_example: float,
-    examples: int,
-    epochs: float = 1.0,
-    score_flops_per_example: float = 0.0,
-    min_fraction: float = 0.05,
+  flop_budget: float,
+  *,
+  flops_per_example: float,
+  examples: int,
+  epochs: float = 1.0,
+  score_flops_per_example: float = 0.0,
+  min_fraction: float = 0.05,
 ) -> float:
   """The fraction of scored examples to train on so a run fits ``flop_budget``.
 
@@ -383,22 +388,30 @@ def keep_fraction_for_budget(
     ...                                score_flops_per_example=1e6), 3)
     0.5
   """
-  for name, value in (("flop_budget", flop_budget), ("flops_per_example", flops_per_example),
-                      ("examples", examples), ("epochs", epochs)):
+  for name, value in (
+    ("flop_budget", flop_budget),
+    ("flops_per_example", flops_per_example),
+    ("examples", examples),
+    ("epochs", epochs),
+  ):
     if not isinstance(value, (int, float)) or not (value > 0) or math.isinf(value):
-      raise ValueError(f"keep_fraction_for_budget: {name} must be a finite number > 0, got {value!r}")
+      raise ValueError(
+        f"keep_fraction_for_budget: {name} must be a finite number > 0, got {value!r}"
+      )
   if not (score_flops_per_example >= 0):
     raise ValueError(
-        "keep_fraction_for_budget: score_flops_per_example must be >= 0, got "
-        f"{score_flops_per_example!r}"
+      "keep_fraction_for_budget: score_flops_per_example must be >= 0, got "
+      f"{score_flops_per_example!r}"
     )
   if not (0 < min_fraction <= 1):
-    raise ValueError(f"keep_fraction_for_budget: min_fraction must be in (0, 1], got {min_fraction!r}")
+    raise ValueError(
+      f"keep_fraction_for_budget: min_fraction must be in (0, 1], got {min_fraction!r}"
+    )
   offered = examples * epochs
   per_offer = flop_budget / offered - score_flops_per_example
   if per_offer <= 0:
     raise ValueError(
-        f"keep_fraction_for_budget: flop_budget {flop_budget:.4g} does not cover scoring "
-        f"({offered * score_flops_per_example:.4g} FLOPs for {offered:.4g} examples)"
+      f"keep_fraction_for_budget: flop_budget {flop_budget:.4g} does not cover scoring "
+      f"({offered * score_flops_per_example:.4g} FLOPs for {offered:.4g} examples)"
     )
   return float(min(1.0, max(min_fraction, per_offer / flops_per_example)))

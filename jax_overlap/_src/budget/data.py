@@ -43,13 +43,13 @@ def _reduce_to_batch(x: jax.Array, mask: jax.Array | None) -> jax.Array:
 
 
 def per_example_scores(
-    logits: jax.Array,
-    labels: jax.Array,
-    *,
-    kind: ScoreKind = "classification",
-    reference_loss: jax.Array | None = None,
-    reference_logits: jax.Array | None = None,
-    mask: jax.Array | None = None,
+  logits: jax.Array,
+  labels: jax.Array,
+  *,
+  kind: ScoreKind = "classification",
+  reference_loss: jax.Array | None = None,
+  reference_logits: jax.Array | None = None,
+  mask: jax.Array | None = None,
 ) -> dict[str, jax.Array]:
   """Per-example loss, error-norm (gradient-norm proxy) and excess loss.
 
@@ -83,7 +83,7 @@ def per_example_scores(
   """
   if kind not in ("classification", "regression"):
     raise ValueError(
-        f"per_example_scores: kind must be 'classification' or 'regression', got {kind!r}"
+      f"per_example_scores: kind must be 'classification' or 'regression', got {kind!r}"
     )
   if reference_loss is not None and reference_logits is not None:
     raise ValueError("per_example_scores: give reference_loss or reference_logits, not both")
@@ -93,8 +93,8 @@ def per_example_scores(
     if kind == "classification":
       if labels.shape != z.shape[:-1]:
         raise ValueError(
-            "per_example_scores: classification labels must have the logits' shape without the "
-            f"class axis, expected {z.shape[:-1]}, got {labels.shape}"
+          "per_example_scores: classification labels must have the logits' shape without the "
+          f"class axis, expected {z.shape[:-1]}, got {labels.shape}"
         )
       logp = jax.nn.log_softmax(z, axis=-1)
       onehot = jax.nn.one_hot(labels, z.shape[-1], dtype=z.dtype)
@@ -103,8 +103,8 @@ def per_example_scores(
       return loss, jnp.sqrt(jnp.sum(err * err, axis=-1))
     if labels.shape != z.shape:
       raise ValueError(
-          "per_example_scores: regression targets must have the predictions' shape, expected "
-          f"{z.shape}, got {labels.shape}"
+        "per_example_scores: regression targets must have the predictions' shape, expected "
+        f"{z.shape}, got {labels.shape}"
       )
     err = z - labels.astype(z.dtype)
     if z.ndim == 1:
@@ -119,8 +119,8 @@ def per_example_scores(
     reference_loss = jnp.asarray(reference_loss, jnp.float32)
     if reference_loss.shape != out["loss"].shape:
       raise ValueError(
-          f"per_example_scores: reference_loss must have shape {out['loss'].shape}, got "
-          f"{reference_loss.shape}"
+        f"per_example_scores: reference_loss must have shape {out['loss'].shape}, got "
+        f"{reference_loss.shape}"
       )
     out["excess_loss"] = out["loss"] - reference_loss
   # The loss stays differentiable so the step can train on mean(scores["loss"]) and get the
@@ -152,8 +152,8 @@ def combine(scores: dict[str, jax.Array], method: str = "auto") -> jax.Array:
     key = "excess_loss" if "excess_loss" in scores else "el2n"
   if key not in scores:
     raise KeyError(
-        f"budget.data.combine: score {key!r} is not available; have {sorted(scores)} "
-        "(excess_loss needs reference_loss or reference_logits)"
+      f"budget.data.combine: score {key!r} is not available; have {sorted(scores)} "
+      "(excess_loss needs reference_loss or reference_logits)"
     )
   return scores[key]
 
@@ -191,39 +191,48 @@ def selected_count(batch_size: int, keep_fraction: float, multiple_of: int = 1) 
   """
   _check_fraction(keep_fraction)
   if isinstance(multiple_of, bool) or not isinstance(multiple_of, int) or multiple_of < 1:
-    raise ValueError(f"budget.data.select: multiple_of must be an integer >= 1, got {multiple_of!r}")
+    raise ValueError(
+      f"budget.data.select: multiple_of must be an integer >= 1, got {multiple_of!r}"
+    )
   if batch_size % multiple_of:
     raise ValueError(
-        f"budget.data.select: multiple_of ({multiple_of}) must divide the batch size ({batch_size})"
+      f"budget.data.select: multiple_of ({multiple_of}) must divide the batch size ({batch_size})"
     )
   units = batch_size // multiple_of
   return multiple_of * min(units, max(1, int(math.floor(keep_fraction * units + 0.5))))
 
 
+def _is_tracer(x: Any) -> bool:
+  tracer = getattr(jax.core, "Tracer", None)
+  if tracer is not None:
+    return isinstance(x, tracer)
+  return isinstance(x, jax.Array) and not hasattr(x, "addressable_shards")
+
+
 def _check_fraction(keep_fraction: Any) -> None:
-  if isinstance(keep_fraction, jax.core.Tracer):
+  if _is_tracer(keep_fraction):
     raise TypeError(
-        "budget.data.select: keep_fraction must be a static Python float (it sets the output "
-        "shape); mark it static in jit"
+      "budget.data.select: keep_fraction must be a static Python float (it sets the output "
+      "shape); mark it static in jit"
     )
   try:
     value = float(keep_fraction)
   except (TypeError, ValueError):
     raise TypeError(
-        f"budget.data.select: keep_fraction must be a float in (0, 1], got {keep_fraction!r}"
+      f"budget.data.select: keep_fraction must be a float in (0, 1], got {keep_fraction!r}"
     ) from None
   if not (0.0 < value <= 1.0):
     raise ValueError(f"budget.data.select: keep_fraction must be in (0, 1], got {keep_fraction!r}")
 
 
 def select(
-    batch: Any,
-    scores: jax.Array,
-    keep_fraction: float,
-    *,
-    mode: Literal["top_k", "threshold"] = "top_k",
-    multiple_of: int = 1,
-    sharding: Any = None,
+  batch: Any,
+  scores: jax.Array,
+  keep_fraction: float,
+  *,
+  mode: Literal["top_k", "threshold"] = "top_k",
+  multiple_of: int = 1,
+  sharding: Any = None,
 ) -> Selection:
   """Keeps the highest-scoring ``keep_fraction`` of a batch; jittable, works on sharded batches.
 
@@ -270,14 +279,14 @@ def select(
   n = scores.shape[0]
   leaves, treedef = jax.tree_util.tree_flatten_with_path(batch)
   bad = [
-      f"{jax.tree_util.keystr(p)}: {getattr(x, 'shape', None)}"
-      for p, x in leaves
-      if not getattr(x, "shape", ()) or x.shape[0] != n
+    f"{jax.tree_util.keystr(p)}: {getattr(x, 'shape', None)}"
+    for p, x in leaves
+    if not getattr(x, "shape", ()) or x.shape[0] != n
   ]
   if bad:
     raise ValueError(
-        f"budget.data.select: every batch leaf needs leading axis {n} (the scores' length); "
-        f"found {', '.join(bad)}"
+      f"budget.data.select: every batch leaf needs leading axis {n} (the scores' length); "
+      f"found {', '.join(bad)}"
     )
   k = selected_count(n, float(keep_fraction), multiple_of)
   scores = scores.astype(jnp.float32)
@@ -311,13 +320,13 @@ def _take_rows(x: jax.Array, index: jax.Array, sharding: Any) -> tuple[jax.Array
     return jnp.take(x, index, axis=0), False
   if sharding is None:
     n_shards = math.prod(
-        aval_sharding.mesh.shape[a]
-        for a in ((spec[0],) if isinstance(spec[0], str) else (spec[0] or ()))
+      aval_sharding.mesh.shape[a]
+      for a in ((spec[0],) if isinstance(spec[0], str) else (spec[0] or ()))
     )
     keep_spec = index.shape[0] % n_shards == 0
     sharding = jax.sharding.NamedSharding(
-        aval_sharding.mesh,
-        jax.sharding.PartitionSpec(*(spec if keep_spec else (None, *tuple(spec)[1:]))),
+      aval_sharding.mesh,
+      jax.sharding.PartitionSpec(*(spec if keep_spec else (None, *tuple(spec)[1:]))),
     )
   return x.at[index].get(out_sharding=sharding), True
 
@@ -329,9 +338,9 @@ def _gathered(scores: jax.Array) -> jax.Array:
   if spec is not None and any(a is not None for a in spec) and hasattr(jax.sharding, "reshard"):
     mesh = getattr(aval_sharding, "mesh", None)
     target = (
-        jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        if mesh is not None and not getattr(mesh, "empty", False)
-        else jax.sharding.PartitionSpec()
+      jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+      if mesh is not None and not getattr(mesh, "empty", False)
+      else jax.sharding.PartitionSpec()
     )
     return jax.sharding.reshard(scores, target)
   return scores
@@ -340,7 +349,7 @@ def _gathered(scores: jax.Array) -> jax.Array:
 def _own_sharding(x: Any, k: int) -> Any:
   """The sharding of a concrete array if its batch axis can be split the same way over k rows."""
   s = getattr(x, "sharding", None)
-  if isinstance(x, jax.core.Tracer) or not isinstance(s, jax.sharding.NamedSharding):
+  if _is_tracer(x) or not isinstance(s, jax.sharding.NamedSharding):
     return None
   spec = tuple(s.spec) + (None,) * (x.ndim - len(s.spec))
   axes = spec[0]

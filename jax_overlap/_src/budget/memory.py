@@ -43,28 +43,28 @@ import jax
 from absl import logging
 
 __all__ = [
-    "CATEGORIES",
-    "Breakdown",
-    "Candidate",
-    "Plan",
-    "PlanRow",
-    "breakdown",
-    "plan",
-    "remat_policy",
+  "CATEGORIES",
+  "Breakdown",
+  "Candidate",
+  "Plan",
+  "PlanRow",
+  "breakdown",
+  "plan",
+  "remat_policy",
 ]
 
 CATEGORIES = (
-    "weights",
-    "optimizer_state",
-    "inputs",
-    "other_arguments",
-    "outputs",
-    "gradients",
-    "activations",
-    "gathered_weights",
-    "collective_buffers",
-    "temporaries",
-    "fragmentation",
+  "weights",
+  "optimizer_state",
+  "inputs",
+  "other_arguments",
+  "outputs",
+  "gradients",
+  "activations",
+  "gathered_weights",
+  "collective_buffers",
+  "temporaries",
+  "fragmentation",
 )
 
 _OPT_KEYS = ("opt", "optim", "mu", "nu", "momentum", "adam", "velocity", "moment", "count")
@@ -129,9 +129,9 @@ class Breakdown:
       if value:
         lines.append(f"  {name:<20} {_fmt_bytes(value):>12}  {100 * value / total:5.1f}%")
     lines.append(
-        f"  (XLA: arguments {_fmt_bytes(self.argument_bytes)} + outputs "
-        f"{_fmt_bytes(self.output_bytes)} + temp {_fmt_bytes(self.temp_bytes)} - aliased "
-        f"{_fmt_bytes(self.alias_bytes)})"
+      f"  (XLA: arguments {_fmt_bytes(self.argument_bytes)} + outputs "
+      f"{_fmt_bytes(self.output_bytes)} + temp {_fmt_bytes(self.temp_bytes)} - aliased "
+      f"{_fmt_bytes(self.alias_bytes)})"
     )
     return "\n".join(lines)
 
@@ -175,7 +175,7 @@ def _place_on_target(args: Sequence[Any], target: str | None) -> list[Any]:
     if device is None:
       device = _targets.compile_only_devices(target)[0]
     return jax.ShapeDtypeStruct(
-        x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(device)
+      x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(device)
     )
 
   return [jax.tree_util.tree_map(place, a) for a in args]
@@ -184,7 +184,9 @@ def _place_on_target(args: Sequence[Any], target: str | None) -> list[Any]:
 # ----------------------------------------------------------------------------- dump parsing
 
 _ALLOC_RE = re.compile(r"^allocation (\d+): size (\d+), (.*):\s*$")
-_VALUE_RE = re.compile(r"^\s*value: <\d+ ([^\s>]+?)(\{[\d,]*\})?(?: @\d+)?>\s*\(size=(\d+),offset=(\d+)\): (.*)$")
+_VALUE_RE = re.compile(
+  r"^\s*value: <\d+ ([^\s>]+?)(\{[\d,]*\})?(?: @\d+)?>\s*\(size=(\d+),offset=(\d+)\): (.*)$"
+)
 _LIVE_RE = re.compile(r"^\s+([^\s{]+)(\{[\d,]*\}):(\d+)-(\d+)\s*$")
 _INSTR_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([^\s=]+)\s*=\s*(.*)$")
 _OPCODE_RE = re.compile(r"[\s)\]}]([a-z][a-z0-9\-_]*)\(")
@@ -210,7 +212,7 @@ def _parse_buffer_assignment(text: str) -> list[tuple[int, str, list[_Value]]]:
     m = _VALUE_RE.match(line)
     if m and allocs:
       allocs[-1][2].append(
-          _Value(m.group(1), m.group(2) or "{}", int(m.group(3)), int(m.group(4)), m.group(5))
+        _Value(m.group(1), m.group(2) or "{}", int(m.group(3)), int(m.group(4)), m.group(5))
       )
     elif line and not line.startswith(" ") and not line.startswith("allocation") and allocs:
       break  # end of the allocation list (e.g. "Total bytes used")
@@ -260,8 +262,15 @@ def _dims(shape: str) -> tuple[str, tuple[int, ...]] | None:
   return m.group(1), dims
 
 
-_COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute",
-                "ragged-all-to-all", "collective-broadcast")
+_COLLECTIVES = (
+  "all-gather",
+  "reduce-scatter",
+  "all-reduce",
+  "all-to-all",
+  "collective-permute",
+  "ragged-all-to-all",
+  "collective-broadcast",
+)
 
 
 def _classify(value: _Value, hlo: dict[str, tuple[str, str]], weight_shapes: set) -> str:
@@ -272,8 +281,11 @@ def _classify(value: _Value, hlo: dict[str, tuple[str, str]], weight_shapes: set
   if base.startswith("all-gather"):
     return "gathered_weights"
   if base.startswith(_COLLECTIVES) or (opcode.startswith("async") and "all-" in value.name):
-    return "gradients" if weight_like and base.startswith(("reduce-scatter", "all-reduce")) else (
-        "collective_buffers")
+    return (
+      "gradients"
+      if weight_like and base.startswith(("reduce-scatter", "all-reduce"))
+      else ("collective_buffers")
+    )
   if "transpose(" in opname:
     return "gradients" if weight_like else "temporaries"
   if "jvp(" in opname:
@@ -281,11 +293,22 @@ def _classify(value: _Value, hlo: dict[str, tuple[str, str]], weight_shapes: set
   return "temporaries"
 
 
+def _covered(values: list[_Value]) -> int:
+  """Bytes covered by the union of the values' [offset, offset + size) ranges."""
+  total, end = 0, -1
+  for v in sorted(values, key=lambda v: v.offset):
+    lo, hi = max(v.offset, end), v.offset + v.size
+    if hi > lo:
+      total += hi - lo
+    end = max(end, hi)
+  return total
+
+
 def _attribute_temp(
-    allocs: list[tuple[int, str, list[_Value]]],
-    ranges: dict[str, tuple[int, int]],
-    hlo: dict[str, tuple[str, str]],
-    weight_shapes: set,
+  allocs: list[tuple[int, str, list[_Value]]],
+  ranges: dict[str, tuple[int, int]],
+  hlo: dict[str, tuple[str, str]],
+  weight_shapes: set,
 ) -> tuple[dict[str, int], list[tuple[str, str, int]], int]:
   """Temp bytes by category at each temp allocation's fullest moment; returns (cats, values, sum)."""
   cats = {c: 0 for c in CATEGORIES}
@@ -299,7 +322,7 @@ def _attribute_temp(
     events = sorted({r[0] for _, r in timed if r is not None})
     best_t, best = None, -1
     for t in events:
-      live = sum(v.size for v, r in timed if r is not None and r[0] <= t <= r[1])
+      live = _covered([v for v, r in timed if r is not None and r[0] <= t <= r[1]])
       if live > best:
         best_t, best = t, live
     if best_t is None:
@@ -308,10 +331,14 @@ def _attribute_temp(
     else:
       chosen = [v for v, r in timed if r is not None and r[0] <= best_t <= r[1]]
     used = 0
-    for v in chosen:
-      nbytes = min(v.size, size - used)
+    # Values that share bytes at that moment (an in-place op's input and output)
+    # count once: each byte goes to the first value covering it.
+    end = -1
+    for v in sorted(chosen, key=lambda v: (v.offset, -v.size)):
+      nbytes = min(v.offset + v.size - max(end, v.offset), size - used)
+      end = max(end, v.offset + v.size)
       if nbytes <= 0:
-        break
+        continue
       cat = _classify(v, hlo, weight_shapes)
       cats[cat] += nbytes
       used += nbytes
@@ -334,12 +361,12 @@ def _read_dump(directory: str, suffix: str) -> str:
 
 
 def breakdown(
-    fn: Callable[..., Any],
-    *args: Any,
-    target: str | None = None,
-    arg_kinds: Sequence[str | None] | None = None,
-    donate_argnums: int | Sequence[int] = (),
-    compiler_options: dict[str, Any] | None = None,
+  fn: Callable[..., Any],
+  *args: Any,
+  target: str | None = None,
+  arg_kinds: Sequence[str | None] | None = None,
+  donate_argnums: int | Sequence[int] = (),
+  compiler_options: dict[str, Any] | None = None,
 ) -> Breakdown:
   """Per-device memory of one step by category, summing exactly to XLA's total.
 
@@ -375,17 +402,17 @@ def breakdown(
   if arg_kinds is not None:
     if len(arg_kinds) != len(args):
       raise ValueError(
-          f"budget.memory.breakdown: arg_kinds needs one entry per argument ({len(args)}), "
-          f"got {len(arg_kinds)}"
+        f"budget.memory.breakdown: arg_kinds needs one entry per argument ({len(args)}), "
+        f"got {len(arg_kinds)}"
       )
     bad = [k for k in arg_kinds if k is not None and k not in _KINDS]
     if bad:
       raise ValueError(
-          f"budget.memory.breakdown: arg_kinds entries must be one of {_KINDS} or None, got {bad}"
+        f"budget.memory.breakdown: arg_kinds entries must be one of {_KINDS} or None, got {bad}"
       )
   args = _place_on_target(args, target)
-  jitted = fn if hasattr(fn, "lower") else jax.jit(
-      fn, donate_argnums=donate_argnums, keep_unused=True
+  jitted = (
+    fn if hasattr(fn, "lower") else jax.jit(fn, donate_argnums=donate_argnums, keep_unused=True)
   )
   options = dict(compiler_options or {})
   with tempfile.TemporaryDirectory(prefix="jax_overlap_mem_") as tmp:
@@ -394,8 +421,9 @@ def breakdown(
     assignment = _read_dump(tmp, "-buffer-assignment.txt")
     live = _read_dump(tmp, "-live-range.txt")
     hlo_files = [
-        f for f in glob.glob(os.path.join(tmp, "*after_optimizations.txt"))
-        if "buffer-assignment" not in f
+      f
+      for f in glob.glob(os.path.join(tmp, "*after_optimizations.txt"))
+      if "buffer-assignment" not in f
     ]
     hlo_text = open(sorted(hlo_files)[-1]).read() if hlo_files else ""
   mem = compiled.memory_analysis()
@@ -411,7 +439,7 @@ def breakdown(
     for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
       pstr = f"[{position}]" + jax.tree_util.keystr(path)
       kind = (arg_kinds[position] if arg_kinds is not None else None) or _default_kind(
-          position, len(args), pstr
+        position, len(args), pstr
       )
       nbytes, shard, shape, _ = _leaf_bytes(leaf)
       cats[kind] += nbytes
@@ -425,10 +453,10 @@ def breakdown(
   cats["outputs"] = out_b - alias_b
 
   temp_cats, peak_values, parsed = _attribute_temp(
-      _parse_buffer_assignment(assignment),
-      _parse_live_ranges(live),
-      _parse_hlo(hlo_text),
-      weight_shapes,
+    _parse_buffer_assignment(assignment),
+    _parse_live_ranges(live),
+    _parse_hlo(hlo_text),
+    weight_shapes,
   )
   if parsed == 0 and tmp_b:
     temp_cats = {c: 0 for c in CATEGORIES}
@@ -442,29 +470,31 @@ def breakdown(
     cats[c] += v
   name = target
   if name is None:
-    leaves = [x for x in jax.tree_util.tree_leaves(args) if getattr(x, "sharding", None) is not None]
+    leaves = [
+      x for x in jax.tree_util.tree_leaves(args) if getattr(x, "sharding", None) is not None
+    ]
     name = next(iter(leaves[0].sharding.device_set)).platform if leaves else jax.default_backend()
   return Breakdown(
-      target=str(name),
-      categories=cats,
-      argument_bytes=arg_b,
-      output_bytes=out_b,
-      temp_bytes=tmp_b,
-      alias_bytes=alias_b,
-      arguments=tuple(arguments),
-      peak_values=tuple(peak_values),
-      unattributed_temp_bytes=tmp_b - parsed if parsed else tmp_b,
-      hlo_text=hlo_text,
+    target=str(name),
+    categories=cats,
+    argument_bytes=arg_b,
+    output_bytes=out_b,
+    temp_bytes=tmp_b,
+    alias_bytes=alias_b,
+    arguments=tuple(arguments),
+    peak_values=tuple(peak_values),
+    unattributed_temp_bytes=tmp_b - parsed if parsed else tmp_b,
+    hlo_text=hlo_text,
   )
 
 
 # ----------------------------------------------------------------------------- plan
 
 _POLICY_ALIASES = {
-    "nothing": "nothing_saveable",
-    "dots": "dots_saveable",
-    "dots_no_batch": "dots_with_no_batch_dims_saveable",
-    "everything": "everything_saveable",
+  "nothing": "nothing_saveable",
+  "dots": "dots_saveable",
+  "dots_no_batch": "dots_with_no_batch_dims_saveable",
+  "everything": "everything_saveable",
 }
 
 
@@ -492,17 +522,19 @@ def remat_policy(name: str) -> Callable[..., Any]:
   if not isinstance(name, str):
     raise TypeError(f"budget.memory.remat_policy: name must be a string, got {type(name).__name__}")
   if name.startswith("names:"):
-    names = tuple(n.strip() for n in name[len("names:"):].split(",") if n.strip())
+    names = tuple(n.strip() for n in name[len("names:") :].split(",") if n.strip())
     if not names:
-      raise ValueError(f"budget.memory.remat_policy: 'names:' needs at least one name, got {name!r}")
+      raise ValueError(
+        f"budget.memory.remat_policy: 'names:' needs at least one name, got {name!r}"
+      )
     return policies.save_only_these_names(*names)
   attr = _POLICY_ALIASES.get(name, name)
   policy = getattr(policies, attr, None)
   if policy is None or attr.startswith("_") or attr in ("save_only_these_names",):
     known = sorted(_POLICY_ALIASES) + ["names:<a,b>"]
     raise ValueError(
-        f"budget.memory.remat_policy: unknown policy {name!r}; use one of {known} or an attribute "
-        "of jax.checkpoint_policies"
+      f"budget.memory.remat_policy: unknown policy {name!r}; use one of {known} or an attribute "
+      "of jax.checkpoint_policies"
     )
   return policy
 
@@ -524,7 +556,9 @@ class Candidate:
 
   def __post_init__(self):
     if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
-      raise ValueError(f"budget.memory.plan: prefetch depths must be integers >= 0, got {self.prefetch!r}")
+      raise ValueError(
+        f"budget.memory.plan: prefetch depths must be integers >= 0, got {self.prefetch!r}"
+      )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -557,30 +591,51 @@ class Plan:
 
   def __str__(self) -> str:
     head = (
-        f"memory plan for {self.target}, budget {_fmt_bytes(self.budget_bytes)} per device: "
-        f"choose remat={self.choice.candidate.remat} "
-        f"shard_opt_state={self.choice.candidate.shard_opt_state} "
-        f"prefetch={self.choice.candidate.prefetch}"
+      f"memory plan for {self.target}, budget {_fmt_bytes(self.budget_bytes)} per device: "
+      f"choose remat={self.choice.candidate.remat} "
+      f"shard_opt_state={self.choice.candidate.shard_opt_state} "
+      f"prefetch={self.choice.candidate.prefetch}"
     )
-    cols = ("remat", "opt_shard", "prefetch", "total", "weights", "opt_state", "activ",
-            "gathered", "grad+coll", "temp+other", "step_ms", "fits")
+    cols = (
+      "remat",
+      "opt_shard",
+      "prefetch",
+      "total",
+      "weights",
+      "opt_state",
+      "activ",
+      "gathered",
+      "grad+coll",
+      "temp+other",
+      "step_ms",
+      "fits",
+    )
     w0 = max([len(cols[0])] + [len(r.candidate.remat) for r in self.rows])
     fmt = lambda cells: " ".join([f"{cells[0]:<{w0}}"] + [f"{x:>10}" for x in cells[1:]])
     lines = [head, fmt(cols)]
     for row in self.rows:
       c = row.candidate
       if row.breakdown is None:
-        lines.append(fmt((c.remat, str(c.shard_opt_state), str(c.prefetch))) + f"  error: {row.error}")
+        lines.append(
+          fmt((c.remat, str(c.shard_opt_state), str(c.prefetch))) + f"  error: {row.error}"
+        )
         continue
       b = row.breakdown.categories
       cells = (
-          c.remat, str(c.shard_opt_state), str(c.prefetch), _fmt_bytes(row.total_bytes or 0),
-          _fmt_bytes(b["weights"]), _fmt_bytes(b["optimizer_state"]), _fmt_bytes(b["activations"]),
-          _fmt_bytes(b["gathered_weights"]), _fmt_bytes(b["collective_buffers"] + b["gradients"]),
-          _fmt_bytes(b["temporaries"] + b["fragmentation"] + b["outputs"] + b["inputs"]
-                     + b["other_arguments"]),
-          "-" if row.step_time_s is None else f"{1e3 * row.step_time_s:.3f}",
-          ("*" if row is self.choice else "") + ("yes" if row.fits else "no"),
+        c.remat,
+        str(c.shard_opt_state),
+        str(c.prefetch),
+        _fmt_bytes(row.total_bytes or 0),
+        _fmt_bytes(b["weights"]),
+        _fmt_bytes(b["optimizer_state"]),
+        _fmt_bytes(b["activations"]),
+        _fmt_bytes(b["gathered_weights"]),
+        _fmt_bytes(b["collective_buffers"] + b["gradients"]),
+        _fmt_bytes(
+          b["temporaries"] + b["fragmentation"] + b["outputs"] + b["inputs"] + b["other_arguments"]
+        ),
+        "-" if row.step_time_s is None else f"{1e3 * row.step_time_s:.3f}",
+        ("*" if row is self.choice else "") + ("yes" if row.fits else "no"),
       )
       lines.append(fmt(cells))
     return "\n".join(lines)
@@ -595,7 +650,7 @@ def _analyze_or_none() -> Callable[..., Any] | None:
 
 
 def _estimate(
-    estimator: Callable[..., float] | None, fn: Any, args: tuple, b: Breakdown, target: str
+  estimator: Callable[..., float] | None, fn: Any, args: tuple, b: Breakdown, target: str
 ) -> float:
   if estimator is not None:
     return float(estimator(fn, *args, target=target))
@@ -605,10 +660,10 @@ def _estimate(
   from jax_overlap._src.budget._estimate import estimate_step_time
 
   logging.log_first_n(
-      logging.WARNING,
-      "budget.memory.plan: jax_overlap.analyze is not available; ranking by a roofline "
-      "estimate from the candidate's optimized HLO",
-      1,
+    logging.WARNING,
+    "budget.memory.plan: jax_overlap.analyze is not available; ranking by a roofline "
+    "estimate from the candidate's optimized HLO",
+    1,
   )
   return estimate_step_time(b.hlo_text, target)
 
@@ -634,17 +689,17 @@ class _LogProgress:
 
 
 def plan(
-    step_builder: Callable[..., Any],
-    budget_bytes: int,
-    target: str = "h100x8",
-    *,
-    remat_policies: Sequence[str] = ("nothing", "dots", "everything"),
-    shard_opt_state: Sequence[bool] = (False, True),
-    prefetch: Sequence[int] = (0, 1, 2),
-    estimator: Callable[..., float] | None = None,
-    arg_kinds: Sequence[str | None] | None = None,
-    progress: bool = True,
-    cache: dict | None = None,
+  step_builder: Callable[..., Any],
+  budget_bytes: int,
+  target: str = "h100x8",
+  *,
+  remat_policies: Sequence[str] = ("nothing", "dots", "everything"),
+  shard_opt_state: Sequence[bool] = (False, True),
+  prefetch: Sequence[int] = (0, 1, 2),
+  estimator: Callable[..., float] | None = None,
+  arg_kinds: Sequence[str | None] | None = None,
+  progress: bool = True,
+  cache: dict | None = None,
 ) -> Plan:
   """Searches remat policy x optimizer-state sharding x prefetch depth for a memory budget.
 
@@ -686,22 +741,27 @@ def plan(
     >>> p = plan(build, 40 * 2**30, "h100x8")  # doctest: +SKIP
     >>> print(p)  # doctest: +SKIP
   """
-  if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, float)) or not (
-      budget_bytes > 0
-  ) or math.isinf(budget_bytes):
+  if (
+    isinstance(budget_bytes, bool)
+    or not isinstance(budget_bytes, (int, float))
+    or not (budget_bytes > 0)
+    or math.isinf(budget_bytes)
+  ):
     raise ValueError(
-        f"budget.memory.plan: budget_bytes must be a positive number of bytes per device, got "
-        f"{budget_bytes!r}"
+      f"budget.memory.plan: budget_bytes must be a positive number of bytes per device, got "
+      f"{budget_bytes!r}"
     )
   candidates = [
-      Candidate(str(r), bool(s), int(p))
-      for r in remat_policies
-      for s in shard_opt_state
-      for p in prefetch
+    Candidate(str(r), bool(s), int(p))
+    for r in remat_policies
+    for s in shard_opt_state
+    for p in prefetch
   ]
   if not candidates:
-    raise ValueError("budget.memory.plan: the search space is empty (no remat policy, "
-                     "opt-state sharding or prefetch choice given)")
+    raise ValueError(
+      "budget.memory.plan: the search space is empty (no remat policy, "
+      "opt-state sharding or prefetch choice given)"
+    )
   for name in {c.remat for c in candidates}:
     remat_policy(name)  # fail fast on unknown names
   cache = {} if cache is None else cache
@@ -711,9 +771,9 @@ def plan(
     if key not in cache:
       try:
         built = step_builder(
-            remat_policy=remat_policy(cand.remat),
-            shard_opt_state=cand.shard_opt_state,
-            prefetch=cand.prefetch,
+          remat_policy=remat_policy(cand.remat),
+          shard_opt_state=cand.shard_opt_state,
+          prefetch=cand.prefetch,
         )
         fn, args = built[0], tuple(built[1])
         b = breakdown(fn, *args, target=target, arg_kinds=arg_kinds)
@@ -724,24 +784,26 @@ def plan(
         cache[key] = (None, None, f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
     evaluated.append((cand, *cache[key]))
   rows = [
-      PlanRow(c, b.total_bytes if b else None, bool(b and b.total_bytes <= budget_bytes), t, b, err)
-      for c, b, t, err in evaluated
+    PlanRow(c, b.total_bytes if b else None, bool(b and b.total_bytes <= budget_bytes), t, b, err)
+    for c, b, t, err in evaluated
   ]
   ok = [r for r in rows if r.breakdown is not None]
   if not ok:
     raise RuntimeError(
-        "budget.memory.plan: every candidate failed to build or compile; first error: "
-        f"{rows[0].error}"
+      "budget.memory.plan: every candidate failed to build or compile; first error: "
+      f"{rows[0].error}"
     )
   fitting = sorted((r for r in ok if r.fits), key=lambda r: (r.step_time_s, r.total_bytes))
   if not fitting:
     smallest = min(ok, key=lambda r: r.total_bytes)
     raise ValueError(
-        f"budget.memory.plan: no candidate fits {_fmt_bytes(budget_bytes)} per device on "
-        f"{target}; the smallest needs {_fmt_bytes(smallest.total_bytes)} ({smallest.total_bytes} "
-        f"bytes) with remat={smallest.candidate.remat} "
-        f"shard_opt_state={smallest.candidate.shard_opt_state} "
-        f"prefetch={smallest.candidate.prefetch}"
+      f"budget.memory.plan: no candidate fits {_fmt_bytes(budget_bytes)} per device on "
+      f"{target}; the smallest needs {_fmt_bytes(smallest.total_bytes)} ({smallest.total_bytes} "
+      f"bytes) with remat={smallest.candidate.remat} "
+      f"shard_opt_state={smallest.candidate.shard_opt_state} "
+      f"prefetch={smallest.candidate.prefetch}"
     )
-  rest = sorted((r for r in rows if not r.fits), key=lambda r: (r.total_bytes is None, r.total_bytes or 0))
+  rest = sorted(
+    (r for r in rows if not r.fits), key=lambda r: (r.total_bytes is None, r.total_bytes or 0)
+  )
   return Plan(int(budget_bytes), str(target), fitting[0], tuple(fitting + rest))

@@ -1,0 +1,193 @@
+"""Tests for @jax_overlap.overlap: same numbers, real rewrites, annotations in the GPU HLO."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_overlap
+from jax_overlap.examples import shard_map_fsdp as S
+
+
+def _mesh(shape):
+  names = ("fsdp",) if len(shape) == 1 else ("fsdp", "tensor")
+  return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
+
+
+def _setup(form="unrolled", layers=3, hidden=64, mlp=128, dtype="float32", mesh_shape=(8,)):
+  mesh = _mesh(mesh_shape)
+  cfg = S.Config(layers=layers, hidden=hidden, mlp=mlp, heads=4, seq=8, dtype=dtype, form=form,
+                 learning_rate=0.1)
+  params = S.init_params(cfg, mesh, jax.random.key(0))
+  x = jax.device_put(
+      jax.random.normal(jax.random.key(1), (8, 8, hidden)).astype(dtype),
+      NamedSharding(mesh, P(tuple(mesh.axis_names))),
+  )
+  return cfg, mesh, params, x
+
+
+def _run(step, params, x, n=3):
+  losses = []
+  for _ in range(n):
+    params, loss = step(params, x)
+    losses.append(float(loss))
+  return params, losses
+
+
+@pytest.mark.parametrize("form", ["unrolled", "scan", "scan_layers"])
+@pytest.mark.parametrize("mesh_shape", [(8,), (4, 2)])
+def test_same_losses_and_parameters_over_three_steps(form, mesh_shape):
+  cfg, mesh, params, x = _setup(form, mesh_shape=mesh_shape)
+  step = S.make_step(cfg, mesh)
+  p1, l1 = _run(jax.jit(step), params, x)
+  p2, l2 = _run(jax_overlap.overlap(step, prefetch=1), params, x)
+  # Only the order of operations changes, never the arithmetic.
+  assert l1 == l2
+  for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    layers=st.integers(1, 4),
+    hidden=st.sampled_from([32, 64]),
+    dtype=st.sampled_from(["float32", "bfloat16"]),
+    prefetch=st.integers(0, 2),
+    mesh_shape=st.sampled_from([(8,), (4, 2)]),
+    form=st.sampled_from(["unrolled", "scan"]),
+)
+def test_property_rewrite_matches_plain_jit(layers, hidden, dtype, prefetch, mesh_shape, form):
+  cfg, mesh, params, x = _setup(form, layers=layers, hidden=hidden, mlp=2 * hidden, dtype=dtype,
+                                mesh_shape=mesh_shape)
+  step = S.make_step(cfg, mesh)
+  prefetch = min(prefetch, layers)
+  p1, l1 = _run(jax.jit(step), params, x, n=2)
+  p2, l2 = _run(jax_overlap.overlap(step, prefetch=prefetch), params, x, n=2)
+  np.testing.assert_allclose(l1, l2, rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2)):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-6, atol=0)
+
+
+def test_explain_lists_prefetch_reduce_scatter_and_options():
+  cfg, mesh, params, x = _setup("unrolled", layers=4)
+  ov = jax_overlap.overlap(S.make_step(cfg, mesh), prefetch=1)
+  e = ov.explain(params, x)
+  prefetched = e.of_kind("prefetch")
+  # Layers 1..3 are gathered one layer ahead; layer 0 is already first.
+  assert len(prefetched) == 3
+  assert "layer 1 before layer 0's compute" in prefetched[0].detail
+  assert e.of_kind("annotate")
+  opts = e.xla_options
+  assert opts["xla_gpu_all_gather_combine_threshold_bytes"] > 0
+  assert opts["xla_gpu_reduce_scatter_combine_threshold_bytes"] > 0
+  assert "prefetch" in str(e)
+
+
+def test_prefetch_zero_moves_nothing():
+  cfg, mesh, params, x = _setup("unrolled", layers=3)
+  e = jax_overlap.overlap(S.make_step(cfg, mesh), prefetch=0).explain(params, x)
+  assert e.of_kind("prefetch") == []
+
+
+def test_annotations_reach_the_compiled_gpu_hlo():
+  fn, args = S.build("h100x8", layers=2, hidden=256, mlp=512, heads=4, seq=64)
+  ov = jax_overlap.overlap(fn, target="h100x8", select="rewrite")
+  report = jax_overlap.analyze(ov, *args, target="h100x8")
+  tagged = [c for c in report.collectives if "_jax_overlap_priority" in c.annotations]
+  assert tagged, [c.annotations for c in report.collectives]
+  assert all(c.annotations["_jax_overlap_priority"] == "high" for c in tagged)
+  # Combiners join pair ids with commas; every id is one the transform assigned.
+  for c in tagged:
+    for pair in c.annotations["_jax_overlap_pair"].split(","):
+      assert pair.startswith(("g", "op"))
+  # The compile saw the transform's options.
+  assert report.xla_options["xla_gpu_all_gather_combine_threshold_bytes"] > 0
+
+
+def test_cost_model_choice_is_never_worse_than_the_flags_alone():
+  fn, args = S.build("h100x8", layers=3, hidden=512, mlp=1024, heads=4, seq=128)
+  ov = jax_overlap.overlap(fn, target="h100x8")
+  e = ov.explain(*args)
+  times = dict(e.candidates)
+  assert "as written, recommended flags" in times
+  assert times[e.chosen] == min(times.values())
+  chosen = jax_overlap.analyze(ov, *args, target="h100x8")
+  flags_only = jax_overlap.analyze(
+      fn, *args, target="h100x8", xla_options=jax_overlap.flags.as_compiler_options("h100x8"))
+  assert chosen.step_time_s <= flags_only.step_time_s * (1 + 1e-9)
+
+
+def test_gspmd_program_gets_options_and_a_note():
+  mesh = _mesh((8,))
+  w = jax.device_put(jnp.ones((64, 64)), NamedSharding(mesh, P("fsdp")))
+
+  def step(w, x):
+    return jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w)))(w)
+
+  ov = jax_overlap.overlap(step, target="h100x8")
+  x = jnp.ones((16, 64))
+  np.testing.assert_allclose(np.asarray(ov(w, x)), np.asarray(jax.jit(step)(w, x)), rtol=1e-6)
+  e = ov.explain(w, x)
+  assert any("needs shard_map or jax_overlap.fsdp.scan_layers" in n for n in e.notes)
+  assert e.xla_options["xla_gpu_enable_latency_hiding_scheduler"] is True
+
+
+def test_grad_of_a_decorated_function_and_lower():
+  cfg, mesh, params, x = _setup("unrolled", layers=2)
+  loss = S.make_loss(cfg, mesh)
+  ov_loss = jax_overlap.overlap(loss)
+  g1 = jax.jit(jax.grad(loss))(params, x)
+  g2 = jax.jit(jax.grad(ov_loss))(params, x)
+  for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  text = ov_loss.lower(params, x).as_text()
+  assert "all_gather" in text or "all-gather" in text
+
+
+def test_priority_context_manager_tags_hlo():
+  mesh = _mesh((8,))
+
+  def body(w):
+    with jax_overlap.priority("low"):
+      g = jax.lax.all_gather(w, "fsdp", axis=0, tiled=True)
+    return g * 2
+
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("fsdp"), out_specs=P(), check_vma=False))
+  text = f.lower(jnp.ones((16, 4))).as_text()
+  assert '_jax_overlap_priority = "low"' in text or "_jax_overlap_priority=\"low\"" in text
+  with pytest.raises(ValueError, match="priority: level must be one of high, normal, low, got 'urgent'"):
+    jax_overlap.priority("urgent")
+
+
+def test_bad_input():
+  cfg, mesh, params, x = _setup("unrolled", layers=2)
+  step = S.make_step(cfg, mesh)
+  with pytest.raises(ValueError, match="prefetch must be a non-negative integer, got -1"):
+    jax_overlap.overlap(step, prefetch=-1)
+  with pytest.raises(ValueError, match=r"prefetch must be between 0 and the number of layers \(2\), got 5"):
+    jax_overlap.overlap(step, prefetch=5)(params, x)
+  with pytest.raises(TypeError, match=r"argument args\[1\] is a str, not an array"):
+    jax_overlap.overlap(step)(params, "tokens")
+  other = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+  with pytest.raises(ValueError, match=r"uses mesh axes \['fsdp'\] that mesh= \{'data': 8\} does not have"):
+    jax_overlap.overlap(step, mesh=other)(params, x)
+  with pytest.raises(ValueError, match="unknown target 'q100x8'"):
+    jax_overlap.overlap(step, target="q100x8")
+  with pytest.raises(ValueError, match="reduce_scatter must be 'per_layer' or 'as_written'"):
+    jax_overlap.overlap(step, reduce_scatter="end")
+  with pytest.raises(ValueError, match="select must be 'cost_model' or 'rewrite'"):
+    jax_overlap.overlap(step, select="best")
+  with pytest.raises(TypeError, match="expected a function, got int"):
+    jax_overlap.overlap(3)
+
+
+def test_indivisible_shapes_are_named():
+  mesh = _mesh((8,))
+  # A sharding that cannot be realised: 12 rows over 8 devices.
+  bad = jax.ShapeDtypeStruct((12, 4), jnp.float32, sharding=NamedSharding(mesh, P("fsdp")))
+  with pytest.raises(ValueError, match=r"argument args\[0\] has dimension 0 of size 12, not divisible"):
+    jax_overlap.overlap(lambda a: a * 2).explain(bad)
