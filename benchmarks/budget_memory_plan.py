@@ -45,7 +45,7 @@ CONFIG = dict(
   param_dtype="float32",
   compute_dtype="bfloat16",
   target="h100x8",
-  budgets_gib=(16, 8),
+  budgets_gib=(8, 6),
 )
 GiB = 2**30
 

@@ -131,12 +131,15 @@ def test_realize_single_policy_and_step_time_attribute():
   assert list(res.results) == ["priority"] and res.analysis_s == 1.0
 
 
-def test_zero_grid_kernel_becomes_one_block():
+def test_unknown_launch_configuration_is_sized_by_bytes():
   rep = _report()
   rep.kernels.append(FakeKernel("memcpy", "copy", 8, 0, 0, bytes_accessed=1e6))
+  rep.kernels.append(FakeKernel("tiny", "copy", 9, 0, 0, bytes_accessed=10))
   wl = sim.workload_from_report(rep)
-  k = wl.items[-1]
-  assert (k.name, k.grid, k.threads) == ("memcpy", 1, 32)
+  big, tiny = wl.items[-2], wl.items[-1]
+  # 128-thread blocks moving 64 bytes per thread, as XLA's loop fusions do.
+  assert (big.name, big.grid, big.threads) == ("memcpy", 123, 128)
+  assert (tiny.name, tiny.grid, tiny.threads) == ("tiny", 1, 128)
 
 
 def test_duplicate_kernel_names_are_disambiguated():

@@ -159,6 +159,8 @@ def _retarget_params(value, mesh: Mesh):
   from jax._src import core
 
   if isinstance(value, Mesh):
+    if value == mesh:
+      return value
     if set(value.axis_names) - set(mesh.axis_names):
       raise ValueError(
           f"the program uses a mesh with axes {value.axis_names} but the target mesh has "
@@ -172,7 +174,10 @@ def _retarget_params(value, mesh: Mesh):
   if isinstance(value, core.Jaxpr):
     return _retarget_jaxpr(value, mesh)
   if isinstance(value, tuple):
-    return tuple(_retarget_params(v, mesh) for v in value)
+    items = [_retarget_params(v, mesh) for v in value]
+    if all(a is b for a, b in zip(items, value)):
+      return value
+    return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
   if isinstance(value, list):
     return [_retarget_params(v, mesh) for v in value]
   return value

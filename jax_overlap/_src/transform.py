@@ -365,8 +365,11 @@ def _run(jaxpr, consts, args, plan: _BodyPlan | None):
     invals = [read(v) for v in eqn.invars]
     prev = plan.chain_prev.get(i) if plan is not None else None
     if prev is not None and invals:
-      # Identity that orders this collective after the previous one.
-      _, invals[0] = jax.lax.optimization_barrier((read(jaxpr.eqns[prev].outvars[0]), invals[0]))
+      before = read(jaxpr.eqns[prev].outvars[0])
+      # Identity that orders this collective after the previous one (only between
+      # values that vary over the same mesh axes, so shard_map's checks still hold).
+      if getattr(jax.typeof(before), "vma", None) == getattr(jax.typeof(invals[0]), "vma", None):
+        _, invals[0] = jax.lax.optimization_barrier((before, invals[0]))
     outs = _eval_eqn(eqn, invals, md)
     for v, o in zip(eqn.outvars, outs):
       env[v] = o
@@ -444,6 +447,33 @@ def _has_collectives(eqn) -> bool:
     if isinstance(sub, core.Jaxpr) and visit(sub):
       return True
   return False
+
+
+def _collect(jaxpr, cfg: _Config, actions, stats, counter) -> None:
+  """Plans every shard_map body the evaluator will rewrite, in the same order."""
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    if name == "shard_map":
+      counter[0] += 1
+      _record(_plan_body(eqn.params["jaxpr"], f"shard_map #{counter[0]}", cfg.prefetch,
+                         cfg.reduce_scatter, cfg.annotate, cfg.chain), actions, stats)
+    elif name in ("pjit", "jit") and "jaxpr" in eqn.params:
+      _collect(eqn.params["jaxpr"].jaxpr, cfg, actions, stats, counter)
+    elif _has_collectives(eqn) and name in ("custom_vjp_call", "custom_vjp_call_jaxpr", "custom_jvp_call", "scan", "while"):
+      actions.append(
+          Action("left_alone", name, "collectives inside a custom derivative or loop are left as "
+                 "written (use jax_overlap.fsdp.scan_layers for scanned layers)")
+      )
+
+
+def _record(plan: _BodyPlan, actions, stats) -> None:
+  actions.extend(plan.actions)
+  stats["gather_groups"] = max(stats.get("gather_groups", 0), plan.gather_groups)
+  stats["max_group_gather_bytes"] = max(stats.get("max_group_gather_bytes", 0), plan.max_group_gather_bytes)
+  stats["max_scatter_bytes"] = max(stats.get("max_scatter_bytes", 0), plan.max_scatter_bytes)
+  stats["max_gather_bytes"] = max(stats.get("max_gather_bytes", 0), plan.max_gather_bytes)
+  stats["max_scatter_out_bytes"] = max(stats.get("max_scatter_out_bytes", 0), plan.max_scatter_out_bytes)
+  stats["axis_size"] = max(stats.get("axis_size", 1), plan.axis_size)
 
 
 def _run_shard_map(eqn, invals, cfg: _Config, actions, stats, where: str):
@@ -555,6 +585,7 @@ class Overlapped:
     self.workload = workload
     self.jit_kwargs = dict(jit_kwargs)
     self._cache: dict = {}
+    self._failed: list[str] = []
     functools.update_wrapper(self, fn)
 
   def _build(self, args, kwargs):
@@ -571,10 +602,8 @@ class Overlapped:
     actions: list[Action] = []
     stats: dict = {}
     counter = [0]
-    # Dry-run the rewrite once (abstractly) to collect the plan and validate prefetch.
-    jax.eval_shape(
-        lambda *flat: _evaluate(closed, flat, cfg, actions, stats, counter), *jax.tree.leaves((args, kwargs))
-    )
+    # Plan the rewrite from the jaxpr alone (no extra tracing).
+    _collect(closed.jaxpr, cfg, actions, stats, counter)
     groups = stats.get("gather_groups", 0)
     if groups and self.prefetch > groups:
       raise ValueError(
@@ -610,6 +639,7 @@ class Overlapped:
           for i, (n, t) in enumerate(estimates)
       ]
       notes.append(f"chosen by the cost model on {self.target}: " + "; ".join(table))
+      notes.extend(f"variant not compiled: {f}" for f in self._failed)
     name, cfg_c, options = candidates[chosen]
     if cfg_c != cfg:
       actions = [a for a in actions if a.kind == "left_alone"]
@@ -665,10 +695,16 @@ class Overlapped:
 
     times = []
     for name, cfg_c, options in candidates:
-      report = analysis.analyze(
-          make(cfg_c, options), *args, target=self.target, name=name, xla_options=options, **kwargs
-      )
-      times.append(report.step_time_s)
+      try:
+        report = analysis.analyze(
+            make(cfg_c, options), *args, target=self.target, name=name, xla_options=options, **kwargs
+        )
+        times.append(report.step_time_s)
+      except (ValueError, RuntimeError, TypeError) as e:
+        if name == candidates[-1][0] and all(t == float("inf") for t in times):
+          raise
+        self._failed.append(f"{name}: {str(e).splitlines()[0][:200]}")
+        times.append(float("inf"))
     best = min(range(len(times)), key=lambda i: (times[i], i))
     return best, [(c[0], t) for c, t in zip(candidates, times)]
 

@@ -119,8 +119,6 @@ def estimate_step_time(hlo_text: str, target) -> float:
 
   def comm_time(shape: str, opcode: str) -> float:
     nbytes = _bytes(shape)
-    if opcode.startswith("all-gather-start") or opcode.startswith("reduce-scatter"):
-      nbytes = nbytes  # output (gather) or input-sized traffic, close enough per hop
     bw, lat = topo.link_for(n)
     factor = 2.0 if opcode.startswith("all-reduce") else 1.0
     return factor * nbytes * (n - 1) / n / bw + (n - 1) * lat

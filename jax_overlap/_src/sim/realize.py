@@ -30,6 +30,8 @@ separates the cost of contention from the difference between the two kernel mode
 
 from __future__ import annotations
 
+import math
+
 import dataclasses
 from collections.abc import Sequence
 
@@ -170,7 +172,10 @@ def _kernel(k, name: str, after: tuple[str, ...]) -> Kernel:
   grid = int(_attr(k, "grid_blocks", where))
   threads = int(_attr(k, "threads_per_block", where))
   if grid == 0:
-    grid, threads = 1, 32
+    # Unknown launch configuration: XLA's loop-fusion default (128 threads, each
+    # thread moving a few 16-byte vectors), sized by the bytes the kernel moves.
+    threads = 128
+    grid = max(1, math.ceil(nbytes / (threads * 64)))
   elif threads == 0:
     threads = 256  # unknown: XLA's usual block size for loop fusions
   regs = getattr(k, "regs_per_thread", None) or 32
