@@ -41,7 +41,7 @@ def _run_pair(extra=(), attempts: int = 3):
 
 def test_two_processes_match_the_single_process_run():
   procs, outs = _run_pair()
-  for p, (out, err) in zip(procs, outs):
+  for p, (_, err) in zip(procs, outs):
     assert p.returncode == 0, err[-3000:]
   results = [json.loads(next(ln for ln in out.splitlines() if ln.startswith("{"))) for out, _ in outs]
   assert {r["process"] for r in results} == {0, 1}

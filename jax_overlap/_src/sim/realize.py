@@ -30,9 +30,8 @@ separates the cost of contention from the difference between the two kernel mode
 
 from __future__ import annotations
 
-import math
-
 import dataclasses
+import math
 from collections.abc import Sequence
 
 from jax_overlap._src import targets
