@@ -89,3 +89,22 @@ def test_bad_input_gets_one_line_errors(args, code, match):
   assert len(err) == 1, proc.stderr
   assert match in err[0]
   assert "Traceback" not in proc.stderr
+
+
+def test_analyze_a_builder_and_write_every_output(tmp_path):
+  out = {k: str(tmp_path / f"r.{k}") for k in ("json", "png", "trace")}
+  proc = cli(
+      "analyze", "jax_overlap.examples.fsdp_transformer:build_small", "--target", "a100x8",
+      "--recommended", "--json", out["json"], "--plot", out["png"], "--perfetto", out["trace"],
+      "-X", "xla_gpu_memory_limit_slop_factor=90",
+  )
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert "jax_overlap analysis" in proc.stdout and "on a100x8" in proc.stdout
+  import json
+
+  report = json.load(open(out["json"]))
+  assert report["target"] == "a100x8" and report["num_collectives"] > 0
+  assert report["xla_options"]["xla_gpu_memory_limit_slop_factor"] == "90"
+  assert report["xla_options"]["xla_gpu_enable_analytical_latency_estimator"] is True
+  assert open(out["png"], "rb").read(4) == b"\x89PNG"
+  assert "traceEvents" in json.load(open(out["trace"]))
