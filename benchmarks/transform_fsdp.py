@@ -1,12 +1,11 @@
-"""The overlap transform on a Llama-style FSDP step: deviceless estimates and CPU timings.
+"""The overlap transform on a Llama-style FSDP step: deviceless estimates on h100x8 and a100x8.
 
 Deviceless part: 8 layers, bf16, hidden 4096, MLP 11008, sequence 2048, one
 sequence per GPU, written with shard_map (jax_overlap.examples.shard_map_fsdp)
 in three forms (unrolled, lax.scan, jax_overlap.fsdp.scan_layers), compiled
 for h100x8 and a100x8 under XLA defaults, the recommended flags, and
-@jax_overlap.overlap. CPU part (8 virtual devices, a small configuration):
-tracing+compile overhead of the decorator over plain jit, and the step-time
-ratio of decorated to undecorated steps.
+@jax_overlap.overlap;
+see transform_overhead.py for the decorator's CPU costs.
 
 Writes benchmarks/results/transform_fsdp.{json,md}.
 """
@@ -26,10 +25,6 @@ from absl import flags as absl_flags
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import AxisType, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_overlap  # noqa: E402
 from jax_overlap.examples import shard_map_fsdp as S  # noqa: E402
@@ -38,7 +33,6 @@ FLAGS = absl_flags.FLAGS
 absl_flags.DEFINE_list("targets", ["h100x8", "a100x8"], "Targets.")
 absl_flags.DEFINE_list("forms", ["unrolled", "scan", "scan_layers"], "Layer loop forms.")
 absl_flags.DEFINE_integer("layers", 8, "Layers.")
-absl_flags.DEFINE_integer("cpu_steps", 10, "Timed CPU steps per variant.")
 
 
 def deviceless(rows, tables):
@@ -74,58 +68,18 @@ def deviceless(rows, tables):
       print(f"\n{target} {form}\n{table}\n{expl.notes[-1] if expl.notes else ''}")
 
 
-def cpu_timings():
-  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Auto,))
-  cfg = S.Config(layers=4, hidden=256, mlp=1024, heads=4, seq=64, batch_per_device=2, dtype="float32")
-  params = S.init_params(cfg, mesh, jax.random.key(0))
-  x = jax.device_put(jax.random.normal(jax.random.key(1), (16, 64, 256)), NamedSharding(mesh, P("fsdp")))
-  step = S.make_step(cfg, mesh)
-  out = {}
-  # Tracing + compile overhead (fresh functions each time).
-  def first_call_time(make):
-    f = make()
-    t0 = time.perf_counter()
-    jax.block_until_ready(f(params, x))
-    return time.perf_counter() - t0
-
-  plain_t = min(first_call_time(lambda: jax.jit(S.make_step(cfg, mesh))) for _ in range(3))
-  ov_t = min(first_call_time(lambda: jax_overlap.overlap(S.make_step(cfg, mesh))) for _ in range(3))
-  out["first_call_s"] = {"jit": plain_t, "overlap": ov_t, "overhead": ov_t / plain_t - 1}
-  plain = jax.jit(step)
-  ov = jax_overlap.overlap(step)
-  jax.block_until_ready(plain(params, x))
-  jax.block_until_ready(ov(params, x))
-  times = {"jit": [], "overlap": []}
-  for _ in range(FLAGS.cpu_steps):
-    for name, f in (("jit", plain), ("overlap", ov)):
-      t0 = time.perf_counter()
-      jax.block_until_ready(f(params, x))
-      times[name].append(time.perf_counter() - t0)
-  med = {k: float(np.median(v)) for k, v in times.items()}
-  out["step_s_median"] = med
-  out["step_ratio_overlap_over_jit"] = med["overlap"] / med["jit"]
-  out["config"] = str(cfg)
-  print("cpu:", out)
-  return out
-
-
 def main(argv):
   del argv
   rows, tables = [], []
   deviceless(rows, tables)
-  cpu = cpu_timings()
-  payload = {"machine": _common.machine(), "rows": rows, "cpu": cpu, "layers": FLAGS.layers}
+  payload = {"machine": _common.machine(), "rows": rows, "layers": FLAGS.layers}
   md = (
       "# @jax_overlap.overlap on a Llama-style FSDP step\n\n"
       f"8 layers, bf16, hidden 4096, MLP 11008, 32 heads, sequence 2048, one sequence per GPU; "
       f"shard_map with explicit gathers. Machine: {payload['machine']}.\n\n"
       "Estimates from jax_overlap.analyze (deviceless compile for the target, roofline and "
-      "alpha-beta costs placed on XLA's schedule).\n\n" + "\n".join(tables) +
-      "\n## CPU (8 virtual devices, small configuration)\n\n"
-      f"- first call (trace + compile): jit {cpu['first_call_s']['jit']:.2f} s, overlap "
-      f"{cpu['first_call_s']['overlap']:.2f} s, overhead {cpu['first_call_s']['overhead'] * 100:.1f}%\n"
-      f"- step time median: jit {cpu['step_s_median']['jit'] * 1e3:.2f} ms, overlap "
-      f"{cpu['step_s_median']['overlap'] * 1e3:.2f} ms, ratio {cpu['step_ratio_overlap_over_jit']:.3f}\n"
+      "alpha-beta costs placed on XLA's schedule). CPU costs of the decorator: "
+      "transform_overhead.md.\n\n" + "\n".join(tables)
   )
   print("wrote", _common.write("transform_fsdp", payload, md))
 

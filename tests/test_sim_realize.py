@@ -191,3 +191,22 @@ def test_kinds_and_unknown_launch_fields():
   assert conv.kind == "custom" and conv.threads == 256
   res = sim.realize(rep, "concurrent")
   assert res.results["concurrent"].target == "h100x8"
+
+
+def test_realize_a_real_deviceless_report():
+  import jax_overlap
+  from jax_overlap.examples import fsdp_mlp
+
+  fn, args = fsdp_mlp.build("h100x8", layers=2, hidden=1024, mlp=4096, tokens_per_device=1024)
+  report = jax_overlap.analyze(fn, *args, target="h100x8")
+  wl = sim.workload_from_report(report)
+  names = {it.name for it in wl.items}
+  assert len(names) == len(report.kernels) + len(report.collectives)
+  res = sim.realize(report, ["concurrent", "priority+shaping"])
+  assert res.analysis_s == pytest.approx(report.step_time_s)
+  for policy in ("concurrent", "priority+shaping"):
+    # Contention can only add time to the uncontended critical path.
+    assert res.results[policy].makespan_s >= res.ideal_s * (1 - 1e-9)
+  tuned = sim.tune(wl, "h100x8", progress=False, max_evals=32)
+  assert tuned.makespan_s <= tuned.baseline_s * (1 + 1e-9)
+  assert tuned.plan["version"] == 1 and tuned.plan["target"] == "h100"
