@@ -242,37 +242,6 @@ GPUS: dict[str, Gpu] = {
         network_latency_s=8e-6,
         deviceless=True,
     ),
-    "a100-40": Gpu(
-        name="a100-40",
-        description="NVIDIA A100-SXM4-40GB",
-        vendor="nvidia",
-        compute_capability=(8, 0),
-        sm_count=108,
-        smem_per_sm=164 * KB,
-        smem_per_block=48 * KB,
-        smem_per_block_optin=163 * KB,
-        smem_reserved_per_block=1 * KB,
-        regs_per_sm=65536,
-        regs_per_block=65536,
-        max_threads_per_sm=2048,
-        max_threads_per_block=1024,
-        max_blocks_per_sm=32,
-        warp_size=32,
-        reg_alloc_unit=256,
-        clock_ghz=1.41,
-        fpus_per_sm=64,
-        peak_bf16_flops=312 * TB,
-        peak_fp32_flops=19.5 * TB,
-        memory_bytes=40 * 1024**3,
-        memory_bandwidth=1555 * GB,  # [A100] 40 GB SXM: 1,555 GB/s
-        l2_bytes=40 * 1024**2,
-        link="nvlink3",
-        link_bandwidth=300 * GB,
-        link_latency_s=3e-6,
-        network_bandwidth=25 * GB,
-        network_latency_s=8e-6,
-        deviceless=True,
-    ),
     "h100": Gpu(
         name="h100",
         description="NVIDIA H100 80GB HBM3",
@@ -301,37 +270,6 @@ GPUS: dict[str, Gpu] = {
         link_bandwidth=450 * GB,  # [H100] NVLink 4: 900 GB/s both directions
         link_latency_s=2.5e-6,  # [NCCL]
         network_bandwidth=50 * GB,  # DGX H100: one 400 Gb/s NDR NIC per GPU
-        network_latency_s=6e-6,
-        deviceless=True,
-    ),
-    "h200": Gpu(
-        name="h200",
-        description="NVIDIA H200",
-        vendor="nvidia",
-        compute_capability=(9, 0),
-        sm_count=132,  # [H200] same GH100 configuration as H100 SXM
-        smem_per_sm=228 * KB,
-        smem_per_block=48 * KB,
-        smem_per_block_optin=227 * KB,
-        smem_reserved_per_block=1 * KB,
-        regs_per_sm=65536,
-        regs_per_block=65536,
-        max_threads_per_sm=2048,
-        max_threads_per_block=1024,
-        max_blocks_per_sm=32,
-        warp_size=32,
-        reg_alloc_unit=256,
-        clock_ghz=1.98,
-        fpus_per_sm=128,
-        peak_bf16_flops=989.4 * TB,  # [H200] dense BF16 tensor
-        peak_fp32_flops=66.9 * TB,
-        memory_bytes=141 * 10**9,  # [H200] 141 GB HBM3e
-        memory_bandwidth=4800 * GB,  # [H200] 4.8 TB/s
-        l2_bytes=50 * 1024**2,
-        link="nvlink4",
-        link_bandwidth=450 * GB,  # [H200] NVLink 4: 900 GB/s both directions
-        link_latency_s=2.5e-6,
-        network_bandwidth=50 * GB,
         network_latency_s=6e-6,
         deviceless=True,
     ),
@@ -367,6 +305,22 @@ GPUS: dict[str, Gpu] = {
         deviceless=False,  # no deviceless compile for ROCm in jaxlib
     ),
 }
+
+# Same dies as their siblings; only memory differs.
+GPUS["a100-40"] = dataclasses.replace(
+    GPUS["a100"],
+    name="a100-40",
+    description="NVIDIA A100-SXM4-40GB",
+    memory_bytes=40 * 1024**3,
+    memory_bandwidth=1555 * GB,  # [A100] 40 GB SXM: 1,555 GB/s
+)
+GPUS["h200"] = dataclasses.replace(
+    GPUS["h100"],  # [H200] same GH100 configuration as H100 SXM: SMs, limits, NVLink 4
+    name="h200",
+    description="NVIDIA H200",
+    memory_bytes=141 * 10**9,  # [H200] 141 GB HBM3e
+    memory_bandwidth=4800 * GB,  # [H200] 4.8 TB/s
+)
 
 _ALIASES = {
     "a100-80": "a100",

@@ -348,16 +348,19 @@ class _null:
     return False
 
 
-def _run(jaxpr, consts, args, plan: _BodyPlan | None):
-  env: dict[Any, Any] = {}
+def _environment(jaxpr, consts, args):
+  """The variable environment of an evaluation, and its reader (literals read as values)."""
+  env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
+  env.update(zip(jaxpr.invars, args))
 
   def read(v):
     return v.val if not _is_var(v) else env[v]
 
-  for v, c in zip(jaxpr.constvars, consts):
-    env[v] = c
-  for v, a in zip(jaxpr.invars, args):
-    env[v] = a
+  return env, read
+
+
+def _run(jaxpr, consts, args, plan: _BodyPlan | None):
+  env, read = _environment(jaxpr, consts, args)
   order = plan.order if plan is not None else range(len(jaxpr.eqns))
   for i in order:
     eqn = jaxpr.eqns[i]
@@ -386,16 +389,8 @@ class _Config:
 
 def _evaluate(closed, args, cfg: _Config, actions: list[Action], stats: dict, counter: list[int]):
   """Evaluates a top-level jaxpr, rewriting the bodies of its shard_maps."""
-  jaxpr, consts = closed.jaxpr, closed.consts
-  env: dict[Any, Any] = {}
-
-  def read(v):
-    return v.val if not _is_var(v) else env[v]
-
-  for v, c in zip(jaxpr.constvars, consts):
-    env[v] = c
-  for v, a in zip(jaxpr.invars, args):
-    env[v] = a
+  jaxpr = closed.jaxpr
+  env, read = _environment(jaxpr, closed.consts, args)
   for eqn in jaxpr.eqns:
     invals = [read(v) for v in eqn.invars]
     name = eqn.primitive.name
