@@ -191,3 +191,11 @@ def test_indivisible_shapes_are_named():
   bad = jax.ShapeDtypeStruct((12, 4), jnp.float32, sharding=NamedSharding(mesh, P("fsdp")))
   with pytest.raises(ValueError, match=r"argument args\[0\] has dimension 0 of size 12, not divisible"):
     jax_overlap.overlap(lambda a: a * 2).explain(bad)
+
+
+def test_collectives_in_loops_are_listed_as_left_alone():
+  cfg, mesh, params, x = _setup("scan", layers=2)
+  e = jax_overlap.overlap(S.make_step(cfg, mesh)).explain(params, x)
+  left = e.of_kind("left_alone")
+  assert any("inside scan are left as written" in a.detail for a in left)
+  assert any("jax_overlap.fsdp.scan_layers" in a.detail for a in left)

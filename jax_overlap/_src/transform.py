@@ -49,6 +49,7 @@ _GATHER = "all_gather"
 _SCATTER = "reduce_scatter"
 _COLLECTIVES = {"all_gather", "reduce_scatter", "psum", "psum_invariant", "ppermute", "all_to_all", "pmax", "pmin"}
 SCHEDULING_GROUPS = False
+_OPAQUE = ("scan", "while", "cond", "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_jvp_call")
 _MATMUL = {"dot_general", "conv_general_dilated", "ragged_dot_general"}
 
 
@@ -176,6 +177,14 @@ def _plan_body(
   actions: list[Action] = []
   key = [float(i) for i in range(n)]
   metadata: dict[int, dict[str, str]] = {}
+
+  # Collectives in nested loops and custom derivatives stay as written; say so.
+  for e in eqns:
+    if e.primitive.name in _OPAQUE and _has_collectives(e):
+      actions.append(
+          Action("left_alone", where, f"collectives inside {e.primitive.name} are left as written "
+                 "(for stacked layers under lax.scan use jax_overlap.fsdp.scan_layers)")
+      )
 
   # 1. Group parameter gathers into layers.
   groups: list[list[int]] = []
@@ -387,7 +396,7 @@ class _Config:
   chain: bool = False  # issue the first layer's gathers and every reduce-scatter one by one
 
 
-def _evaluate(closed, args, cfg: _Config, actions: list[Action], stats: dict, counter: list[int]):
+def _evaluate(closed, args, cfg: _Config):
   """Evaluates a top-level jaxpr, rewriting the bodies of its shard_maps."""
   jaxpr = closed.jaxpr
   env, read = _environment(jaxpr, closed.consts, args)
@@ -395,18 +404,11 @@ def _evaluate(closed, args, cfg: _Config, actions: list[Action], stats: dict, co
     invals = [read(v) for v in eqn.invars]
     name = eqn.primitive.name
     if name == "shard_map":
-      counter[0] += 1
-      outs = _run_shard_map(eqn, invals, cfg, actions, stats, f"shard_map #{counter[0]}")
+      outs = _run_shard_map(eqn, invals, cfg)
     elif name in ("pjit", "jit") and "jaxpr" in eqn.params:
-      inner = eqn.params["jaxpr"]
-      outs = _evaluate(inner, invals, cfg, actions, stats, counter)
+      outs = _evaluate(eqn.params["jaxpr"], invals, cfg)
       outs = _constrain(outs, eqn.params.get("out_shardings"))
     else:
-      if name in ("custom_vjp_call", "custom_vjp_call_jaxpr", "custom_jvp_call", "scan", "while") and _has_collectives(eqn):
-        actions.append(
-            Action("left_alone", name, "collectives inside a custom derivative or loop are left as "
-                   "written (use jax_overlap.fsdp.scan_layers for scanned layers)")
-        )
       outs = _eval_eqn(eqn, invals, None)
     for v, o in zip(eqn.outvars, outs):
       env[v] = o
@@ -454,7 +456,7 @@ def _collect(jaxpr, cfg: _Config, actions, stats, counter) -> None:
                          cfg.reduce_scatter, cfg.annotate, cfg.chain), actions, stats)
     elif name in ("pjit", "jit") and "jaxpr" in eqn.params:
       _collect(eqn.params["jaxpr"].jaxpr, cfg, actions, stats, counter)
-    elif _has_collectives(eqn) and name in ("custom_vjp_call", "custom_vjp_call_jaxpr", "custom_jvp_call", "scan", "while"):
+    elif name in _OPAQUE and _has_collectives(eqn):
       actions.append(
           Action("left_alone", name, "collectives inside a custom derivative or loop are left as "
                  "written (use jax_overlap.fsdp.scan_layers for scanned layers)")
@@ -471,17 +473,10 @@ def _record(plan: _BodyPlan, actions, stats) -> None:
   stats["axis_size"] = max(stats.get("axis_size", 1), plan.axis_size)
 
 
-def _run_shard_map(eqn, invals, cfg: _Config, actions, stats, where: str):
+def _run_shard_map(eqn, invals, cfg: _Config):
   params = eqn.params
   body = params["jaxpr"]
-  plan = _plan_body(body, where, cfg.prefetch, cfg.reduce_scatter, cfg.annotate, cfg.chain)
-  actions.extend(plan.actions)
-  stats["gather_groups"] = max(stats.get("gather_groups", 0), plan.gather_groups)
-  stats["max_group_gather_bytes"] = max(stats.get("max_group_gather_bytes", 0), plan.max_group_gather_bytes)
-  stats["max_scatter_bytes"] = max(stats.get("max_scatter_bytes", 0), plan.max_scatter_bytes)
-  stats["max_gather_bytes"] = max(stats.get("max_gather_bytes", 0), plan.max_gather_bytes)
-  stats["max_scatter_out_bytes"] = max(stats.get("max_scatter_out_bytes", 0), plan.max_scatter_out_bytes)
-  stats["axis_size"] = max(stats.get("axis_size", 1), plan.axis_size)
+  plan = _plan_body(body, "", cfg.prefetch, cfg.reduce_scatter, cfg.annotate, cfg.chain)
   consts = getattr(body, "consts", ())
   inner = body.jaxpr if hasattr(body, "jaxpr") and not hasattr(body, "eqns") else body
 
@@ -619,7 +614,7 @@ class Overlapped:
       )
     def make(cfg_: _Config, options_: dict[str, Any]):
       def rewritten(*a, **kw):
-        out = _evaluate(closed, jax.tree.leaves((a, kw)), cfg_, [], {}, [0])
+        out = _evaluate(closed, jax.tree.leaves((a, kw)), cfg_)
         return jax.tree.unflatten(out_tree, out)
 
       return rewritten
