@@ -143,7 +143,8 @@ def main(argv) -> None:
   if chosen.candidates:
     print("\n@overlap's variants, estimated by the cost model:")
     for name, t_ in chosen.candidates:
-      print(f"  {'*' if name == chosen.chosen else ' '} {name:62s} {t_ * 1e3:8.3f} ms")
+      est = f"{t_ * 1e3:8.3f} ms" if t_ != float("inf") else "did not compile (see explain())"
+      print(f"  {'*' if name == chosen.chosen else ' '} {name:62s} {est}")
 
   # ------------------------------------------------------------ 3. tuner
   tune_summary = {}
