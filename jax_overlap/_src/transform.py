@@ -1,8 +1,10 @@
 """``@jax_overlap.overlap``: rewrite a sharded step so collectives interleave with compute.
 
 The decorator traces the step to a jaxpr once per input signature and
-re-evaluates it with these changes, all of which keep the arithmetic exactly
-as written (operations are reordered and annotated, never changed):
+re-evaluates it with these changes. All but the collective matmuls keep the
+arithmetic exactly as written (operations are reordered and annotated, never
+changed); a collective matmul computes the same products in row blocks, equal
+up to the order of floating-point accumulation:
 
 1. *Prefetch.* Inside each ``shard_map`` body, parameter all-gathers (gathers
    whose input depends only on the body's inputs) are grouped into layers —
@@ -15,13 +17,17 @@ as written (operations are reordered and annotated, never changed):
 3. *Separate collectives.* The compile gets XLA combine thresholds no larger
    than one layer's collective, so the combiner cannot merge the gathers of
    several layers into one that nothing can hide.
-4. *Annotations.* Every collective gets frontend attributes naming the layer
+4. *Collective matmuls.* An activation all-gather feeding a matmul, or a
+   matmul feeding a reduce-scatter (tensor and sequence parallelism), becomes
+   a ppermute ring interleaved with partial matmuls where the cost model says
+   it wins (``jax_overlap.collective_matmul``).
+5. *Annotations.* Every collective gets frontend attributes naming the layer
    group it belongs to (``_jax_overlap_pair``), its priority class
    (``_jax_overlap_priority``) and occupancy class (``_jax_overlap_occupancy``);
    the matmuls it should hide under carry the same pair id. They reach the
    compiled HLO (combiners join them with commas), where the analysis and the
    runtime controls read them.
-5. *Compiler options.* The target's recommended options (``flags.py``).
+6. *Compiler options.* The target's recommended options (``flags.py``).
 
 Programs without explicit collectives (GSPMD inserts them during
 partitioning) get 3 and 5 only; ``explain()`` says so. Stacked layers under
@@ -57,7 +63,7 @@ _MATMUL = {"dot_general", "conv_general_dilated", "ragged_dot_general"}
 class Action:
   """One thing the transform did (or left alone, with the reason)."""
 
-  kind: str  # "prefetch", "reduce_scatter", "annotate", "compiler_option", "left_alone"
+  kind: str  # "prefetch", "reduce_scatter", "collective_matmul", "annotate", "compiler_option", "left_alone"
   where: str
   detail: str
 
@@ -77,7 +83,7 @@ class Explanation:
 
   def __str__(self) -> str:
     lines = ["jax_overlap.overlap:"]
-    for kind in ("prefetch", "reduce_scatter", "annotate", "compiler_option", "left_alone"):
+    for kind in ("prefetch", "reduce_scatter", "collective_matmul", "annotate", "compiler_option", "left_alone"):
       acts = self.of_kind(kind)
       if acts:
         lines.append(f"  {kind} ({len(acts)}):")
@@ -158,10 +164,14 @@ class _BodyPlan:
   max_scatter_out_bytes: int = 0
   axis_size: int = 1
   chain_prev: dict = dataclasses.field(default_factory=dict)
+  # Collective matmuls: eqn index to evaluate -> (kind, gather/dot index skipped, params).
+  fused: dict = dataclasses.field(default_factory=dict)
+  skipped: frozenset = frozenset()
 
 
 def _plan_body(
-    jaxpr, where: str, prefetch: int, reduce_scatter: str, annotate: bool, chain: bool = False
+    jaxpr, where: str, prefetch: int, reduce_scatter: str, annotate: bool, chain: bool = False,
+    collective_matmul: str = "off", target: str | None = None,
 ) -> _BodyPlan:
   eqns = list(jaxpr.eqns)
   n = len(eqns)
@@ -186,12 +196,19 @@ def _plan_body(
                  "(for stacked layers under lax.scan use jax_overlap.fsdp.scan_layers)")
       )
 
+  # 3. Collective matmuls: an activation all-gather feeding a matmul, or a matmul
+  # feeding a reduce-scatter, become ppermute rings of partial matmuls where the
+  # cost model says they win.
+  fused, skipped = _plan_collective_matmuls(
+      eqns, set(v for v in jaxpr.outvars if _is_var(v)), collective_matmul, target, where, actions
+  )
+
   # 1. Group parameter gathers into layers.
   groups: list[list[int]] = []
   current: list[int] = []
   for i, e in enumerate(eqns):
     name = e.primitive.name
-    if name == _GATHER and input_only[i]:
+    if name == _GATHER and input_only[i] and i not in skipped:
       current.append(i)
     elif name in _MATMUL and current:
       groups.append(current)
@@ -322,8 +339,86 @@ def _plan_body(
   )
   return _BodyPlan(
       order, metadata, actions, len(groups), max(group_bytes, default=0), max_scatter,
-      single_gather, scatter_out, axis_size, chain_prev,
+      single_gather, scatter_out, axis_size, chain_prev, fused, frozenset(skipped),
   )
+
+
+def _plan_collective_matmuls(
+    eqns, outvars: set, mode: str, target: str | None, where: str, actions: list
+):
+  """Finds all_gather -> dot and dot -> reduce_scatter pairs worth decomposing."""
+  if mode not in ("auto", "on"):
+    return {}, set()
+  from jax_overlap._src import collective_matmul as cm_lib
+
+  users: dict[Any, list[int]] = {}
+  for i, e in enumerate(eqns):
+    for v in e.invars:
+      if _is_var(v):
+        users.setdefault(v, []).append(i)
+  fused: dict[int, tuple] = {}
+  skipped: set[int] = set()
+
+  def plain_dot(d):
+    dn = d.params.get("dimension_numbers")
+    return (
+        d.primitive.name == "dot_general"
+        and dn == (((1,), (0,)), ((), ()))
+        and all(getattr(v.aval, "ndim", 0) == 2 for v in d.invars)
+    )
+
+  def worth(m, n, k, p, dtype, kind):
+    est = cm_lib.estimate_gain(m, n, k, p, dtype, target or "h100x8", kind=kind)
+    if mode == "on" and not est.worthwhile:
+      est = dataclasses.replace(est, worthwhile=True)
+    return est
+
+  for i, e in enumerate(eqns):
+    name = e.primitive.name
+    axes = e.params.get("axis_name")
+    axis = axes[0] if isinstance(axes, tuple) and len(axes) == 1 else axes
+    if not isinstance(axis, str) or e.params.get("axis_index_groups") is not None:
+      continue
+    kw_extra = {}
+    if name == _GATHER and e.params.get("tiled") and e.params.get("all_gather_dimension") == 0:
+      out = e.outvars[0]
+      us = users.get(out, [])
+      if len(us) != 1 or out in outvars:
+        continue  # the gathered value is needed elsewhere (e.g. saved for the backward pass)
+      d = eqns[us[0]]
+      if not plain_dot(d) or d.invars[0] is not out or d.invars[1] is out:
+        continue
+      (m, k), n = out.aval.shape, d.invars[1].aval.shape[1]
+      est = worth(m, n, k, int(e.params.get("axis_size", 1)), out.aval.dtype, "all_gather")
+      if not est.worthwhile:
+        continue
+      kw_extra = {"axis": axis, "precision": d.params.get("precision"),
+                  "preferred_element_type": d.params.get("preferred_element_type")}
+      fused[us[0]] = ("all_gather", e.invars[0], d.invars[1], kw_extra)
+      skipped.add(i)
+      actions.append(Action("collective_matmul", where, f"all-gather -> matmul ({m}x{k} @ {k}x{n}) "
+                            f"decomposed into a ppermute ring; estimated {est.speedup:.2f}x"))
+    elif (name == _SCATTER and e.params.get("tiled") and e.params.get("scatter_dimension") == 0
+          and len(e.invars) == 1 and _is_var(e.invars[0])):
+      src = e.invars[0]
+      prod = next((j for j in range(i) if src in eqns[j].outvars), None)
+      if prod is None or len(users.get(src, [])) != 1 or src in outvars or not plain_dot(eqns[prod]):
+        continue
+      d = eqns[prod]
+      (m, k), n = d.invars[0].aval.shape, d.invars[1].aval.shape[1]
+      p = int(e.params.get("axis_size", 1))
+      if m % p:
+        continue
+      est = worth(m, n, k * p, p, d.invars[0].aval.dtype, "reduce_scatter")
+      if not est.worthwhile:
+        continue
+      kw_extra = {"axis": axis, "precision": d.params.get("precision"),
+                  "preferred_element_type": d.params.get("preferred_element_type")}
+      fused[i] = ("reduce_scatter", d.invars[0], d.invars[1], kw_extra)
+      skipped.add(prod)
+      actions.append(Action("collective_matmul", where, f"matmul ({m}x{k} @ {k}x{n}) -> "
+                            f"reduce-scatter decomposed into a ppermute ring; estimated {est.speedup:.2f}x"))
+  return fused, skipped
 
 
 def _eval_eqn(eqn, invals, metadata: dict[str, str] | None):
@@ -373,6 +468,15 @@ def _run(jaxpr, consts, args, plan: _BodyPlan | None):
   order = plan.order if plan is not None else range(len(jaxpr.eqns))
   for i in order:
     eqn = jaxpr.eqns[i]
+    if plan is not None and i in plan.skipped:
+      continue  # computed by the collective matmul that replaces it
+    if plan is not None and i in plan.fused:
+      kind, lhs, rhs, kw = plan.fused[i]
+      from jax_overlap._src import collective_matmul as cm_lib
+
+      fn = cm_lib.all_gather_matmul if kind == "all_gather" else cm_lib.matmul_reduce_scatter
+      env[eqn.outvars[0]] = fn(read(lhs), read(rhs), **kw)
+      continue
     md = plan.metadata.get(i) if plan is not None else None
     invals = [read(v) for v in eqn.invars]
     prev = plan.chain_prev.get(i) if plan is not None else None
@@ -393,6 +497,8 @@ class _Config:
   prefetch: int
   reduce_scatter: str
   annotate: bool
+  collective_matmul: str = "off"
+  target: str | None = None
   chain: bool = False  # issue the first layer's gathers and every reduce-scatter one by one
 
 
@@ -453,7 +559,7 @@ def _collect(jaxpr, cfg: _Config, actions, stats, counter) -> None:
     if name == "shard_map":
       counter[0] += 1
       _record(_plan_body(eqn.params["jaxpr"], f"shard_map #{counter[0]}", cfg.prefetch,
-                         cfg.reduce_scatter, cfg.annotate, cfg.chain), actions, stats)
+                         cfg.reduce_scatter, cfg.annotate, cfg.chain, cfg.collective_matmul, cfg.target), actions, stats)
     elif name in ("pjit", "jit") and "jaxpr" in eqn.params:
       _collect(eqn.params["jaxpr"].jaxpr, cfg, actions, stats, counter)
     elif name in _OPAQUE and _has_collectives(eqn):
@@ -476,7 +582,8 @@ def _record(plan: _BodyPlan, actions, stats) -> None:
 def _run_shard_map(eqn, invals, cfg: _Config):
   params = eqn.params
   body = params["jaxpr"]
-  plan = _plan_body(body, "", cfg.prefetch, cfg.reduce_scatter, cfg.annotate, cfg.chain)
+  plan = _plan_body(body, "", cfg.prefetch, cfg.reduce_scatter, cfg.annotate, cfg.chain,
+                    cfg.collective_matmul, cfg.target)
   consts = getattr(body, "consts", ())
   inner = body.jaxpr if hasattr(body, "jaxpr") and not hasattr(body, "eqns") else body
 
@@ -588,7 +695,7 @@ class Overlapped:
     traced = base.trace(*args, **kwargs)
     closed, out_info = traced.jaxpr, traced.out_info
     out_tree = jax.tree.structure(out_info)
-    cfg = _Config(self.prefetch, self.reduce_scatter, self.annotate)
+    cfg = _Config(self.prefetch, self.reduce_scatter, self.annotate, self.collective_matmul, self.target)
     actions: list[Action] = []
     stats: dict = {}
     counter = [0]
@@ -605,12 +712,6 @@ class Overlapped:
           "no shard_map in this program: its collectives are inserted by the SPMD partitioner, so "
           "only compiler options apply; the full rewrite (prefetch, per-layer reduce-scatter, "
           "annotations) needs shard_map or jax_overlap.fsdp.scan_layers"
-      )
-    if self.collective_matmul not in ("off", False, None) and counter[0]:
-      notes.append(
-          "collective matmul is applied where written with jax_overlap.collective_matmul; "
-          "automatic decomposition of all_gather->dot patterns is left to XLA's windowed-einsum "
-          "option (xla_gpu_threshold_for_windowed_einsum_mib, set for tensor_parallel)"
       )
     def make(cfg_: _Config, options_: dict[str, Any]):
       def rewritten(*a, **kw):
@@ -675,7 +776,7 @@ class Overlapped:
            dataclasses.replace(cfg, chain=True), {**per_layer, **self.extra_options})
       )
       out.append(
-          ("as written, recommended flags", _Config(0, "as_written", cfg.annotate),
+          ("as written, recommended flags", _Config(0, "as_written", cfg.annotate, "off", cfg.target),
            {**base, **self.extra_options})
       )
     return out
@@ -749,7 +850,11 @@ def overlap(
     prefetch: how many layers ahead parameter all-gathers are issued (>= 0).
     reduce_scatter: "per_layer" (issue each gradient reduce-scatter as soon as
       its input exists, and keep them separate) or "as_written".
-    collective_matmul: "auto" or "off"; see :meth:`Overlapped.explain`.
+    collective_matmul: "auto" decomposes an activation all-gather feeding a
+      matmul (and a matmul feeding a reduce-scatter) into a ppermute ring of
+      partial matmuls (``jax_overlap.collective_matmul``) where the cost model
+      for ``target`` (default h100x8) predicts a gain; "on" wherever the
+      pattern matches; "off" never.
     annotate: attach frontend attributes for the runtime controls.
     xla_options: extra per-compile XLA options (win over the others).
     workload: workload for the recommended options.
@@ -775,8 +880,10 @@ def overlap(
     raise ValueError(f"overlap: reduce_scatter must be 'per_layer' or 'as_written', got {reduce_scatter!r}")
   if select not in ("cost_model", "rewrite"):
     raise ValueError(f"overlap: select must be 'cost_model' or 'rewrite', got {select!r}")
-  if collective_matmul not in ("auto", "off"):
-    raise ValueError(f"overlap: collective_matmul must be 'auto' or 'off', got {collective_matmul!r}")
+  if collective_matmul not in ("auto", "on", "off"):
+    raise ValueError(
+        f"overlap: collective_matmul must be 'auto', 'on' or 'off', got {collective_matmul!r}"
+    )
   if target is not None:
     targets_lib.get(target)
   flags_lib._check_workload(workload)
