@@ -15,15 +15,14 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import glob
-import re
-import tempfile
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_overlap._src import hlo, schedule
+from jax_overlap._src.compile import compile_for_target
 from jax_overlap.fsdp import scan_layers
 from jax_overlap.targets import compile_only_mesh
 
@@ -58,47 +57,6 @@ FLAG_SETS = {
 }
 
 
-def while_bodies(text: str) -> dict[str, list[str]]:
-  """Instruction lines of every while-loop body computation in an HLO text."""
-  comps: dict[str, list[str]] = {}
-  cur = None
-  for line in text.splitlines():
-    m = re.match(r"^(?:ENTRY )?%(\S+) ", line)
-    if m and line.rstrip().endswith("{"):
-      cur = m.group(1)
-      comps[cur] = []
-    elif line.startswith("}"):
-      cur = None
-    elif cur:
-      comps[cur].append(line)
-  names = re.findall(r"while\(.*?body=%([\w.\-]+)", text)
-  return {n: comps[n] for n in names if n in comps}
-
-
-def bracketed(lines: list[str]) -> dict[str, tuple[int, bool]]:
-  """For each async all-gather / reduce-scatter start: (GEMMs before its done, is_sync)."""
-  events = []
-  for line in lines:
-    m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = .*? ([\w\-]+)\(", line)
-    if not m:
-      continue
-    name, op = m.groups()
-    sync = '"is_sync":true' in line
-    if op == "fusion" and "gemm" in name:
-      events.append((name, "gemm", sync))
-    elif op in ("all-gather-start", "all-gather-done"):
-      events.append((name, op.rsplit("-", 1)[1], sync))
-    elif op in ("async-start", "async-done") and "reduce-scatter" in name:
-      events.append((name, op.rsplit("-", 1)[1], sync))
-  out = {}
-  for i, (name, kind, sync) in enumerate(events):
-    if kind == "start":
-      done = name.replace("start", "done")
-      j = next((j for j in range(i, len(events)) if events[j][0] == done), len(events))
-      out[name] = (sum(1 for e in events[i:j] if e[1] == "gemm"), sync)
-  return out
-
-
 def compile_hlo(target: str, layers: int, width: int, batch: int, prefetch: int, flags: dict):
   """The optimized HLO text of grad(scan_layers MLP stack) for ``target``."""
   mesh = compile_only_mesh(target, ("fsdp",))
@@ -120,11 +78,7 @@ def compile_hlo(target: str, layers: int, width: int, batch: int, prefetch: int,
     for n, s in specs.items()
   }
   x = jax.ShapeDtypeStruct((batch, width), jnp.bfloat16, sharding=NamedSharding(mesh, P("fsdp")))
-  with tempfile.TemporaryDirectory() as d:
-    jax.jit(jax.grad(loss)).lower(params, x).compile({"xla_dump_to": d, **flags})
-    (path,) = glob.glob(d + "/*gpu_after_optimizations.txt")
-    with open(path) as f:
-      return f.read()
+  return compile_for_target(jax.jit(jax.grad(loss)), params, x, target=target, xla_options=flags).hlo_text
 
 
 def main(argv=None):
@@ -141,8 +95,10 @@ def main(argv=None):
       args.target, args.layers, args.width, args.batch, args.prefetch, FLAG_SETS[name]
     )
     print(f"== {name}")
-    for body, lines in while_bodies(text).items():
-      print(f"  {body}: {bracketed(lines)}")
+    module = hlo.parse_module(text)
+    for body in schedule.while_bodies(module):
+      found = {b.name: (b.gemms, b.synchronous) for b in schedule.collective_brackets(module, body)}
+      print(f"  {body}: {found}")
 
 
 if __name__ == "__main__":

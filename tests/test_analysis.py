@@ -268,3 +268,25 @@ def test_bad_input_messages():
 
   with pytest.raises(RuntimeError, match="XLA could not compile the function for h100x8"):
     jax_overlap.analyze(needs_missing_custom_call, _sds((8, 8), mesh, P()), target="h100x8")
+
+
+def test_collective_brackets_and_while_bodies():
+  from jax_overlap._src import schedule
+
+  mesh = targets.compile_only_mesh("h100x8")
+
+  def f(w, a, b):
+    return a @ b, jax.lax.all_gather(w, "fsdp", axis=0, tiled=True)
+
+  fn = _smap(f, mesh, (P("fsdp"), P(), P()), (P(), P()))
+  args = (_sds((4096, 4096), mesh, P("fsdp")), _sds((16384, 4096), mesh, P()), _sds((4096, 4096), mesh, P()))
+  step = compile_for_target(fn, *args, target="h100x8", xla_options=LHS)
+  module = hlo.parse_module(step.hlo_text)
+  (b,) = schedule.collective_brackets(module)
+  assert (b.kind, b.gemms, b.synchronous) == ("all-gather", 1, False)
+  assert schedule.while_bodies(module) == []
+  scanned = compile_for_target(
+      lambda ws, x: jax.lax.scan(lambda c, w: (jnp.tanh(c @ w), None), x, ws)[0],
+      jnp.ones((3, 64, 64)), jnp.ones((8, 64)), target=None,
+  )
+  assert len(schedule.while_bodies(hlo.parse_module(scanned.hlo_text))) == 1

@@ -1,9 +1,6 @@
 """Tests for jax_overlap.collective_matmul: values, gradients, errors, schedule, cost model."""
 
-import glob
 import importlib.util
-import re
-import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -295,26 +292,13 @@ def test_error_not_an_array():
 _HAS_CUDA_PLUGIN = importlib.util.find_spec("jax_plugins.xla_cuda13") is not None
 
 
-def _entry_sequence(text):
-  entry = text[text.index("\nENTRY") :]
-  seq = []
-  for line in entry.splitlines():
-    m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = .*? ([\w\-]+)\(", line)
-    if not m:
-      continue
-    name, op = m.groups()
-    if op in ("collective-permute-start", "collective-permute-done"):
-      seq.append((name, op[len("collective-permute-") :], '"is_sync":true' in line))
-    elif op == "fusion" and "gemm" in name:
-      seq.append((name, "gemm", False))
-  return seq
-
-
 @pytest.mark.skipif(not _HAS_CUDA_PLUGIN, reason="needs jax-cuda13-plugin for deviceless compiles")
 @pytest.mark.parametrize("bidirectional", [False, True], ids=["uni", "bidi"])
 def test_schedule_h100_permutes_interleave_with_dots(bidirectional):
   # value_and_grad of a Megatron MLP block: the forward all-gather and
   # reduce-scatter rings and the two backward rings (their transposes).
+  from jax_overlap._src import hlo, schedule
+  from jax_overlap._src.compile import compile_for_target
   from jax_overlap._src.targets import compile_only_mesh
 
   mesh = compile_only_mesh("h100x8", {"tensor": 8})
@@ -332,25 +316,19 @@ def test_schedule_h100_permutes_interleave_with_dots(bidirectional):
     shape, jnp.bfloat16, sharding=NamedSharding(mesh, spec)
   )
   args = (s((m, k), P("tensor")), s((k, n), P(None, "tensor")), s((n, k), P("tensor")))
-  with tempfile.TemporaryDirectory() as d:
-    jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(*args).compile(
-      {"xla_dump_to": d, "xla_gpu_enable_latency_hiding_scheduler": True}
-    )
-    (path,) = glob.glob(d + "/*gpu_after_optimizations.txt")
-    with open(path) as fh:
-      seq = _entry_sequence(fh.read())
-  starts = [i for i, (_, kind, _) in enumerate(seq) if kind == "start"]
+  step = compile_for_target(
+    jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))), *args, target="h100x8",
+    xla_options={"xla_gpu_enable_latency_hiding_scheduler": True},
+  )
+  module = hlo.parse_module(step.hlo_text)
+  rings = [b for b in schedule.collective_brackets(module) if b.kind == "collective-permute"]
   hops = 7 * (2 if bidirectional else 1)
-  assert len(starts) == 4 * hops  # four rings, every hop a separate permute
-  gemms = sum(1 for _, kind, _ in seq if kind == "gemm")
+  assert len(rings) == 4 * hops  # four rings, every hop a separate permute
+  gemms = sum(schedule._is_gemm(module, i) for i in module.entry_computation.instructions)
   assert gemms >= 4 * 8 * (2 if bidirectional else 1)  # partial dots stay separate
-  overlapped = 0
-  for i in starts:
-    done = seq[i][0].replace("start", "done")
-    j = next(j for j in range(i, len(seq)) if seq[j][0] == done)
-    overlapped += any(kind == "gemm" for _, kind, _ in seq[i:j]) and not seq[i][2]
+  overlapped = sum(b.gemms > 0 and not b.synchronous for b in rings)
   # At most the first hop of each ring has nothing to overlap.
-  assert overlapped >= len(starts) - 4, seq
+  assert overlapped >= len(rings) - 4, rings
 
 
 # ---------------------------------------------------------------------------

@@ -1,10 +1,7 @@
 """Tests for jax_overlap.fsdp.scan_layers: values, gradients, errors and the GPU schedule."""
 
 import functools
-import glob
 import importlib.util
-import re
-import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -480,53 +477,11 @@ SCHEDULE_FLAGS = {
 }
 
 
-def _while_bodies(text):
-  comps, cur = {}, None
-  for line in text.splitlines():
-    m = re.match(r"^(?:ENTRY )?%(\S+) ", line)
-    if m and line.rstrip().endswith("{"):
-      cur = m.group(1)
-      comps[cur] = []
-    elif line.startswith("}"):
-      cur = None
-    elif cur:
-      comps[cur].append(line)
-  names = re.findall(r"while\(.*?body=%([\w.\-]+)", text)
-  return [comps[n] for n in names if n in comps]
-
-
-def _events(lines):
-  """(name, kind) of collectives starts/dones and GEMM fusions, in schedule order."""
-  out = []
-  for line in lines:
-    m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = .*? ([\w\-]+)\(", line)
-    if not m:
-      continue
-    name, op = m.groups()
-    if op == "fusion" and "gemm" in name:
-      out.append((name, "gemm"))
-    elif op in ("all-gather-start", "all-gather-done"):
-      out.append((name, op))
-    elif op in ("async-start", "async-done") and "reduce-scatter" in name:
-      out.append((name, "reduce-scatter-" + op[len("async-") :]))
-    if '"is_sync":true' in line:
-      out.append((name, "sync"))
-  return out
-
-
-def _bracketed(events, kind):
-  """GEMMs scheduled between each ``kind``-start and its done."""
-  res = []
-  for i, (name, op) in enumerate(events):
-    if op == kind + "-start":
-      done = name.replace("start", "done")
-      j = next(j for j in range(i, len(events)) if events[j][0] == done)
-      res.append(sum(1 for e in events[i:j] if e[1] == "gemm"))
-  return res
-
-
 @functools.cache
 def _compiled_schedule(prefetch, flags):
+  """The collectives of each while-loop body of grad(scan_layers stack) on h100x8."""
+  from jax_overlap._src import hlo, schedule
+  from jax_overlap._src.compile import compile_for_target
   from jax_overlap._src.targets import compile_only_mesh
 
   mesh = compile_only_mesh("h100x8", {"fsdp": 8})
@@ -551,11 +506,14 @@ def _compiled_schedule(prefetch, flags):
     for n in specs
   }
   cs = jax.ShapeDtypeStruct((batch, width), jnp.bfloat16, sharding=NamedSharding(mesh, P("fsdp")))
-  with tempfile.TemporaryDirectory() as d:
-    jax.jit(jax.grad(loss)).lower(ps, cs).compile({"xla_dump_to": d, **dict(flags)})
-    (path,) = glob.glob(d + "/*gpu_after_optimizations.txt")
-    text = open(path).read()
-  return [_events(b) for b in _while_bodies(text)]
+  step = compile_for_target(jax.jit(jax.grad(loss)), ps, cs, target="h100x8", xla_options=dict(flags))
+  module = hlo.parse_module(step.hlo_text)
+  return [schedule.collective_brackets(module, body) for body in schedule.while_bodies(module)]
+
+
+def _bracketed(body, kind):
+  """GEMMs scheduled between each ``kind`` start and its done."""
+  return [b.gemms for b in body if b.kind == kind]
 
 
 @pytest.mark.skipif(not _HAS_CUDA_PLUGIN, reason="needs jax-cuda13-plugin for deviceless compiles")
@@ -563,11 +521,11 @@ def _compiled_schedule(prefetch, flags):
 def test_schedule_h100_gather_and_reduce_scatter_bracket_compute(estimator):
   flags = dict(SCHEDULE_FLAGS, xla_gpu_enable_analytical_latency_estimator=estimator)
   bodies = _compiled_schedule(1, tuple(sorted(flags.items())))
-  fwd = [b for b in bodies if not any(op.startswith("reduce-scatter") for _, op in b)]
-  bwd = [b for b in bodies if any(op.startswith("reduce-scatter") for _, op in b)]
+  fwd = [b for b in bodies if not any(c.kind == "reduce-scatter" for c in b)]
+  bwd = [b for b in bodies if any(c.kind == "reduce-scatter" for c in b)]
   assert fwd and bwd
   for b in bodies:
-    assert not any(op == "sync" for _, op in b), "an async collective was made synchronous"
+    assert not any(c.synchronous for c in b), "an async collective was made synchronous"
   # Forward: the next layer's gather starts before this layer's GEMMs, ends after them.
   fwd_gathers = [n for b in fwd for n in _bracketed(b, "all-gather")]
   assert fwd_gathers and min(fwd_gathers) >= 2, fwd

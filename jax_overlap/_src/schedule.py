@@ -450,3 +450,60 @@ def build_schedule(
   sync_starts: set[str] = set()
   walk(module.entry, "", 0)
   return Schedule(ops, kernels, collectives, notes, loops)
+
+
+@dataclasses.dataclass(frozen=True)
+class Bracket:
+  """What an async collective's start and done bracket in a computation's schedule.
+
+  Attributes:
+    name: the start instruction.
+    kind: "all-gather", "reduce-scatter", "all-reduce", "all-to-all" or "collective-permute".
+    gemms: matmul kernels (dot fusions, cuBLAS calls) scheduled between start and done.
+    synchronous: XLA made the collective synchronous (``is_sync``).
+  """
+
+  name: str
+  kind: str
+  gemms: int
+  synchronous: bool
+
+
+def _is_gemm(module: hlo_lib.Module, instr: hlo_lib.Instruction) -> bool:
+  if instr.opcode == "custom-call":
+    return "gemm" in instr.attrs.get("custom_call_target", "")
+  return instr.opcode == "fusion" and module.dot_in(instr) is not None
+
+
+def collective_brackets(module: hlo_lib.Module, computation: str | None = None) -> list[Bracket]:
+  """Each async collective of ``computation`` (default: the entry) with the GEMMs it brackets.
+
+  A start whose done is not in the same computation (pipelined across loop
+  iterations) brackets everything after it.
+  """
+  comp = module.computations[computation or module.entry]
+  instrs = comp.instructions
+  done_at = {
+      instr.operands[0]: i for i, instr in enumerate(instrs) if instr.opcode in _DONE and instr.operands
+  }
+  out = []
+  for i, instr in enumerate(instrs):
+    kind = _async_collective_kind(module, instr)
+    if kind is None:
+      continue
+    j = done_at.get(instr.name, len(instrs))
+    gemms = sum(_is_gemm(module, x) for x in instrs[i + 1 : j])
+    out.append(Bracket(instr.name, kind, gemms, _is_sync(instr)))
+  return out
+
+
+def while_bodies(module: hlo_lib.Module) -> list[str]:
+  """Names of the while-loop body computations, in the order the loops appear."""
+  names = []
+  for comp in module.computations.values():
+    for instr in comp.instructions:
+      if instr.opcode == "while":
+        body = instr.attrs.get("body", "").lstrip("%")
+        if body in module.computations and body not in names:
+          names.append(body)
+  return names
