@@ -68,7 +68,6 @@ _STREAM_KEYS = ("comment", "create_order", "priority", "promote_requested")
 _PRIORITIES = ("default", "highest")
 # Register allocation granularity per warp on NVIDIA GPUs since sm_30 (CUDA
 # occupancy calculator); the runtime library uses the same constant.
-_NVIDIA_REG_ALLOC_UNIT = 256
 
 
 def _is_int(value: Any) -> bool:
@@ -518,7 +517,7 @@ def _roundup(x: int, unit: int) -> int:
 
 
 def _reg_alloc_unit(gpu: targets.Gpu) -> int:
-  return _NVIDIA_REG_ALLOC_UNIT if gpu.vendor == "nvidia" else gpu.reg_alloc_unit
+  return gpu.reg_alloc_unit
 
 
 def blocks_per_sm(

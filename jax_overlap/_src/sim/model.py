@@ -230,8 +230,14 @@ def residency_limits(gpu: targets.Gpu, threads: int, regs_per_thread: int, smem_
 
 
 def residency(gpu: targets.Gpu, threads: int, regs_per_thread: int, smem_bytes: int) -> int:
-  """Blocks of one kernel that fit on an empty SM: the minimum over the four limits."""
-  return min(residency_limits(gpu, threads, regs_per_thread, smem_bytes).values())
+  """Blocks of one kernel that fit on an empty SM: the minimum over the four limits.
+
+  The runtime library's arithmetic (``plan.blocks_per_sm``); a kernel always holds
+  at least one register per thread here.
+  """
+  from jax_overlap._src import plan
+
+  return plan.blocks_per_sm(gpu, threads, max(int(regs_per_thread), 1), int(smem_bytes))
 
 
 def regs_per_block(gpu: targets.Gpu, threads: int, regs_per_thread: int) -> int:
