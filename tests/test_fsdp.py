@@ -226,6 +226,37 @@ def test_memory_does_not_grow_with_gathered_layers():
   assert ours_growth < gathered_layer // 4, ours_growth
 
 
+def _gathered_bytes(jaxpr, times=1):
+  """Bytes all-gathered when ``jaxpr`` runs, counting loop bodies once per iteration."""
+  total = 0
+  for e in jaxpr.eqns:
+    if e.primitive.name == "all_gather":
+      total += times * e.outvars[0].aval.size * e.outvars[0].aval.dtype.itemsize
+    n = e.params["length"] if e.primitive.name == "scan" else 1
+    for v in e.params.values():
+      sub = getattr(v, "jaxpr", v)
+      if hasattr(sub, "eqns"):
+        total += _gathered_bytes(sub, times * n)
+  return total
+
+
+@pytest.mark.parametrize("prefetch", [1, 2, 3])
+def test_backward_starts_with_the_forward_gathered_layers(prefetch):
+  # The forward pass ends holding the last `prefetch` gathered layers; the
+  # backward pass starts with exactly those, so it gathers L - prefetch layers.
+  mesh = _mesh()
+  n, width = 5, 16
+  params = _params(jax.random.PRNGKey(3), n, width, jnp.float32)
+  x = jnp.ones((16, width))
+  loss = _loss_fn(lambda p, c: scan_layers(_layer, p, c, prefetch=prefetch), mesh, _specs(DIMS))
+  layer = (width * width + 2 * width) * 4
+  grad_jaxpr = jax.make_jaxpr(jax.grad(loss))(params, x).jaxpr
+  assert _gathered_bytes(grad_jaxpr) == (2 * n - prefetch) * layer
+  assert _gathered_bytes(jax.make_jaxpr(loss)(params, x).jaxpr) == n * layer
+  ref = _loss_fn(lambda p, c: _reference(_layer, p, c, DIMS), mesh, _specs(DIMS))
+  _assert_close(jax.grad(ref)(params, x), jax.grad(loss)(params, x), rtol=1e-5, atol=1e-6)
+
+
 def test_under_vmap():
   # A batch of independent carries (e.g. microbatches) through the same layers.
   mesh = _mesh()

@@ -80,11 +80,22 @@ def test_explain_lists_prefetch_reduce_scatter_and_options():
   # Layers 1..3 are gathered one layer ahead; layer 0 is already first.
   assert len(prefetched) == 3
   assert "layer 1 before layer 0's compute" in prefetched[0].detail
-  assert e.of_kind("annotate")
+  # On CPU devices nothing reads the annotations; "auto" leaves them off.
+  assert not e.of_kind("annotate")
+  assert jax_overlap.overlap(S.make_step(cfg, mesh), annotate=True).explain(params, x).of_kind("annotate")
   opts = e.xla_options
   assert opts["xla_gpu_all_gather_combine_threshold_bytes"] > 0
   assert opts["xla_gpu_reduce_scatter_combine_threshold_bytes"] > 0
   assert "prefetch" in str(e)
+
+
+def test_auto_annotations_when_compiled_for_a_gpu_without_a_target():
+  fn, args = S.build("h100x8", layers=2, hidden=256, mlp=512, heads=4, seq=64)
+  ov = jax_overlap.overlap(fn)  # no target: the arguments' devices decide
+  report = jax_overlap.analyze(ov, *args, target="h100x8")
+  assert any("_jax_overlap_priority" in c.annotations for c in report.collectives)
+  with pytest.raises(ValueError, match="annotate must be True, False or 'auto'"):
+    jax_overlap.overlap(fn, annotate="yes")
 
 
 def test_prefetch_zero_moves_nothing():
@@ -197,8 +208,13 @@ def test_collectives_in_loops_are_listed_as_left_alone():
   cfg, mesh, params, x = _setup("scan", layers=2)
   e = jax_overlap.overlap(S.make_step(cfg, mesh)).explain(params, x)
   left = e.of_kind("left_alone")
-  assert any("inside scan are left as written" in a.detail for a in left)
+  assert any("loop(s) over layers keep their collectives as written" in a.detail for a in left)
   assert any("jax_overlap.fsdp.scan_layers" in a.detail for a in left)
+  # One iteration gathers one layer (4 h x h and 3 h x mlp float32 matrices):
+  # the combine threshold lets one layer's gathers merge, not two layers'.
+  layer_bytes = (4 * 64 * 64 + 3 * 64 * 128) * 4
+  assert e.xla_options["xla_gpu_all_gather_combine_threshold_bytes"] == layer_bytes
+  assert e.xla_options["xla_gpu_reduce_scatter_combine_threshold_bytes"] == layer_bytes // 8
 
 
 def _tp_step():

@@ -178,7 +178,9 @@ def scan_layers(
   ``i + prefetch`` is issued in the iteration that computes layer ``i`` and, in
   the backward pass, the reduce-scatter of layer ``i``'s parameter cotangent is
   issued in the iteration that computes the backward of layer ``i - 1``. The
-  backward pass rematerialises each layer from its saved input carry.
+  backward pass rematerialises each layer from its saved input carry and
+  starts with the last ``prefetch`` gathered layers the forward pass ends with
+  (kept, not gathered again).
 
   Call it inside a ``shard_map`` body, where ``stacked_params`` are the local
   shards. With ``mesh=`` it wraps itself in ``shard_map`` and takes global
@@ -400,7 +402,7 @@ def _store(tree, values, i):
   return jax.tree.map(lambda a, v: lax.dynamic_update_index_in_dim(a, v, i, 0), tree, values)
 
 
-def _pipeline(step, first_step, carry, local, *, n, k, gather, unroll, reverse=False):
+def _pipeline(step, first_step, carry, local, *, n, k, gather, unroll, reverse=False, initial=None):
   """Runs ``step`` over the ``n`` layers, gathering the layer ``k`` items ahead.
 
   Items are the layers in order, or from the last to the first when
@@ -419,10 +421,16 @@ def _pipeline(step, first_step, carry, local, *, n, k, gather, unroll, reverse=F
     gather: ``gather(tree, stacked) -> tree`` of full parameters.
     unroll: passed to ``lax.scan``.
     reverse: process the layers from last to first.
+    initial: the gathered buffer of the first ``k`` items, as returned by a
+      previous call over the same layers in the other direction; when given,
+      the prologue gather is skipped.
 
   Returns:
-    ``(carry, ys)`` with ``ys`` the stacked outputs of the items that have
-    one, in layer order.
+    ``(carry, ys, buf)`` with ``ys`` the stacked outputs of the items that
+    have one, in layer order, and ``buf`` the gathered buffer of the last
+    ``k`` items (None when ``k == 0``). Layer ``l`` lives in slot ``l % k``
+    of the buffer in both directions, so the buffer a forward pass ends with
+    is the one a reverse pass over the same layers starts with.
   """
 
   def layer(i):
@@ -440,11 +448,11 @@ def _pipeline(step, first_step, carry, local, *, n, k, gather, unroll, reverse=F
     c, y = first_step(full, c, layer(0))
     return c, (None if y is None else _expand(y))
 
-  def result(c):
+  def result(c, b=None):
     ys = _concat(ys_parts)
     if reverse and ys is not None:
       ys = jax.tree.map(lambda a: jnp.flip(a, axis=0), ys)
-    return c, ys
+    return c, ys, b
 
   if k == 0:
     start = 0
@@ -461,13 +469,16 @@ def _pipeline(step, first_step, carry, local, *, n, k, gather, unroll, reverse=F
       ys_parts.append(ys)
     return result(carry)
 
-  # Prologue: one gather for the first k items; slot j holds item j (mod k).
-  lo, hi = (n - k, n) if reverse else (0, k)
-  buf = gather(jax.tree.map(lambda a: a[lo:hi], local), stacked=True)
-  if k == 1:
-    buf = _index(buf, 0)
-  elif reverse:
-    buf = jax.tree.map(lambda a: jnp.flip(a, axis=0), buf)
+  # Prologue: one gather for the first k items; layer l lives in slot l % k.
+  if initial is not None:
+    buf = initial
+  else:
+    lo, hi = (n - k, n) if reverse else (0, k)
+    buf = gather(jax.tree.map(lambda a: a[lo:hi], local), stacked=True)
+    if k == 1:
+      buf = _index(buf, 0)
+    elif lo % k:
+      buf = jax.tree.map(lambda a: jnp.roll(a, lo % k, axis=0), buf)
 
   def read(b, slot):
     return b if k == 1 else _index(b, slot)
@@ -475,20 +486,21 @@ def _pipeline(step, first_step, carry, local, *, n, k, gather, unroll, reverse=F
   def write(b, v, slot):
     return v if k == 1 else _store(b, v, slot)
 
-  # Main loop: item i computes with slot i % k and refills it with item i + k.
+  # Main loop: item i computes with its layer's slot and refills it with item
+  # i + k (whose layer has the same slot).
   n_main = n - k
   start = 0
   if n_main > 0 and first_step is not None:
     nxt = gather(_index(local, layer(k)), stacked=False)
-    carry, y = run_first(read(buf, 0), carry)
-    buf = write(buf, nxt, 0)
+    carry, y = run_first(read(buf, layer(0) % k), carry)
+    buf = write(buf, nxt, layer(0) % k)
     ys_parts.append(y)
     start = 1
   if n_main > start:
 
     def main_body(state, i):
       c, b = state
-      slot = i % k
+      slot = layer(i) % k
       nxt = gather(_index(local, layer(i + k)), stacked=False)
       c, y = step(read(b, slot), c, layer(i))
       return (c, write(b, nxt, slot)), y
@@ -499,17 +511,17 @@ def _pipeline(step, first_step, carry, local, *, n, k, gather, unroll, reverse=F
   # Epilogue: the last k items, already gathered.
   start = n_main
   if n_main == 0 and first_step is not None:
-    carry, y = run_first(read(buf, 0), carry)
+    carry, y = run_first(read(buf, layer(0) % k), carry)
     ys_parts.append(y)
     start = 1
   if n > start:
 
     def epi_body(c, i):
-      return step(read(buf, i % k), c, layer(i))
+      return step(read(buf, layer(i) % k), c, layer(i))
 
     carry, ys = scan(epi_body, carry, start, n)
     ys_parts.append(ys)
-  return result(carry)
+  return result(carry, buf)
 
 
 def _not_differentiable(e: Exception) -> TypeError:
@@ -526,7 +538,8 @@ def _scan_layers_local(layer_fn, stacked, carry, cfg: _Config):
 
   # Hoist traced values that layer_fn closes over into explicit inputs, so the
   # custom_vjp can return their cotangents.
-  example_params = gather(_index(stacked, 0), stacked=False)
+  # Shapes and types only: tracing real gathers here would leave dead ones in the program.
+  example_params = jax.eval_shape(lambda s: gather(_index(s, 0), stacked=False), stacked)
   try:
     fn, consts = jax.closure_convert(layer_fn, example_params, carry)
   except TypeError as e:
@@ -547,7 +560,8 @@ def _scan_layers_local(layer_fn, stacked, carry, cfg: _Config):
     def step(full, c, _):
       return f(full, c, consts_)
 
-    return run_layers(step, None, carry_, stacked_)
+    c_out, ys, _ = run_layers(step, None, carry_, stacked_)
+    return c_out, ys
 
   def run_fwd(stacked_, carry_, consts_):
     # The input carry of every layer goes into a preallocated stack (in place).
@@ -564,12 +578,14 @@ def _scan_layers_local(layer_fn, stacked, carry, cfg: _Config):
       (c2, y), res = _vjp_residuals(f, full, c, consts_, policy)
       return (c2, saved), (y, res)
 
-    (c_out, saved), ys_res = run_layers(step, None, (carry_, saved0), stacked_)
+    (c_out, saved), ys_res, last = run_layers(step, None, (carry_, saved0), stacked_)
     ys, res = (None, None) if ys_res is None else ys_res
-    return (c_out, ys), (stacked_, saved, res, consts_)
+    # The last k gathered layers are kept for the backward pass, which starts
+    # with them, instead of being gathered again.
+    return (c_out, ys), (stacked_, saved, res, consts_, last)
 
   def run_bwd(residuals, cts):
-    stacked_, saved, res, consts_ = residuals
+    stacked_, saved, res, consts_, last = residuals
     ct_carry, ct_ys = cts
     zeros_consts = jax.tree.map(jnp.zeros_like, consts_)
     grads0 = jax.tree.map(jnp.zeros_like, stacked_)
@@ -596,7 +612,7 @@ def _scan_layers_local(layer_fn, stacked, carry, cfg: _Config):
         grads = _store(grads, _scatter(ct_p, dims, axis), i)
         return (ct_c2, add(acc, ct_k), grads), None
 
-      (ct_c0, ct_consts, grads), _ = run_layers(
+      (ct_c0, ct_consts, grads), _, _ = run_layers(
         step, None, (ct_carry, zeros_consts, grads0), stacked_, reverse=True
       )
     else:
@@ -613,8 +629,8 @@ def _scan_layers_local(layer_fn, stacked, carry, cfg: _Config):
         grads = _store(grads, scattered, i + 1)
         return (ct_c2, add(acc, ct_k), grads, ct_p), None
 
-      (ct_c0, ct_consts, grads, pending), _ = run_layers(
-        step, first, (ct_carry, zeros_consts, grads0), stacked_, reverse=True
+      (ct_c0, ct_consts, grads, pending), _, _ = run_layers(
+        step, first, (ct_carry, zeros_consts, grads0), stacked_, reverse=True, initial=last
       )
       grads = _store(grads, _scatter(pending, dims, axis), 0)
     return grads, ct_c0, ct_consts

@@ -57,6 +57,11 @@ _COLLECTIVES = {"all_gather", "reduce_scatter", "psum", "psum_invariant", "pperm
 SCHEDULING_GROUPS = False
 _OPAQUE = ("scan", "while", "cond", "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_jvp_call")
 _MATMUL = {"dot_general", "conv_general_dilated", "ragged_dot_general"}
+_LOOP_PIPELINER = (
+    "xla_gpu_enable_pipelined_all_gather",
+    "xla_gpu_enable_pipelined_reduce_scatter",
+    "xla_gpu_enable_pipelined_all_reduce",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,6 +172,7 @@ class _BodyPlan:
   # Collective matmuls: eqn index to evaluate -> (kind, gather/dot index skipped, params).
   fused: dict = dataclasses.field(default_factory=dict)
   skipped: frozenset = frozenset()
+  loops: int = 0  # loops over layers whose collectives are left as written
 
 
 def _plan_body(
@@ -189,12 +195,24 @@ def _plan_body(
   metadata: dict[int, dict[str, str]] = {}
 
   # Collectives in nested loops and custom derivatives stay as written; say so.
+  # Their sizes still set the combine thresholds (one loop iteration's gathers
+  # are one layer's).
+  nested = _NestedStats()
   for e in eqns:
     if e.primitive.name in _OPAQUE and _has_collectives(e):
+      _nested_stats(e, nested)
+      if e.primitive.name in ("scan", "while"):
+        continue  # a loop over layers: its collectives are counted, not rewritten
       actions.append(
           Action("left_alone", where, f"collectives inside {e.primitive.name} are left as written "
                  "(for stacked layers under lax.scan use jax_overlap.fsdp.scan_layers)")
       )
+  if nested.loops:
+    actions.append(
+        Action("left_alone", where, f"{nested.loops} loop(s) over layers keep their collectives "
+               "as written (jax_overlap.fsdp.scan_layers pipelines them); their per-iteration "
+               "sizes set the combine thresholds")
+    )
 
   # 3. Collective matmuls: an activation all-gather feeding a matmul, or a matmul
   # feeding a reduce-scatter, become ppermute rings of partial matmuls where the
@@ -338,9 +356,62 @@ def _plan_body(
       default=1,
   )
   return _BodyPlan(
-      order, metadata, actions, len(groups), max(group_bytes, default=0), max_scatter,
-      single_gather, scatter_out, axis_size, chain_prev, fused, frozenset(skipped),
+      order, metadata, actions, len(groups),
+      # A loop iteration's gathers are one layer's; top-level groups next to a
+      # loop (its prologue) can span several.
+      nested.group_gather_bytes if nested.loops else max(group_bytes, default=0),
+      max(max_scatter, nested.scatter_bytes),
+      max(single_gather, nested.gather_bytes), max(scatter_out, nested.scatter_out_bytes),
+      max(axis_size, nested.axis_size), chain_prev, fused, frozenset(skipped), nested.loops,
   )
+
+
+@dataclasses.dataclass
+class _NestedStats:
+  """Collective sizes inside loops and custom derivatives of a shard_map body."""
+
+  loops: int = 0  # loops whose body has collectives
+  group_gather_bytes: int = 0  # largest group of gathers no matmul separates, in one iteration
+  gather_bytes: int = 0
+  scatter_bytes: int = 0
+  scatter_out_bytes: int = 0
+  axis_size: int = 1
+
+
+def _subjaxprs(eqn):
+  from jax._src import core
+
+  for p in eqn.params.values():
+    for q in p if isinstance(p, (tuple, list)) else (p,):
+      sub = q.jaxpr if isinstance(q, core.ClosedJaxpr) else q
+      if isinstance(sub, core.Jaxpr):
+        yield sub
+
+
+def _nested_stats(eqn, out: _NestedStats) -> None:
+  """Adds the collective sizes found under ``eqn`` (recursively) to ``out``."""
+  is_loop = eqn.primitive.name in ("scan", "while")
+  for sub in _subjaxprs(eqn):
+    group, found = 0, False
+    for e in sub.eqns:
+      name = e.primitive.name
+      if name in (_GATHER, _SCATTER):
+        found = True
+        out.axis_size = max(out.axis_size, int(e.params.get("axis_size", 1)))
+      if name == _GATHER:
+        b = _nbytes(e.outvars[0].aval)
+        out.gather_bytes = max(out.gather_bytes, b)
+        group += b
+        out.group_gather_bytes = max(out.group_gather_bytes, group)
+      elif name in _MATMUL:
+        group = 0
+      elif name == _SCATTER:
+        out.scatter_bytes = max(out.scatter_bytes, sum(_nbytes(v.aval) for v in e.invars if _is_var(v)))
+        out.scatter_out_bytes = max(out.scatter_out_bytes, _nbytes(e.outvars[0].aval))
+      if _has_collectives(e):
+        _nested_stats(e, out)
+    if found and is_loop:
+      out.loops += 1
 
 
 def _plan_collective_matmuls(
@@ -577,6 +648,7 @@ def _record(plan: _BodyPlan, actions, stats) -> None:
   stats["max_gather_bytes"] = max(stats.get("max_gather_bytes", 0), plan.max_gather_bytes)
   stats["max_scatter_out_bytes"] = max(stats.get("max_scatter_out_bytes", 0), plan.max_scatter_out_bytes)
   stats["axis_size"] = max(stats.get("axis_size", 1), plan.axis_size)
+  stats["loops"] = stats.get("loops", 0) + plan.loops
 
 
 def _run_shard_map(eqn, invals, cfg: _Config):
@@ -650,6 +722,24 @@ def _check_args(args, kwargs, mesh) -> None:
           )
 
 
+def _platform(args, kwargs, mesh) -> str:
+  """The platform the step compiles for, read from the arguments' shardings."""
+  for x in jax.tree.leaves((args, kwargs)):
+    if isinstance(x, jax.core.Tracer):
+      # Traced under an outer jit: the abstract mesh still names the platform.
+      mesh_ = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+      platform = getattr(getattr(mesh_, "abstract_device", None), "platform", None)
+      if platform:
+        return str(platform)
+      continue
+    devices = getattr(getattr(x, "sharding", None), "_device_assignment", None)
+    if devices:
+      return str(devices[0].platform)
+  if mesh is not None and getattr(mesh, "devices", None) is not None and mesh.devices.size:
+    return str(mesh.devices.flat[0].platform)
+  return jax.default_backend()
+
+
 def _signature(args, kwargs):
   leaves, tree = jax.tree.flatten((args, kwargs))
   sig = []
@@ -695,7 +785,10 @@ class Overlapped:
     traced = base.trace(*args, **kwargs)
     closed, out_info = traced.jaxpr, traced.out_info
     out_tree = jax.tree.structure(out_info)
-    cfg = _Config(self.prefetch, self.reduce_scatter, self.annotate, self.collective_matmul, self.target)
+    annotate = self.annotate
+    if annotate == "auto":
+      annotate = self.target is not None or _platform(args, kwargs, self.mesh) != "cpu"
+    cfg = _Config(self.prefetch, self.reduce_scatter, annotate, self.collective_matmul, self.target)
     actions: list[Action] = []
     stats: dict = {}
     counter = [0]
@@ -763,7 +856,8 @@ class Overlapped:
     if stats.get("max_scatter_out_bytes") and self.reduce_scatter == "per_layer":
       per_op["xla_gpu_reduce_scatter_combine_threshold_bytes"] = int(stats["max_scatter_out_bytes"])
     out = [("rewritten, one layer per collective", cfg, {**per_layer, **self.extra_options})]
-    has_collectives = stats.get("gather_groups", 0) or stats.get("max_scatter_out_bytes", 0)
+    has_collectives = (stats.get("gather_groups", 0) or stats.get("max_scatter_out_bytes", 0)
+                       or stats.get("loops", 0))
     if self.target is not None and self.select == "cost_model" and has_collectives:
       out.append(("rewritten, one tensor per collective", cfg, {**per_op, **self.extra_options}))
       out.append(
@@ -775,6 +869,15 @@ class Overlapped:
           ("rewritten, first layer and reduce-scatters issued one by one",
            dataclasses.replace(cfg, chain=True), {**per_layer, **self.extra_options})
       )
+      pipeliner = {k: False for k in _LOOP_PIPELINER if base.get(k)}
+      if stats.get("loops") and pipeliner:
+        # Loops that pipeline their own collectives (scan_layers) gain nothing from
+        # XLA's pipeliner, which moves the first gather and the last reduce-scatter
+        # out of the loop where nothing hides them.
+        out.append(
+            ("rewritten, one layer per collective, XLA's loop pipeliner off", cfg,
+             {**per_layer, **pipeliner, **self.extra_options})
+        )
       out.append(
           ("as written, recommended flags", _Config(0, "as_written", cfg.annotate, "off", cfg.target),
            {**base, **self.extra_options})
@@ -833,7 +936,7 @@ def overlap(
     prefetch: int = 1,
     reduce_scatter: str = "per_layer",
     collective_matmul: str = "auto",
-    annotate: bool = True,
+    annotate: bool | str = "auto",
     xla_options: dict[str, Any] | None = None,
     workload: str = "fsdp",
     select: str = "cost_model",
@@ -855,7 +958,10 @@ def overlap(
       partial matmuls (``jax_overlap.collective_matmul``) where the cost model
       for ``target`` (default h100x8) predicts a gain; "on" wherever the
       pattern matches; "off" never.
-    annotate: attach frontend attributes for the runtime controls.
+    annotate: attach frontend attributes for the runtime controls and the
+      analysis (True/False); "auto" attaches them when the step compiles for
+      a GPU (a ``target`` is given or the arguments live on GPU devices) and
+      not on CPU, where nothing reads them and they slow XLA's compile.
     xla_options: extra per-compile XLA options (win over the others).
     workload: workload for the recommended options.
     select: with a ``target``, "cost_model" compiles the rewritten step and the
@@ -889,6 +995,8 @@ def overlap(
   flags_lib._check_workload(workload)
   if "compiler_options" in jit_kwargs:
     raise ValueError("overlap: pass XLA options as xla_options=, not compiler_options=")
+  if annotate not in (True, False, "auto"):
+    raise ValueError(f"overlap: annotate must be True, False or 'auto', got {annotate!r}")
 
   def wrap(f):
     if not callable(f):
