@@ -257,6 +257,27 @@ def test_backward_starts_with_the_forward_gathered_layers(prefetch):
   _assert_close(jax.grad(ref)(params, x), jax.grad(loss)(params, x), rtol=1e-5, atol=1e-6)
 
 
+def test_last_layer_reduce_scatters_go_in_backward_order():
+  # Layer 0's gradient reduce-scatters have only layer 0's own backward left to
+  # hide under: they are issued one by one as the backward produces them, the
+  # cotangent of the last-used parameter ("b") first.
+  mesh = _mesh()
+
+  def layer(p, c):
+    h = jnp.tanh(c @ p["a"])
+    return (h @ p["b"])[:, :16], jnp.sum(h * h, axis=-1)
+
+  params = {"a": jnp.ones((3, 16, 16)) * 0.1, "b": jnp.ones((3, 16, 32)) * 0.1}
+  specs = {"a": P(None, "fsdp"), "b": P(None, "fsdp")}
+  loss = _loss_fn(lambda p, c: scan_layers(layer, p, c, prefetch=1), mesh, specs)
+  bwd = [e for e in jax.make_jaxpr(jax.grad(loss))(params, jnp.ones((16, 16))).jaxpr.eqns
+         if e.primitive.name == "shard_map"][-1].params["jaxpr"]
+  tail = [e for e in bwd.eqns if e.primitive.name in ("reduce_scatter", "optimization_barrier")]
+  assert [e.primitive.name for e in tail] == ["reduce_scatter", "optimization_barrier", "reduce_scatter"]
+  assert tail[0].outvars[0].aval.shape == (2, 32)  # b's cotangent first
+  assert tail[2].outvars[0].aval.shape == (2, 16)
+
+
 def test_under_vmap():
   # A batch of independent carries (e.g. microbatches) through the same layers.
   mesh = _mesh()

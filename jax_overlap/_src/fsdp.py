@@ -547,6 +547,16 @@ def _scan_layers_local(layer_fn, stacked, carry, cfg: _Config):
   except ValueError as e:
     raise ValueError(f"{_API}: tracing layer_fn(params, carry) failed: {e}") from e
   _check_layer_out(fn, example_params, carry, consts)
+  # The last layer's reduce-scatters (nothing left to hide under but that
+  # layer's own backward) go one by one, in the order the backward pass
+  # produces their inputs (the reverse of the order layer_fn uses the params),
+  # so the first ones overlap the rest of the layer's backward.
+  order = _use_order(fn, example_params, carry, consts)
+
+  def scatter_last(tree):
+    return _one_by_one(
+      lambda x, d: lax.psum_scatter(x, axis, scatter_dimension=d, tiled=True), tree, dims, order[::-1]
+    )
 
   def f(full, c, cs):
     return fn(full, c, *cs)
@@ -632,7 +642,7 @@ def _scan_layers_local(layer_fn, stacked, carry, cfg: _Config):
       (ct_c0, ct_consts, grads, pending), _, _ = run_layers(
         step, first, (ct_carry, zeros_consts, grads0), stacked_, reverse=True, initial=last
       )
-      grads = _store(grads, _scatter(pending, dims, axis), 0)
+      grads = _store(grads, scatter_last(pending), 0)
     return grads, ct_c0, ct_consts
 
   run.defvjp(run_fwd, run_bwd)
@@ -641,6 +651,66 @@ def _scan_layers_local(layer_fn, stacked, carry, cfg: _Config):
 
 def _gather_with(tree, stacked, *, dims, axis):
   return _gather(tree, dims, axis, stacked=stacked)
+
+
+def _one_by_one(op, tree, dims, order):
+  """Applies ``op(leaf, dim)`` to the leaves with a dim, one after another in ``order``.
+
+  Each collective's input is tied to the previous one's result by an
+  optimization barrier, so they are issued in ``order`` as their inputs
+  become ready rather than as one merged collective after the last input.
+  """
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  out = list(leaves)
+  prev = None
+  for i in order:
+    if dims[i] is None:
+      continue
+    x = leaves[i]
+    # The barrier would make x vary over prev's axes; tie only like-typed values.
+    if prev is not None and _varying(x) == _varying(prev):
+      x, _ = lax.optimization_barrier((x, prev))
+    out[i] = prev = op(x, dims[i])
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _varying(x):
+  """The manual mesh axes ``x`` varies over (shard_map's type), or None if unknown."""
+  aval = jax.typeof(x)
+  vma = getattr(aval, "vma", None)
+  if vma is None:
+    vma = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
+  return None if vma is None else frozenset(vma)
+
+
+def _use_order(fn, params, carry, consts) -> list[int]:
+  """Leaf indices of ``params`` in the order ``fn`` first uses them.
+
+  Uses inside nested calls (jit, checkpoint, custom derivatives) count where
+  the nested computation uses them.
+  """
+  closed = jax.make_jaxpr(lambda p, c, cs: fn(p, c, *cs))(params, carry, consts)
+  n = len(jax.tree.leaves(params))
+  never = (float("inf"),)
+
+  def first_uses(jaxpr, invars) -> dict:
+    pos = {v: never for v in invars}
+    for k, e in enumerate(jaxpr.eqns):
+      subs = [getattr(p, "jaxpr", p) for p in e.params.values()]
+      subs = [j for j in subs if hasattr(j, "eqns") and len(j.invars) == len(e.invars)]
+      for a, v in enumerate(e.invars):
+        if hasattr(v, "val") or v not in pos or pos[v] != never:
+          continue
+        if subs:
+          inner = first_uses(subs[0], [subs[0].invars[a]])[subs[0].invars[a]]
+          pos[v] = (k, *inner) if inner != never else (k,)
+        else:
+          pos[v] = (k,)
+    return pos
+
+  invars = closed.jaxpr.invars[:n]
+  pos = first_uses(closed.jaxpr, invars)
+  return sorted(range(n), key=lambda i: (pos[invars[i]], i))
 
 
 def _check_layer_out(fn, params, carry, consts):

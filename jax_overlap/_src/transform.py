@@ -878,6 +878,12 @@ class Overlapped:
             ("rewritten, one layer per collective, XLA's loop pipeliner off", cfg,
              {**per_layer, **pipeliner, **self.extra_options})
         )
+        out.append(
+            ("rewritten, one layer per collective, XLA's loop pipeliner off, two collectives "
+             "in flight", cfg,
+             {**per_layer, **pipeliner, "xla_gpu_experimental_parallel_collective_overlap_limit": 2,
+              **self.extra_options})
+        )
       out.append(
           ("as written, recommended flags", _Config(0, "as_written", cfg.annotate, "off", cfg.target),
            {**base, **self.extra_options})
