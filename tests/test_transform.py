@@ -251,3 +251,19 @@ def test_collective_matmul_decomposition():
   # "auto" asks the cost model: these matrices are far too small to gain on an H100.
   assert jax_overlap.overlap(f, collective_matmul="auto").explain(*args).of_kind("collective_matmul") == []
   assert jax_overlap.overlap(f, collective_matmul="off").explain(*args).of_kind("collective_matmul") == []
+
+
+def test_collectives_issued_one_by_one_on_a_2d_mesh():
+  # The variant that ties the first layer's gathers and the reduce-scatters
+  # together with optimization barriers passes shard_map's type checks on a
+  # 4x2 mesh and gives the same results.
+  from jax_overlap._src import transform as T
+
+  cfg, mesh, params, x = _setup("unrolled", mesh_shape=(4, 2))
+  step = S.make_step(cfg, mesh)
+  closed = jax.jit(step).trace(params, x).jaxpr
+  chained = T._Config(1, "per_layer", False, "off", None, chain=True)
+  fn = jax.jit(lambda p, x_: T._evaluate(closed, jax.tree.leaves((p, x_)), chained))
+  assert "optimization_barrier" in str(jax.make_jaxpr(fn)(params, x))
+  for a, b in zip(jax.tree.leaves(jax.jit(step)(params, x)), fn(params, x)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

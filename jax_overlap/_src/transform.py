@@ -47,6 +47,7 @@ import numpy as np
 from jax.experimental.xla_metadata import set_xla_metadata
 
 from jax_overlap._src import flags as flags_lib
+from jax_overlap._src.fsdp import _varying
 from jax_overlap._src import targets as targets_lib
 
 __all__ = ["overlap", "Overlapped", "Explanation", "Action", "priority"]
@@ -555,7 +556,7 @@ def _run(jaxpr, consts, args, plan: _BodyPlan | None):
       before = read(jaxpr.eqns[prev].outvars[0])
       # Identity that orders this collective after the previous one (only between
       # values that vary over the same mesh axes, so shard_map's checks still hold).
-      if getattr(jax.typeof(before), "vma", None) == getattr(jax.typeof(invals[0]), "vma", None):
+      if _varying(before) == _varying(invals[0]):
         _, invals[0] = jax.lax.optimization_barrier((before, invals[0]))
     outs = _eval_eqn(eqn, invals, md)
     for v, o in zip(eqn.outvars, outs):
