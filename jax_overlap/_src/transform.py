@@ -47,8 +47,8 @@ import numpy as np
 from jax.experimental.xla_metadata import set_xla_metadata
 
 from jax_overlap._src import flags as flags_lib
-from jax_overlap._src.fsdp import _varying
 from jax_overlap._src import targets as targets_lib
+from jax_overlap._src.fsdp import _varying
 
 __all__ = ["overlap", "Overlapped", "Explanation", "Action", "priority"]
 
