@@ -278,6 +278,59 @@ def test_last_layer_reduce_scatters_go_in_backward_order():
   assert tail[2].outvars[0].aval.shape == (2, 16)
 
 
+def _primitives_in_loops(jaxpr, inside=False):
+  names = set()
+  for e in jaxpr.eqns:
+    if inside:
+      names.add(e.primitive.name)
+    for v in e.params.values():
+      sub = getattr(v, "jaxpr", v)
+      if hasattr(sub, "eqns"):
+        names |= _primitives_in_loops(sub, inside or e.primitive.name == "scan")
+  return names
+
+
+def test_replicated_leaf_cotangents_are_reduced_once_after_the_loop():
+  # "b" is replicated and meets batch-sharded activations: autodiff would
+  # all-reduce its cotangent in every layer's backward; scan_layers keeps
+  # per-device partials in the loop and reduces them once, with equal results.
+  mesh = _mesh()
+  dims = {"w": 0, "b": None, "s": 0}
+  params = _params(jax.random.PRNGKey(4), 4, 16, jnp.float32)
+  x = jax.random.normal(jax.random.PRNGKey(5), (16, 16))
+
+  def loops(**kw):
+    loss = _loss_fn(lambda p, c: scan_layers(_layer, p, c, gather_dim=dims, **kw), mesh, _specs(dims))
+    return _primitives_in_loops(jax.make_jaxpr(jax.grad(loss))(params, x).jaxpr)
+
+  psums = {"psum", "psum_invariant", "psum2"}
+  assert not loops(prefetch=1) & psums
+  assert not loops(prefetch=0) & psums
+  # A remat policy types its residuals in the forward pass: reductions stay per layer.
+  assert loops(prefetch=1, remat_policy=jax.checkpoint_policies.nothing_saveable) & psums
+  for prefetch in (0, 1, 2):
+    ref, got = _run_both(mesh, params, x, dims, prefetch=prefetch)
+    _assert_close(ref, got, 1e-6, 1e-6)
+
+
+def test_replicated_leaf_that_meets_no_sharded_value_is_reduced_per_layer():
+  # "b" reaches the per-layer output without meeting batch-sharded values, so
+  # its partial cotangents would be replicated; the per-layer reduction stays.
+  mesh = _mesh()
+  dims = {"w": 0, "b": None}
+
+  def layer(p, c):
+    return jnp.tanh(c @ p["w"]), jnp.sum(p["b"] ** 2)
+
+  params = {"w": jnp.ones((3, 16, 16)) * 0.05, "b": jnp.arange(48.0).reshape(3, 16) / 48}
+  specs = {"w": P(None, "fsdp"), "b": P()}
+  x = jax.random.normal(jax.random.PRNGKey(6), (16, 16))
+  fn = lambda p, c: scan_layers(layer, p, c, gather_dim=dims, prefetch=1)
+  loss = _loss_fn(fn, mesh, specs, ys_spec=P())
+  ref = _loss_fn(lambda p, c: _reference(layer, p, c, dims), mesh, specs, ys_spec=P())
+  _assert_close(jax.grad(ref)(params, x), jax.grad(loss)(params, x), 1e-6, 1e-6)
+
+
 def test_under_vmap():
   # A batch of independent carries (e.g. microbatches) through the same layers.
   mesh = _mesh()

@@ -561,6 +561,15 @@ def _scan_layers_local(layer_fn, stacked, carry, cfg: _Config):
   def f(full, c, cs):
     return fn(full, c, *cs)
 
+  # Replicated leaves: their per-layer cotangent all-reduce (inserted by
+  # autodiff, one per layer) becomes one all-reduce after the loop.
+  deferred = _defer_replicated(layer_fn, fn, example_params, stacked, carry, consts, cfg)
+  if deferred is not None:
+    fn_b, vary, reduce = deferred
+
+    def f_b(full, c, cs):  # full with the replicated leaves already typed varying
+      return fn_b(full, c, *cs)
+
   policy = cfg.remat_policy
 
   run_layers = functools.partial(_pipeline, n=num_layers, k=k, gather=gather, unroll=cfg.unroll)
@@ -599,12 +608,16 @@ def _scan_layers_local(layer_fn, stacked, carry, cfg: _Config):
     ct_carry, ct_ys = cts
     zeros_consts = jax.tree.map(jnp.zeros_like, consts_)
     grads0 = jax.tree.map(jnp.zeros_like, stacked_)
+    if deferred is not None:
+      grads0 = vary(grads0)
 
     def layer_vjp(full, ct_c, i):
       c_in, ct_y = _index(saved, i), _index(ct_ys, i)
       r = None if res is None else _index(res, i)
       try:
-        if r is None:
+        if r is None and deferred is not None:
+          _, vjp_fn = jax.vjp(f_b, vary(full), c_in, consts_)
+        elif r is None:
           _, vjp_fn = jax.vjp(f, full, c_in, consts_)
         else:
           vjp_fn = _vjp_from_residuals(f, full, c_in, consts_, policy, r)
@@ -643,10 +656,84 @@ def _scan_layers_local(layer_fn, stacked, carry, cfg: _Config):
         step, first, (ct_carry, zeros_consts, grads0), stacked_, reverse=True, initial=last
       )
       grads = _store(grads, scatter_last(pending), 0)
+    if deferred is not None:
+      grads = reduce(grads)
     return grads, ct_c0, ct_consts
 
   run.defvjp(run_fwd, run_bwd)
   return run(stacked, carry, consts)
+
+
+def _pcast_varying():
+  """``x, axes -> x`` typed as varying over ``axes`` (shard_map), or None if unavailable."""
+  pcast = getattr(lax, "pcast", None)
+  if pcast is not None:
+    return lambda x, axes: pcast(x, axes, to="varying")
+  pvary = getattr(lax, "pvary", None)
+  return None if pvary is None else (lambda x, axes: pvary(x, axes))
+
+
+def _defer_replicated(layer_fn, fn, example_params, stacked, carry, consts, cfg: _Config):
+  """Plans one all-reduce after the loop for the cotangents of replicated leaves.
+
+  A leaf that is not gathered (``gather_dim`` None) and does not vary over
+  ``axis`` meets activations that do; autodiff then all-reduces its cotangent
+  over ``axis`` in every layer's backward, and that small all-reduce holds the
+  collective stream between the reduce-scatters and gathers of the loop. If
+  the backward instead differentiates with respect to the leaf typed as
+  varying, each device keeps its own partial cotangent, and one ``psum``
+  after the loop gives the same sums.
+
+  This holds when every use of the leaf meets values that vary over all of
+  ``axis`` (else the partials would be replicated and the sum would count them
+  more than once). Checked by types: re-traced with the leaf varying,
+  ``layer_fn``'s outputs must vary over exactly the axes they did before.
+
+  Returns ``(fn_b, vary, reduce)`` or None (leave the per-layer reductions):
+  with ``remat_policy`` (its residuals are typed by the forward), under
+  ``shard_map(check_vma=False)`` or where the types cannot be read.
+  """
+  pcast = _pcast_varying()
+  axes = set(cfg.axes)
+  if cfg.remat_policy is not None or pcast is None:
+    return None
+  leaves = jax.tree.leaves(example_params)
+  stacked_leaves = jax.tree.leaves(stacked)
+  types = [_varying(x) for x in leaves]
+  checked = [_varying(x) for x, d in zip(stacked_leaves, cfg.dims) if d is not None]
+  checked += [_varying(x) for x in jax.tree.leaves(carry)]
+  if any(t is None for t in types + checked) or not any(axes <= t for t in checked):
+    return None  # types unknown, or shard_map does not check them
+  mask = [
+    d is None and jnp.issubdtype(x.dtype, jnp.inexact) and not (axes & t)
+    for x, d, t in zip(leaves, cfg.dims, types)
+  ]
+  if not any(mask):
+    return None
+
+  def vary(tree):
+    flat, treedef = jax.tree_util.tree_flatten(tree)
+    return jax.tree_util.tree_unflatten(
+      treedef, [pcast(x, cfg.axis) if m else x for x, m in zip(flat, mask)]
+    )
+
+  def reduce(tree):
+    flat, treedef = jax.tree_util.tree_flatten(tree)
+    picked = lax.psum([x for x, m in zip(flat, mask) if m], cfg.axis)
+    it = iter(picked)
+    return jax.tree_util.tree_unflatten(treedef, [next(it) if m else x for x, m in zip(flat, mask)])
+
+  try:
+    fn_b, consts_b = jax.closure_convert(layer_fn, jax.eval_shape(vary, example_params), carry)
+    if len(consts_b) != len(consts) or any(a is not b for a, b in zip(consts_b, consts)):
+      return None
+    before = jax.eval_shape(lambda p, c: fn(p, c, *consts), example_params, carry)
+    after = jax.eval_shape(lambda p, c: fn_b(vary(p), c, *consts), example_params, carry)
+  except Exception:  # noqa: BLE001 - any failure keeps the per-layer reductions
+    return None
+  if [_varying(x) for x in jax.tree.leaves(before)] != [_varying(x) for x in jax.tree.leaves(after)]:
+    return None
+  return fn_b, vary, reduce
 
 
 def _gather_with(tree, stacked, *, dims, axis):
