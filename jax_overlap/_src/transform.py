@@ -880,6 +880,10 @@ class Overlapped:
              {**per_layer, **pipeliner, **self.extra_options})
         )
         out.append(
+            ("rewritten, one tensor per collective, XLA's loop pipeliner off", cfg,
+             {**per_op, **pipeliner, **self.extra_options})
+        )
+        out.append(
             ("rewritten, one layer per collective, XLA's loop pipeliner off, two collectives "
              "in flight", cfg,
              {**per_layer, **pipeliner, "xla_gpu_experimental_parallel_collective_overlap_limit": 2,
