@@ -21,6 +21,7 @@ from jax_overlap import budget as budget
 from jax_overlap import collective_matmul as collective_matmul
 from jax_overlap import flags as flags
 from jax_overlap import fsdp as fsdp
+from jax_overlap import latency_profile as latency_profile
 from jax_overlap import profile as profile
 from jax_overlap import runtime as runtime
 from jax_overlap import sim as sim
@@ -46,6 +47,7 @@ __all__ = [
     "compare",
     "flags",
     "fsdp",
+    "latency_profile",
     "occupancy",
     "overlap",
     "priority",

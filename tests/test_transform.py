@@ -126,6 +126,12 @@ def test_cost_model_choice_is_never_worse_than_the_flags_alone():
   times = dict(e.candidates)
   assert "as written, recommended flags" in times
   assert times[e.chosen] == min(times.values())
+  # The two fastest are also tried scheduled from the cost model's own estimates.
+  assert sum("scheduled by the cost model's estimates" in n for n in times) == 2
+  off = jax_overlap.overlap(fn, target="h100x8", schedule_from_estimates=False).explain(*args)
+  assert not any("scheduled by" in n for n, _ in off.candidates)
+  with pytest.raises(TypeError, match="schedule_from_estimates must be True or False"):
+    jax_overlap.overlap(fn, schedule_from_estimates="yes")
   chosen = jax_overlap.analyze(ov, *args, target="h100x8")
   flags_only = jax_overlap.analyze(
       fn, *args, target="h100x8", xla_options=jax_overlap.flags.as_compiler_options("h100x8"))

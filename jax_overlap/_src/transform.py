@@ -47,6 +47,7 @@ import numpy as np
 from jax.experimental.xla_metadata import set_xla_metadata
 
 from jax_overlap._src import flags as flags_lib
+from jax_overlap._src import latency_profile
 from jax_overlap._src import targets as targets_lib
 from jax_overlap._src.fsdp import _varying
 
@@ -760,8 +761,9 @@ class Overlapped:
   """
 
   def __init__(self, fn, *, mesh, target, prefetch, reduce_scatter, collective_matmul, annotate,
-               xla_options, workload, select, jit_kwargs):
+               xla_options, workload, select, jit_kwargs, schedule_from_estimates=True):
     self.select = select
+    self.schedule_from_estimates = schedule_from_estimates
     self.fn = fn
     self.mesh = mesh
     self.target = target
@@ -898,18 +900,38 @@ class Overlapped:
   def _select(self, candidates, make, args, kwargs) -> tuple[int, list[tuple[str, float]]]:
     from jax_overlap._src import analysis
 
-    times = []
+    times, reports = [], []
     for name, cfg_c, options in candidates:
       try:
         report = analysis.analyze(
             make(cfg_c, options), *args, target=self.target, name=name, xla_options=options, **kwargs
         )
         times.append(report.step_time_s)
+        reports.append(report)
       except (ValueError, RuntimeError, TypeError) as e:
         if name == candidates[-1][0] and all(t == float("inf") for t in times):
           raise
         self._failed.append(f"{name}: {str(e).splitlines()[0][:200]}")
         times.append(float("inf"))
+        reports.append(None)
+    # The two fastest again, scheduled by XLA from the analysis' own costs (a
+    # latency profile) instead of XLA's estimates, unless the user gave a profile.
+    finite = [i for i in range(len(times)) if times[i] < float("inf")]
+    if self.schedule_from_estimates and latency_profile.OPTION not in self.extra_options:
+      for i in sorted(finite, key=lambda i: (times[i], i))[:2]:
+        name, cfg_c, options = candidates[i]
+        label = f"{name}, scheduled by the cost model's estimates"
+        try:
+          profiled = {**options, latency_profile.OPTION: latency_profile.write_profile(reports[i])}
+          report = analysis.analyze(
+              make(cfg_c, profiled), *args, target=self.target, name=label, xla_options=profiled,
+              **kwargs,
+          )
+        except (ValueError, RuntimeError, TypeError, OSError) as e:
+          self._failed.append(f"{label}: {str(e).splitlines()[0][:200]}")
+          continue
+        candidates.append((label, cfg_c, profiled))
+        times.append(report.step_time_s)
     best = min(range(len(times)), key=lambda i: (times[i], i))
     return best, [(c[0], t) for c, t in zip(candidates, times)]
 
@@ -951,6 +973,7 @@ def overlap(
     xla_options: dict[str, Any] | None = None,
     workload: str = "fsdp",
     select: str = "cost_model",
+    schedule_from_estimates: bool = True,
     **jit_kwargs,
 ):
   """Rewrites a sharded step so its collectives overlap compute.
@@ -979,6 +1002,13 @@ def overlap(
       step as written (with the recommended options) deviceless for the target
       and keeps the one the analysis estimates faster, so the transform is never
       slower than the flags alone by that estimate; "rewrite" always rewrites.
+    schedule_from_estimates: with ``select="cost_model"``, also compile the two
+      fastest variants with a latency profile written from their analysis
+      (``jax_overlap.latency_profile``), so XLA's latency-hiding scheduler
+      places collectives by the cost model's kernel and collective times
+      instead of its own estimates, and keep whichever is estimated faster.
+      The profile file lives in the jax_overlap cache directory. Skipped when
+      ``xla_options`` already names a profile (e.g. one measured on GPUs).
     **jit_kwargs: passed to ``jax.jit`` (e.g. ``donate_argnums``).
 
   Returns:
@@ -1006,6 +1036,10 @@ def overlap(
   flags_lib._check_workload(workload)
   if "compiler_options" in jit_kwargs:
     raise ValueError("overlap: pass XLA options as xla_options=, not compiler_options=")
+  if not isinstance(schedule_from_estimates, bool):
+    raise TypeError(
+        f"overlap: schedule_from_estimates must be True or False, got {schedule_from_estimates!r}"
+    )
   if annotate not in (True, False, "auto"):
     raise ValueError(f"overlap: annotate must be True, False or 'auto', got {annotate!r}")
 
@@ -1016,6 +1050,7 @@ def overlap(
         f, mesh=mesh, target=target, prefetch=prefetch, reduce_scatter=reduce_scatter,
         collective_matmul=collective_matmul, annotate=annotate, xla_options=xla_options,
         workload=workload, select=select, jit_kwargs=jit_kwargs,
+        schedule_from_estimates=schedule_from_estimates,
     )
 
   return wrap if fn is None else wrap(fn)

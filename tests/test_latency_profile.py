@@ -1,0 +1,45 @@
+"""Latency profiles written from the analysis and read back by XLA's scheduler."""
+
+import os
+import re
+
+import jax_overlap
+from jax_overlap.examples import shard_map_fsdp as S
+
+
+def _report(**xla_options):
+  fn, args = S.build("h100x8", layers=2, hidden=256, mlp=512, heads=4, seq=64, form="scan_layers")
+  opts = {**jax_overlap.flags.as_compiler_options("h100x8", "fsdp"), **xla_options}
+  return fn, args, opts, jax_overlap.analyze(fn, *args, target="h100x8", xla_options=opts)
+
+
+def test_profile_names_every_instruction_once_with_the_analysis_costs(tmp_path):
+  fn, args, opts, report = _report()
+  text = jax_overlap.latency_profile.profile_text(report)
+  entries = re.findall(r'costs \{ name: "([^"]+)" cost_us: ([0-9.]+) \}', text)
+  names = [n for n, _ in entries]
+  assert len(names) == len(set(names)) == len(text.strip().splitlines())
+  # Loop iterations (name@i) collapse to the instruction's name.
+  assert not any("@" in n for n in names)
+  expected = {k.name.split("@")[0]: k.time_s for k in [*report.kernels, *report.collectives]}
+  assert set(names) == set(expected)
+  for n, us in entries:
+    assert abs(float(us) - expected[n] * 1e6) <= 1e-3
+  path = jax_overlap.latency_profile.write_profile(report, str(tmp_path))
+  assert os.path.dirname(path) == str(tmp_path)
+  assert open(path).read() == text
+  # Named by content: the same report gives the same file.
+  assert jax_overlap.latency_profile.write_profile(report, str(tmp_path)) == path
+
+
+def test_xla_recompiles_with_the_profile_and_keeps_the_names(tmp_path):
+  fn, args, opts, report = _report()
+  path = jax_overlap.latency_profile.write_profile(report, str(tmp_path))
+  again = jax_overlap.analyze(
+      fn, *args, target="h100x8", xla_options={**opts, jax_overlap.latency_profile.OPTION: path}
+  )
+  assert again.xla_options[jax_overlap.latency_profile.OPTION] == path
+  names = {k.name.split("@")[0] for k in [*again.kernels, *again.collectives]}
+  profiled = set(re.findall(r'name: "([^"]+)"', open(path).read()))
+  # The recompile has the instructions the profile names, so XLA uses every cost.
+  assert names == profiled
