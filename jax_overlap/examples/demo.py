@@ -142,9 +142,10 @@ def main(argv) -> None:
   chosen = ov_gpu.explain(*args)
   if chosen.candidates:
     print("\n@overlap's variants, estimated by the cost model:")
+    width = max(len(name) for name, _ in chosen.candidates)
     for name, t_ in chosen.candidates:
       est = f"{t_ * 1e3:8.3f} ms" if t_ != float("inf") else "did not compile (see explain())"
-      print(f"  {'*' if name == chosen.chosen else ' '} {name:62s} {est}")
+      print(f"  {'*' if name == chosen.chosen else ' '} {name:{width}s} {est}")
 
   # ------------------------------------------------------------ 3. tuner
   tune_summary = {}
