@@ -37,6 +37,7 @@ import threading
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
+from jax_overlap._src import cache as cache_lib
 from jax_overlap._src import targets as targets_lib
 from jax_overlap._src.errors import ConfigError
 
@@ -597,10 +598,7 @@ _probe_cache: dict[str, str | None] = {}
 
 
 def _cache_path() -> str:
-  root = os.environ.get("JAX_OVERLAP_CACHE_DIR") or os.path.join(
-      os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jax_overlap"
-  )
-  return os.path.join(root, f"xla_options-jaxlib-{_jaxlib_version()}.json")
+  return os.path.join(cache_lib.cache_dir(), f"xla_options-jaxlib-{_jaxlib_version()}.json")
 
 
 def _load_disk_cache() -> None:

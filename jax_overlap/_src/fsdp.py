@@ -534,7 +534,7 @@ def _not_differentiable(e: Exception) -> TypeError:
 def _scan_layers_local(layer_fn, stacked, carry, cfg: _Config):
   num_layers = int(jax.tree.leaves(stacked)[0].shape[0])
   dims, axis, k = cfg.dims, cfg.axis, cfg.prefetch
-  gather = functools.partial(_gather_with, dims=dims, axis=axis)
+  gather = functools.partial(_gather, dims=dims, axis=axis)
 
   # Hoist traced values that layer_fn closes over into explicit inputs, so the
   # custom_vjp can return their cotangents.
@@ -546,12 +546,16 @@ def _scan_layers_local(layer_fn, stacked, carry, cfg: _Config):
     raise TypeError(f"{_API}: tracing layer_fn(params, carry) failed: {e}") from e
   except ValueError as e:
     raise ValueError(f"{_API}: tracing layer_fn(params, carry) failed: {e}") from e
-  _check_layer_out(fn, example_params, carry, consts)
+  # One trace of the converted layer: its output types and its jaxpr.
+  layer_jaxpr, layer_out = jax.make_jaxpr(lambda p, c, cs: fn(p, c, *cs), return_shape=True)(
+    example_params, carry, consts
+  )
+  _check_layer_out(layer_out, carry)
   # The last layer's reduce-scatters (nothing left to hide under but that
   # layer's own backward) go one by one, in the order the backward pass
   # produces their inputs (the reverse of the order layer_fn uses the params),
   # so the first ones overlap the rest of the layer's backward.
-  order = _use_order(fn, example_params, carry, consts)
+  order = _use_order(layer_jaxpr, len(jax.tree.leaves(example_params)))
 
   def scatter_last(tree):
     return _one_by_one(
@@ -563,7 +567,7 @@ def _scan_layers_local(layer_fn, stacked, carry, cfg: _Config):
 
   # Replicated leaves: their per-layer cotangent all-reduce (inserted by
   # autodiff, one per layer) becomes one all-reduce after the loop.
-  deferred = _defer_replicated(layer_fn, fn, example_params, stacked, carry, consts, cfg)
+  deferred = _defer_replicated(layer_fn, layer_out, example_params, stacked, carry, consts, cfg)
   if deferred is not None:
     fn_b, vary, reduce = deferred
 
@@ -673,7 +677,7 @@ def _pcast_varying():
   return None if pvary is None else (lambda x, axes: pvary(x, axes))
 
 
-def _defer_replicated(layer_fn, fn, example_params, stacked, carry, consts, cfg: _Config):
+def _defer_replicated(layer_fn, layer_out, example_params, stacked, carry, consts, cfg: _Config):
   """Plans one all-reduce after the loop for the cotangents of replicated leaves.
 
   A leaf that is not gathered (``gather_dim`` None) and does not vary over
@@ -689,7 +693,8 @@ def _defer_replicated(layer_fn, fn, example_params, stacked, carry, consts, cfg:
   more than once). Checked by types: re-traced with the leaf varying,
   ``layer_fn``'s outputs must vary over exactly the axes they did before.
 
-  Returns ``(fn_b, vary, reduce)`` or None (leave the per-layer reductions):
+  ``layer_out`` are the output types of ``layer_fn`` as traced for the
+  forward pass. Returns ``(fn_b, vary, reduce)`` or None (leave the per-layer reductions):
   with ``remat_policy`` (its residuals are typed by the forward), under
   ``shard_map(check_vma=False)`` or where the types cannot be read.
   """
@@ -727,17 +732,12 @@ def _defer_replicated(layer_fn, fn, example_params, stacked, carry, consts, cfg:
     fn_b, consts_b = jax.closure_convert(layer_fn, jax.eval_shape(vary, example_params), carry)
     if len(consts_b) != len(consts) or any(a is not b for a, b in zip(consts_b, consts)):
       return None
-    before = jax.eval_shape(lambda p, c: fn(p, c, *consts), example_params, carry)
     after = jax.eval_shape(lambda p, c: fn_b(vary(p), c, *consts), example_params, carry)
   except Exception:  # noqa: BLE001 - any failure keeps the per-layer reductions
     return None
-  if [_varying(x) for x in jax.tree.leaves(before)] != [_varying(x) for x in jax.tree.leaves(after)]:
+  if [_varying(x) for x in jax.tree.leaves(layer_out)] != [_varying(x) for x in jax.tree.leaves(after)]:
     return None
   return fn_b, vary, reduce
-
-
-def _gather_with(tree, stacked, *, dims, axis):
-  return _gather(tree, dims, axis, stacked=stacked)
 
 
 def _one_by_one(op, tree, dims, order):
@@ -770,14 +770,12 @@ def _varying(x):
   return None if vma is None else frozenset(vma)
 
 
-def _use_order(fn, params, carry, consts) -> list[int]:
-  """Leaf indices of ``params`` in the order ``fn`` first uses them.
+def _use_order(closed, n: int) -> list[int]:
+  """Indices of the first ``n`` inputs of ``closed`` in the order it first uses them.
 
   Uses inside nested calls (jit, checkpoint, custom derivatives) count where
   the nested computation uses them.
   """
-  closed = jax.make_jaxpr(lambda p, c, cs: fn(p, c, *cs))(params, carry, consts)
-  n = len(jax.tree.leaves(params))
   never = (float("inf"),)
 
   def first_uses(jaxpr, invars) -> dict:
@@ -800,8 +798,8 @@ def _use_order(fn, params, carry, consts) -> list[int]:
   return sorted(range(n), key=lambda i: (pos[invars[i]], i))
 
 
-def _check_layer_out(fn, params, carry, consts):
-  out = jax.eval_shape(lambda p, c, cs: fn(p, c, *cs), params, carry, consts)
+def _check_layer_out(out, carry):
+  """``out``: the output shapes of one layer (``jax.make_jaxpr(..., return_shape=True)``)."""
   if not (isinstance(out, tuple) and len(out) == 2):
     raise TypeError(
       f"{_API}: layer_fn must return a pair (carry, y), got {jax.tree.structure(out)}"

@@ -19,6 +19,7 @@ import hashlib
 import os
 import tempfile
 
+from jax_overlap._src import cache as cache_lib
 from jax_overlap._src import report as report_lib
 
 __all__ = ["OPTION", "profile_text", "write_profile"]
@@ -43,10 +44,7 @@ def profile_text(report: report_lib.Report) -> str:
 
 
 def _directory() -> str:
-  root = os.environ.get("JAX_OVERLAP_CACHE_DIR") or os.path.join(
-      os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jax_overlap"
-  )
-  return os.path.join(root, "latency_profiles")
+  return os.path.join(cache_lib.cache_dir(), "latency_profiles")
 
 
 def write_profile(report: report_lib.Report, directory: str | None = None) -> str:

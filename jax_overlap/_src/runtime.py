@@ -24,6 +24,7 @@ import threading
 from typing import Any
 
 from jax_overlap import _lib
+from jax_overlap._src import cache as cache_lib
 from jax_overlap._src.plan import Plan
 
 __all__ = [
@@ -160,11 +161,7 @@ def _fingerprint(name: str) -> str:
 
 
 def _cache_dir() -> pathlib.Path:
-  base = os.environ.get("JAX_OVERLAP_CACHE_DIR")
-  if base:
-    return pathlib.Path(base)
-  xdg = os.environ.get("XDG_CACHE_HOME")
-  return pathlib.Path(xdg or pathlib.Path.home() / ".cache") / "jax_overlap"
+  return pathlib.Path(cache_lib.cache_dir())
 
 
 def _fresh(lib: pathlib.Path, name: str) -> bool:

@@ -606,23 +606,12 @@ def _constrain(outs, shardings):
 
 
 def _has_collectives(eqn) -> bool:
-  from jax._src import core
-
-  def visit(j) -> bool:
-    for e in j.eqns:
-      if e.primitive.name in _COLLECTIVES or e.primitive.name == "shard_map":
-        return True
-      for p in e.params.values():
-        sub = p.jaxpr if isinstance(p, core.ClosedJaxpr) else p
-        if isinstance(sub, core.Jaxpr) and visit(sub):
-          return True
-    return False
-
-  for p in eqn.params.values():
-    sub = p.jaxpr if isinstance(p, core.ClosedJaxpr) else p
-    if isinstance(sub, core.Jaxpr) and visit(sub):
-      return True
-  return False
+  """Whether a sub-jaxpr of ``eqn`` (recursively) holds a collective or a shard_map."""
+  return any(
+      e.primitive.name in _COLLECTIVES or e.primitive.name == "shard_map" or _has_collectives(e)
+      for sub in _subjaxprs(eqn)
+      for e in sub.eqns
+  )
 
 
 def _collect(jaxpr, cfg: _Config, actions, stats, counter) -> None:
