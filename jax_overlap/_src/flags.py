@@ -190,6 +190,17 @@ _ENTRIES: tuple[Flag, ...] = (
         "Only combine reduce-scatters that scatter along the same dimension.",
         default=True,
     ),
+    _f(
+        "xla_gpu_dot_merger_threshold_mb",
+        "xla",
+        "int",
+        "Merge dots that share an operand (e.g. the Q, K and V projections) into one, up to this "
+        "many MB; 0 turns merging off.",
+        default=32,
+        why="Not set by the recipes. @overlap tries 0 in its variant that gathers the first "
+        "layer's weights one by one: a merged dot waits for all of its weights and copies them "
+        "into one buffer.",
+    ),
     # --- loop pipelining ----------------------------------------------------------------
     _f(
         "xla_gpu_enable_pipelined_all_gather",

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import heapq
 import math
 from collections.abc import Callable
 from typing import Any
@@ -64,6 +65,9 @@ _LOOP_PIPELINER = (
     "xla_gpu_enable_pipelined_reduce_scatter",
     "xla_gpu_enable_pipelined_all_reduce",
 )
+_DOT_MERGER = ("xla_gpu_dot_merger_threshold_mb",)
+# Latency-profiled recompiles tried per step (the fastest variants by estimate).
+_PROFILED_VARIANTS = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,13 +337,22 @@ def _plan_body(
   if chain:
     pos = {i: p for p, i in enumerate(order)}
     if groups:
-      first = sorted(groups[0], key=lambda i: pos[i])
+      # In order of first use: the first matmul each gathered tensor reaches.
+      first_use = [float("inf")] * n
+      for i in range(n - 1, -1, -1):
+        if eqns[i].primitive.name in _MATMUL:
+          first_use[i] = i
+        for d in deps[i]:
+          first_use[d] = min(first_use[d], first_use[i])
+      first = sorted(groups[0], key=lambda i: (first_use[i], pos[i]))
       for a_, b_ in zip(first, first[1:]):
         chain_prev[b_] = a_
     if reduce_scatter == "per_layer":
       rs = sorted((i for i, e in enumerate(eqns) if e.primitive.name == _SCATTER), key=lambda i: pos[i])
       for a_, b_ in zip(rs, rs[1:]):
         chain_prev[b_] = a_
+    if any(pos[a_] > pos[b_] for b_, a_ in chain_prev.items()):
+      order = _topological(order, deps, chain_prev)
     if chain_prev:
       actions.append(
           Action(
@@ -366,6 +379,44 @@ def _plan_body(
       max(single_gather, nested.gather_bytes), max(scatter_out, nested.scatter_out_bytes),
       max(axis_size, nested.axis_size), chain_prev, fused, frozenset(skipped), nested.loops,
   )
+
+
+def _pipeliner_off(options: dict[str, Any]) -> dict[str, Any]:
+  """Options that turn off the loop pipeliner ``options`` turn on, in either spelling."""
+  off: dict[str, Any] = {}
+  for k in _LOOP_PIPELINER:
+    if options.get(k) is True:
+      off[k] = False
+    new = flags_lib.REGISTRY[k].replacement
+    if new and options.get(new) not in (None, False, "off"):
+      off[new] = "off"
+  return off
+
+
+def _topological(order: list[int], deps: list[list[int]], extra: dict[int, int]) -> list[int]:
+  """``order`` changed as little as possible so that also ``extra[b]`` comes before ``b``."""
+  rank = {i: p for p, i in enumerate(order)}
+  preds = [set(d) for d in deps]
+  for b, a in extra.items():
+    preds[b].add(a)
+  succs: list[list[int]] = [[] for _ in deps]
+  for i, ps in enumerate(preds):
+    for d in ps:
+      succs[d].append(i)
+  waiting = [len(ps) for ps in preds]
+  ready = [(rank[i], i) for i in range(len(deps)) if not waiting[i]]
+  heapq.heapify(ready)
+  out = []
+  while ready:
+    _, i = heapq.heappop(ready)
+    out.append(i)
+    for j in succs[i]:
+      waiting[j] -= 1
+      if not waiting[j]:
+        heapq.heappush(ready, (rank[j], j))
+  if len(out) != len(deps):
+    raise AssertionError("a cycle in the issue order")  # the chain only links independent gathers
+  return out
 
 
 @dataclasses.dataclass
@@ -857,11 +908,14 @@ class Overlapped:
            {**per_layer, "xla_gpu_experimental_parallel_collective_overlap_limit": 2,
             **self.extra_options})
       )
+      # Merged dots wait for all of their weights: with the first layer's gathers
+      # issued one by one, its first matmul should start on the first tensor.
+      unmerged = {k: 0 for k in _DOT_MERGER if flags_lib.accepted_by_jaxlib(k, 0)}
       out.append(
           ("rewritten, first layer and reduce-scatters issued one by one",
-           dataclasses.replace(cfg, chain=True), {**per_layer, **self.extra_options})
+           dataclasses.replace(cfg, chain=True), {**per_layer, **unmerged, **self.extra_options})
       )
-      pipeliner = {k: False for k in _LOOP_PIPELINER if base.get(k)}
+      pipeliner = _pipeliner_off(base)
       if stats.get("loops") and pipeliner:
         # Loops that pipeline their own collectives (scan_layers) gain nothing from
         # XLA's pipeliner, which moves the first gather and the last reduce-scatter
@@ -903,11 +957,15 @@ class Overlapped:
         self._failed.append(f"{name}: {str(e).splitlines()[0][:200]}")
         times.append(float("inf"))
         reports.append(None)
-    # The two fastest again, scheduled by XLA from the analysis' own costs (a
+    # The fastest few again, scheduled by XLA from the analysis' own costs (a
     # latency profile) instead of XLA's estimates, unless the user gave a profile.
+    # A schedule can at best hide all of a variant's exposed communication, so one
+    # whose compute alone takes longer than the best step so far is not tried.
     finite = [i for i in range(len(times)) if times[i] < float("inf")]
     if self.schedule_from_estimates and latency_profile.OPTION not in self.extra_options:
-      for i in sorted(finite, key=lambda i: (times[i], i))[:2]:
+      for i in sorted(finite, key=lambda i: (times[i], i))[:_PROFILED_VARIANTS]:
+        if reports[i].compute_time_s >= min(times):
+          continue
         name, cfg_c, options = candidates[i]
         label = f"{name}, scheduled by the cost model's estimates"
         try:
@@ -991,8 +1049,9 @@ def overlap(
       step as written (with the recommended options) deviceless for the target
       and keeps the one the analysis estimates faster, so the transform is never
       slower than the flags alone by that estimate; "rewrite" always rewrites.
-    schedule_from_estimates: with ``select="cost_model"``, also compile the two
-      fastest variants with a latency profile written from their analysis
+    schedule_from_estimates: with ``select="cost_model"``, also compile the three
+      fastest variants (those whose compute alone is shorter than the best step
+      so far) with a latency profile written from their analysis
       (``jax_overlap.latency_profile``), so XLA's latency-hiding scheduler
       places collectives by the cost model's kernel and collective times
       instead of its own estimates, and keep whichever is estimated faster.
