@@ -912,7 +912,8 @@ class Overlapped:
       # issued one by one, its first matmul should start on the first tensor.
       unmerged = {k: 0 for k in _DOT_MERGER if flags_lib.accepted_by_jaxlib(k, 0)}
       out.append(
-          ("rewritten, first layer and reduce-scatters issued one by one",
+          ("rewritten, first layer and reduce-scatters issued one by one"
+           + (", XLA's dot merger off" if unmerged else ""),
            dataclasses.replace(cfg, chain=True), {**per_layer, **unmerged, **self.extra_options})
       )
       pipeliner = _pipeliner_off(base)
