@@ -40,6 +40,7 @@ import dataclasses
 import functools
 import heapq
 import math
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -48,7 +49,7 @@ import numpy as np
 from jax.experimental.xla_metadata import set_xla_metadata
 
 from jax_overlap._src import flags as flags_lib
-from jax_overlap._src import latency_profile
+from jax_overlap._src import latency_profile, selection_cache
 from jax_overlap._src import targets as targets_lib
 from jax_overlap._src.fsdp import _varying
 
@@ -68,6 +69,7 @@ _LOOP_PIPELINER = (
 _DOT_MERGER = ("xla_gpu_dot_merger_threshold_mb",)
 # Latency-profiled recompiles tried per step (the fastest variants by estimate).
 _PROFILED_VARIANTS = 3
+_PROFILED_SUFFIX = ", scheduled by the cost model's estimates"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -801,8 +803,9 @@ class Overlapped:
   """
 
   def __init__(self, fn, *, mesh, target, prefetch, reduce_scatter, collective_matmul, annotate,
-               xla_options, workload, select, jit_kwargs, schedule_from_estimates=True):
+               xla_options, workload, select, jit_kwargs, schedule_from_estimates=True, cache=True):
     self.select = select
+    self.cache = cache
     self.schedule_from_estimates = schedule_from_estimates
     self.fn = fn
     self.mesh = mesh
@@ -860,13 +863,27 @@ class Overlapped:
     chosen = 0
     estimates: list[tuple[str, float]] = []
     if len(candidates) > 1:
-      chosen, estimates = self._select(candidates, make, args, kwargs)
+      entry_key = None
+      if self.cache:
+        entry_key = selection_cache.key(str(closed), key, self._settings(annotate))
+      remembered = self._recall(entry_key, candidates) if entry_key else None
+      if remembered is not None:
+        chosen, estimates, failed = remembered
+      else:
+        self._failed = []
+        chosen, estimates = self._select(candidates, make, args, kwargs)
+        failed = list(self._failed)
+        if entry_key:
+          self._remember(entry_key, candidates, chosen, estimates, failed)
       table = [
-          f"{n} {t * 1e3:.3f} ms" + (" (chosen)" if i == chosen else "")
-          for i, (n, t) in enumerate(estimates)
+          f"{n} {t * 1e3:.3f} ms" + (" (chosen)" if n == candidates[chosen][0] else "")
+          for n, t in estimates
       ]
       notes.append(f"chosen by the cost model on {self.target}: " + "; ".join(table))
-      notes.extend(f"variant not compiled: {f}" for f in self._failed)
+      if remembered is not None:
+        notes.append("choice remembered from an earlier run with the same program, arguments "
+                     "and settings (jax_overlap cache directory; cache=False chooses again)")
+      notes.extend(f"variant not compiled: {f}" for f in failed)
     name, cfg_c, options = candidates[chosen]
     if cfg_c != cfg:
       actions = [a for a in actions if a.kind == "left_alone"]
@@ -941,6 +958,48 @@ class Overlapped:
       )
     return out
 
+  def _settings(self, annotate: bool) -> dict[str, Any]:
+    return {
+        "target": self.target, "workload": self.workload, "prefetch": self.prefetch,
+        "reduce_scatter": self.reduce_scatter, "collective_matmul": self.collective_matmul,
+        "annotate": annotate, "select": self.select,
+        "schedule_from_estimates": self.schedule_from_estimates,
+        "xla_options": self.extra_options, "jit_kwargs": sorted(self.jit_kwargs),
+    }
+
+  def _recall(self, entry_key: str, candidates) -> tuple[int, list[tuple[str, float]], list[str]] | None:
+    """The remembered choice, added to ``candidates``; None if there is none to use."""
+    entry = selection_cache.load(entry_key)
+    if entry is None:
+      return None
+    names = [c[0] for c in candidates]
+    if entry["base"] not in names:
+      return None
+    options = entry["options"]
+    profile = options.get(latency_profile.OPTION)
+    if profile is not None and not os.path.exists(str(profile)):
+      return None  # the profile file it was scheduled with is gone
+    cfg = candidates[names.index(entry["base"])][1]
+    if entry["chosen"] in names:
+      chosen = names.index(entry["chosen"])
+      candidates[chosen] = (entry["chosen"], cfg, options)
+    else:
+      candidates.append((entry["chosen"], cfg, options))
+      chosen = len(candidates) - 1
+    try:
+      estimates = [(str(n), float(t)) for n, t in entry["estimates"]]
+    except (TypeError, ValueError):
+      return None
+    return chosen, estimates, [str(f) for f in entry["failed"]]
+
+  def _remember(self, entry_key: str, candidates, chosen: int, estimates, failed) -> None:
+    name, _, options = candidates[chosen]
+    base = name[: -len(_PROFILED_SUFFIX)] if name.endswith(_PROFILED_SUFFIX) else name
+    selection_cache.store(entry_key, {
+        "chosen": name, "base": base, "options": options,
+        "estimates": [[n, t] for n, t in estimates], "failed": failed,
+    })
+
   def _select(self, candidates, make, args, kwargs) -> tuple[int, list[tuple[str, float]]]:
     from jax_overlap._src import analysis
 
@@ -968,7 +1027,7 @@ class Overlapped:
         if reports[i].compute_time_s >= min(times):
           continue
         name, cfg_c, options = candidates[i]
-        label = f"{name}, scheduled by the cost model's estimates"
+        label = name + _PROFILED_SUFFIX
         try:
           profiled = {**options, latency_profile.OPTION: latency_profile.write_profile(reports[i])}
           report = analysis.analyze(
@@ -1022,6 +1081,7 @@ def overlap(
     workload: str = "fsdp",
     select: str = "cost_model",
     schedule_from_estimates: bool = True,
+    cache: bool = True,
     **jit_kwargs,
 ):
   """Rewrites a sharded step so its collectives overlap compute.
@@ -1058,6 +1118,12 @@ def overlap(
       instead of its own estimates, and keep whichever is estimated faster.
       The profile file lives in the jax_overlap cache directory. Skipped when
       ``xla_options`` already names a profile (e.g. one measured on GPUs).
+    cache: remember the cost model's choice on disk (``selection/`` in the
+      jax_overlap cache directory, ``$JAX_OVERLAP_CACHE_DIR`` or
+      ``~/.cache/jax_overlap``), keyed by the traced program, the arguments'
+      shapes, dtypes and shardings, the target, these settings, jax/jaxlib and
+      jax_overlap's code, so a restarted job skips the deviceless compiles.
+      Every variant computes the same values; only the choice is reused.
     **jit_kwargs: passed to ``jax.jit`` (e.g. ``donate_argnums``).
 
   Returns:
@@ -1085,6 +1151,8 @@ def overlap(
   flags_lib._check_workload(workload)
   if "compiler_options" in jit_kwargs:
     raise ValueError("overlap: pass XLA options as xla_options=, not compiler_options=")
+  if not isinstance(cache, bool):
+    raise TypeError(f"overlap: cache must be True or False, got {cache!r}")
   if not isinstance(schedule_from_estimates, bool):
     raise TypeError(
         f"overlap: schedule_from_estimates must be True or False, got {schedule_from_estimates!r}"
@@ -1099,7 +1167,7 @@ def overlap(
         f, mesh=mesh, target=target, prefetch=prefetch, reduce_scatter=reduce_scatter,
         collective_matmul=collective_matmul, annotate=annotate, xla_options=xla_options,
         workload=workload, select=select, jit_kwargs=jit_kwargs,
-        schedule_from_estimates=schedule_from_estimates,
+        schedule_from_estimates=schedule_from_estimates, cache=cache,
     )
 
   return wrap if fn is None else wrap(fn)

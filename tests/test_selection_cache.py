@@ -1,0 +1,110 @@
+"""@overlap remembers its choice of variant on disk, so a restarted job skips the compiles."""
+
+import json
+import os
+
+import pytest
+
+import jax_overlap
+from jax_overlap._src import analysis, latency_profile, selection_cache
+from jax_overlap.examples import shard_map_fsdp as S
+
+
+def _no_compiles(*args, **kwargs):
+  raise AssertionError("compiled although the choice was remembered")
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+  monkeypatch.setenv("JAX_OVERLAP_CACHE_DIR", str(tmp_path))
+  return tmp_path
+
+
+@pytest.fixture(scope="module")
+def program():
+  return S.build("h100x8", layers=2, hidden=256, mlp=512, heads=4, seq=64)
+
+
+def test_choice_remembered_by_a_new_decorator(cache_dir, program, monkeypatch):
+  fn, args = program
+  first = jax_overlap.overlap(fn, target="h100x8").explain(*args)
+  assert not any("remembered" in n for n in first.notes)
+  entries = list((cache_dir / "selection").glob("*.json"))
+  assert len(entries) == 1
+  stored = json.loads(entries[0].read_text())
+  assert stored["chosen"] == first.chosen
+
+  monkeypatch.setattr(analysis, "analyze", _no_compiles)
+  again = jax_overlap.overlap(fn, target="h100x8")
+  e = again.explain(*args)
+  assert (e.chosen, e.candidates, e.xla_options) == (first.chosen, first.candidates, first.xla_options)
+  assert any("remembered" in n for n in e.notes)
+  # The remembered variant is the one compiled (the same options reach XLA).
+  assert again.lower(*args).compile() is not None
+
+  # Other settings, or no cache, choose again (here: try to compile, and fail).
+  with pytest.raises(AssertionError, match="compiled although"):
+    jax_overlap.overlap(fn, target="h100x8", prefetch=2).explain(*args)
+  with pytest.raises(AssertionError, match="compiled although"):
+    jax_overlap.overlap(fn, target="h100x8", cache=False).explain(*args)
+  with pytest.raises(TypeError, match="cache must be True or False"):
+    jax_overlap.overlap(fn, cache="yes")
+
+
+def test_unusable_entries_are_chosen_again(cache_dir, program):
+  fn, args = program
+  quick = dict(target="h100x8", schedule_from_estimates=False)
+  jax_overlap.overlap(fn, cache=False, **quick).explain(*args)
+  assert not (cache_dir / "selection").exists()  # cache=False writes nothing
+  ov = jax_overlap.overlap(fn, **quick)
+  first = ov.explain(*args)
+  (entry,) = (cache_dir / "selection").glob("*.json")
+  stored = json.loads(entry.read_text())
+  k = entry.stem
+  assert selection_cache.load(k) == stored
+  for bad in ("not json", json.dumps({"chosen": 3}), json.dumps([stored])):
+    entry.write_text(bad)
+    assert selection_cache.load(k) is None
+  # A variant the decorator no longer offers, or a latency profile file that is
+  # gone, is not used.
+  entry.write_text(json.dumps(stored))
+  offered = [(stored["base"], None, {})]
+  assert ov._recall(k, list(offered)) is not None
+  assert ov._recall(k, [("another variant", None, {})]) is None
+  profile = cache_dir / "profile.pbtxt"
+  profile.write_text("")
+  entry.write_text(json.dumps({**stored, "options": {latency_profile.OPTION: str(profile)}}))
+  assert ov._recall(k, list(offered)) is not None
+  profile.unlink()
+  assert ov._recall(k, list(offered)) is None
+  # End to end: a damaged entry is chosen again and written again.
+  entry.write_text("not json")
+  e = jax_overlap.overlap(fn, **quick).explain(*args)
+  assert not any("remembered" in n for n in e.notes)
+  assert e.chosen == first.chosen
+  assert json.loads(entry.read_text()) == stored
+
+
+def test_key_covers_program_signature_and_settings():
+  base = selection_cache.key("{ lambda ; a:f32[8]. let b = sin a in (b,) }", ("sig",), {"target": "h100x8"})
+  assert base == selection_cache.key(
+      "{ lambda ; a:f32[8]. let b = sin a in (b,) }", ("sig",), {"target": "h100x8"})
+  assert base != selection_cache.key("{ lambda ; a:f32[8]. let b = cos a in (b,) }", ("sig",),
+                                     {"target": "h100x8"})
+  assert base != selection_cache.key("{ lambda ; a:f32[8]. let b = sin a in (b,) }", ("other",),
+                                     {"target": "h100x8"})
+  assert base != selection_cache.key("{ lambda ; a:f32[8]. let b = sin a in (b,) }", ("sig",),
+                                     {"target": "a100x8"})
+  # Function addresses in printed custom_vjp parameters change between processes.
+  assert selection_cache.key("f=<function g at 0x7f00aa>", (), {}) == selection_cache.key(
+      "f=<function g at 0x7f11bb>", (), {})
+  assert selection_cache.key("x", (), {"opt": object()}) is None
+
+
+def test_unwritable_directory_remembers_nothing(tmp_path, monkeypatch):
+  blocker = tmp_path / "file"
+  blocker.write_text("")
+  monkeypatch.setenv("JAX_OVERLAP_CACHE_DIR", str(blocker))  # a file, not a directory
+  assert selection_cache.store("k", {"chosen": "x"}) is None
+  assert selection_cache.load("k") is None
+  assert os.path.isfile(blocker)
