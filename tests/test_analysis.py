@@ -290,3 +290,25 @@ def test_collective_brackets_and_while_bodies():
       jnp.ones((3, 64, 64)), jnp.ones((8, 64)), target=None,
   )
   assert len(schedule.while_bodies(hlo.parse_module(scanned.hlo_text))) == 1
+
+
+def test_deviceless_gemm_tiling_failure_falls_back_to_cublas():
+  # The small GPT's 8 x 63 token rows: XLA's Triton GEMM emitter, with no GPU to
+  # autotune on, finds no tile sizes for some dots.
+  from jax_overlap.examples import gpt
+
+  fn, args = gpt.build("h100x8")
+  try:
+    jax_overlap.analyze(fn, *args, target="h100x8", xla_options={"xla_gpu_enable_triton_gemm": True})
+  except RuntimeError as e:
+    # A choice the user made is kept; the failure names XLA's reason.
+    assert "Couldn't find output tile sizes" in str(e)
+  else:
+    pytest.skip("this XLA finds tile sizes for these dots")
+  report = jax_overlap.analyze(fn, *args, target="h100x8")
+  assert any("Triton GEMM emitter found no tile sizes" in n for n in report.notes)
+  assert report.xla_options["xla_gpu_enable_triton_gemm"] is False
+  assert report.kernels and report.step_time_s > 0
+  # The transform's variants compile through the same path.
+  e = jax_overlap.overlap(fn, target="h100x8", schedule_from_estimates=False, cache=False).explain(*args)
+  assert all(t < float("inf") for _, t in e.candidates)

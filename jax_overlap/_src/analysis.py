@@ -107,16 +107,18 @@ def analyze_compiled(
       }
   except Exception:  # noqa: BLE001 - not every backend implements it
     memory = {}
-  return analyze_hlo(
+  report = analyze_hlo(
       step.hlo_text,
       step.thunk_text,
       target=step.target,
       name=name,
       cost_model=cost_model,
       memory=memory,
-      xla_options=xla_options or {},
+      xla_options={**(xla_options or {}), **step.fallback_options},
       compile_time_s=step.compile_time_s,
   )
+  report.notes.extend(step.notes)
+  return report
 
 
 def analyze_hlo(

@@ -46,6 +46,8 @@ class CompiledStep:
     debug_options: the non-default debug options the compile saw.
     mesh: the mesh the program was compiled on.
     dump_dir: where the artefacts were written (removed unless ``keep_dump``).
+    notes: what was changed to make the compile succeed (e.g. a fallback option).
+    fallback_options: XLA options added for that, on top of the requested ones.
   """
 
   compiled: Any
@@ -57,6 +59,23 @@ class CompiledStep:
   mesh: Mesh | None
   dump_dir: str | None
   compile_time_s: float = 0.0
+  notes: list[str] = dataclasses.field(default_factory=list)
+  fallback_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+# XLA's Triton GEMM emitter, without a GPU to autotune on, can fail to find
+# tile sizes for dots whose dimensions have odd factors (e.g. 8 x 63 rows).
+_TILING_ERROR = "Couldn't find output tile sizes"
+_TILING_FALLBACK = {"xla_gpu_enable_triton_gemm": False}
+
+
+def _fallback_for(error: Exception, topo, options: Mapping[str, Any]) -> dict[str, Any] | None:
+  """Options that avoid a known deviceless compile failure, or None."""
+  if topo is None or _TILING_ERROR not in str(error):
+    return None
+  if any(k in options for k in _TILING_FALLBACK):
+    return None  # the user chose; do not override
+  return dict(_TILING_FALLBACK)
 
 
 def _read(pattern: str, prefer: str | None = None) -> str:
@@ -269,9 +288,27 @@ def compile_for_target(
       lower_kwargs = jax.tree.map(lambda x: _retarget_arg(x, tmesh), kwargs)
       target_fn = _retargeted(fn, tmesh, args, kwargs)
     t0 = time.perf_counter()
+    notes: list[str] = []
+    fallback: dict[str, Any] = {}
     try:
       lowered = target_fn.lower(*lower_args, **lower_kwargs)
-      compiled = lowered.compile(options)
+      try:
+        compiled = lowered.compile(options)
+      except ValueError:
+        raise
+      except Exception as first:  # noqa: BLE001 - XLA raises JaxRuntimeError and others
+        fallback = _fallback_for(first, topo, options) or {}
+        if not fallback:
+          raise
+        try:
+          compiled = lowered.compile({**options, **fallback})
+        except Exception:  # noqa: BLE001
+          raise first from None
+        notes.append(
+            "XLA's Triton GEMM emitter found no tile sizes for a dot in this deviceless compile; "
+            "compiled with " + ", ".join(f"{k}={v}" for k, v in fallback.items())
+            + " (GEMMs are cuBLAS calls in this report)"
+        )
     except ValueError:
       raise
     except Exception as e:  # noqa: BLE001 - XLA raises JaxRuntimeError and others
@@ -295,6 +332,8 @@ def compile_for_target(
         mesh=tmesh,
         dump_dir=dump_dir if keep_dump or not own_dir else None,
         compile_time_s=compile_time,
+        notes=notes,
+        fallback_options=fallback,
     )
   finally:
     if own_dir and not keep_dump:
