@@ -3,18 +3,22 @@
 import os
 import re
 
+import pytest
+
 import jax_overlap
 from jax_overlap.examples import shard_map_fsdp as S
 
 
-def _report(**xla_options):
+@pytest.fixture(scope="module")
+def analysed():
+  """One compile of a small scan_layers step, shared by the tests."""
   fn, args = S.build("h100x8", layers=2, hidden=256, mlp=512, heads=4, seq=64, form="scan_layers")
-  opts = {**jax_overlap.flags.as_compiler_options("h100x8", "fsdp"), **xla_options}
+  opts = jax_overlap.flags.as_compiler_options("h100x8", "fsdp")
   return fn, args, opts, jax_overlap.analyze(fn, *args, target="h100x8", xla_options=opts)
 
 
-def test_profile_names_every_instruction_once_with_the_analysis_costs(tmp_path):
-  fn, args, opts, report = _report()
+def test_profile_names_every_instruction_once_with_the_analysis_costs(tmp_path, analysed):
+  fn, args, opts, report = analysed
   text = jax_overlap.latency_profile.profile_text(report)
   entries = re.findall(r'costs \{ name: "([^"]+)" cost_us: ([0-9.]+) \}', text)
   names = [n for n, _ in entries]
@@ -32,8 +36,8 @@ def test_profile_names_every_instruction_once_with_the_analysis_costs(tmp_path):
   assert jax_overlap.latency_profile.write_profile(report, str(tmp_path)) == path
 
 
-def test_xla_recompiles_with_the_profile_and_keeps_the_names(tmp_path):
-  fn, args, opts, report = _report()
+def test_xla_recompiles_with_the_profile_and_keeps_the_names(tmp_path, analysed):
+  fn, args, opts, report = analysed
   path = jax_overlap.latency_profile.write_profile(report, str(tmp_path))
   again = jax_overlap.analyze(
       fn, *args, target="h100x8", xla_options={**opts, jax_overlap.latency_profile.OPTION: path}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 
 def cache_dir() -> str:
@@ -11,3 +12,23 @@ def cache_dir() -> str:
   if base:
     return base
   return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jax_overlap")
+
+
+def write_text(path: str, text: str) -> None:
+  """Writes ``text`` to ``path`` atomically (a temporary file renamed over it).
+
+  Concurrent writers leave one complete file; the parent directory is created.
+
+  Raises:
+    OSError: if the directory or file cannot be written.
+  """
+  directory = os.path.dirname(path) or "."
+  os.makedirs(directory, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
+  try:
+    with os.fdopen(fd, "w") as f:
+      f.write(text)
+    os.replace(tmp, path)
+  finally:
+    if os.path.exists(tmp):
+      os.unlink(tmp)

@@ -289,16 +289,14 @@ def compile_for_target(
       target_fn = _retargeted(fn, tmesh, args, kwargs)
     t0 = time.perf_counter()
     notes: list[str] = []
-    fallback: dict[str, Any] = {}
+    fallback: dict[str, Any] | None = None
     try:
       lowered = target_fn.lower(*lower_args, **lower_kwargs)
       try:
         compiled = lowered.compile(options)
-      except ValueError:
-        raise
       except Exception as first:  # noqa: BLE001 - XLA raises JaxRuntimeError and others
-        fallback = _fallback_for(first, topo, options) or {}
-        if not fallback:
+        fallback = _fallback_for(first, topo, options)
+        if fallback is None:
           raise
         try:
           compiled = lowered.compile({**options, **fallback})
@@ -333,7 +331,7 @@ def compile_for_target(
         dump_dir=dump_dir if keep_dump or not own_dir else None,
         compile_time_s=compile_time,
         notes=notes,
-        fallback_options=fallback,
+        fallback_options=fallback or {},
     )
   finally:
     if own_dir and not keep_dump:

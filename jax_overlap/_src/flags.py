@@ -32,7 +32,6 @@ import re
 import shlex
 import subprocess
 import sys
-import tempfile
 import threading
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
@@ -623,13 +622,8 @@ def _load_disk_cache() -> None:
 
 
 def _save_disk_cache() -> None:
-  path = _cache_path()
   try:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path))
-    with os.fdopen(fd, "w") as f:
-      json.dump(_probe_cache, f, indent=0, sort_keys=True)
-    os.replace(tmp, path)
+    cache_lib.write_text(_cache_path(), json.dumps(_probe_cache, indent=0, sort_keys=True))
   except OSError:
     pass
 

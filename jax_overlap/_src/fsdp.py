@@ -753,12 +753,22 @@ def _one_by_one(op, tree, dims, order):
   for i in order:
     if dims[i] is None:
       continue
-    x = leaves[i]
-    # The barrier would make x vary over prev's axes; tie only like-typed values.
-    if prev is not None and _varying(x) == _varying(prev):
-      x, _ = lax.optimization_barrier((x, prev))
+    x = leaves[i] if prev is None else _after(leaves[i], prev)
     out[i] = prev = op(x, dims[i])
   return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _after(x, prev):
+  """``x``, ordered after ``prev`` by an optimization barrier.
+
+  Only between values that vary over the same mesh axes (the barrier would
+  make ``x`` vary over ``prev``'s axes and fail shard_map's checks); otherwise
+  ``x`` unchanged.
+  """
+  if _varying(x) != _varying(prev):
+    return x
+  x, _ = lax.optimization_barrier((x, prev))
+  return x
 
 
 def _varying(x):

@@ -63,11 +63,9 @@ def write_profile(report: report_lib.Report, directory: str | None = None) -> st
     raise ValueError("write_profile: the report has no kernels or collectives")
   name = hashlib.sha1(text.encode()).hexdigest()[:16] + ".pbtxt"
   for d in ([directory] if directory else [_directory(), os.path.join(tempfile.gettempdir(), "jax_overlap")]):
+    path = os.path.join(d, name)
     try:
-      os.makedirs(d, exist_ok=True)
-      path = os.path.join(d, name)
-      with open(path, "w") as f:
-        f.write(text)
+      cache_lib.write_text(path, text)
       return path
     except OSError:
       if directory:

@@ -20,7 +20,6 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 from typing import Any
 
 import jax
@@ -81,12 +80,7 @@ def store(k: str, entry: dict[str, Any]) -> str | None:
   """Writes ``entry`` atomically; returns its path, or None if it could not be written."""
   path = _path(k)
   try:
-    text = json.dumps(entry, indent=1, sort_keys=True)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-      f.write(text)
-    os.replace(tmp, path)
+    cache.write_text(path, json.dumps(entry, indent=1, sort_keys=True))
   except (OSError, TypeError):
     return None
   return path

@@ -51,7 +51,7 @@ from jax.experimental.xla_metadata import set_xla_metadata
 from jax_overlap._src import flags as flags_lib
 from jax_overlap._src import latency_profile, selection_cache
 from jax_overlap._src import targets as targets_lib
-from jax_overlap._src.fsdp import _varying
+from jax_overlap._src.fsdp import _after
 
 __all__ = ["overlap", "Overlapped", "Explanation", "Action", "priority"]
 
@@ -468,8 +468,7 @@ def _nested_stats(eqn, out: _NestedStats) -> None:
       elif name == _SCATTER:
         out.scatter_bytes = max(out.scatter_bytes, sum(_nbytes(v.aval) for v in e.invars if _is_var(v)))
         out.scatter_out_bytes = max(out.scatter_out_bytes, _nbytes(e.outvars[0].aval))
-      if _has_collectives(e):
-        _nested_stats(e, out)
+      _nested_stats(e, out)  # nested loops and calls (nothing found: nothing added)
     if found and is_loop:
       out.loops += 1
 
@@ -612,11 +611,7 @@ def _run(jaxpr, consts, args, plan: _BodyPlan | None):
     invals = [read(v) for v in eqn.invars]
     prev = plan.chain_prev.get(i) if plan is not None else None
     if prev is not None and invals:
-      before = read(jaxpr.eqns[prev].outvars[0])
-      # Identity that orders this collective after the previous one (only between
-      # values that vary over the same mesh axes, so shard_map's checks still hold).
-      if _varying(before) == _varying(invals[0]):
-        _, invals[0] = jax.lax.optimization_barrier((before, invals[0]))
+      invals[0] = _after(invals[0], read(jaxpr.eqns[prev].outvars[0]))
     outs = _eval_eqn(eqn, invals, md)
     for v, o in zip(eqn.outvars, outs):
       env[v] = o
@@ -823,7 +818,6 @@ class Overlapped:
     self.workload = workload
     self.jit_kwargs = dict(jit_kwargs)
     self._cache: dict = {}
-    self._failed: list[str] = []
     functools.update_wrapper(self, fn)
 
   def _build(self, args, kwargs):
@@ -875,9 +869,7 @@ class Overlapped:
       if remembered is not None:
         chosen, estimates, failed = remembered
       else:
-        self._failed = []
-        chosen, estimates = self._select(candidates, make, args, kwargs)
-        failed = list(self._failed)
+        chosen, estimates, failed = self._select(candidates, make, args, kwargs)
         if entry_key:
           self._remember(entry_key, candidates, chosen, estimates, failed)
       table = [
@@ -1005,10 +997,11 @@ class Overlapped:
         "estimates": [[n, t] for n, t in estimates], "failed": failed,
     })
 
-  def _select(self, candidates, make, args, kwargs) -> tuple[int, list[tuple[str, float]]]:
+  def _select(self, candidates, make, args, kwargs) -> tuple[int, list[tuple[str, float]], list[str]]:
+    """Index of the fastest candidate (profiled ones appended), all estimates, failures."""
     from jax_overlap._src import analysis
 
-    times, reports = [], []
+    times, reports, failed = [], [], []
     for name, cfg_c, options in candidates:
       try:
         report = analysis.analyze(
@@ -1019,7 +1012,7 @@ class Overlapped:
       except (ValueError, RuntimeError, TypeError) as e:
         if name == candidates[-1][0] and all(t == float("inf") for t in times):
           raise
-        self._failed.append(f"{name}: {str(e).splitlines()[0][:200]}")
+        failed.append(f"{name}: {str(e).splitlines()[0][:200]}")
         times.append(float("inf"))
         reports.append(None)
     # The fastest few again, scheduled by XLA from the analysis' own costs (a
@@ -1040,12 +1033,12 @@ class Overlapped:
               **kwargs,
           )
         except (ValueError, RuntimeError, TypeError, OSError) as e:
-          self._failed.append(f"{label}: {str(e).splitlines()[0][:200]}")
+          failed.append(f"{label}: {str(e).splitlines()[0][:200]}")
           continue
         candidates.append((label, cfg_c, profiled))
         times.append(report.step_time_s)
     best = min(range(len(times)), key=lambda i: (times[i], i))
-    return best, [(c[0], t) for c, t in zip(candidates, times)]
+    return best, [(c[0], t) for c, t in zip(candidates, times)], failed
 
   def __call__(self, *args, **kwargs):
     fn, _, python_fn = self._build(args, kwargs)
