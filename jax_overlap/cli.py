@@ -19,7 +19,6 @@ import shlex
 import sys
 from collections.abc import Sequence
 
-from absl import app
 from absl import flags as absl_flags
 
 COMMANDS = ("flags", "targets", "analyze", "simulate", "launch")
@@ -33,18 +32,18 @@ def _define_flags() -> None:
     return
   absl_flags.DEFINE_string("target", "h100x8", "Topology or GPU, e.g. h100x8, a100x8, h200x16.")
   absl_flags.DEFINE_string(
-      "workload", "fsdp", "Workload: fsdp, tensor_parallel, data_parallel or hybrid."
+    "workload", "fsdp", "Workload: fsdp, tensor_parallel, data_parallel or hybrid."
   )
   absl_flags.DEFINE_string("check", None, "An XLA_FLAGS string to check instead of recommending.")
   absl_flags.DEFINE_enum("format", "export", ["export", "json", "table"], "Output format.")
   absl_flags.DEFINE_multi_string(
-      "xla-option", [], "XLA option for analyze, as name=value (repeatable).", short_name="X"
+    "xla-option", [], "XLA option for analyze, as name=value (repeatable).", short_name="X"
   )
   absl_flags.DEFINE_string("plot", None, "analyze: write a timeline PNG here.")
   absl_flags.DEFINE_string("json", None, "analyze: write the report as JSON here.")
   absl_flags.DEFINE_string("perfetto", None, "analyze: write a Perfetto/Chrome trace here.")
   absl_flags.DEFINE_boolean(
-      "recommended", False, "analyze: also apply the target's recommended options."
+    "recommended", False, "analyze: also apply the target's recommended options."
   )
 
 
@@ -57,11 +56,41 @@ def _fail(msg: str, code: int = 2) -> int:
   return code
 
 
+def _check_target_and_workload() -> None:
+  """Unknown --target / --workload are bad input (exit 2), found before any work."""
+  from jax_overlap._src import flags as flags_lib
+  from jax_overlap._src import targets as targets_lib
+
+  try:
+    targets_lib.get(FLAGS.target)
+    flags_lib.check_workload(FLAGS.workload)
+  except (ValueError, TypeError) as e:
+    raise UsageError(str(e).splitlines()[0]) from None
+
+
+def _check_output_paths(*names: str) -> None:
+  """Output files must be writable file paths; found before a long analysis, not after."""
+  import os
+
+  for name in names:
+    path = FLAGS[name].value
+    if path is None:
+      continue
+    if os.path.isdir(path):
+      raise UsageError(
+        f"--{name} {path} is a directory; give a file path such as {os.path.join(path, 'out.' + ('png' if name == 'plot' else 'json'))}"
+      )
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+      raise UsageError(f"--{name} {path}: directory {parent} does not exist")
+
+
 def _cmd_flags(args: Sequence[str]) -> int:
   from jax_overlap._src import flags as flags_lib
 
   if args:
     raise UsageError(f"flags takes no positional arguments, got {' '.join(args)!r}")
+  _check_target_and_workload()
   if FLAGS.check is not None:
     problems = flags_lib.validate(FLAGS.check)
     if not problems:
@@ -81,11 +110,11 @@ def _cmd_flags(args: Sequence[str]) -> int:
   if FLAGS.format == "table":
     for k, v in opts.items():
       why = flags_lib.REGISTRY[k].why or flags_lib.REGISTRY[k].meaning
-      print(f"{k} = {flags_lib._format_value(v)}\n    {why}")
+      print(f"{k} = {flags_lib.format_value(v)}\n    {why}")
     return 0
   print(f"export XLA_FLAGS={shlex.quote(flags_lib.format_xla_flags(xla))}")
   for k, v in env.items():
-    print(f"export {k}={shlex.quote(flags_lib._format_value(v))}")
+    print(f"export {k}={shlex.quote(flags_lib.format_value(v))}")
   return 0
 
 
@@ -95,17 +124,17 @@ def _cmd_targets(args: Sequence[str]) -> int:
   if args:
     raise UsageError(f"targets takes no positional arguments, got {' '.join(args)!r}")
   header = (
-      f"{'name':8} {'description':30} {'SMs':>4} {'smem/SM':>8} {'bf16 TF':>8} "
-      f"{'HBM GB/s':>9} {'link':>16} {'GB/s/dir':>8} {'deviceless':>10}"
+    f"{'name':8} {'description':30} {'SMs':>4} {'smem/SM':>8} {'bf16 TF':>8} "
+    f"{'HBM GB/s':>9} {'link':>16} {'GB/s/dir':>8} {'deviceless':>10}"
   )
   print(header)
   print("-" * len(header))
   for name in targets_lib.names():
     g = targets_lib.GPUS[name]
     print(
-        f"{g.name:8} {g.description:30} {g.sm_count:>4} {g.smem_per_sm // 1024:>6}KB "
-        f"{g.peak_bf16_flops / 1e12:>8.1f} {g.memory_bandwidth / 1e9:>9.0f} {g.link:>16} "
-        f"{g.link_bandwidth / 1e9:>8.0f} {'yes' if g.deviceless else 'no':>10}"
+      f"{g.name:8} {g.description:30} {g.sm_count:>4} {g.smem_per_sm // 1024:>6}KB "
+      f"{g.peak_bf16_flops / 1e12:>8.1f} {g.memory_bandwidth / 1e9:>9.0f} {g.link:>16} "
+      f"{g.link_bandwidth / 1e9:>8.0f} {'yes' if g.deviceless else 'no':>10}"
     )
   print("\nTopologies: <gpu>x<count>, e.g. h100x8 (one host of 8), h200x16 (two hosts of 8).")
   return 0
@@ -113,7 +142,9 @@ def _cmd_targets(args: Sequence[str]) -> int:
 
 def _load_builder(spec: str):
   if ":" not in spec:
-    raise UsageError(f"expected MODULE:BUILDER (e.g. jax_overlap.examples.fsdp_mlp:build), got {spec!r}")
+    raise UsageError(
+      f"expected MODULE:BUILDER (e.g. jax_overlap.examples.fsdp_mlp:build), got {spec!r}"
+    )
   mod_name, fn_name = spec.split(":", 1)
   try:
     mod = importlib.import_module(mod_name)
@@ -138,6 +169,8 @@ def _parse_options(items: Sequence[str]) -> dict[str, str]:
 def _cmd_analyze(args: Sequence[str]) -> int:
   if len(args) != 1:
     raise UsageError("analyze expects exactly one MODULE:BUILDER argument")
+  _check_target_and_workload()
+  _check_output_paths("json", "perfetto", "plot")
   builder = _load_builder(args[0])
   from jax_overlap._src import analysis
   from jax_overlap._src import flags as flags_lib
@@ -145,7 +178,7 @@ def _cmd_analyze(args: Sequence[str]) -> int:
   options: dict = {}
   if FLAGS.recommended:
     options.update(flags_lib.as_compiler_options(FLAGS.target, FLAGS.workload))
-  options.update(_parse_options(FLAGS['xla-option'].value))
+  options.update(_parse_options(FLAGS["xla-option"].value))
   built = builder()
   if not (isinstance(built, tuple) and len(built) == 2):
     raise UsageError(f"{args[0]} must return (fn, args), got {type(built).__name__}")
@@ -208,9 +241,10 @@ def run() -> None:
   if len(argv) > 1 and argv[1] == "simulate":
     sys.exit(_delegate("jax_overlap._src.sim_cli", argv[2:]))
   try:
-    app.run(lambda a: sys.exit(main(a)), argv=argv)
-  except SystemExit:
-    raise
+    rest = FLAGS(argv)
+  except absl_flags.Error as e:
+    sys.exit(_fail(str(e).splitlines()[0]))
+  sys.exit(main(rest))
 
 
 if __name__ == "__main__":

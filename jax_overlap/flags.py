@@ -9,6 +9,7 @@ from jax_overlap._src.flags import as_compiler_options as as_compiler_options
 from jax_overlap._src.flags import configure as configure
 from jax_overlap._src.flags import format_xla_flags as format_xla_flags
 from jax_overlap._src.flags import parse_xla_flags as parse_xla_flags
+from jax_overlap._src.flags import read_xla_flags as read_xla_flags
 from jax_overlap._src.flags import recommended as recommended
 from jax_overlap._src.flags import validate as validate
 
@@ -22,6 +23,7 @@ __all__ = [
     "configure",
     "format_xla_flags",
     "parse_xla_flags",
+    "read_xla_flags",
     "recommended",
     "validate",
 ]

@@ -71,15 +71,35 @@ def test_targets_lists_the_catalogue():
   [
     (
       ("flags", "--target", "v100x8"),
-      1,
+      2,
       "unknown target 'v100x8'; expected '<gpu>x<count>' with gpu one of a100",
     ),
-    (("flags", "--workload", "moe"), 1, "unknown workload 'moe'; valid choices: fsdp"),
+    (("flags", "--workload", "moe"), 2, "unknown workload 'moe'; valid choices: fsdp"),
     (("frobnicate",), 2, "unknown command 'frobnicate'; choose one of flags, targets"),
     ((), 2, "missing command"),
     (("analyze", "nomodule"), 2, "expected MODULE:BUILDER"),
     (("analyze", "no_such_module_xyz:build"), 2, "cannot import module 'no_such_module_xyz'"),
     (("analyze", "jax_overlap.cli:nothing"), 2, "has no callable 'nothing'"),
+    (
+      ("analyze", "jax_overlap.examples.fsdp_transformer:build", "--target", "b300x8"),
+      2,
+      "unknown target 'b300x8'",
+    ),
+    (
+      ("analyze", "jax_overlap.examples.fsdp_transformer:build", "--json", "/"),
+      2,
+      "--json / is a directory; give a file path such as /out.json",
+    ),
+    (
+      ("analyze", "jax_overlap.examples.fsdp_transformer:build", "--plot", "/no_dir_xyz/t.png"),
+      2,
+      "--plot /no_dir_xyz/t.png: directory /no_dir_xyz does not exist",
+    ),
+    (("flags", "--format", "xml"), 2, "flag --format=xml: value should be one of"),
+    (("flags", "--no_such_flag"), 2, "Unknown command line flag 'no_such_flag'"),
+    (("launch", "--plan", "/no_such_plan.json", "--", "true"), 2, "no plan file"),
+    (("launch", "--plan", "/", "--", "true"), 2, "--plan / is a directory"),
+    (("simulate", "--target", "h999x8"), 2, "unknown target 'h999x8'"),
   ],
 )
 def test_bad_input_gets_one_line_errors(args, code, match):
@@ -94,9 +114,19 @@ def test_bad_input_gets_one_line_errors(args, code, match):
 def test_analyze_a_builder_and_write_every_output(tmp_path):
   out = {k: str(tmp_path / f"r.{k}") for k in ("json", "png", "trace")}
   proc = cli(
-      "analyze", "jax_overlap.examples.fsdp_transformer:build_small", "--target", "a100x8",
-      "--recommended", "--json", out["json"], "--plot", out["png"], "--perfetto", out["trace"],
-      "-X", "xla_gpu_memory_limit_slop_factor=90",
+    "analyze",
+    "jax_overlap.examples.fsdp_transformer:build_small",
+    "--target",
+    "a100x8",
+    "--recommended",
+    "--json",
+    out["json"],
+    "--plot",
+    out["png"],
+    "--perfetto",
+    out["trace"],
+    "-X",
+    "xla_gpu_memory_limit_slop_factor=90",
   )
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert "jax_overlap analysis" in proc.stdout and "on a100x8" in proc.stdout

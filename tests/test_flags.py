@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_overlap import ConfigError, flags, targets
 from jax_overlap._src import flags as flags_impl
+from jax_overlap._src.flags import probe as probe_lib
 
 REMOVED = sorted(n for n, f in flags.REGISTRY.items() if f.removed_in)
 
@@ -41,13 +42,25 @@ def test_registry_entries_are_complete():
     assert flags.REGISTRY[n].removed_in, n
 
 
-def test_live_flags_in_registry_are_accepted_by_jaxlib():
-  live = {
-    n: flags_impl._default_probe_value(f)
-    for n, f in flags.REGISTRY.items()
-    if f.kind == "xla" and not f.removed_in and not f.since
-  }
-  problems = flags.validate(live)
+def _default_text(f):
+  if f.default is None:
+    if f.choices:
+      return f.choices[0]
+    return {"bool": "true", "int": "0", "float": "0"}.get(f.type, "")
+  return flags_impl.format_value(f.default)
+
+
+def test_live_registry_flags_have_the_type_xla_gives_them():
+  live = [
+    f for f in flags.REGISTRY.values() if f.kind == "xla" and not f.removed_in and not f.since
+  ]
+  assert len(live) > 20
+  expected = {"bool": {"bool"}, "int": {"int32", "int64"}, "float": {"float"}, "str": {"string"}}
+  for f in live:
+    # XLA's own answer for the type, read by the values its flag parser takes.
+    got = probe_lib.flag_type(f.name)
+    assert got in expected.get(f.type, {"choice", "string"}), (f.name, f.type, got)
+  problems = flags.validate({f.name: _default_text(f) for f in live})
   assert [p for p in problems if p.severity == "error"] == []
 
 
@@ -90,21 +103,30 @@ def test_newer_spelling_on_older_jaxlib():
     (
       "--xla_gpu_enable_latency_hiding_scheduler=maybe",
       "bad_value",
-      "expects true or false, got 'maybe'",
+      "Couldn't interpret value maybe for flag xla_gpu_enable_latency_hiding_scheduler.); it "
+      "takes a bool (true, false, 1 or 0)",
     ),
     (
       "--xla_gpu_all_gather_combine_threshold_bytes=12x",
       "bad_value",
-      "expects an integer, got '12x'",
+      "it takes a base-10 int64",
     ),
     (
       "--xla_gpu_enable_latency_hidng_scheduler=true",
       "unknown",
       "did you mean xla_gpu_enable_latency_hiding_scheduler",
     ),
-    ("--xla_gpu_frobnicate=1", "unknown", "would abort the process"),
-    ("xla_gpu_enable_latency_hiding_scheduler=true", "malformed", "tokens look like --name=value"),
-    ("--xla_gpu_enable_command_buffer=FUSION,BOGUS", "bad_value", "unknown item"),
+    ("--xla_gpu_frobnicate=1", "unknown", "it aborts the process at backend start"),
+    (
+      "xla_gpu_enable_latency_hiding_scheduler=true",
+      "malformed",
+      "XLA takes 'xla_gpu_enable_latency_hiding_scheduler=true' as the name of a flag file",
+    ),
+    ("--xla_gpu_enable_command_buffer=FUSION,BOGUS", "bad_value", "Illegal value"),
+    ("--xla_dump_to", "no_value", "takes a string"),
+    ("--xla_gpu_enable_latency_hiding_scheduler=true --", "malformed", "'--' ends XLA's flag list"),
+    ("-xla_gpu_autotune_level=0", "malformed", "is not an XLA flag"),
+    ("--NCCL_MAX_CTAS=4", "unknown", "export NCCL_MAX_CTAS=4"),
   ],
 )
 def test_validate_reports_bad_input(text, kind, match):
@@ -213,8 +235,12 @@ def test_configure_edits_a_given_environment():
   assert parsed["xla_gpu_enable_latency_hiding_scheduler"] == "false"
   assert parsed["xla_gpu_enable_pipelined_all_gather"] == "true"
   env2 = {"XLA_FLAGS": "--xla_gpu_enable_async_all_gather=true"}
-  with pytest.raises(ConfigError, match="would not work with jaxlib"):
+  with pytest.raises(ConfigError, match="already holds flags XLA would abort on"):
     flags.configure("h100x8", "fsdp", environ=env2)
+  env5 = {"XLA_FLAGS": "--xla_dump_to"}  # XLA aborts on it; '=true' would dump to ./true
+  with pytest.raises(ConfigError, match="--xla_dump_to has no value"):
+    flags.configure("h100x8", "fsdp", environ=env5)
+  assert env5["XLA_FLAGS"] == "--xla_dump_to"
   env3 = {"XLA_FLAGS": "oops"}
   with pytest.raises(ConfigError, match="malformed token"):
     flags.configure("h100x8", "fsdp", environ=env3)

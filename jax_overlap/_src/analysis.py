@@ -61,6 +61,8 @@ def analyze(
 
   Raises:
     ValueError: for an unknown target or shardings naming axes the target mesh lacks.
+    TypeError, ValueError, ...: if ``fn`` cannot be traced on ``args`` (wrong
+      arity, shapes or shardings), with the kind of error the trace raised.
     RuntimeError: if XLA cannot compile ``fn`` for the target.
 
   Example:
@@ -80,7 +82,7 @@ def analyze(
     # A jax_overlap.overlap step: compile it with the options it chose.
     xla_options = {**fn.compiler_options(*args, **kwargs), **dict(xla_options or {})}
   step = compile_lib.compile_for_target(
-      fn, *args, target=topo, xla_options=xla_options, mesh=mesh, **kwargs
+      fn, *args, target=topo, xla_options=xla_options, mesh=mesh, api_name="analyze", **kwargs
   )
   return analyze_compiled(
       step, name=name or _fn_name(fn), cost_model=cost_model, xla_options=dict(xla_options or {})

@@ -16,6 +16,7 @@ the target mesh with the same axis names, and the result is compiled.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import glob
 import math
 import os
@@ -28,6 +29,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from jax_overlap._src import errors
 from jax_overlap._src import targets as targets_lib
 
 __all__ = ["CompiledStep", "compile_for_target", "target_mesh_like"]
@@ -133,8 +135,8 @@ def target_mesh_like(source: Mesh | Mapping[str, int] | None, target) -> Mesh:
       new[axis] = topo.num_devices // rest
       return targets_lib.compile_only_mesh(topo, new)
   raise ValueError(
-      f"cannot map mesh {shape} ({n} devices) onto {topo.name} ({topo.num_devices} devices); "
-      "pass mesh= with axis sizes that multiply to the target's device count"
+    f"cannot map mesh {shape} ({n} devices) onto {topo.name} ({topo.num_devices} devices); "
+    "pass mesh= with axis sizes that multiply to the target's device count"
   )
 
 
@@ -143,8 +145,8 @@ def _retarget_sharding(s, mesh: Mesh):
     missing = [a for a in _spec_axes(s.spec) if a not in mesh.axis_names]
     if missing:
       raise ValueError(
-          f"the sharding {s.spec} names mesh axes {missing} that the target mesh "
-          f"{dict(mesh.shape)} lacks; valid axis names: {', '.join(mesh.axis_names)}"
+        f"the sharding {s.spec} names mesh axes {missing} that the target mesh "
+        f"{dict(mesh.shape)} lacks; valid axis names: {', '.join(mesh.axis_names)}"
       )
     return NamedSharding(mesh, s.spec, memory_kind=s.memory_kind)
   return s
@@ -163,7 +165,9 @@ def _spec_axes(spec) -> list[str]:
 
 
 def _retarget_arg(x, mesh: Mesh | None):
-  if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) or hasattr(x, "shape") and hasattr(x, "dtype"):
+  if (
+    isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) or hasattr(x, "shape") and hasattr(x, "dtype")
+  ):
     sharding = getattr(x, "sharding", None)
     if mesh is not None:
       sharding = _retarget_sharding(sharding, mesh) if sharding is not None else None
@@ -182,8 +186,8 @@ def _retarget_params(value, mesh: Mesh):
       return value
     if set(value.axis_names) - set(mesh.axis_names):
       raise ValueError(
-          f"the program uses a mesh with axes {value.axis_names} but the target mesh has "
-          f"{mesh.axis_names}"
+        f"the program uses a mesh with axes {value.axis_names} but the target mesh has "
+        f"{mesh.axis_names}"
       )
     return mesh
   if isinstance(value, NamedSharding):
@@ -234,13 +238,14 @@ def _unwrap(fn):
 
 
 def compile_for_target(
-    fn: Callable,
-    *args,
-    target: str | targets_lib.Topology | None = "h100x8",
-    xla_options: Mapping[str, Any] | None = None,
-    mesh: Mesh | Mapping[str, int] | None = None,
-    keep_dump: bool = False,
-    **kwargs,
+  fn: Callable,
+  *args,
+  target: str | targets_lib.Topology | None = "h100x8",
+  xla_options: Mapping[str, Any] | None = None,
+  mesh: Mesh | Mapping[str, int] | None = None,
+  keep_dump: bool = False,
+  api_name: str = "compile_for_target",
+  **kwargs,
 ) -> CompiledStep:
   """Compiles ``fn(*args, **kwargs)`` for ``target`` and reads XLA's artefacts.
 
@@ -252,6 +257,7 @@ def compile_for_target(
     mesh: the mesh to compile on; by default the target mesh with the axis
       names of the meshes found in ``args`` (or in ``fn``).
     keep_dump: keep the dump directory (its path is in the result).
+    api_name: the public API to name in errors in the user's call.
     **kwargs: keyword arguments of ``fn``.
 
   Returns:
@@ -260,6 +266,8 @@ def compile_for_target(
   Raises:
     ValueError: if the arguments' shardings name axes the target mesh lacks,
       or the mesh cannot be mapped onto the target.
+    TypeError, ValueError, ...: if tracing ``fn`` on the arguments fails (a
+      mistake in the call), with the kind of error the trace raised.
     RuntimeError: if XLA cannot compile the program for the target, with
       XLA's message.
   """
@@ -290,8 +298,14 @@ def compile_for_target(
     t0 = time.perf_counter()
     notes: list[str] = []
     fallback: dict[str, Any] | None = None
+    if hasattr(target_fn, "trace"):
+      lower = errors.trace_user_fn(
+        api_name, fn, args, kwargs, lambda: target_fn.trace(*lower_args, **lower_kwargs)
+      ).lower
+    else:
+      lower = functools.partial(target_fn.lower, *lower_args, **lower_kwargs)
     try:
-      lowered = target_fn.lower(*lower_args, **lower_kwargs)
+      lowered = lower()
       try:
         compiled = lowered.compile(options)
       except Exception as first:  # noqa: BLE001 - XLA raises JaxRuntimeError and others
@@ -303,9 +317,10 @@ def compile_for_target(
         except Exception:  # noqa: BLE001
           raise first from None
         notes.append(
-            "XLA's Triton GEMM emitter found no tile sizes for a dot in this deviceless compile; "
-            "compiled with " + ", ".join(f"{k}={v}" for k, v in fallback.items())
-            + " (GEMMs are cuBLAS calls in this report)"
+          "XLA's Triton GEMM emitter found no tile sizes for a dot in this deviceless compile; "
+          "compiled with "
+          + ", ".join(f"{k}={v}" for k, v in fallback.items())
+          + " (GEMMs are cuBLAS calls in this report)"
         )
     except ValueError:
       raise
@@ -313,7 +328,7 @@ def compile_for_target(
       where = topo.name if topo else "the local devices"
       msg = str(e).strip().splitlines()
       raise RuntimeError(
-          f"XLA could not compile the function for {where}: {msg[0] if msg else type(e).__name__}"
+        f"XLA could not compile the function for {where}: {msg[0] if msg else type(e).__name__}"
       ) from e
     compile_time = time.perf_counter() - t0
     hlo = _read(os.path.join(dump_dir, "*after_optimizations.txt"))
@@ -321,17 +336,17 @@ def compile_for_target(
     dbg = _parse_debug_options(_read(os.path.join(dump_dir, "*.debug_options")))
     platform = "cuda" if topo is not None else jax.devices()[0].platform
     return CompiledStep(
-        compiled=compiled,
-        target=topo,
-        platform=platform,
-        hlo_text=hlo,
-        thunk_text=thunks,
-        debug_options=dbg,
-        mesh=tmesh,
-        dump_dir=dump_dir if keep_dump or not own_dir else None,
-        compile_time_s=compile_time,
-        notes=notes,
-        fallback_options=fallback or {},
+      compiled=compiled,
+      target=topo,
+      platform=platform,
+      hlo_text=hlo,
+      thunk_text=thunks,
+      debug_options=dbg,
+      mesh=tmesh,
+      dump_dir=dump_dir if keep_dump or not own_dir else None,
+      compile_time_s=compile_time,
+      notes=notes,
+      fallback_options=fallback or {},
     )
   finally:
     if own_dir and not keep_dump:
@@ -349,10 +364,12 @@ def _retargeted(fn: Callable, tmesh: Mesh, args, kwargs):
 
   jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
   abstract = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None))
+    lambda x: (
+      jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None))
       if hasattr(x, "shape") and hasattr(x, "dtype")
-      else x,
-      (args, kwargs),
+      else x
+    ),
+    (args, kwargs),
   )
   try:
     traced = jax.jit(lambda a, kw: jitted(*a, **kw)).trace(*abstract)

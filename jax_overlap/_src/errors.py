@@ -1,7 +1,66 @@
 """Exceptions raised by jax_overlap."""
 
-__all__ = ["ConfigError"]
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+__all__ = ["ConfigError", "user_call_error", "trace_user_fn"]
+
+T = TypeVar("T")
 
 
 class ConfigError(RuntimeError):
   """Configuration that cannot take effect: bad flags, or flags set too late."""
+
+
+def _fn_name(fn: Any) -> str:
+  fn = getattr(fn, "__wrapped__", fn)
+  return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def _describe(x: Any) -> str:
+  if hasattr(x, "shape") and hasattr(x, "dtype"):
+    import numpy as np
+
+    return f"{np.dtype(x.dtype).name}{list(x.shape)}"
+  import jax
+
+  leaves = jax.tree.leaves(x)
+  if leaves and leaves != [x]:
+    return f"{type(x).__name__} of {len(leaves)} leaves"
+  return type(x).__name__
+
+
+def user_call_error(
+  api: str, fn: Any, args: tuple, kwargs: dict, error: BaseException
+) -> Exception:
+  """The error to raise when tracing the user's ``fn`` on their arguments fails.
+
+  It names the API, the function and the arguments it was called with, and
+  keeps the kind of the original error (the nearest built-in exception class,
+  so ``except TypeError`` still catches a shape mismatch). The original is
+  chained as the cause.
+  """
+  kind = next(
+    (c for c in type(error).__mro__ if c.__module__ == "builtins" and issubclass(c, Exception)),
+    RuntimeError,
+  )
+  if kind is Exception:
+    kind = RuntimeError
+  shown = [_describe(a) for a in args] + [f"{k}={_describe(v)}" for k, v in kwargs.items()]
+  first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+  return kind(
+    f"{api}: {_fn_name(fn)}({', '.join(shown)}) fails when traced on these arguments, before "
+    f"any compilation: {type(error).__name__}: {first}"
+  )
+
+
+def trace_user_fn(api: str, fn: Any, args: tuple, kwargs: dict, trace: Callable[[], T]) -> T:
+  """Runs ``trace()`` (a trace of the user's ``fn``); its errors become the user's own.
+
+  Raises:
+    The kind of error the trace raised, with :func:`user_call_error`'s message.
+  """
+  try:
+    return trace()
+  except Exception as e:  # noqa: BLE001 - re-raised with the caller's context
+    raise user_call_error(api, fn, args, kwargs, e) from e

@@ -118,6 +118,13 @@ def main(argv: list[str]) -> int:
     return 2
   plan = None
   if args.plan is not None:
+    if os.path.isdir(args.plan):
+      print(
+        f"{_PROG}: error: --plan {args.plan} is a directory; expected a plan JSON file "
+        "(json.dump(jax_overlap.sim.tune(...).plan, f))",
+        file=sys.stderr,
+      )
+      return 2
     try:
       plan = Plan.from_json(args.plan)
     except (OSError, ValueError, TypeError) as e:

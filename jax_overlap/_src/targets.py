@@ -31,21 +31,23 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import importlib.metadata
+import os
 import re
 from collections.abc import Sequence
 from typing import Literal
 
 __all__ = [
-    "Gpu",
-    "Topology",
-    "GPUS",
-    "get",
-    "get_gpu",
-    "names",
-    "gpu_target_config",
-    "compile_only_devices",
-    "compile_only_mesh",
+  "Gpu",
+  "Topology",
+  "GPUS",
+  "get",
+  "get_gpu",
+  "names",
+  "gpu_target_config",
+  "compile_only_devices",
+  "compile_only_mesh",
 ]
 
 KB = 1024
@@ -128,8 +130,8 @@ class Gpu:
         raise ValueError(f"Gpu({self.name!r}): {field.name} must be positive, got {value!r}")
     if self.smem_per_block_optin > self.smem_per_sm:
       raise ValueError(
-          f"Gpu({self.name!r}): smem_per_block_optin ({self.smem_per_block_optin}) exceeds "
-          f"smem_per_sm ({self.smem_per_sm})"
+        f"Gpu({self.name!r}): smem_per_block_optin ({self.smem_per_block_optin}) exceeds "
+        f"smem_per_sm ({self.smem_per_sm})"
       )
 
   def peak_flops(self, dtype: str = "bf16") -> float:
@@ -138,7 +140,9 @@ class Gpu:
     if d in ("f32", "float32", "fp32", "f64", "float64", "fp64"):
       return self.peak_fp32_flops
     if d.startswith(("f8", "float8", "fp8")):
-      return 2.0 * self.peak_bf16_flops if self.compute_capability >= (8, 9) else self.peak_bf16_flops
+      return (
+        2.0 * self.peak_bf16_flops if self.compute_capability >= (8, 9) else self.peak_bf16_flops
+      )
     return self.peak_bf16_flops
 
 
@@ -154,8 +158,8 @@ class Topology:
   def __post_init__(self):
     if self.num_hosts < 1 or self.gpus_per_host < 1:
       raise ValueError(
-          f"Topology({self.name!r}): need at least one host and one GPU per host, got "
-          f"{self.num_hosts} x {self.gpus_per_host}"
+        f"Topology({self.name!r}): need at least one host and one GPU per host, got "
+        f"{self.num_hosts} x {self.gpus_per_host}"
       )
 
   @property
@@ -180,155 +184,155 @@ class Topology:
 # ---------------------------------------------------------------------------
 
 GPUS: dict[str, Gpu] = {
-    "a40": Gpu(
-        name="a40",
-        description="NVIDIA A40",
-        vendor="nvidia",
-        compute_capability=(8, 6),
-        sm_count=84,  # [A40] 84 SMs
-        smem_per_sm=100 * KB,  # [A40] CUDA Guide cc 8.6: 100 KB per SM
-        smem_per_block=48 * KB,
-        smem_per_block_optin=99 * KB,  # CUDA Guide cc 8.6: 99 KB opt-in
-        smem_reserved_per_block=1 * KB,  # CUDA Guide: 1 KB reserved per block (cc >= 8.0)
-        regs_per_sm=65536,
-        regs_per_block=65536,
-        max_threads_per_sm=1536,  # CUDA Guide cc 8.6
-        max_threads_per_block=1024,
-        max_blocks_per_sm=16,  # CUDA Guide cc 8.6
-        warp_size=32,
-        reg_alloc_unit=256,
-        clock_ghz=1.74,  # [A40] boost clock
-        fpus_per_sm=128,
-        peak_bf16_flops=149.7 * TB,  # [A40] dense BF16 tensor
-        peak_fp32_flops=37.4 * TB,  # [A40] FP32
-        memory_bytes=48 * 1024**3,  # [A40] 48 GB GDDR6
-        memory_bandwidth=696 * GB,  # [A40] 696 GB/s
-        l2_bytes=6 * 1024**2,
-        link="pcie4",
-        link_bandwidth=32 * GB,  # PCIe 4.0 x16: 64 GB/s both directions
-        link_latency_s=5e-6,  # [NCCL] PCIe hop
-        network_bandwidth=25 * GB,  # one 200 Gb/s HDR NIC per GPU
-        network_latency_s=8e-6,
-        deviceless=True,
-    ),
-    "a100": Gpu(
-        name="a100",
-        description="NVIDIA A100-SXM4-80GB",
-        vendor="nvidia",
-        compute_capability=(8, 0),
-        sm_count=108,  # [A100] 108 SMs
-        smem_per_sm=164 * KB,  # [A100] 164 KB per SM
-        smem_per_block=48 * KB,
-        smem_per_block_optin=163 * KB,  # CUDA Guide cc 8.0: 163 KB opt-in
-        smem_reserved_per_block=1 * KB,
-        regs_per_sm=65536,
-        regs_per_block=65536,
-        max_threads_per_sm=2048,
-        max_threads_per_block=1024,
-        max_blocks_per_sm=32,
-        warp_size=32,
-        reg_alloc_unit=256,
-        clock_ghz=1.41,  # [A100] boost clock
-        fpus_per_sm=64,
-        peak_bf16_flops=312 * TB,  # [A100] dense BF16 tensor
-        peak_fp32_flops=19.5 * TB,  # [A100] FP32 (non-tensor)
-        memory_bytes=80 * 1024**3,
-        memory_bandwidth=2039 * GB,  # [A100] 80 GB SXM: 2,039 GB/s
-        l2_bytes=40 * 1024**2,
-        link="nvlink3",
-        link_bandwidth=300 * GB,  # [A100] NVLink 3: 600 GB/s both directions
-        link_latency_s=3e-6,  # [NCCL]
-        network_bandwidth=25 * GB,  # DGX A100: one 200 Gb/s HDR NIC per GPU
-        network_latency_s=8e-6,
-        deviceless=True,
-    ),
-    "h100": Gpu(
-        name="h100",
-        description="NVIDIA H100 80GB HBM3",
-        vendor="nvidia",
-        compute_capability=(9, 0),
-        sm_count=132,  # [H100] SXM5: 132 SMs
-        smem_per_sm=228 * KB,  # [H100] 228 KB per SM
-        smem_per_block=48 * KB,
-        smem_per_block_optin=227 * KB,  # CUDA Guide cc 9.0: 227 KB opt-in
-        smem_reserved_per_block=1 * KB,
-        regs_per_sm=65536,
-        regs_per_block=65536,
-        max_threads_per_sm=2048,
-        max_threads_per_block=1024,
-        max_blocks_per_sm=32,
-        warp_size=32,
-        reg_alloc_unit=256,
-        clock_ghz=1.98,  # [H100] boost clock; [XLA] h100_sxm spec
-        fpus_per_sm=128,
-        peak_bf16_flops=989.4 * TB,  # [H100] SXM dense BF16 tensor
-        peak_fp32_flops=66.9 * TB,  # [H100] SXM FP32
-        memory_bytes=80 * 1024**3,
-        memory_bandwidth=3352 * GB,  # [H100] 3.35 TB/s HBM3
-        l2_bytes=50 * 1024**2,
-        link="nvlink4",
-        link_bandwidth=450 * GB,  # [H100] NVLink 4: 900 GB/s both directions
-        link_latency_s=2.5e-6,  # [NCCL]
-        network_bandwidth=50 * GB,  # DGX H100: one 400 Gb/s NDR NIC per GPU
-        network_latency_s=6e-6,
-        deviceless=True,
-    ),
-    "mi250x": Gpu(
-        name="mi250x",
-        description="AMD Instinct MI250X (one GCD)",
-        vendor="amd",
-        compute_capability=(9, 0),  # gfx90a
-        sm_count=110,  # [MI250X] 220 CUs in two GCDs
-        smem_per_sm=64 * KB,  # [MI250X] 64 KB LDS per CU
-        smem_per_block=64 * KB,
-        smem_per_block_optin=64 * KB,
-        smem_reserved_per_block=0,  # LDS has no per-workgroup reservation
-        regs_per_sm=4 * 512 * 64,  # [MI250X] 4 SIMDs x 512 VGPRs x 64 lanes
-        regs_per_block=512 * 64 * 4,
-        max_threads_per_sm=2048,  # 8 waves per SIMD x 4 SIMDs x 64 lanes
-        max_threads_per_block=1024,
-        max_blocks_per_sm=32,
-        warp_size=64,
-        reg_alloc_unit=512,  # VGPRs are granted in blocks of 8 per lane
-        clock_ghz=1.7,  # [MI250X] peak engine clock
-        fpus_per_sm=64,
-        peak_bf16_flops=191.5 * TB,  # [MI250X] 383 TF per package, half per GCD
-        peak_fp32_flops=23.95 * TB,  # [MI250X] 47.9 TF vector per package
-        memory_bytes=64 * 1024**3,  # [MI250X] 128 GB per package
-        memory_bandwidth=1638 * GB,  # [MI250X] 3.2768 TB/s per package
-        l2_bytes=8 * 1024**2,
-        link="infinity-fabric",
-        link_bandwidth=100 * GB,  # [MI250X] Infinity Fabric links, 50 GB/s each way, 2 per peer
-        link_latency_s=4e-6,
-        network_bandwidth=25 * GB,  # Slingshot 200 Gb/s per GCD pair
-        network_latency_s=8e-6,
-        deviceless=False,  # no deviceless compile for ROCm in jaxlib
-    ),
+  "a40": Gpu(
+    name="a40",
+    description="NVIDIA A40",
+    vendor="nvidia",
+    compute_capability=(8, 6),
+    sm_count=84,  # [A40] 84 SMs
+    smem_per_sm=100 * KB,  # [A40] CUDA Guide cc 8.6: 100 KB per SM
+    smem_per_block=48 * KB,
+    smem_per_block_optin=99 * KB,  # CUDA Guide cc 8.6: 99 KB opt-in
+    smem_reserved_per_block=1 * KB,  # CUDA Guide: 1 KB reserved per block (cc >= 8.0)
+    regs_per_sm=65536,
+    regs_per_block=65536,
+    max_threads_per_sm=1536,  # CUDA Guide cc 8.6
+    max_threads_per_block=1024,
+    max_blocks_per_sm=16,  # CUDA Guide cc 8.6
+    warp_size=32,
+    reg_alloc_unit=256,
+    clock_ghz=1.74,  # [A40] boost clock
+    fpus_per_sm=128,
+    peak_bf16_flops=149.7 * TB,  # [A40] dense BF16 tensor
+    peak_fp32_flops=37.4 * TB,  # [A40] FP32
+    memory_bytes=48 * 1024**3,  # [A40] 48 GB GDDR6
+    memory_bandwidth=696 * GB,  # [A40] 696 GB/s
+    l2_bytes=6 * 1024**2,
+    link="pcie4",
+    link_bandwidth=32 * GB,  # PCIe 4.0 x16: 64 GB/s both directions
+    link_latency_s=5e-6,  # [NCCL] PCIe hop
+    network_bandwidth=25 * GB,  # one 200 Gb/s HDR NIC per GPU
+    network_latency_s=8e-6,
+    deviceless=True,
+  ),
+  "a100": Gpu(
+    name="a100",
+    description="NVIDIA A100-SXM4-80GB",
+    vendor="nvidia",
+    compute_capability=(8, 0),
+    sm_count=108,  # [A100] 108 SMs
+    smem_per_sm=164 * KB,  # [A100] 164 KB per SM
+    smem_per_block=48 * KB,
+    smem_per_block_optin=163 * KB,  # CUDA Guide cc 8.0: 163 KB opt-in
+    smem_reserved_per_block=1 * KB,
+    regs_per_sm=65536,
+    regs_per_block=65536,
+    max_threads_per_sm=2048,
+    max_threads_per_block=1024,
+    max_blocks_per_sm=32,
+    warp_size=32,
+    reg_alloc_unit=256,
+    clock_ghz=1.41,  # [A100] boost clock
+    fpus_per_sm=64,
+    peak_bf16_flops=312 * TB,  # [A100] dense BF16 tensor
+    peak_fp32_flops=19.5 * TB,  # [A100] FP32 (non-tensor)
+    memory_bytes=80 * 1024**3,
+    memory_bandwidth=2039 * GB,  # [A100] 80 GB SXM: 2,039 GB/s
+    l2_bytes=40 * 1024**2,
+    link="nvlink3",
+    link_bandwidth=300 * GB,  # [A100] NVLink 3: 600 GB/s both directions
+    link_latency_s=3e-6,  # [NCCL]
+    network_bandwidth=25 * GB,  # DGX A100: one 200 Gb/s HDR NIC per GPU
+    network_latency_s=8e-6,
+    deviceless=True,
+  ),
+  "h100": Gpu(
+    name="h100",
+    description="NVIDIA H100 80GB HBM3",
+    vendor="nvidia",
+    compute_capability=(9, 0),
+    sm_count=132,  # [H100] SXM5: 132 SMs
+    smem_per_sm=228 * KB,  # [H100] 228 KB per SM
+    smem_per_block=48 * KB,
+    smem_per_block_optin=227 * KB,  # CUDA Guide cc 9.0: 227 KB opt-in
+    smem_reserved_per_block=1 * KB,
+    regs_per_sm=65536,
+    regs_per_block=65536,
+    max_threads_per_sm=2048,
+    max_threads_per_block=1024,
+    max_blocks_per_sm=32,
+    warp_size=32,
+    reg_alloc_unit=256,
+    clock_ghz=1.98,  # [H100] boost clock; [XLA] h100_sxm spec
+    fpus_per_sm=128,
+    peak_bf16_flops=989.4 * TB,  # [H100] SXM dense BF16 tensor
+    peak_fp32_flops=66.9 * TB,  # [H100] SXM FP32
+    memory_bytes=80 * 1024**3,
+    memory_bandwidth=3352 * GB,  # [H100] 3.35 TB/s HBM3
+    l2_bytes=50 * 1024**2,
+    link="nvlink4",
+    link_bandwidth=450 * GB,  # [H100] NVLink 4: 900 GB/s both directions
+    link_latency_s=2.5e-6,  # [NCCL]
+    network_bandwidth=50 * GB,  # DGX H100: one 400 Gb/s NDR NIC per GPU
+    network_latency_s=6e-6,
+    deviceless=True,
+  ),
+  "mi250x": Gpu(
+    name="mi250x",
+    description="AMD Instinct MI250X (one GCD)",
+    vendor="amd",
+    compute_capability=(9, 0),  # gfx90a
+    sm_count=110,  # [MI250X] 220 CUs in two GCDs
+    smem_per_sm=64 * KB,  # [MI250X] 64 KB LDS per CU
+    smem_per_block=64 * KB,
+    smem_per_block_optin=64 * KB,
+    smem_reserved_per_block=0,  # LDS has no per-workgroup reservation
+    regs_per_sm=4 * 512 * 64,  # [MI250X] 4 SIMDs x 512 VGPRs x 64 lanes
+    regs_per_block=512 * 64 * 4,
+    max_threads_per_sm=2048,  # 8 waves per SIMD x 4 SIMDs x 64 lanes
+    max_threads_per_block=1024,
+    max_blocks_per_sm=32,
+    warp_size=64,
+    reg_alloc_unit=512,  # VGPRs are granted in blocks of 8 per lane
+    clock_ghz=1.7,  # [MI250X] peak engine clock
+    fpus_per_sm=64,
+    peak_bf16_flops=191.5 * TB,  # [MI250X] 383 TF per package, half per GCD
+    peak_fp32_flops=23.95 * TB,  # [MI250X] 47.9 TF vector per package
+    memory_bytes=64 * 1024**3,  # [MI250X] 128 GB per package
+    memory_bandwidth=1638 * GB,  # [MI250X] 3.2768 TB/s per package
+    l2_bytes=8 * 1024**2,
+    link="infinity-fabric",
+    link_bandwidth=100 * GB,  # [MI250X] Infinity Fabric links, 50 GB/s each way, 2 per peer
+    link_latency_s=4e-6,
+    network_bandwidth=25 * GB,  # Slingshot 200 Gb/s per GCD pair
+    network_latency_s=8e-6,
+    deviceless=False,  # no deviceless compile for ROCm in jaxlib
+  ),
 }
 
 # Same dies as their siblings; only memory differs.
 GPUS["a100-40"] = dataclasses.replace(
-    GPUS["a100"],
-    name="a100-40",
-    description="NVIDIA A100-SXM4-40GB",
-    memory_bytes=40 * 1024**3,
-    memory_bandwidth=1555 * GB,  # [A100] 40 GB SXM: 1,555 GB/s
+  GPUS["a100"],
+  name="a100-40",
+  description="NVIDIA A100-SXM4-40GB",
+  memory_bytes=40 * 1024**3,
+  memory_bandwidth=1555 * GB,  # [A100] 40 GB SXM: 1,555 GB/s
 )
 GPUS["h200"] = dataclasses.replace(
-    GPUS["h100"],  # [H200] same GH100 configuration as H100 SXM: SMs, limits, NVLink 4
-    name="h200",
-    description="NVIDIA H200",
-    memory_bytes=141 * 10**9,  # [H200] 141 GB HBM3e
-    memory_bandwidth=4800 * GB,  # [H200] 4.8 TB/s
+  GPUS["h100"],  # [H200] same GH100 configuration as H100 SXM: SMs, limits, NVLink 4
+  name="h200",
+  description="NVIDIA H200",
+  memory_bytes=141 * 10**9,  # [H200] 141 GB HBM3e
+  memory_bandwidth=4800 * GB,  # [H200] 4.8 TB/s
 )
 
 _ALIASES = {
-    "a100-80": "a100",
-    "a100_80": "a100",
-    "a100_40": "a100-40",
-    "h100-sxm": "h100",
-    "h100_sxm": "h100",
-    "mi250": "mi250x",
+  "a100-80": "a100",
+  "a100_80": "a100",
+  "a100_40": "a100-40",
+  "h100-sxm": "h100",
+  "h100_sxm": "h100",
+  "mi250": "mi250x",
 }
 
 _TOPOLOGY_RE = re.compile(r"^(?P<gpu>[a-z0-9_\-]+?)(?:x(?P<count>\d+))?$")
@@ -371,18 +375,18 @@ def get(name: str | Topology | Gpu) -> Topology:
     return Topology(f"{name.name}x8", name, 1, 8)
   if not isinstance(name, str):
     raise TypeError(
-        f"targets.get: expected a topology name such as 'h100x8', got {type(name).__name__}"
+      f"targets.get: expected a topology name such as 'h100x8', got {type(name).__name__}"
     )
   key = name.strip().lower()
   m = _TOPOLOGY_RE.match(key)
   if not m:
     raise ValueError(
-        f"unknown target {name!r}; expected '<gpu>x<count>' with gpu one of {', '.join(names())}"
+      f"unknown target {name!r}; expected '<gpu>x<count>' with gpu one of {', '.join(names())}"
     )
   gpu_name, count = m.group("gpu"), m.group("count")
   if (gpu_name.rstrip("_-")) not in GPUS and gpu_name not in _ALIASES:
     raise ValueError(
-        f"unknown target {name!r}; expected '<gpu>x<count>' with gpu one of {', '.join(names())}"
+      f"unknown target {name!r}; expected '<gpu>x<count>' with gpu one of {', '.join(names())}"
     )
   gpu = get_gpu(gpu_name.rstrip("_-"))
   n = 8 if count is None else int(count)
@@ -392,7 +396,7 @@ def get(name: str | Topology | Gpu) -> Topology:
     return Topology(f"{gpu.name}x{n}", gpu, 1, n)
   if n % 8:
     raise ValueError(
-        f"target {name!r}: counts above 8 must be whole hosts of 8 GPUs (16, 24, ...), got {n}"
+      f"target {name!r}: counts above 8 must be whole hosts of 8 GPUs (16, 24, ...), got {n}"
     )
   return Topology(f"{gpu.name}x{n}", gpu, n // 8, 8)
 
@@ -402,8 +406,8 @@ def gpu_target_config(gpu: str | Gpu) -> str:
   g = get_gpu(gpu)
   if g.vendor != "nvidia":
     raise ValueError(
-        f"{g.name}: deviceless compilation is only available for NVIDIA targets in jaxlib; "
-        "use the catalogue numbers with the simulator instead"
+      f"{g.name}: deviceless compilation is only available for NVIDIA targets in jaxlib; "
+      "use the catalogue numbers with the simulator instead"
     )
   major, minor = g.compute_capability
   return f"""gpu_device_info {{
@@ -446,14 +450,14 @@ def _check_cuda_plugin() -> None:
     plugin = importlib.metadata.version("jax-cuda13-plugin")
   except importlib.metadata.PackageNotFoundError:
     raise ImportError(
-        "deviceless GPU compilation needs the CUDA plugin: pip install "
-        f"'jax-cuda13-plugin=={jaxlib.__version__}' 'jax-cuda13-pjrt=={jaxlib.__version__}' "
-        "(or: pip install 'jax_overlap[cuda]')"
+      "deviceless GPU compilation needs the CUDA plugin: pip install "
+      f"'jax-cuda13-plugin=={jaxlib.__version__}' 'jax-cuda13-pjrt=={jaxlib.__version__}' "
+      "(or: pip install 'jax_overlap[cuda]')"
     ) from None
   if plugin != jaxlib.__version__:
     raise ImportError(
-        f"jax-cuda13-plugin {plugin} does not match jaxlib {jaxlib.__version__}; install "
-        f"'jax-cuda13-plugin=={jaxlib.__version__}' 'jax-cuda13-pjrt=={jaxlib.__version__}'"
+      f"jax-cuda13-plugin {plugin} does not match jaxlib {jaxlib.__version__}; install "
+      f"'jax-cuda13-plugin=={jaxlib.__version__}' 'jax-cuda13-pjrt=={jaxlib.__version__}'"
     )
 
 
@@ -463,13 +467,66 @@ def _compile_only_devices(topology_name: str) -> tuple:
 
   topo = get(topology_name)
   _check_cuda_plugin()
-  desc = jtop.get_topology_desc(
+
+  def describe():
+    return jtop.get_topology_desc(
       topo.gpu.name,
       platform="cuda",
       topology=f"{topo.num_hosts}x1x{topo.gpus_per_host}",
       target_config=gpu_target_config(topo.gpu),
-  )
+    )
+
+  try:
+    desc = describe()
+  except NotImplementedError:
+    _register_cuda_plugin(topo.name)
+    desc = describe()
   return tuple(desc.devices)
+
+
+def _register_cuda_plugin(target: str) -> None:
+  """Registers the CUDA plugin when its start-up check failed on a machine without a GPU.
+
+  The plugin registers its compile-only topologies when it initializes, and
+  it stops before that when its CUDA/cuDNN version check fails, which it runs
+  unless ``JAX_PLATFORMS`` leaves CUDA out. The check is about running
+  kernels, which a deviceless compile never does, so the plugin is
+  initialized again with the check skipped (``JAX_SKIP_CUDA_CONSTRAINTS_CHECK``,
+  for that call only).
+
+  Raises:
+    ConfigError: with the one setting that fixes it, if that fails too.
+  """
+  from jax_overlap._src.errors import ConfigError
+
+  fix = (
+    "set JAX_PLATFORMS=cpu in the environment before jax starts (deviceless compiles need no "
+    "GPU; the variable stops the CUDA plugin from checking for one)"
+  )
+  plugin = None
+  for name in ("jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12"):
+    try:
+      plugin = importlib.import_module(name)
+      break
+    except ImportError:
+      continue
+  if plugin is None:
+    raise ConfigError(f"targets: no CUDA plugin to compile for {target}; {fix}")
+  saved = os.environ.get("JAX_SKIP_CUDA_CONSTRAINTS_CHECK")
+  os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
+  try:
+    plugin.initialize()
+  except Exception as e:  # noqa: BLE001 - the plugin raises several error types
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    raise ConfigError(
+      f"targets: compiling for {target} needs the CUDA plugin's compile-only topology, and the "
+      f"plugin did not start ({first}); {fix}"
+    ) from None
+  finally:
+    if saved is None:
+      os.environ.pop("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", None)
+    else:
+      os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = saved
 
 
 def compile_only_devices(target: str | Topology) -> list:
@@ -477,16 +534,16 @@ def compile_only_devices(target: str | Topology) -> list:
   topo = get(target)
   if not topo.gpu.deviceless:
     raise ValueError(
-        f"{topo.name}: deviceless compilation is only available for NVIDIA targets; "
-        f"choose one of {', '.join(n for n in names() if GPUS[n].deviceless)}"
+      f"{topo.name}: deviceless compilation is only available for NVIDIA targets; "
+      f"choose one of {', '.join(n for n in names() if GPUS[n].deviceless)}"
     )
   return list(_compile_only_devices(topo.name))
 
 
 def compile_only_mesh(
-    target: str | Topology,
-    axes: Sequence[str] | dict[str, int] = ("fsdp",),
-    shape: Sequence[int] | None = None,
+  target: str | Topology,
+  axes: Sequence[str] | dict[str, int] = ("fsdp",),
+  shape: Sequence[int] | None = None,
 ):
   """A :class:`jax.sharding.Mesh` of compile-only devices for ``target``.
 
@@ -520,12 +577,12 @@ def compile_only_mesh(
       sizes = tuple(int(s) for s in shape)
   if not names_ or len(names_) != len(sizes):
     raise ValueError(
-        f"compile_only_mesh: need one size per axis name, got axes={names_} shape={sizes}"
+      f"compile_only_mesh: need one size per axis name, got axes={names_} shape={sizes}"
     )
   if int(np.prod(sizes)) != topo.num_devices:
     raise ValueError(
-        f"compile_only_mesh: mesh shape {dict(zip(names_, sizes))} has {int(np.prod(sizes))} "
-        f"devices but {topo.name} has {topo.num_devices}"
+      f"compile_only_mesh: mesh shape {dict(zip(names_, sizes))} has {int(np.prod(sizes))} "
+      f"devices but {topo.name} has {topo.num_devices}"
     )
   devices = np.array(compile_only_devices(topo), dtype=object).reshape(sizes)
   return Mesh(devices, names_)

@@ -48,8 +48,8 @@ import jax
 import numpy as np
 from jax.experimental.xla_metadata import set_xla_metadata
 
+from jax_overlap._src import errors, latency_profile, selection_cache
 from jax_overlap._src import flags as flags_lib
-from jax_overlap._src import latency_profile, selection_cache
 from jax_overlap._src import targets as targets_lib
 from jax_overlap._src.fsdp import _after
 
@@ -827,7 +827,9 @@ class Overlapped:
     if hit is not None:
       return hit
     base = self.fn if hasattr(self.fn, "trace") else jax.jit(self.fn)
-    traced = base.trace(*args, **kwargs)
+    traced = errors.trace_user_fn(
+        "overlap", self.fn, args, kwargs, lambda: base.trace(*args, **kwargs)
+    )
     closed, out_info = traced.jaxpr, traced.out_info
     out_tree = jax.tree.structure(out_info)
     annotate = self.annotate
@@ -886,7 +888,7 @@ class Overlapped:
       actions = [a for a in actions if a.kind == "left_alone"]
       actions.append(Action("left_alone", "program", f"kept as written: {name} estimated faster"))
     for k, v in options.items():
-      actions.append(Action("compiler_option", "compile", f"{k}={flags_lib._format_value(v)}"))
+      actions.append(Action("compiler_option", "compile", f"{k}={flags_lib.format_value(v)}"))
     explanation = Explanation(actions, options, notes, estimates, name)
     python_fn = make(cfg_c, options)
     jitted = jax.jit(python_fn, compiler_options=options or None, **self.jit_kwargs)
@@ -1146,7 +1148,7 @@ def overlap(
     )
   if target is not None:
     targets_lib.get(target)
-  flags_lib._check_workload(workload)
+  flags_lib.check_workload(workload)
   if "compiler_options" in jit_kwargs:
     raise ValueError("overlap: pass XLA options as xla_options=, not compiler_options=")
   if not isinstance(cache, bool):

@@ -30,6 +30,8 @@ from typing import Any, Literal
 
 from absl import logging
 
+from jax_overlap._src import errors
+
 __all__ = [
   "ComputeGovernor",
   "Decision",
@@ -84,7 +86,10 @@ def step_flops(compiled_or_fn: Any, *args: Any, target: str | None = None, **kwa
     else:
       fn = compiled_or_fn
       jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
-      compiled = jitted.lower(*args, **kwargs).compile()
+      traced = errors.trace_user_fn(
+        "budget.compute.step_flops", fn, args, kwargs, lambda: jitted.trace(*args, **kwargs)
+      )
+      compiled = traced.lower().compile()
   cost = compiled.cost_analysis()
   if isinstance(cost, Sequence) and not isinstance(cost, dict):
     cost = cost[0] if cost else None

@@ -42,6 +42,8 @@ from typing import Any
 import jax
 from absl import logging
 
+from jax_overlap._src import errors
+
 __all__ = [
   "CATEGORIES",
   "Breakdown",
@@ -417,7 +419,10 @@ def breakdown(
   options = dict(compiler_options or {})
   with tempfile.TemporaryDirectory(prefix="jax_overlap_mem_") as tmp:
     options["xla_dump_to"] = tmp
-    compiled = jitted.lower(*args).compile(options)
+    traced = errors.trace_user_fn(
+      "budget.memory.breakdown", fn, tuple(args), {}, lambda: jitted.trace(*args)
+    )
+    compiled = traced.lower().compile(options)
     assignment = _read_dump(tmp, "-buffer-assignment.txt")
     live = _read_dump(tmp, "-live-range.txt")
     hlo_files = [

@@ -1,0 +1,270 @@
+"""Choosing and setting overlap options: recommendations, ``configure``, per-compile options.
+
+:func:`recommended` gives the options for a GPU target and a workload (each
+choice explained by its registry entry), translated to the spelling the
+installed jaxlib accepts. :func:`configure` merges them into
+``os.environ["XLA_FLAGS"]`` and the NCCL variables, keeping what the user set,
+and refuses once the backend is up (the flags would silently do nothing).
+:func:`as_compiler_options` gives the same choice for one ``jit`` without
+touching the environment.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, Literal
+
+from jax_overlap._src import targets as targets_lib
+from jax_overlap._src.errors import ConfigError
+from jax_overlap._src.flags import probe as probe_lib
+from jax_overlap._src.flags import syntax
+from jax_overlap._src.flags.registry import REGISTRY, WORKLOADS
+from jax_overlap._src.flags.validation import validate
+
+__all__ = ["recommended", "as_compiler_options", "configure", "backend_started", "check_workload"]
+
+
+def backend_started() -> bool:
+  from jax._src import xla_bridge
+
+  return bool(xla_bridge.backends_are_initialized())
+
+
+def check_workload(workload: str) -> str:
+  if workload not in WORKLOADS:
+    raise ValueError(f"unknown workload {workload!r}; valid choices: {', '.join(WORKLOADS)}")
+  return workload
+
+
+@functools.lru_cache(maxsize=64)
+def _recommended(target: str, workload: str) -> tuple[tuple[str, Any], ...]:
+  """The recommendation table. Each choice is justified in the flag's ``why``.
+
+  The per-GPU split comes from deviceless analyses of 8-layer bf16 FSDP steps
+  (hidden 4096, MLP 11008), unrolled and scanned, on h100x8 and a100x8
+  (benchmarks/analysis_fsdp.py writes the table): on Hopper, XLA's default
+  speed-of-light estimator already overlaps the gathers and the analytical
+  estimator exposes more reduce-scatter time; on Ampere the analytical
+  estimator is what hides the gathers.
+  """
+  topo = targets_lib.get(target)
+  gpu = topo.gpu
+  hopper = gpu.vendor == "nvidia" and gpu.compute_capability >= (9, 0)
+  opts: dict[str, Any] = {
+    "xla_gpu_enable_latency_hiding_scheduler": True,
+    "xla_gpu_enable_highest_priority_async_stream": True,
+  }
+  if not hopper:
+    opts["xla_gpu_enable_analytical_latency_estimator"] = True
+  if workload in ("fsdp", "hybrid"):
+    opts.update(
+      {
+        "xla_gpu_enable_pipelined_all_gather": True,
+        "xla_gpu_enable_pipelined_reduce_scatter": True,
+        "xla_gpu_enable_while_loop_double_buffering": True,
+      }
+    )
+    if hopper:
+      opts["xla_gpu_enable_pipelined_all_reduce"] = True
+  if workload in ("data_parallel", "hybrid"):
+    opts["xla_gpu_enable_pipelined_all_reduce"] = True
+    opts["xla_gpu_enable_while_loop_double_buffering"] = True
+  if workload in ("tensor_parallel", "hybrid"):
+    opts.update(
+      {
+        "xla_gpu_threshold_for_windowed_einsum_mib": 0,
+        "xla_gpu_multi_streamed_windowed_einsum": True,
+      }
+    )
+  if gpu.link.startswith("pcie"):
+    # PCIe boxes need few channels to saturate the link; fewer CTAs leave more SMs to compute.
+    opts["NCCL_MAX_CTAS"] = 4
+  return tuple(opts.items())
+
+
+def _translate_for_installed(opts: dict[str, Any]) -> dict[str, Any]:
+  """Swaps options the installed jaxlib spells differently (old vs new names)."""
+  tokens = {k: syntax.format_token(k, v) for k, v in opts.items() if REGISTRY[k].kind == "xla"}
+  renamed = {}
+  for k, v in opts.items():
+    flag = REGISTRY[k]
+    if flag.replacement and REGISTRY[flag.replacement].type == "enum" and isinstance(v, bool):
+      renamed[k] = (flag.replacement, "on" if v else "off")
+  answers = probe_lib.judge(
+    list(tokens.values()) + [syntax.format_token(n, v) for n, v in renamed.values()]
+  )
+  out: dict[str, Any] = {}
+  for k, v in opts.items():
+    if k not in tokens or answers[tokens[k]].accepted:
+      out[k] = v
+    elif k in renamed and answers[syntax.format_token(*renamed[k])].accepted:
+      out[renamed[k][0]] = renamed[k][1]
+    # Neither spelling is accepted: leave it out rather than abort the process.
+  return out
+
+
+def recommended(
+  target: str = "h100x8", workload: str = "fsdp", *, check_installed: bool = True
+) -> dict[str, Any]:
+  """Overlap options for a GPU target and a workload.
+
+  Each choice is explained by the ``why`` of its :data:`REGISTRY` entry.
+
+  Args:
+    target: topology name ("h100x8", "a100x8", "h200x16", ...) or GPU name.
+    workload: "fsdp", "tensor_parallel", "data_parallel" or "hybrid".
+    check_installed: translate to the spelling the installed jaxlib accepts
+      and drop anything it rejects (asks jaxlib; cached per version).
+
+  Returns:
+    ``{name: value}``: XLA options (no ``--``) and NCCL/CUDA variables.
+
+  Raises:
+    ValueError: for an unknown target or workload.
+
+  Example:
+    >>> recommended("h100x8", "fsdp")["xla_gpu_enable_latency_hiding_scheduler"]  # doctest: +SKIP
+    True
+  """
+  check_workload(workload)
+  topo = targets_lib.get(target)
+  opts = dict(_recommended(topo.name, workload))
+  if check_installed:
+    opts = _translate_for_installed(opts)
+  return opts
+
+
+def as_compiler_options(
+  target: str = "h100x8", workload: str = "fsdp", **overrides: Any
+) -> dict[str, Any]:
+  """The XLA part of :func:`recommended`, for ``jax.jit(..., compiler_options=...)``.
+
+  Environment variables (NCCL, CUDA) are left out: they cannot be set per compile.
+
+  Raises:
+    ConfigError: if an override is rejected by the installed jaxlib.
+  """
+  opts = {k: v for k, v in recommended(target, workload).items() if REGISTRY[k].kind == "xla"}
+  if overrides:
+    errors = [p for p in validate(overrides) if p.severity == "error"]
+    if errors:
+      raise ConfigError("as_compiler_options: " + "; ".join(p.message for p in errors))
+    env_like = [k for k in overrides if REGISTRY.get(k) and REGISTRY[k].kind == "env"]
+    if env_like:
+      raise ConfigError(
+        f"as_compiler_options: {', '.join(env_like)} are environment variables, not compile "
+        "options; set them with configure() or in the environment"
+      )
+    opts.update(overrides)
+  return opts
+
+
+def configure(
+  target: str = "h100x8",
+  workload: str = "fsdp",
+  *,
+  on_conflict: Literal["error", "keep", "replace"] = "error",
+  environ: dict[str, str] | None = None,
+  **overrides: Any,
+) -> dict[str, Any]:
+  """Sets the recommended options in ``XLA_FLAGS`` and the NCCL variables.
+
+  What the user already has in ``XLA_FLAGS`` is kept. A flag the user set to a
+  different value than the recommendation is a conflict: by default it is
+  refused with a message naming both values (``on_conflict="keep"`` keeps the
+  user's, ``"replace"`` takes the recommendation). Overrides win over both.
+
+  Args:
+    target: topology name.
+    workload: see :data:`WORKLOADS`.
+    on_conflict: what to do when ``XLA_FLAGS`` already sets an option differently.
+    environ: the environment to edit (``os.environ`` by default).
+    **overrides: options to set instead of the recommended values.
+
+  Returns:
+    The options that were applied.
+
+  Raises:
+    ConfigError: if the JAX backend is already initialized (the flags would do
+      nothing), on a conflict, or if the resulting flags contain an error
+      (a flag the installed jaxlib would abort on).
+  """
+  if on_conflict not in ("error", "keep", "replace"):
+    raise ValueError(
+      f"configure: on_conflict must be 'error', 'keep' or 'replace', got {on_conflict!r}"
+    )
+  env = os.environ if environ is None else environ
+  if environ is None and backend_started():
+    raise ConfigError(
+      "configure: the JAX backend is already initialized, so XLA_FLAGS and NCCL variables set "
+      "now would silently do nothing. Call jax_overlap.flags.configure(...) before the first "
+      "JAX computation (or jax.devices()), or pass the options per compile with "
+      "jax.jit(f, compiler_options=jax_overlap.flags.as_compiler_options(...))."
+    )
+  wanted = recommended(target, workload)
+  unknown = [k for k in overrides if k not in REGISTRY and not k.startswith("xla_")]
+  if unknown:
+    raise ConfigError(
+      f"configure: unknown override(s) {', '.join(unknown)}: overrides are XLA options "
+      "(xla_...) or NCCL/CUDA variables from jax_overlap.flags.REGISTRY"
+    )
+  current = env.get("XLA_FLAGS", "")
+  existing, bad = syntax.parse_xla_flags(current)
+  if bad:
+    raise ConfigError(
+      f"configure: XLA_FLAGS already holds malformed token(s) {', '.join(map(repr, bad))}; "
+      "fix them first (tokens look like --name=value)"
+    )
+  already = [p for p in validate(current) if p.severity == "error"]
+  if already:
+    raise ConfigError(
+      "configure: XLA_FLAGS already holds flags XLA would abort on; fix them first: "
+      + "; ".join(p.message for p in already)
+    )
+  conflicts = []
+  merged_xla = dict(existing)
+  env_vars: dict[str, str] = {}
+  for k, v in {**wanted, **overrides}.items():
+    flag = REGISTRY.get(k)
+    s = syntax.format_value(v)
+    if flag is not None and flag.kind == "env":
+      have = env.get(k)
+      if have is not None and have != s and k not in overrides:
+        if on_conflict == "error":
+          conflicts.append(f"{k}: environment has {have}, recommended {s}")
+          continue
+        if on_conflict == "keep":
+          continue
+      env_vars[k] = s
+      continue
+    have = existing.get(k)
+    if have is not None and have.lower() != s.lower() and k not in overrides:
+      if on_conflict == "error":
+        conflicts.append(f"--{k}: XLA_FLAGS has {have}, recommended {s}")
+        continue
+      if on_conflict == "keep":
+        continue
+    merged_xla[k] = s
+  if conflicts:
+    raise ConfigError(
+      "configure: XLA_FLAGS or the environment already set these differently: "
+      + "; ".join(conflicts)
+      + ". Pass the value you want as an override (configure(..., name=value)), or "
+      "on_conflict='keep' / 'replace'."
+    )
+  problems = [p for p in validate(merged_xla) if p.severity == "error"]
+  if problems:
+    raise ConfigError(
+      "configure: the resulting XLA_FLAGS would not work with jaxlib "
+      f"{probe_lib.jaxlib_version()}: " + "; ".join(p.message for p in problems)
+    )
+  # Edit single flags: keep the user's order and add ours after it.
+  env["XLA_FLAGS"] = syntax.format_xla_flags(merged_xla)
+  for k, v in env_vars.items():
+    env[k] = v
+  applied = {
+    k: merged_xla[k] for k in merged_xla if k not in existing or existing[k] != merged_xla[k]
+  }
+  applied.update(env_vars)
+  return applied

@@ -1,0 +1,85 @@
+"""A mistake in the user's call is reported as theirs: API, function, arguments, original kind."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jax_overlap
+from jax_overlap import budget
+
+
+def step(w, x):
+  return jnp.sum(jnp.tanh(x @ w))
+
+
+W = jax.ShapeDtypeStruct((64, 32), jnp.float32)
+X_BAD = jax.ShapeDtypeStruct((8, 63), jnp.float32)
+SHAPES = "step(float32[64, 32], float32[8, 63]) fails when traced on these arguments"
+MISMATCH = "dot_general requires contracting dimensions to have the same shape"
+
+
+@pytest.mark.parametrize("target", ["h100x8", None])
+def test_analyze_shape_mismatch(target):
+  with pytest.raises(TypeError, match=r"analyze: step\(float32\[64, 32\], float32\[8, 63\]\)") as e:
+    jax_overlap.analyze(step, W, X_BAD, target=target)
+  assert MISMATCH in str(e.value) and "before any compilation" in str(e.value)
+  assert "XLA could not compile" not in str(e.value)
+  assert isinstance(e.value.__cause__, TypeError)
+
+
+def test_analyze_wrong_arity():
+  with pytest.raises(TypeError, match=r"analyze: step\(float32\[64, 32\]\) fails.*missing 1"):
+    jax_overlap.analyze(step, W, target="h100x8")
+
+
+def test_analyze_keyword_and_pytree_arguments_are_described():
+  def f(params, *, batch):
+    return params["w"] @ batch
+
+  params = {"w": jnp.ones((4, 3)), "b": jnp.ones((3,))}
+  with pytest.raises(TypeError, match=r"f\(dict of 2 leaves, batch=float32\[5\]\)"):
+    jax_overlap.analyze(f, params, batch=jnp.ones((5,)), target=None)
+
+
+def test_overlap_reports_the_users_function():
+  dec = jax_overlap.overlap(step)
+  with pytest.raises(
+    TypeError,
+    match="overlap: "
+    + SHAPES.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]"),
+  ):
+    dec(jnp.ones((64, 32)), jnp.ones((8, 63)))
+  with pytest.raises(TypeError, match=r"overlap: step\(float32\[64, 32\]\) fails"):
+    dec.explain(jnp.ones((64, 32)))
+
+
+def test_budget_memory_breakdown_reports_the_users_function():
+  with pytest.raises(
+    TypeError, match=r"budget.memory.breakdown: step\(float32\[64, 32\], float32\[8, 63\]\)"
+  ):
+    budget.memory.breakdown(step, W, X_BAD, target="h100x8")
+
+
+def test_budget_step_flops_reports_the_users_function():
+  with pytest.raises(
+    TypeError, match=r"budget.compute.step_flops: step\(float32\[64, 32\], float32\[8, 63\]\)"
+  ):
+    budget.compute.step_flops(step, jnp.ones((64, 32)), jnp.ones((8, 63)))
+
+
+def test_value_errors_keep_their_kind():
+  def bad(x):
+    raise ValueError("batch must be even")
+
+  with pytest.raises(
+    ValueError, match=r"analyze: .*bad\(float32\[3\]\) fails.*ValueError: batch must be even"
+  ):
+    jax_overlap.analyze(bad, jnp.ones((3,)), target=None)
+
+
+def test_compile_stage_errors_are_still_compile_errors():
+  # The call traces fine; XLA rejects the compile options: that stays a RuntimeError naming XLA.
+  x = jax.ShapeDtypeStruct((8, 64), jnp.float32)
+  with pytest.raises(RuntimeError, match="XLA could not compile the function for h100x8") as e:
+    jax_overlap.analyze(step, W, x, target="h100x8", xla_options={"xla_no_such_option_xyz": 1})
+  assert "fails when traced" not in str(e.value)
