@@ -27,7 +27,7 @@ up to the order of floating-point accumulation:
    the matmuls it should hide under carry the same pair id. They reach the
    compiled HLO (combiners join them with commas), where the analysis and the
    runtime controls read them.
-6. *Compiler options.* The target's recommended options (``flags.py``).
+6. *Compiler options.* The target's recommended options (``jax_overlap._src.flags``).
 
 Programs without explicit collectives (GSPMD inserts them during
 partitioning) get 3 and 5 only; ``explain()`` says so. Stacked layers under
