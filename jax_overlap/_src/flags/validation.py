@@ -408,9 +408,8 @@ def _out_of_range(flag: Flag, value: str | None) -> list[Problem]:
     Problem(
       flag.name,
       "out_of_range",
-      f"{flag.name}={value.strip()} is below {flag.minimum:g}: XLA takes it, but "
-      f"{flag.meaning[0].lower()}{flag.meaning[1:].rstrip('.')} needs a value >= "
-      f"{flag.minimum:g}",
+      f"{flag.name}={value.strip()} is below {flag.minimum:g}: XLA takes it, but the option "
+      f"({flag.meaning.rstrip('.')}) is meant for values >= {flag.minimum:g}",
       severity="warning",
     )
   ]
