@@ -8,9 +8,11 @@ library applies them when the program runs under ``jax-overlap launch``;
 
 from jax_overlap._src.plan import KernelRule as KernelRule
 from jax_overlap._src.plan import Plan as Plan
+from jax_overlap._src.plan import PlanCheck as PlanCheck
 from jax_overlap._src.plan import RegionRule as RegionRule
 from jax_overlap._src.plan import StreamPolicy as StreamPolicy
 from jax_overlap._src.plan import blocks_per_sm as blocks_per_sm
+from jax_overlap._src.plan import check_plan as check_plan
 from jax_overlap._src.plan import padded_dynamic_smem as padded_dynamic_smem
 from jax_overlap._src.plan import region_id as region_id
 from jax_overlap._src.plan import shaped_dynamic_smem as shaped_dynamic_smem
@@ -27,10 +29,12 @@ __all__ = [
   "KernelRule",
   "Occupancy",
   "Plan",
+  "PlanCheck",
   "RegionRule",
   "Status",
   "StreamPolicy",
   "blocks_per_sm",
+  "check_plan",
   "library_path",
   "occupancy",
   "padded_dynamic_smem",

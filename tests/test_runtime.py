@@ -363,6 +363,33 @@ def test_verbose_logs_and_prints_counters_at_exit(fake, tmp_path):
   assert "kernel gemm_fusion_1: static smem 1024, 32 regs" in r.stderr
 
 
+def test_verbose_exit_lists_rules_that_matched_no_kernel(fake, tmp_path):
+  # One rule names a launched kernel; the other is an HLO instruction name, which the
+  # driver never reports ('.' is '_' in kernel names).
+  r = harness.run_app(
+    fake,
+    "dlopen",
+    ["launch:gemm_fusion_1:256:0", "launch:gemm_fusion_1:256:0"],
+    rules=rules(
+      "kernel\tglob\tgemm_fusion_*\tblocks_per_sm\t2",
+      "kernel\tglob\tloop_fusion.7\tblocks_per_sm\t1",
+    ),
+    env={"JAX_OVERLAP_RT_VERBOSE": "1"},
+    tmp=tmp_path,
+  )
+  assert r.returncode == 0
+  assert "1 of 2 kernel rule(s) matched no kernel: loop_fusion.7\n" in r.stderr
+  quiet = harness.run_app(
+    fake,
+    "dlopen",
+    ["launch:gemm_fusion_1:256:0"],
+    rules=rules("kernel\tglob\tgemm_fusion_*\tblocks_per_sm\t2"),
+    env={"JAX_OVERLAP_RT_VERBOSE": "1"},
+    tmp=tmp_path,
+  )
+  assert "matched no kernel" not in quiet.stderr
+
+
 # ---------------------------------------------------------------------------
 # Fuzzing the arithmetic (C, through ctypes) and end to end (fake driver).
 # ---------------------------------------------------------------------------
@@ -481,7 +508,7 @@ def test_status_reads_counters_of_a_preloaded_library(tmp_path):
   code = (
     "import json; from jax_overlap import runtime; s = runtime.status(); "
     "print(json.dumps([s.loaded, s.library, s.rules, s.plan is not None, "
-    "s.counters.launches_seen, s.counters.by_path]))"
+    "s.counters.launches_seen, s.counters.by_path, s.rule_functions, s.unmatched_rules]))"
   )
   env = dict(os.environ)
   env.update(
@@ -493,11 +520,15 @@ def test_status_reads_counters_of_a_preloaded_library(tmp_path):
     [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
   )
   assert out.returncode == 0, out.stderr
-  loaded, library, n_rules, has_plan, seen, by_path = __import__("json").loads(out.stdout)
+  loaded, library, n_rules, has_plan, seen, by_path, functions, unmatched = __import__(
+    "json"
+  ).loads(out.stdout)
   assert loaded is True
   assert library.endswith("libjax_overlap_rt.so")
   assert n_rules == 1 and has_plan is True
   assert seen == 0 and by_path == {"direct": 0, "dlsym": 0, "cuGetProcAddress": 0}
+  # Nothing launched: the one rule has selected no kernel yet.
+  assert functions == {"gemm_*": 0} and unmatched == ["gemm_*"]
 
 
 def test_counter_names_match_the_library(rt):

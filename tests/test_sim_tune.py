@@ -139,3 +139,42 @@ def test_plan_naming_missing_kernels():
     sim.simulate(wl, "h100", bad)
   with pytest.raises(ValueError, match=r"exactly one of 'match' or 'regex'"):
     sim.policy_from_plan({"kernels": [{"blocks_per_sm": 1}]}, wl)
+
+
+def test_plan_rules_use_launch_names_and_one_setting_per_function():
+  import dataclasses
+
+  wl = sim.tp_chain(4, 8192, 4096, lag=2, kernel=lambda i: sim.attention("a", 4096, 4096, 2048))
+  kernels = [it for it in wl.items if isinstance(it, sim.Kernel)]
+  # Every attention kernel launches as one function (as XLA's deduplicated fusions and loop
+  # iterations do); the last one is a library call whose kernel name is unknown.
+  renamed = {k.name: "attention_fusion_3" for k in kernels[:-1]}
+  renamed[kernels[-1].name] = ""
+  items = tuple(
+    dataclasses.replace(it, launch_name=renamed[it.name]) if it.name in renamed else it
+    for it in wl.items
+  )
+  wl2 = sim.Workload(items, name="named")
+  for mode in ("kernel", "window"):
+    groups, _, _ = tune_mod.search_space(wl2, "h100", groups=mode)
+    # One function, one setting: all instances in one group; the library call in none.
+    assert [set(g) for g in groups] == [{k.name for k in kernels[:-1]}]
+  res = sim.tune(wl2, "h100", progress=False)
+  assert res.unnamed == (kernels[-1].name,)
+  assert kernels[-1].name not in res.policy.shaping
+  assert {k["match"] for k in res.plan["kernels"]} <= {"attention_fusion_3"}
+  # Instances of one function shaped differently get one rule with the smallest cap.
+  d = sim.plan_dict("h100", {kernels[0].name: 3, kernels[1].name: 2}, True, wl2)
+  assert d["kernels"] == [{"match": "attention_fusion_3", "blocks_per_sm": 2}]
+  with pytest.raises(ValueError, match="has no launch name"):
+    sim.plan_dict("h100", {kernels[-1].name: 1}, True, wl2)
+
+
+def test_plan_dict_escapes_glob_characters():
+  wl = sim.Workload((sim.Kernel("k", grid=8, threads=128, launch_name="fusion[1]*"),))
+  d = sim.plan_dict("h100", {"k": 2}, False, wl)
+  (rule,) = d["kernels"]
+  import fnmatch
+
+  assert fnmatch.fnmatchcase("fusion[1]*", rule["match"])
+  assert not fnmatch.fnmatchcase("fusion1_x", rule["match"])

@@ -37,6 +37,7 @@ Programming Guide, "Occupancy" and the per-compute-capability limits table).
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import hashlib
 import json
 import os
@@ -56,6 +57,8 @@ __all__ = [
   "blocks_per_sm",
   "shaped_dynamic_smem",
   "padded_dynamic_smem",
+  "PlanCheck",
+  "check_plan",
 ]
 
 PLAN_VERSION = 1
@@ -618,3 +621,91 @@ def padded_dynamic_smem(
   if static_smem + dyn > g.smem_per_block_optin:
     return max(dynamic_smem, g.smem_per_block_optin - static_smem)
   return dyn
+
+
+# ---------------------------------------------------------------------------
+# Checking a plan against a compiled step, before launch.
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanCheck:
+  """Which kernel rules of a plan select kernels of a compiled step.
+
+  Attributes:
+    matched: rule pattern -> the kernel names (as the driver reports them) it selects.
+    unmatched: patterns that select no kernel of the step: they would shape nothing.
+    unnamed: report kernels without a launch name (library calls such as cuBLAS
+      GEMMs, whose kernels carry the library's names): no rule can select them.
+  """
+
+  matched: dict[str, tuple[str, ...]]
+  unmatched: tuple[str, ...]
+  unnamed: tuple[str, ...]
+
+  @property
+  def ok(self) -> bool:
+    return not self.unmatched
+
+  def __str__(self) -> str:
+    n = len(self.matched) + len(self.unmatched)
+    lines = [
+      f"{n} kernel rule(s): {len(self.matched)} select kernels of the step, "
+      f"{len(self.unmatched)} select none"
+    ]
+    lines += [f"  matches nothing: {p}" for p in self.unmatched]
+    if self.unnamed:
+      lines.append(
+        f"  {len(self.unnamed)} kernel(s) of the step launch no kernel of XLA's own (device "
+        "copies, library calls such as cuBLAS): no rule can select them by name"
+      )
+    return "\n".join(lines)
+
+
+def _rule_selects(rule: KernelRule, name: str) -> bool:
+  # The runtime library uses fnmatch(3) with no flags and ECMAScript regex_search.
+  if rule.match is not None:
+    return fnmatch.fnmatchcase(name, rule.match)
+  return re.search(rule.regex, name) is not None
+
+
+def check_plan(plan: Plan | Mapping[str, Any] | str | os.PathLike, report: Any) -> PlanCheck:
+  """Says, before launch, which kernel rules of ``plan`` select kernels of ``report``'s step.
+
+  The runtime library matches rules against the names the driver reports for
+  each kernel function; the analysis reads the same names from XLA's thunk
+  listing (``report.kernels[i].launch_name``).
+
+  Args:
+    plan: a :class:`Plan`, its dict form, or a path to its JSON file.
+    report: a :func:`jax_overlap.analyze` report of the step, compiled for a GPU target.
+
+  Returns:
+    A :class:`PlanCheck`.
+
+  Raises:
+    ValueError: if the report has no kernel launch names (not compiled for a GPU).
+
+  Example:
+    >>> check = check_plan("plan.json", jax_overlap.analyze(step, *args, target="h100x8"))  # doctest: +SKIP
+    >>> check.unmatched  # doctest: +SKIP
+    ()
+  """
+  if not isinstance(plan, Plan):
+    plan = Plan.from_json(plan)
+  kernels = list(getattr(report, "kernels", ()))
+  names = sorted({k.launch_name for k in kernels if getattr(k, "launch_name", "")})
+  if not names:
+    raise ValueError(
+      "jax_overlap.runtime.check_plan: the report has no kernel launch names; analyse the step for a GPU "
+      "target (jax_overlap.analyze(..., target='h100x8')) to read XLA's thunk listing"
+    )
+  matched, unmatched = {}, []
+  for rule in plan.kernels:
+    hits = tuple(n for n in names if _rule_selects(rule, n))
+    if hits:
+      matched[rule.pattern] = hits
+    else:
+      unmatched.append(rule.pattern)
+  unnamed = tuple(k.name for k in kernels if not getattr(k, "launch_name", ""))
+  return PlanCheck(matched, tuple(unmatched), unnamed)

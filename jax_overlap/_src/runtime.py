@@ -270,6 +270,8 @@ class Status:
     plan: that plan, parsed, or None.
     rules: number of kernel and region rules active in the library.
     counters: the library's counters (all zero when it is not loaded).
+    rule_functions: per kernel rule pattern, the distinct kernel functions it
+      has selected so far in this process.
   """
 
   loaded: bool
@@ -278,6 +280,13 @@ class Status:
   plan: Plan | None
   rules: int
   counters: Counters
+  rule_functions: dict[str, int] = dataclasses.field(default_factory=dict)
+
+  @property
+  def unmatched_rules(self) -> tuple[str, ...]:
+    """Kernel rules that have selected no kernel so far: the plan names kernels this
+    program has not launched (yet), or names them differently from the driver."""
+    return tuple(p for p, n in self.rule_functions.items() if n == 0)
 
 
 def _mapped_runtime_library() -> str | None:
@@ -320,6 +329,11 @@ def load_library(path: str | os.PathLike | None = None, *, noload: bool = False)
   lib.jor_set_rules.restype = ctypes.c_int
   lib.jor_set_rules.argtypes = [ctypes.c_char_p]
   lib.jor_rule_count.restype = ctypes.c_int
+  lib.jor_kernel_rule_count.restype = ctypes.c_int
+  lib.jor_kernel_rule_pattern.restype = ctypes.c_char_p
+  lib.jor_kernel_rule_pattern.argtypes = [ctypes.c_int]
+  lib.jor_kernel_rule_functions.restype = ctypes.c_int64
+  lib.jor_kernel_rule_functions.argtypes = [ctypes.c_int]
   lib.jor_region_begin.restype = ctypes.c_int
   lib.jor_region_begin.argtypes = [ctypes.c_int64, ctypes.c_int64]
   lib.jor_region_end.restype = ctypes.c_int
@@ -382,6 +396,16 @@ def read_counters(lib: ctypes.CDLL) -> dict[str, int]:
   }
 
 
+def read_rule_functions(lib: ctypes.CDLL) -> dict[str, int]:
+  """Kernel rule pattern -> distinct functions it has selected, from a loaded library."""
+  out: dict[str, int] = {}
+  for i in range(lib.jor_kernel_rule_count()):
+    pattern = lib.jor_kernel_rule_pattern(i)
+    if pattern is not None:
+      out[pattern.decode()] = out.get(pattern.decode(), 0) + int(lib.jor_kernel_rule_functions(i))
+  return out
+
+
 def status() -> Status:
   """Whether the runtime library is loaded here and what it has done.
 
@@ -409,7 +433,15 @@ def status() -> Status:
     if lib is not None:
       values = read_counters(lib)
       known = {k: v for k, v in values.items() if k in _COUNTER_FIELDS}
-      return Status(True, mapped, plan_path, plan, int(lib.jor_rule_count()), Counters(**known))
+      return Status(
+        True,
+        mapped,
+        plan_path,
+        plan,
+        int(lib.jor_rule_count()),
+        Counters(**known),
+        read_rule_functions(lib),
+      )
   library = None
   for candidate in (_PACKAGE_LIB_DIR / RUNTIME_LIBRARY,):
     if candidate.exists():

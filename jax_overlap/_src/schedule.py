@@ -85,6 +85,12 @@ class KernelInfo:
     dtype: dtype of the dot operands, else of the result.
     op_name: JAX op name from the HLO metadata.
     annotations: frontend attributes (scheduling groups, priorities...).
+    launch_name: the name of the kernel as XLA launches it and the driver reports it
+      (``cuFuncGetName``), read from XLA's thunk listing: HLO names with '.' and '-'
+      turned into '_', and identical fusions deduplicated into one kernel, so
+      ``loop_multiply_fusion.2`` may launch as ``loop_multiply_fusion_7``. "" when
+      the thunk listing has no kernel for it (a library call such as a cuBLAS GEMM,
+      whose kernels have the library's names, or a compile without a thunk listing).
     start_s, end_s: placement on the estimated timeline.
   """
 
@@ -104,6 +110,7 @@ class KernelInfo:
   annotations: dict[str, str] = dataclasses.field(default_factory=dict)
   start_s: float = 0.0
   end_s: float = 0.0
+  launch_name: str = ""
 
 
 @dataclasses.dataclass
@@ -313,13 +320,14 @@ def build_schedule(
       if "deduplicated_name" in i.metadata:
         groups.setdefault(i.kernel_name, []).append(i.name.replace(".", "_").replace("-", "_"))
 
-  def _launch_of(instr: hlo_lib.Instruction) -> tuple[int, int, int]:
+  def _launch_of(instr: hlo_lib.Instruction) -> tuple[str, tuple[int, int, int]]:
+    """The launched kernel's name and (grid, threads, shared memory); ("", zeros) if none."""
     for key in [instr.kernel_name, instr.name.replace(".", "_").replace("-", "_")] + groups.get(
         instr.kernel_name, []
     ):
       if key in launch:
-        return launch[key]
-    return (0, 0, 0)
+        return key, launch[key]
+    return "", (0, 0, 0)
 
   def add_kernel(instr: hlo_lib.Instruction, comp: hlo_lib.Computation, suffix: str) -> None:
     flops = module.instruction_flops(instr, comp)
@@ -328,7 +336,7 @@ def build_schedule(
     nbytes = module.instruction_bytes(instr, comp)
     kind = _kernel_kind(module, instr)
     dtype = _dtype(module, instr)
-    grid, threads, smem = _launch_of(instr)
+    launch_name, (grid, threads, smem) = _launch_of(instr)
     k = KernelInfo(
         name=instr.name + suffix,
         kind=kind,
@@ -346,6 +354,7 @@ def build_schedule(
         dtype=dtype,
         op_name=instr.metadata.get("op_name", ""),
         annotations=dict(instr.frontend_attributes),
+        launch_name=launch_name,
     )
     kernels.append(k)
     ops.append(Op("kernel", kernel=k))

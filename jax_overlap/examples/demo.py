@@ -164,8 +164,12 @@ def main(argv) -> None:
           f"({res.evaluations} simulations, {res.method})")
     print(f"plan for `jax-overlap launch --plan {plan_path} -- python train.py`: "
           f"{json.dumps(res.plan)[:300]}")
+    # The rules name kernels as the driver reports them: check them against the compiled step.
+    check = jax_overlap.runtime.check_plan(res.plan, best)
+    print(f"plan check against the compiled step: {check}")
     tune_summary = {"baseline_ms": res.baseline_s * 1e3, "tuned_ms": res.makespan_s * 1e3,
-                    "gain": res.gain, "plan": plan_path}
+                    "gain": res.gain, "plan": plan_path,
+                    "rules_matching_nothing": list(check.unmatched)}
     try:
       sim_res = jax_overlap.sim.simulate(workload, target, res.policy, record=True)
       jax_overlap.sim.plot(sim_res, os.path.join(FLAGS.out, "sm_occupancy.png"))

@@ -32,6 +32,7 @@
 
 #include <atomic>
 #include <fnmatch.h>
+#include <memory>
 #include <mutex>
 #include <regex>
 #include <shared_mutex>
@@ -202,6 +203,9 @@ struct KernelRule {
 struct Rules {
   uint64_t generation = 0;
   std::vector<KernelRule> kernels;
+  // Per kernel rule: distinct functions it has selected so far (a rule that
+  // stays at 0 names no kernel the program launched).
+  std::unique_ptr<std::atomic<uint64_t>[]> functions;
   std::unordered_map<int64_t, int64_t> regions;  // id -> blocks_per_sm
   bool stream_priority_highest = false;
   bool promote_requested = false;
@@ -313,6 +317,7 @@ int ParseRules(const char* text, Rules* rules) {
 int InstallRules(const char* text) {
   Rules* rules = new Rules();
   int errors = ParseRules(text, rules);
+  rules->functions.reset(new std::atomic<uint64_t>[rules->kernels.size()]());
   rules->generation = g_generation.fetch_add(1) + 1;
   std::lock_guard<std::mutex> lock(g_rules_mu);
   const Rules* old = g_rules.exchange(rules, std::memory_order_acq_rel);
@@ -500,6 +505,7 @@ bool FuncFor(CUfunction f, const Rules* rules, FuncInfo* out, bool want_name) {
   for (size_t i = 0; i < rules->kernels.size(); ++i) {
     if (RuleMatches(rules->kernels[i], info.name)) {
       info.rule = static_cast<int>(i);
+      rules->functions[i].fetch_add(1, std::memory_order_relaxed);
       break;
     }
   }
@@ -1126,8 +1132,33 @@ void InitOnce() {
 
 __attribute__((constructor)) void OnLoad() { pthread_once(&g_init_once, InitOnce); }
 
+// Kernel rules that selected no function: the plan names kernels this program
+// never launched (a plan written for another step, or HLO names instead of the
+// names the driver reports).
+void PrintUnmatchedRules() {
+  const Rules* rules = CurrentRules();
+  if (rules == nullptr) return;
+  size_t unmatched = 0;
+  for (size_t i = 0; i < rules->kernels.size(); ++i) {
+    if (rules->functions[i].load() == 0) ++unmatched;
+  }
+  if (unmatched == 0) return;
+  fprintf(stderr, "[jax_overlap_rt %d] %zu of %zu kernel rule(s) matched no kernel:", getpid(),
+          unmatched, rules->kernels.size());
+  for (size_t i = 0; i < rules->kernels.size(); ++i) {
+    if (rules->functions[i].load() == 0) {
+      fprintf(stderr, " %s%s", rules->kernels[i].is_regex ? "regex:" : "",
+              rules->kernels[i].pattern.c_str());
+    }
+  }
+  fprintf(stderr, "\n");
+}
+
 __attribute__((destructor)) void OnUnload() {
-  if (Verbose() >= 1) PrintCounters();
+  if (Verbose() >= 1) {
+    PrintCounters();
+    PrintUnmatchedRules();
+  }
 }
 
 }  // namespace
@@ -1188,6 +1219,25 @@ JOR_EXPORT int jor_set_rules(const char* text) {
 JOR_EXPORT int jor_rule_count(void) {
   const Rules* r = CurrentRules();
   return r ? static_cast<int>(r->kernels.size() + r->regions.size()) : 0;
+}
+
+JOR_EXPORT int jor_kernel_rule_count(void) {
+  const Rules* r = CurrentRules();
+  return r ? static_cast<int>(r->kernels.size()) : 0;
+}
+
+// The pattern of kernel rule `i` of the active rules, or null.
+JOR_EXPORT const char* jor_kernel_rule_pattern(int i) {
+  const Rules* r = CurrentRules();
+  if (r == nullptr || i < 0 || static_cast<size_t>(i) >= r->kernels.size()) return nullptr;
+  return r->kernels[i].pattern.c_str();
+}
+
+// Distinct functions kernel rule `i` has selected so far; -1 for a bad index.
+JOR_EXPORT int64_t jor_kernel_rule_functions(int i) {
+  const Rules* r = CurrentRules();
+  if (r == nullptr || i < 0 || static_cast<size_t>(i) >= r->kernels.size()) return -1;
+  return static_cast<int64_t>(r->functions[i].load());
 }
 
 // Enters an occupancy region on the calling thread: launches from this thread

@@ -297,6 +297,9 @@ class Kernel:
     gemm_mnk: ``(m, n, k)`` for GEMMs.
     efficiency: fraction of peak a block reaches (None: per-target GEMM efficiency for
       GEMMs, 1.0 otherwise).
+    launch_name: the kernel's name as the GPU driver reports it, which runtime plans
+      match; None: the same as ``name`` (hand-built workloads); "": unknown (a library
+      call such as a cuBLAS GEMM), so no plan rule can select it by name.
   """
 
   name: str
@@ -312,6 +315,7 @@ class Kernel:
   dtype: str = "bf16"
   gemm_mnk: tuple[int, int, int] | None = None
   efficiency: float | None = None
+  launch_name: str | None = None
 
   def __post_init__(self):
     api = f"sim.Kernel({self.name!r})"

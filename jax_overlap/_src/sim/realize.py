@@ -163,9 +163,11 @@ def _kernel(k, name: str, after: tuple[str, ...]) -> Kernel:
   mnk = getattr(k, "gemm_mnk", None)
   flops = float(_attr(k, "flops", where) or 0.0)
   nbytes = float(_attr(k, "bytes_accessed", where) or 0.0)
+  launch_name = str(getattr(k, "launch_name", "") or "")
   if mnk:
     # Any kernel with a dot (a Triton GEMM fusion, a cuBLAS call): rebuilt by shape.
-    return Kernel.gemm(name, *(int(x) for x in mnk), dtype=dtype, after=after)
+    gemm = Kernel.gemm(name, *(int(x) for x in mnk), dtype=dtype, after=after)
+    return dataclasses.replace(gemm, launch_name=launch_name)
   if raw_kind == "convolution":
     kind = "custom"  # tensor-core kernel with its own launch configuration
   grid = int(_attr(k, "grid_blocks", where))
@@ -189,6 +191,7 @@ def _kernel(k, name: str, after: tuple[str, ...]) -> Kernel:
     after=after,
     kind=kind,
     dtype=dtype,
+    launch_name=launch_name,
   )
 
 

@@ -58,6 +58,8 @@ class TuneResult:
     evaluations: simulations run.
     method: "exhaustive" or "coordinate".
     table: one row per evaluation: {"priority", "shaping", "makespan_s"}.
+    unnamed: kernels left unshaped because the driver name of their kernel is not
+      known (library calls such as cuBLAS GEMMs): no plan rule could select them.
   """
 
   plan: dict
@@ -69,6 +71,7 @@ class TuneResult:
   evaluations: int
   method: str
   table: list[dict]
+  unnamed: tuple[str, ...] = ()
 
   def format_table(self, top: int = 10) -> str:
     rows = sorted(self.table, key=lambda r: r["makespan_s"])[:top]
@@ -79,17 +82,39 @@ class TuneResult:
     return "\n".join(out)
 
 
-def plan_dict(target, shaping: Mapping[str, int], priority: bool) -> dict:
+def plan_dict(
+  target, shaping: Mapping[str, int], priority: bool, workload: Workload | None = None
+) -> dict:
   """The runtime plan for a shaping/priority choice, validated by the plan module if present.
 
+  Args:
+    target: the GPU target.
+    shaping: workload kernel name -> blocks per SM.
+    priority: communication at the highest stream priority.
+    workload: the workload the names refer to; its kernels' ``launch_name`` (the
+      name the driver reports) is what the plan's rules match. Kernels sharing a
+      launch name get one rule, with the smallest cap.
+
   Raises:
-    ValueError: when the runtime's plan module rejects it.
+    ValueError: when the runtime's plan module rejects it, or a shaped kernel has
+      no name a rule could match.
   """
   topo = engine.resolve_target(target)
+  items = {it.name: it for it in (workload.items if workload is not None else ())}
+  caps: dict[str, int] = {}
+  for name, cap in shaping.items():
+    it = items.get(name)
+    rule = launch_name(it) if isinstance(it, Kernel) else name
+    if not rule:
+      raise ValueError(
+        f"sim.plan_dict: kernel {name!r} has no launch name (a library call): no plan rule "
+        "can select it"
+      )
+    caps[rule] = min(int(cap), caps.get(rule, int(cap)))
   d = {
     "version": 1,
     "target": topo.gpu.name,
-    "kernels": [{"match": k, "blocks_per_sm": int(v)} for k, v in sorted(shaping.items())],
+    "kernels": [{"match": _glob_escape(k), "blocks_per_sm": v} for k, v in sorted(caps.items())],
     "streams": {"priority": "highest" if priority else "default"},
   }
   if topo.gpu.vendor != "nvidia":
@@ -105,22 +130,50 @@ def plan_dict(target, shaping: Mapping[str, int], priority: bool) -> dict:
   return d
 
 
+def launch_name(item: Kernel) -> str:
+  """The name a plan rule uses for ``item``: its driver name, else its workload name."""
+  return item.name if item.launch_name is None else item.launch_name
+
+
+def unnamed_kernels(wl: Workload) -> tuple[str, ...]:
+  """Kernels no plan rule can select: the driver name is unknown (library calls)."""
+  return tuple(it.name for it in wl.items if isinstance(it, Kernel) and it.launch_name == "")
+
+
+def _glob_escape(name: str) -> str:
+  """``name`` as an fnmatch pattern that matches exactly it."""
+  return "".join(f"[{c}]" if c in "*?[" else c for c in name)
+
+
 def _groups(wl: Workload, mode: str) -> list[list[str]]:
+  """Groups of kernels that share one shaping setting.
+
+  Kernels a plan cannot name are left out. Kernels that launch under one name
+  (one function: deduplicated fusions, loop iterations) are one group's, since
+  the runtime library can only give a function one setting.
+  """
   kinds = {it.name: it for it in wl.items}
   windows = [
-    [n for n in names if isinstance(kinds[n], Kernel)] for names in wl.overlap_windows().values()
+    [n for n in names if isinstance(kinds[n], Kernel) and launch_name(kinds[n])]
+    for names in wl.overlap_windows().values()
   ]
   windows = [w for w in windows if w]
   if mode == "kernel":
     seen: list[str] = []
     for w in windows:
       seen.extend(n for n in w if n not in seen)
-    return [[n] for n in seen]
-  if mode != "window":
+    windows = [[n] for n in seen]
+  elif mode != "window":
     raise ValueError(f"sim.tune: groups must be 'window' or 'kernel', got {mode!r}")
+  by_launch: dict[str, list[str]] = {}
+  for it in wl.items:
+    if isinstance(it, Kernel) and launch_name(it):
+      by_launch.setdefault(launch_name(it), []).append(it.name)
   merged: list[set[str]] = []
   for w in windows:
     s = set(w)
+    for n in w:
+      s |= set(by_launch[launch_name(kinds[n])])
     for m in [m for m in merged if m & s]:
       s |= m
       merged.remove(m)
@@ -304,7 +357,7 @@ def tune(
       ).makespan_s
     )
   return TuneResult(
-    plan=plan_dict(topo, shaping, p_best),
+    plan=plan_dict(topo, shaping, p_best, workload),
     policy=Policy("tuned", priority=p_best, shaping=shaping),
     makespan_s=t_best,
     baseline_s=base,
@@ -313,4 +366,5 @@ def tune(
     evaluations=len(cache),
     method=method,
     table=table,
+    unnamed=unnamed_kernels(workload),
   )

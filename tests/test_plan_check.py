@@ -1,0 +1,71 @@
+"""Plans name kernels as XLA launches them: checked against XLA's own dump of a real step."""
+
+import glob
+import os
+import re
+import shutil
+
+import pytest
+
+from jax_overlap import runtime, sim
+from jax_overlap._src import analysis
+from jax_overlap._src import compile as compile_lib
+from jax_overlap.examples import fsdp_transformer
+
+
+@pytest.fixture(scope="module")
+def compiled():
+  fn, args = fsdp_transformer.build()
+  step = compile_lib.compile_for_target(fn, *args, target="h100x8", keep_dump=True)
+  report = analysis.analyze_compiled(step)
+  # The kernels XLA emitted, by the names the driver will report: PTX .entry names.
+  entries = set()
+  for path in glob.glob(os.path.join(step.dump_dir, "*.ptx")):
+    with open(path) as f:
+      entries |= set(re.findall(r"\.entry\s+(\w+)", f.read()))
+  yield report, entries
+  shutil.rmtree(step.dump_dir, ignore_errors=True)
+
+
+def test_launch_names_are_kernels_xla_emitted(compiled):
+  report, entries = compiled
+  named = [k for k in report.kernels if k.launch_name]
+  assert len(entries) > 10 and len(named) >= 0.8 * len(report.kernels)
+  assert {k.launch_name for k in named} <= entries
+  # The HLO instruction names are not what the driver reports.
+  assert not any(k.name in entries for k in named if "." in k.name)
+  # What has no launch name is not a kernel XLA emitted (device copies, library calls).
+  assert all(
+    k.kind in ("copy", "gemm", "custom", "other") for k in report.kernels if not k.launch_name
+  )
+
+
+def test_plan_for_every_nameable_kernel_matches_the_step(compiled):
+  report, _ = compiled
+  wl = sim.workload_from_report(report)
+  kernels = [it for it in wl.items if isinstance(it, sim.Kernel)]
+  shaping = {k.name: 1 for k in kernels if k.launch_name}
+  plan = sim.plan_dict("h100x8", shaping, True, wl)
+  check = runtime.check_plan(plan, report)
+  assert check.ok and check.unmatched == ()
+  assert set(check.matched) == {k.launch_name for k in kernels if k.launch_name}
+  assert len(check.unnamed) == sum(1 for k in kernels if not k.launch_name)
+
+
+def test_plan_naming_hlo_instructions_matches_nothing(compiled):
+  report, _ = compiled
+  hlo_names = [k.name for k in report.kernels if k.launch_name and "." in k.name][:5]
+  plan = {"version": 1, "kernels": [{"match": n, "blocks_per_sm": 1} for n in hlo_names]}
+  check = runtime.check_plan(plan, report)
+  assert check.unmatched == tuple(hlo_names) and not check.ok
+  assert "5 kernel rule(s): 0 select kernels of the step, 5 select none" in str(check)
+  regex = {"version": 1, "kernels": [{"regex": "^loop_.*fusion", "blocks_per_sm": 1}]}
+  assert runtime.check_plan(regex, report).unmatched == ()
+
+
+def test_check_plan_needs_a_gpu_report():
+  class CpuReport:
+    kernels = []
+
+  with pytest.raises(ValueError, match="the report has no kernel launch names"):
+    runtime.check_plan({"version": 1, "kernels": []}, CpuReport())
