@@ -302,6 +302,55 @@ def test_graph_kernel_nodes_are_shaped(fake, tmp_path):
   assert r.counters["graph_nodes_shaped"] == 2
 
 
+@pytest.mark.parametrize("mode", ["direct", "dlopen", "procaddr"])
+def test_every_kernel_node_api_is_shaped(fake, mode, tmp_path):
+  # XLA's command buffers may create kernel nodes through cuGraphAddKernelNode or the
+  # generic node API (cuGraphAddNode), and update them through either family.
+  actions = [
+    "graph:gemm_fusion_1:256:0",
+    "kset:gemm_fusion_1:256:0",
+    "node:gemm_fusion_1:256:0",
+    "nodeset:gemm_fusion_1:256:0",
+    "execnodeset:gemm_fusion_1:256:0",
+    "node:nccl_proxy:640:0",  # a kernel node no rule selects
+    "node:gemm_fusion_1:256:0:2",  # a memset node: passed through untouched
+  ]
+  r = harness.run_app(
+    fake, mode, actions, rules=rules("kernel\tglob\tgemm_fusion_*\tblocks_per_sm\t2"), tmp=tmp_path
+  )
+  assert r.returncode == 0, r.stderr
+  assert [x.split()[1] for x in r.results] == ["0"] * len(actions)
+  kernel_nodes = [x for x in r.launches if "func" in x]
+  assert [x["func"] for x in kernel_nodes] == ["gemm_fusion_1"] * 5 + ["nccl_proxy"]
+  assert [int(x["dyn"]) for x in kernel_nodes] == [75777] * 5 + [0]
+  assert any(x.get("type") == "2" for x in r.launches)  # the memset node reached the driver
+  assert all("caller_dyn_kept=1" in x for x in r.results if "node" in x.split()[0])
+  assert r.counters["graph_nodes_seen"] == 6
+  assert r.counters["graph_nodes_shaped"] == 5
+  apis = {x["api"] for x in kernel_nodes}
+  assert {"cuGraphAddNode_v2", "cuGraphNodeSetParams", "cuGraphExecNodeSetParams"} <= apis
+  assert "cuGraphKernelNodeSetParams_v2" in apis
+
+
+@pytest.mark.parametrize("mode", ["direct", "dlopen", "procaddr"])
+def test_cooperative_kernel_launches_are_counted_not_shaped(fake, mode, tmp_path):
+  r = harness.run_app(
+    fake,
+    mode,
+    ["coop:gemm_fusion_1:256:0"],
+    rules=rules("kernel\tglob\tgemm_fusion_*\tblocks_per_sm\t1"),
+    tmp=tmp_path,
+  )
+  assert r.returncode == 0, r.stderr
+  assert r.launch_dyn("gemm_fusion_1") == [0]
+  assert r.counters["launches_seen"] == 1
+  assert r.counters["launches_skipped"] == 1
+  assert r.counters["launches_shaped"] == 0
+  assert r.counters[PATH_COUNTER[mode]] == 1
+  if mode == "procaddr":  # the per-thread-default-stream variant
+    assert r.launches[0]["api"] == "cuLaunchCooperativeKernel_ptsz"
+
+
 def test_stream_priority_promotes_requested_and_listed_streams(fake, tmp_path):
   r = harness.run_app(
     fake,

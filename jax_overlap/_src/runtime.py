@@ -39,6 +39,65 @@ __all__ = [
   "load_library",
 ]
 
+# Driver entry points that can create, update or launch kernels and that the
+# runtime library deliberately leaves alone, with the reason. Every other such
+# entry point the installed CUDA plugin can resolve is hooked
+# (tests/test_launch_coverage.py reads the plugin and checks both lists).
+UNHOOKED_LAUNCH_PATHS: dict[str, str] = {
+  **dict.fromkeys(
+    (
+      "cuLaunchHostFunc",
+      "cuLaunchHostFunc_ptsz",
+      "cuLaunchHostFunc_v2",
+      "cuLaunchHostFunc_v2_ptsz",
+    ),
+    "host callbacks run on the CPU: no kernel, nothing to shape",
+  ),
+  **dict.fromkeys(
+    ("cuLaunch", "cuLaunchGrid", "cuLaunchGridAsync"),
+    "the pre-CUDA-4 launch API (block shape and shared memory set beforehand with "
+    "cuFuncSetBlockShape/cuFuncSetSharedSize), deprecated; XLA and the libraries it calls "
+    "launch through cuLaunchKernel(Ex) and graphs",
+  ),
+  "cuLaunchCooperativeKernelMultiDevice": "deprecated since CUDA 11.3; cooperative launches "
+  "need every block resident and are never shaped",
+  **dict.fromkeys(
+    ("cuGraphKernelNodeGetParams", "cuGraphKernelNodeGetParams_v2"),
+    "reads a node's parameters back; creates nothing",
+  ),
+  **dict.fromkeys(
+    (
+      "cuGraphKernelNodeGetAttribute",
+      "cuGraphKernelNodeSetAttribute",
+      "cuGraphKernelNodeCopyAttributes",
+    ),
+    "node attributes (priority, cluster shape, access policy), not the launch configuration; "
+    "a node's shared memory is set through the parameter calls, which are hooked",
+  ),
+  **dict.fromkeys(
+    ("cuGraphExecUpdate", "cuGraphExecUpdate_v2"),
+    "copies parameters from a graph whose kernel nodes were created through the hooked calls",
+  ),
+  "cuKernelGetFunction": "resolves a CUkernel to a CUfunction. A CUkernel handle passed where "
+  "a function is expected is queried like a function; if the driver cannot answer, the "
+  "launch goes unchanged and is counted in launches_fallback",
+  "cuLibraryGetKernel": "looks a kernel up in a loaded library; launches nothing",
+  **dict.fromkeys(
+    (
+      "cuStreamBeginCapture",
+      "cuStreamBeginCapture_ptsz",
+      "cuStreamBeginCapture_v2",
+      "cuStreamBeginCapture_v2_ptsz",
+      "cuStreamBeginCaptureToGraph",
+      "cuStreamBeginCaptureToGraph_ptsz",
+      "cuStreamEndCapture",
+      "cuStreamEndCapture_ptsz",
+    ),
+    "stream capture records the launches made between begin and end, and those go through "
+    "the hooked launch entry points",
+  ),
+}
+
 RUNTIME_LIBRARY = _lib.RUNTIME_LIBRARY
 FFI_LIBRARY = _lib.FFI_LIBRARY
 PLAN_ENV = "JAX_OVERLAP_RT_PLAN"

@@ -123,7 +123,28 @@ typedef struct CUDA_KERNEL_NODE_PARAMS_v2_st {
   CUcontext ctx;
 } CUDA_KERNEL_NODE_PARAMS_v2;
 
+// CUDA_KERNEL_NODE_PARAMS_v3 (CUDA 12.2) has the v2 layout.
+typedef CUDA_KERNEL_NODE_PARAMS_v2 CUDA_KERNEL_NODE_PARAMS_v3;
+
+// struct CUgraphNodeParams_st (cuda.h, CUDA 12.2): the generic node API
+// (cuGraphAddNode, cuGraphNodeSetParams, cuGraphExecNodeSetParams). Only the
+// kernel member is read; the union is padded to 29 long longs.
+#define JOR_CU_GRAPH_NODE_TYPE_KERNEL 0
+typedef struct CUgraphNodeParams_st {
+  int type;  // CUgraphNodeType
+  int reserved0[3];
+  union {
+    long long reserved1[29];
+    CUDA_KERNEL_NODE_PARAMS_v3 kernel;
+  };
+  long long reserved2;
+} CUgraphNodeParams;
+
+// struct CUgraphEdgeData_st (cuda.h, CUDA 12.3): passed through, never read.
+typedef struct CUgraphEdgeData_st CUgraphEdgeData;
+
 #ifdef __cplusplus
+static_assert(sizeof(CUgraphNodeParams) == 256, "CUgraphNodeParams is 256 bytes in cuda.h");
 }  // extern "C"
 #endif
 

@@ -24,6 +24,15 @@
   (const CUlaunchConfig* config, CUfunction f, void** kernelParams, void** extra)
 #define JOR_LAUNCH_EX_ARGS (config, f, kernelParams, extra)
 
+#define JOR_COOP_PARAMS                                                     \
+  (CUfunction f, unsigned int gridDimX, unsigned int gridDimY,              \
+   unsigned int gridDimZ, unsigned int blockDimX, unsigned int blockDimY,   \
+   unsigned int blockDimZ, unsigned int sharedMemBytes, CUstream hStream,   \
+   void** kernelParams)
+#define JOR_COOP_ARGS                                                       \
+  (f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ,        \
+   sharedMemBytes, hStream, kernelParams)
+
 #define JOR_HOOKED_SYMBOLS(X)                                                   \
   X(cuLaunchKernel, CUresult, JOR_LAUNCH_PARAMS, JOR_LAUNCH_ARGS)               \
   X(cuLaunchKernel_ptsz, CUresult, JOR_LAUNCH_PARAMS, JOR_LAUNCH_ARGS)          \
@@ -47,6 +56,30 @@
     (CUgraphExec hGraphExec, CUgraphNode hNode,                                 \
      const CUDA_KERNEL_NODE_PARAMS_v2* nodeParams),                             \
     (hGraphExec, hNode, nodeParams))                                            \
+  X(cuGraphKernelNodeSetParams, CUresult,                                       \
+    (CUgraphNode hNode, const CUDA_KERNEL_NODE_PARAMS_v1* nodeParams),          \
+    (hNode, nodeParams))                                                        \
+  X(cuGraphKernelNodeSetParams_v2, CUresult,                                    \
+    (CUgraphNode hNode, const CUDA_KERNEL_NODE_PARAMS_v2* nodeParams),          \
+    (hNode, nodeParams))                                                        \
+  X(cuGraphAddNode, CUresult,                                                   \
+    (CUgraphNode * phGraphNode, CUgraph hGraph,                                 \
+     const CUgraphNode* dependencies, size_t numDependencies,                   \
+     CUgraphNodeParams* nodeParams),                                            \
+    (phGraphNode, hGraph, dependencies, numDependencies, nodeParams))           \
+  X(cuGraphAddNode_v2, CUresult,                                                \
+    (CUgraphNode * phGraphNode, CUgraph hGraph,                                 \
+     const CUgraphNode* dependencies, const CUgraphEdgeData* dependencyData,    \
+     size_t numDependencies, CUgraphNodeParams* nodeParams),                    \
+    (phGraphNode, hGraph, dependencies, dependencyData, numDependencies,        \
+     nodeParams))                                                               \
+  X(cuGraphNodeSetParams, CUresult,                                             \
+    (CUgraphNode hNode, CUgraphNodeParams * nodeParams), (hNode, nodeParams))   \
+  X(cuGraphExecNodeSetParams, CUresult,                                         \
+    (CUgraphExec hGraphExec, CUgraphNode hNode, CUgraphNodeParams* nodeParams), \
+    (hGraphExec, hNode, nodeParams))                                            \
+  X(cuLaunchCooperativeKernel, CUresult, JOR_COOP_PARAMS, JOR_COOP_ARGS)        \
+  X(cuLaunchCooperativeKernel_ptsz, CUresult, JOR_COOP_PARAMS, JOR_COOP_ARGS)   \
   X(cuStreamCreate, CUresult, (CUstream * phStream, unsigned int Flags),        \
     (phStream, Flags))                                                          \
   X(cuStreamCreateWithPriority, CUresult,                                       \

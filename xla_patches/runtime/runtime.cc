@@ -786,6 +786,92 @@ CUresult GraphSetHook(CUgraphExec exec, CUgraphNode node, const Params* p) {
   return real(exec, node, p);
 }
 
+// cuGraphKernelNodeSetParams: a node of a graph not yet instantiated.
+template <int kPath, int kId, typename Params>
+CUresult GraphNodeSetHook(CUgraphNode node, const Params* p) {
+  pthread_once(&g_init_once, InitOnce);
+  typedef CUresult (*Fn)(CUgraphNode, const Params*);
+  auto real = reinterpret_cast<Fn>(Real(kId));
+  if (real == nullptr) return JOR_CUDA_ERROR_NOT_INITIALIZED;
+  Params shaped;
+  if (!ShapeNode(p, &shaped)) return real(node, p);
+  CUresult r = real(node, &shaped);
+  if (r == JOR_CUDA_SUCCESS) {
+    Count(kCounter_graph_nodes_shaped);
+    return r;
+  }
+  Count(kCounter_launches_fallback);
+  return real(node, p);
+}
+
+// The generic node API (cuGraphAddNode(_v2), cuGraphNodeSetParams,
+// cuGraphExecNodeSetParams): kernel nodes are shaped like cuGraphAddKernelNode's,
+// every other node type passes through untouched. `call` runs the real entry
+// point with the given parameters.
+template <typename Call>
+CUresult GenericNode(CUgraphNodeParams* p, Call call) {
+  if (p == nullptr || p->type != JOR_CU_GRAPH_NODE_TYPE_KERNEL) return call(p);
+  CUgraphNodeParams shaped = *p;
+  if (!ShapeNode(&p->kernel, &shaped.kernel)) return call(p);
+  CUresult r = call(&shaped);
+  if (r == JOR_CUDA_SUCCESS) {
+    Count(kCounter_graph_nodes_shaped);
+    return r;
+  }
+  Count(kCounter_launches_fallback);
+  return call(p);
+}
+
+template <int kPath, int kId>
+CUresult GraphAddNodeHook(CUgraphNode* node, CUgraph graph, const CUgraphNode* deps, size_t n,
+                          CUgraphNodeParams* p) {
+  pthread_once(&g_init_once, InitOnce);
+  auto real = reinterpret_cast<PFN_cuGraphAddNode>(Real(kId));
+  if (real == nullptr) return JOR_CUDA_ERROR_NOT_INITIALIZED;
+  return GenericNode(p, [&](CUgraphNodeParams* q) { return real(node, graph, deps, n, q); });
+}
+
+template <int kPath, int kId>
+CUresult GraphAddNodeV2Hook(CUgraphNode* node, CUgraph graph, const CUgraphNode* deps,
+                            const CUgraphEdgeData* edges, size_t n, CUgraphNodeParams* p) {
+  pthread_once(&g_init_once, InitOnce);
+  auto real = reinterpret_cast<PFN_cuGraphAddNode_v2>(Real(kId));
+  if (real == nullptr) return JOR_CUDA_ERROR_NOT_INITIALIZED;
+  return GenericNode(p,
+                     [&](CUgraphNodeParams* q) { return real(node, graph, deps, edges, n, q); });
+}
+
+template <int kPath, int kId>
+CUresult GraphNodeSetParamsHook(CUgraphNode node, CUgraphNodeParams* p) {
+  pthread_once(&g_init_once, InitOnce);
+  auto real = reinterpret_cast<PFN_cuGraphNodeSetParams>(Real(kId));
+  if (real == nullptr) return JOR_CUDA_ERROR_NOT_INITIALIZED;
+  return GenericNode(p, [&](CUgraphNodeParams* q) { return real(node, q); });
+}
+
+template <int kPath, int kId>
+CUresult GraphExecNodeSetParamsHook(CUgraphExec exec, CUgraphNode node, CUgraphNodeParams* p) {
+  pthread_once(&g_init_once, InitOnce);
+  auto real = reinterpret_cast<PFN_cuGraphExecNodeSetParams>(Real(kId));
+  if (real == nullptr) return JOR_CUDA_ERROR_NOT_INITIALIZED;
+  return GenericNode(p, [&](CUgraphNodeParams* q) { return real(exec, node, q); });
+}
+
+// Cooperative launches need every block resident at once: shaping would lower
+// residency and can make the launch fail (COOPERATIVE_LAUNCH_TOO_LARGE), so they
+// are counted and never shaped.
+template <int kPath, int kId>
+CUresult LaunchCooperativeHook JOR_COOP_PARAMS {
+  pthread_once(&g_init_once, InitOnce);
+  auto real = reinterpret_cast<PFN_cuLaunchCooperativeKernel>(Real(kId));
+  if (real == nullptr) return JOR_CUDA_ERROR_NOT_INITIALIZED;
+  Count(kCounter_launches_seen);
+  CountPath(kPath);
+  unsigned dyn = sharedMemBytes;
+  Decide(f, blockDimX * blockDimY * blockDimZ, sharedMemBytes, true, &dyn);
+  return real JOR_COOP_ARGS;
+}
+
 std::atomic<int64_t> g_stream_index{0};
 
 // Whether the plan puts the index-th created stream at the highest priority.
@@ -893,6 +979,16 @@ int ProcAddrHookId(const char* symbol, int version, cuuint64_t flags, void* answ
                           : kSym_cuGraphExecKernelNodeSetParams;
     alt = version >= 12000 ? kSym_cuGraphExecKernelNodeSetParams
                            : kSym_cuGraphExecKernelNodeSetParams_v2;
+  } else if (strcmp(symbol, "cuGraphKernelNodeSetParams") == 0) {
+    id = version >= 12000 ? kSym_cuGraphKernelNodeSetParams_v2 : kSym_cuGraphKernelNodeSetParams;
+    alt = version >= 12000 ? kSym_cuGraphKernelNodeSetParams : kSym_cuGraphKernelNodeSetParams_v2;
+  } else if (strcmp(symbol, "cuGraphAddNode") == 0) {
+    // The _v2 ABI (edge data) from CUDA 12.3.
+    id = version >= 12030 ? kSym_cuGraphAddNode_v2 : kSym_cuGraphAddNode;
+    alt = version >= 12030 ? kSym_cuGraphAddNode : kSym_cuGraphAddNode_v2;
+  } else if (strcmp(symbol, "cuLaunchCooperativeKernel") == 0) {
+    id = ptsz ? kSym_cuLaunchCooperativeKernel_ptsz : kSym_cuLaunchCooperativeKernel;
+    alt = ptsz ? kSym_cuLaunchCooperativeKernel : kSym_cuLaunchCooperativeKernel_ptsz;
   } else if (strcmp(symbol, "cuGetProcAddress") == 0) {
     id = version >= 12000 ? kSym_cuGetProcAddress_v2 : kSym_cuGetProcAddress;
     alt = version >= 12000 ? kSym_cuGetProcAddress : kSym_cuGetProcAddress_v2;
@@ -1021,6 +1117,20 @@ JOR_BIND(cuGraphExecKernelNodeSetParams,
 JOR_BIND(cuGraphExecKernelNodeSetParams_v2,
          (GraphSetHook<kPath, kSym_cuGraphExecKernelNodeSetParams_v2,
                        CUDA_KERNEL_NODE_PARAMS_v2>))
+JOR_BIND(cuGraphKernelNodeSetParams,
+         (GraphNodeSetHook<kPath, kSym_cuGraphKernelNodeSetParams, CUDA_KERNEL_NODE_PARAMS_v1>))
+JOR_BIND(cuGraphKernelNodeSetParams_v2,
+         (GraphNodeSetHook<kPath, kSym_cuGraphKernelNodeSetParams_v2,
+                           CUDA_KERNEL_NODE_PARAMS_v2>))
+JOR_BIND(cuGraphAddNode, (GraphAddNodeHook<kPath, kSym_cuGraphAddNode>))
+JOR_BIND(cuGraphAddNode_v2, (GraphAddNodeV2Hook<kPath, kSym_cuGraphAddNode_v2>))
+JOR_BIND(cuGraphNodeSetParams, (GraphNodeSetParamsHook<kPath, kSym_cuGraphNodeSetParams>))
+JOR_BIND(cuGraphExecNodeSetParams,
+         (GraphExecNodeSetParamsHook<kPath, kSym_cuGraphExecNodeSetParams>))
+JOR_BIND(cuLaunchCooperativeKernel,
+         (LaunchCooperativeHook<kPath, kSym_cuLaunchCooperativeKernel>))
+JOR_BIND(cuLaunchCooperativeKernel_ptsz,
+         (LaunchCooperativeHook<kPath, kSym_cuLaunchCooperativeKernel_ptsz>))
 JOR_BIND(cuStreamCreate, (StreamCreateHook<kPath, kSym_cuStreamCreate>))
 JOR_BIND(cuStreamCreateWithPriority,
          (StreamCreateWithPriorityHook<kPath, kSym_cuStreamCreateWithPriority>))

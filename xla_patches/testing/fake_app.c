@@ -11,6 +11,12 @@
  *         launchex:NAME:THREADS:DYN[:coop|cluster]  cuLaunchKernelEx
  *         graph:NAME:THREADS:DYN              cuGraphAddKernelNode (_v2 ABI)
  *         graphset:NAME:THREADS:DYN           cuGraphExecKernelNodeSetParams
+ *         kset:NAME:THREADS:DYN               cuGraphKernelNodeSetParams (_v2 ABI)
+ *         node:NAME:THREADS:DYN[:TYPE]        cuGraphAddNode (_v2 ABI), kernel node
+ *                                             (or node type TYPE, e.g. 2 = memset)
+ *         nodeset:NAME:THREADS:DYN            cuGraphNodeSetParams, kernel node
+ *         execnodeset:NAME:THREADS:DYN        cuGraphExecNodeSetParams, kernel node
+ *         coop:NAME:THREADS:DYN               cuLaunchCooperativeKernel
  *         stream | streamprio:P               cuStreamCreate(WithPriority)
  *         threads:N:NAME:THREADS:DYN:COUNT    N threads launching concurrently
  *         region_begin:ID:BLOCKS | region_end:ID   jor_region_* if loaded
@@ -37,6 +43,13 @@ typedef CUresult (*PFN_launchex)(const CUlaunchConfig*, CUfunction, void**, void
 typedef CUresult (*PFN_graphadd)(CUgraphNode*, CUgraph, const CUgraphNode*, size_t,
                                  const CUDA_KERNEL_NODE_PARAMS_v2*);
 typedef CUresult (*PFN_graphset)(CUgraphExec, CUgraphNode, const CUDA_KERNEL_NODE_PARAMS_v2*);
+typedef CUresult (*PFN_kset)(CUgraphNode, const CUDA_KERNEL_NODE_PARAMS_v2*);
+typedef CUresult (*PFN_nodeadd)(CUgraphNode*, CUgraph, const CUgraphNode*, const CUgraphEdgeData*,
+                                size_t, CUgraphNodeParams*);
+typedef CUresult (*PFN_nodeset)(CUgraphNode, CUgraphNodeParams*);
+typedef CUresult (*PFN_execnodeset)(CUgraphExec, CUgraphNode, CUgraphNodeParams*);
+typedef CUresult (*PFN_coop)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned,
+                             unsigned, unsigned, CUstream, void**);
 typedef CUresult (*PFN_streamcreate)(CUstream*, unsigned);
 typedef CUresult (*PFN_streamprio)(CUstream*, unsigned, int);
 typedef CUresult (*PFN_streamgetprio)(CUstream, int*);
@@ -52,6 +65,11 @@ static struct {
   PFN_launchex launchex;
   PFN_graphadd graphadd;
   PFN_graphset graphset;
+  PFN_kset kset;
+  PFN_nodeadd nodeadd;
+  PFN_nodeset nodeset;
+  PFN_execnodeset execnodeset;
+  PFN_coop coop;
   PFN_streamcreate streamcreate;
   PFN_streamprio streamprio;
   PFN_streamgetprio streamgetprio;
@@ -68,6 +86,13 @@ CUresult cuGraphAddKernelNode_v2(CUgraphNode*, CUgraph, const CUgraphNode*, size
                                  const CUDA_KERNEL_NODE_PARAMS_v2*);
 CUresult cuGraphExecKernelNodeSetParams_v2(CUgraphExec, CUgraphNode,
                                            const CUDA_KERNEL_NODE_PARAMS_v2*);
+CUresult cuGraphKernelNodeSetParams_v2(CUgraphNode, const CUDA_KERNEL_NODE_PARAMS_v2*);
+CUresult cuGraphAddNode_v2(CUgraphNode*, CUgraph, const CUgraphNode*, const CUgraphEdgeData*,
+                           size_t, CUgraphNodeParams*);
+CUresult cuGraphNodeSetParams(CUgraphNode, CUgraphNodeParams*);
+CUresult cuGraphExecNodeSetParams(CUgraphExec, CUgraphNode, CUgraphNodeParams*);
+CUresult cuLaunchCooperativeKernel(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned,
+                                   unsigned, unsigned, CUstream, void**);
 CUresult cuStreamCreate(CUstream*, unsigned);
 CUresult cuStreamCreateWithPriority(CUstream*, unsigned, int);
 CUresult cuStreamGetPriority(CUstream, int*);
@@ -80,6 +105,11 @@ static int load_direct(void) {
   api.launchex = cuLaunchKernelEx;
   api.graphadd = cuGraphAddKernelNode_v2;
   api.graphset = cuGraphExecKernelNodeSetParams_v2;
+  api.kset = cuGraphKernelNodeSetParams_v2;
+  api.nodeadd = cuGraphAddNode_v2;
+  api.nodeset = cuGraphNodeSetParams;
+  api.execnodeset = cuGraphExecNodeSetParams;
+  api.coop = cuLaunchCooperativeKernel;
   api.streamcreate = cuStreamCreate;
   api.streamprio = cuStreamCreateWithPriority;
   api.streamgetprio = cuStreamGetPriority;
@@ -104,6 +134,11 @@ static int load_dlopen(void) {
   SYM(launchex, "cuLaunchKernelEx");
   SYM(graphadd, "cuGraphAddKernelNode_v2");
   SYM(graphset, "cuGraphExecKernelNodeSetParams_v2");
+  SYM(kset, "cuGraphKernelNodeSetParams_v2");
+  SYM(nodeadd, "cuGraphAddNode_v2");
+  SYM(nodeset, "cuGraphNodeSetParams");
+  SYM(execnodeset, "cuGraphExecNodeSetParams");
+  SYM(coop, "cuLaunchCooperativeKernel");
   SYM(streamcreate, "cuStreamCreate");
   SYM(streamprio, "cuStreamCreateWithPriority");
   SYM(streamgetprio, "cuStreamGetPriority");
@@ -138,8 +173,13 @@ static int load_procaddr(int v2) {
   SYM(streamprio, "cuStreamCreateWithPriority");
   SYM(streamgetprio, "cuStreamGetPriority");
   SYM(unload, "cuModuleUnload");
+  SYM(coop, "cuLaunchCooperativeKernel");
   if (v2) {
     SYM(graphadd, "cuGraphAddKernelNode");
+    SYM(kset, "cuGraphKernelNodeSetParams");
+    SYM(nodeadd, "cuGraphAddNode");
+    SYM(nodeset, "cuGraphNodeSetParams");
+    SYM(execnodeset, "cuGraphExecNodeSetParams");
   }
 #undef SYM
   return 0;
@@ -261,6 +301,41 @@ int main(int argc, char** argv) {
         r = api.graphset ? api.graphset(NULL, NULL, &p) : -1;
       }
       printf("result %s %d\n", argv[a], r);
+    } else if (!strcmp(act, "kset") && nf >= 4) {
+      CUDA_KERNEL_NODE_PARAMS_v2 p;
+      memset(&p, 0, sizeof(p));
+      p.func = get_function(fields[1]);
+      p.gridDimX = 8; p.gridDimY = p.gridDimZ = 1;
+      p.blockDimX = (unsigned)atoi(fields[2]); p.blockDimY = p.blockDimZ = 1;
+      p.sharedMemBytes = (unsigned)atoi(fields[3]);
+      printf("result %s %d\n", argv[a], api.kset ? api.kset(NULL, &p) : -1);
+    } else if ((!strcmp(act, "node") || !strcmp(act, "nodeset") || !strcmp(act, "execnodeset")) &&
+               nf >= 4) {
+      CUgraphNodeParams p;
+      memset(&p, 0, sizeof(p));
+      p.type = nf >= 5 ? atoi(fields[4]) : JOR_CU_GRAPH_NODE_TYPE_KERNEL;
+      p.kernel.func = get_function(fields[1]);
+      p.kernel.gridDimX = 8; p.kernel.gridDimY = p.kernel.gridDimZ = 1;
+      p.kernel.blockDimX = (unsigned)atoi(fields[2]); p.kernel.blockDimY = p.kernel.blockDimZ = 1;
+      p.kernel.sharedMemBytes = (unsigned)atoi(fields[3]);
+      const unsigned before = p.kernel.sharedMemBytes;
+      CUresult r = -1;
+      if (!strcmp(act, "node") && api.nodeadd) {
+        CUgraphNode node = NULL;
+        r = api.nodeadd(&node, NULL, NULL, NULL, 0, &p);
+      } else if (!strcmp(act, "nodeset") && api.nodeset) {
+        r = api.nodeset(NULL, &p);
+      } else if (!strcmp(act, "execnodeset") && api.execnodeset) {
+        r = api.execnodeset(NULL, NULL, &p);
+      }
+      /* The caller's parameters are never changed: shaping works on a copy. */
+      printf("result %s %d caller_dyn_kept=%d\n", argv[a], r, p.kernel.sharedMemBytes == before);
+    } else if (!strcmp(act, "coop") && nf >= 4) {
+      CUfunction f = get_function(fields[1]);
+      printf("result %s %d\n", argv[a],
+             api.coop ? api.coop(f, 8, 1, 1, (unsigned)atoi(fields[2]), 1, 1,
+                                 (unsigned)atoi(fields[3]), NULL, NULL)
+                      : -1);
     } else if (!strcmp(act, "stream") || !strcmp(act, "streamprio")) {
       CUstream s = NULL;
       CUresult r = !strcmp(act, "stream") ? api.streamcreate(&s, 1)

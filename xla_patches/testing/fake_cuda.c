@@ -446,6 +446,66 @@ EXPORT CUresult cuGraphExecKernelNodeSetParams_v2(CUgraphExec e, CUgraphNode n,
   return graph_node("cuGraphExecKernelNodeSetParams_v2", (const CUDA_KERNEL_NODE_PARAMS_v1*)p);
 }
 
+EXPORT CUresult cuGraphKernelNodeSetParams(CUgraphNode n, const CUDA_KERNEL_NODE_PARAMS_v1* p) {
+  (void)n;
+  CHECK_FAIL("cuGraphKernelNodeSetParams");
+  return graph_node("cuGraphKernelNodeSetParams", p);
+}
+EXPORT CUresult cuGraphKernelNodeSetParams_v2(CUgraphNode n, const CUDA_KERNEL_NODE_PARAMS_v2* p) {
+  (void)n;
+  CHECK_FAIL("cuGraphKernelNodeSetParams");
+  return graph_node("cuGraphKernelNodeSetParams_v2", (const CUDA_KERNEL_NODE_PARAMS_v1*)p);
+}
+
+/* The generic node API: kernel nodes are validated like cuGraphAddKernelNode's;
+ * other node types are logged with their type and accepted. */
+static CUresult generic_node(const char* api, const CUgraphNodeParams* p) {
+  if (!p) return JOR_CUDA_ERROR_INVALID_VALUE;
+  if (p->type != JOR_CU_GRAPH_NODE_TYPE_KERNEL) {
+    logf_("graphnode api=%s type=%d result=0", api, p->type);
+    return 0;
+  }
+  return graph_node(api, (const CUDA_KERNEL_NODE_PARAMS_v1*)&p->kernel);
+}
+EXPORT CUresult cuGraphAddNode(CUgraphNode* n, CUgraph g, const CUgraphNode* d, size_t nd,
+                               CUgraphNodeParams* p) {
+  (void)g; (void)d; (void)nd;
+  CHECK_FAIL("cuGraphAddNode");
+  if (n) *n = (CUgraphNode)(uintptr_t)0x2000;
+  return generic_node("cuGraphAddNode", p);
+}
+EXPORT CUresult cuGraphAddNode_v2(CUgraphNode* n, CUgraph g, const CUgraphNode* d,
+                                  const CUgraphEdgeData* e, size_t nd, CUgraphNodeParams* p) {
+  (void)g; (void)d; (void)e; (void)nd;
+  CHECK_FAIL("cuGraphAddNode");
+  if (n) *n = (CUgraphNode)(uintptr_t)0x2000;
+  return generic_node("cuGraphAddNode_v2", p);
+}
+EXPORT CUresult cuGraphNodeSetParams(CUgraphNode n, CUgraphNodeParams* p) {
+  (void)n;
+  CHECK_FAIL("cuGraphNodeSetParams");
+  return generic_node("cuGraphNodeSetParams", p);
+}
+EXPORT CUresult cuGraphExecNodeSetParams(CUgraphExec e, CUgraphNode n, CUgraphNodeParams* p) {
+  (void)e; (void)n;
+  CHECK_FAIL("cuGraphExecNodeSetParams");
+  return generic_node("cuGraphExecNodeSetParams", p);
+}
+
+#define COOP_PARAMS                                                                \
+  CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,   \
+      unsigned bz, unsigned dyn, CUstream s, void **params
+EXPORT CUresult cuLaunchCooperativeKernel(COOP_PARAMS) {
+  (void)params;
+  CHECK_FAIL("cuLaunchCooperativeKernel");
+  return do_launch("cuLaunchCooperativeKernel", f, gx, gy, gz, bx, by, bz, dyn, s);
+}
+EXPORT CUresult cuLaunchCooperativeKernel_ptsz(COOP_PARAMS) {
+  (void)params;
+  CHECK_FAIL("cuLaunchCooperativeKernel");
+  return do_launch("cuLaunchCooperativeKernel_ptsz", f, gx, gy, gz, bx, by, bz, dyn, s);
+}
+
 /* Internal, unexported launch entry points (FAKE_CUDA_VERSIONED_PROCS). */
 static CUresult launch_v2_internal(LAUNCH_PARAMS) {
   (void)params; (void)extra;
@@ -480,7 +540,16 @@ static void* lookup_proc(const char* symbol, int version, cuuint64_t flags) {
   if (!strcmp(symbol, "cuGraphExecKernelNodeSetParams"))
     return version >= 12000 ? (void*)cuGraphExecKernelNodeSetParams_v2
                             : (void*)cuGraphExecKernelNodeSetParams;
+  if (!strcmp(symbol, "cuGraphKernelNodeSetParams"))
+    return version >= 12000 ? (void*)cuGraphKernelNodeSetParams_v2
+                            : (void*)cuGraphKernelNodeSetParams;
+  if (!strcmp(symbol, "cuGraphAddNode"))
+    return version >= 12030 ? (void*)cuGraphAddNode_v2 : (void*)cuGraphAddNode;
+  if (!strcmp(symbol, "cuLaunchCooperativeKernel"))
+    return ptsz ? (void*)cuLaunchCooperativeKernel_ptsz : (void*)cuLaunchCooperativeKernel;
   static const ProcEntry table[] = {
+      {"cuGraphNodeSetParams", (void*)cuGraphNodeSetParams},
+      {"cuGraphExecNodeSetParams", (void*)cuGraphExecNodeSetParams},
       {"cuInit", (void*)cuInit},
       {"cuDriverGetVersion", (void*)cuDriverGetVersion},
       {"cuDeviceGet", (void*)cuDeviceGet},
