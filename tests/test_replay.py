@@ -1,0 +1,120 @@
+"""A real compiled step replayed through the runtime library and the fake driver.
+
+The step (an FSDP transformer step, compiled deviceless for h100x8) is taken from XLA's own
+dump: each kernel's launch name, block size and dynamic shared memory from the thunk listing,
+its registers and static shared memory from ptxas on the dumped PTX. Its launch sequence is
+replayed through the runtime library twice: op by op (cuLaunchKernel), and as XLA's command
+buffers record it (one cuGraphAddKernelNode per kernel thunk). With a plan written for the same
+step by the simulator's tuner, the set of kernels the library shapes must be the set the plan
+selects, less those that already run at or below their cap (residency from the published
+occupancy rules with the real resources).
+"""
+
+import fnmatch
+import re
+import shutil
+
+import pytest
+
+from fake_cuda import harness
+from jax_overlap import runtime, sim
+from jax_overlap._src import analysis, ptx
+from jax_overlap._src import compile as compile_lib
+from jax_overlap._src.sim import tune as tune_mod
+from jax_overlap.examples import fsdp_transformer
+
+pytestmark = pytest.mark.skipif(shutil.which("ptxas") is None, reason="needs ptxas (CUDA toolkit)")
+
+
+@pytest.fixture(scope="module")
+def step():
+  fn, args = fsdp_transformer.build()
+  compiled = compile_lib.compile_for_target(fn, *args, target="h100x8", keep_dump=True)
+  report = analysis.analyze_compiled(compiled)
+  resources = ptx.kernel_resources(compiled.dump_dir, (9, 0))
+  shutil.rmtree(compiled.dump_dir, ignore_errors=True)
+  return report, resources
+
+
+@pytest.fixture(scope="module")
+def fake(tmp_path_factory):
+  return harness.build(tmp_path_factory.mktemp("fake_cuda_replay"))
+
+
+def _launches(report, resources):
+  """(name, threads, dynamic smem, registers, static smem) per kernel launch, in order."""
+  out = []
+  for k in report.kernels:
+    if k.launch_name:
+      r = resources[k.launch_name]
+      out.append((k.launch_name, k.threads_per_block, k.smem_bytes, r.registers, r.static_smem))
+  return out
+
+
+def _plan(report, resources):
+  """The tuner's plan for the step; if the tuner finds nothing worth shaping, the plan it
+  writes for the strongest setting of its search space (every group at its lowest cap)."""
+  wl = sim.workload_from_report(report)
+  res = sim.tune(wl, "h100x8", progress=False)
+  if res.plan["kernels"]:
+    return res.plan, "tuned"
+  groups, settings, choices = tune_mod.search_space(wl, "h100x8")
+  strongest = [s[1] if len(s) > 1 else None for s in settings]
+  shaping = tune_mod._shaping_for(groups, strongest, choices)
+  return sim.plan_dict("h100x8", shaping, True, wl), "strongest setting of the tuner's space"
+
+
+def _selected(plan, name):
+  for rule in plan["kernels"]:
+    if fnmatch.fnmatchcase(name, rule["match"]):
+      return rule["blocks_per_sm"]
+  return None
+
+
+def test_replay_shapes_exactly_what_the_plan_selects(step, fake, tmp_path):
+  report, resources = step
+  launches = _launches(report, resources)
+  assert len(launches) > 100
+  plan, source = _plan(report, resources)
+  assert plan["kernels"], source
+  assert runtime.check_plan(plan, report).unmatched == ()
+  expected = set()
+  for name, threads, dyn, regs, static in launches:
+    cap = _selected(plan, name)
+    if cap is not None and runtime.blocks_per_sm("h100", threads, regs, static + dyn) > cap:
+      expected.add(name)
+  assert expected, f"no planned kernel runs above its cap ({source})"
+  funcs = ";".join(
+    f"{n}:static={s}:regs={r}" for n, (_, _, _, r, s) in {x[0]: x for x in launches}.items()
+  )
+  rules = runtime.Plan.from_json(plan).to_rules()
+  original = {(n, t): d for n, t, d, _, _ in launches}
+  for action in ("launch", "graph"):
+    r = harness.run_app(
+      fake,
+      "dlopen",
+      [f"{action}:{n}:{t}:{d}" for n, t, d, _, _ in launches],
+      rules=rules,
+      funcs=funcs,
+      tmp=tmp_path,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert len(r.launches) == len(launches)
+    failed = [x for x in r.launches if x["result"] != "0"]
+    assert failed == [], failed[:3]
+    shaped = {
+      x["func"] for x in r.launches if int(x["dyn"]) > original[(x["func"], int(x["threads"]))]
+    }
+    assert shaped == expected, (action, source, shaped ^ expected)
+    counter = "launches_shaped" if action == "launch" else "graph_nodes_shaped"
+    n_expected = sum(1 for x in launches if x[0] in expected)
+    assert r.counters[counter] == n_expected
+
+
+def test_replayed_kernels_are_xlas_own(step):
+  report, resources = step
+  # Every launch name of the report is a PTX entry ptxas assembled, and vice versa
+  # every entry but XLA's collective helper kernels is launched.
+  names = {k.launch_name for k in report.kernels if k.launch_name}
+  assert names <= set(resources)
+  assert all(re.fullmatch(r"\w+", n) for n in names)
