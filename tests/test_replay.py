@@ -15,8 +15,8 @@ import re
 import shutil
 
 import pytest
-
 from fake_cuda import harness
+
 from jax_overlap import runtime, sim
 from jax_overlap._src import analysis, ptx
 from jax_overlap._src import compile as compile_lib
