@@ -81,3 +81,11 @@ def test_runtime_library_exports_only_its_api():
   assert {n for n in names if n.startswith("cu")} == set(hooks)
   assert "dlsym" in names
   assert {n for n in names if not n.startswith(("cu", "jor_"))} == {"dlsym"}
+
+
+def test_runtime_library_carries_its_cxx_runtime():
+  # Preloaded into every process of a job: it must not pull libstdc++/libgcc_s in.
+  lib = runtime.library_path(runtime.RUNTIME_LIBRARY)
+  out = subprocess.run(["ldd", str(lib)], capture_output=True, text=True, check=True).stdout
+  needed = [line.split()[0] for line in out.splitlines() if line.strip()]
+  assert not [n for n in needed if n.startswith(("libstdc++", "libgcc_s"))], needed

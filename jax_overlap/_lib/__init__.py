@@ -20,7 +20,9 @@ LIBRARIES = {
       "xla_patches/runtime/shaping.h",
     ),
     "cflags": ("-std=c++17", "-O2", "-fPIC", "-fvisibility=hidden", "-Wall"),
-    "ldflags": ("-shared", "-ldl", "-lpthread"),
+    # The C++ runtime linked in: a preloaded library must not pull the system
+    # libstdc++ into every child process (it could shadow the program's own).
+    "ldflags": ("-shared", "-static-libstdc++", "-static-libgcc", "-ldl", "-lpthread"),
     "ffi_headers": False,
   },
   FFI_LIBRARY: {
