@@ -220,6 +220,33 @@ def test_driver_errors_fall_back_to_the_original_launch(fake, tmp_path, fail):
   assert r.results == ["launch:gemm_fusion_1:256:0:2 0 failures=0"]
   assert r.launch_dyn("gemm_fusion_1") == [0, 0]
   assert r.counters["launches_fallback"] == 2
+
+
+def test_failed_attribute_queries_are_not_repeated_on_every_launch(fake, tmp_path):
+  r = harness.run_app(
+    fake,
+    "dlopen",
+    ["launch:gemm_fusion_1:256:0:50"],
+    rules=rules("kernel\tglob\tgemm_fusion_*\tblocks_per_sm\t2"),
+    env={"FAKE_CUDA_FAIL": "cuFuncGetAttribute"},
+    tmp=tmp_path,
+  )
+  assert r.returncode == 0, r.stderr
+  assert r.counters["launches_fallback"] == 50
+  assert r.launch_dyn("gemm_fusion_1") == [0] * 50
+  # One query (its first attribute fails), not one per launch.
+  assert sum("error api=cuFuncGetAttribute" in line for line in r.log) == 1
+  # New rules ask again.
+  (tmp_path / "r.txt").write_text(rules("kernel\tglob\tgemm_fusion_*\tblocks_per_sm\t3"))
+  again = harness.run_app(
+    fake,
+    "dlopen",
+    ["launch:gemm_fusion_1:256:0:3", f"rules:{tmp_path / 'r.txt'}", "launch:gemm_fusion_1:256:0:3"],
+    rules=rules("kernel\tglob\tgemm_fusion_*\tblocks_per_sm\t2"),
+    env={"FAKE_CUDA_FAIL": "cuFuncGetAttribute"},
+    tmp=tmp_path,
+  )
+  assert sum("error api=cuFuncGetAttribute" in line for line in again.log) == 2
   assert r.counters["launches_shaped"] == 0
 
 

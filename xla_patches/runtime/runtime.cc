@@ -427,6 +427,7 @@ struct FuncInfo {
   int max_dynamic_smem = 0;
   bool carveout_set = false;
   bool queried = false;
+  bool failed = false;      // the driver could not answer; asked again only under new rules
   uint64_t generation = 0;  // rules generation of `rule`
   int rule = -1;            // index into Rules::kernels, -1: none
 };
@@ -477,6 +478,7 @@ bool FuncFor(CUfunction f, const Rules* rules, FuncInfo* out, bool want_name) {
       auto it = g_funcs->find(f);
       if (it != g_funcs->end() && it->second.generation == rules->generation) {
         const FuncInfo& cached = it->second;
+        if (cached.failed) return false;
         out->static_smem = cached.static_smem;
         out->regs = cached.regs;
         out->max_dynamic_smem = cached.max_dynamic_smem;
@@ -498,8 +500,19 @@ bool FuncFor(CUfunction f, const Rules* rules, FuncInfo* out, bool want_name) {
     }
   }
   if (!info.queried) {
-    if (!QueryFunc(f, &info)) return false;
+    if (!QueryFunc(f, &info)) {
+      // Remember the failure: a function the driver cannot describe (say a CUkernel
+      // handle it does not resolve) is not asked about again on every launch.
+      info.failed = true;
+      info.generation = rules->generation;
+      Log(1, "kernel %p: the driver did not report its attributes; launched unchanged", f);
+      std::unique_lock<std::shared_mutex> lock(g_func_mu);
+      if (g_funcs == nullptr) g_funcs = new std::unordered_map<CUfunction, FuncInfo>();
+      (*g_funcs)[f] = info;
+      return false;
+    }
     info.queried = true;
+    info.failed = false;
   }
   info.rule = -1;
   for (size_t i = 0; i < rules->kernels.size(); ++i) {
