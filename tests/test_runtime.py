@@ -263,6 +263,22 @@ def test_cooperative_and_cluster_launches_are_not_shaped(fake, tmp_path, kind):
   assert r.counters["launches_skipped"] == 1
 
 
+def test_kernels_with_compile_time_clusters_are_not_shaped(fake, tmp_path):
+  # A kernel compiled with __cluster_dims__ launches as clusters even through cuLaunchKernel.
+  r = harness.run_app(
+    fake,
+    "dlopen",
+    ["launch:gemm_fusion_1:256:0", "launch:cluster_gemm:256:0"],
+    rules=rules("kernel\tglob\t*gemm*\tblocks_per_sm\t1"),
+    funcs="gemm_fusion_1:static=1024:regs=32;cluster_gemm:regs=32:cluster=2",
+    tmp=tmp_path,
+  )
+  assert r.returncode == 0, r.stderr
+  assert r.launch_dyn("cluster_gemm") == [0]
+  assert r.launch_dyn("gemm_fusion_1") != [0]
+  assert r.counters["launches_skipped"] == 1 and r.counters["launches_shaped"] == 1
+
+
 # ---------------------------------------------------------------------------
 # Threads, regions, graphs, streams, rules at run time, logging.
 # ---------------------------------------------------------------------------

@@ -428,6 +428,7 @@ struct FuncInfo {
   bool carveout_set = false;
   bool queried = false;
   bool failed = false;      // the driver could not answer; asked again only under new rules
+  bool cluster = false;     // compiled with fixed cluster dimensions: always a cluster launch
   uint64_t generation = 0;  // rules generation of `rule`
   int rule = -1;            // index into Rules::kernels, -1: none
 };
@@ -446,6 +447,17 @@ bool QueryFunc(CUfunction f, FuncInfo* info) {
                f) != JOR_CUDA_SUCCESS) {
     return false;
   }
+  // Compile-time cluster dimensions make every launch of the function a cluster
+  // launch, whatever the launch call says. Drivers before CUDA 12 do not know
+  // the attributes: no answer means no fixed cluster.
+  int dims[3] = {1, 1, 1};
+  const int attrs[3] = {JOR_CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_WIDTH,
+                        JOR_CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_HEIGHT,
+                        JOR_CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_DEPTH};
+  for (int i = 0; i < 3; ++i) {
+    if (get_attr(&dims[i], attrs[i], f) != JOR_CUDA_SUCCESS || dims[i] < 1) dims[i] = 1;
+  }
+  info->cluster = dims[0] * dims[1] * dims[2] > 1;
   const char* name = nullptr;
   auto get_name = REAL(cuFuncGetName);
   if (get_name != nullptr && get_name(&name, f) == JOR_CUDA_SUCCESS && name) {
@@ -483,6 +495,7 @@ bool FuncFor(CUfunction f, const Rules* rules, FuncInfo* out, bool want_name) {
         out->regs = cached.regs;
         out->max_dynamic_smem = cached.max_dynamic_smem;
         out->carveout_set = cached.carveout_set;
+        out->cluster = cached.cluster;
         out->queried = cached.queried;
         out->generation = cached.generation;
         out->rule = cached.rule;
@@ -543,6 +556,7 @@ struct FuncLite {
   int regs = 0;
   int max_dynamic_smem = 0;
   bool carveout_set = false;
+  bool cluster = false;
   int rule = -1;
 };
 constexpr int kTlsFuncs = 16;
@@ -565,6 +579,7 @@ void FillTls(CUfunction f, const FuncInfo& info) {
   slot.regs = info.regs;
   slot.max_dynamic_smem = info.max_dynamic_smem;
   slot.carveout_set = info.carveout_set;
+  slot.cluster = info.cluster;
   slot.rule = info.rule;
 }
 
@@ -642,7 +657,7 @@ Decision Decide(CUfunction f, unsigned threads, unsigned dyn, bool skip,
     blocks = region_blocks;
   }
   if (blocks <= 0 && padding <= 0) return kPass;
-  if (skip) {
+  if (skip || lite->cluster) {
     Count(kCounter_launches_skipped);
     return kPass;
   }

@@ -8,8 +8,9 @@
  *   FAKE_CUDA_DEVICE  "h100" (default) or "a100": per-SM limits to report.
  *   FAKE_CUDA_LIMITS  overrides, "key=value,...", keys: sm, smem_sm, optin,
  *                     reserved, threads_sm, blocks_sm, regs_sm, warp.
- *   FAKE_CUDA_FUNCS   kernels, "name:static=S:regs=R:maxdyn=D;..." (defaults:
- *                     static 0, regs 32, maxdyn 48 KB - static).
+ *   FAKE_CUDA_FUNCS   kernels, "name:static=S:regs=R:maxdyn=D:cluster=W;..."
+ *                     (defaults: static 0, regs 32, maxdyn 48 KB - static, no
+ *                     compile-time cluster).
  *   FAKE_CUDA_FAIL    comma-separated entry points that return
  *                     CUDA_ERROR_INVALID_VALUE (e.g. "cuFuncGetAttribute"), or
  *                     "launch_dyn_over=N": launches with more than N bytes of
@@ -46,6 +47,7 @@ typedef struct FakeFunc {
   int regs;
   int max_dyn;
   int carveout;
+  int cluster;  /* compile-time cluster width (1: none) */
 } FakeFunc;
 
 typedef struct FakeStream {
@@ -83,7 +85,7 @@ static void set_limit(const char* key, int value) {
 }
 
 static FakeFunc* add_func(const char* spec) {
-  /* "name:static=S:regs=R:maxdyn=D" */
+  /* "name:static=S:regs=R:maxdyn=D:cluster=W" */
   if (g_num_funcs >= MAX_FUNCS) return NULL;
   FakeFunc* f = &g_funcs[g_num_funcs++];
   memset(f, 0, sizeof(*f));
@@ -102,6 +104,7 @@ static FakeFunc* add_func(const char* spec) {
     if (!strcmp(tok, "static")) f->static_smem = v;
     else if (!strcmp(tok, "regs")) f->regs = v;
     else if (!strcmp(tok, "maxdyn")) f->max_dyn = v;
+    else if (!strcmp(tok, "cluster")) f->cluster = v;
   }
   if (f->max_dyn < 0) f->max_dyn = 48 * 1024 - f->static_smem;
   return f;
@@ -322,6 +325,9 @@ EXPORT CUresult cuFuncGetAttribute(int* pi, int attrib, CUfunction hf) {
     case JOR_CU_FUNC_ATTRIBUTE_NUM_REGS: *pi = f->regs; break;
     case JOR_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES: *pi = f->max_dyn; break;
     case JOR_CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT: *pi = f->carveout; break;
+    case JOR_CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_WIDTH: *pi = f->cluster > 0 ? f->cluster : 1; break;
+    case JOR_CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_HEIGHT: *pi = 1; break;
+    case JOR_CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_DEPTH: *pi = 1; break;
     default: return JOR_CUDA_ERROR_INVALID_VALUE;
   }
   return 0;
