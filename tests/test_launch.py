@@ -51,6 +51,41 @@ def test_environment_prepends_the_library_and_keeps_preloads(plan_file):
   assert "JAX_OVERLAP_RT_RULES" not in again
 
 
+def test_plans_with_regions_turn_command_buffers_off_and_say_so(tmp_path, capsys):
+  path = tmp_path / "regions.json"
+  runtime.Plan(target="h100", regions={"mlp": {"blocks_per_sm": 1}}).to_json(path)
+  base = {"XLA_FLAGS": '--xla_dump_to="/tmp/a b" --xla_gpu_autotune_level=0'}
+  env = launch.launch_environment(runtime.Plan.from_json(path), environ=base)
+  # The user's flags are kept as XLA reads them (the quoted value stays one value).
+  assert env["XLA_FLAGS"] == (
+    '--xla_dump_to="/tmp/a b" --xla_gpu_autotune_level=0 --xla_gpu_enable_command_buffer='
+  )
+  from jax_overlap import flags
+
+  assert flags.parse_xla_flags(env["XLA_FLAGS"])[0]["xla_dump_to"] == "/tmp/a b"
+  assert flags.validate(env["XLA_FLAGS"]) == []
+  # Kept when asked, or when the user already chose in XLA_FLAGS.
+  kept = launch.launch_environment(
+    runtime.Plan.from_json(path), environ=base, no_command_buffers=False
+  )
+  assert "xla_gpu_enable_command_buffer" not in kept["XLA_FLAGS"]
+  chose = {"XLA_FLAGS": "--xla_gpu_enable_command_buffer=FUSION"}
+  assert (
+    launch.launch_environment(runtime.Plan.from_json(path), environ=chose)["XLA_FLAGS"]
+    == "--xla_gpu_enable_command_buffer=FUSION"
+  )
+  # A plan without regions leaves them alone.
+  plain = runtime.Plan(target="h100", kernels=[{"match": "x", "blocks_per_sm": 1}])
+  assert "XLA_FLAGS" not in launch.launch_environment(plain, environ={})
+  # The command line says why.
+  assert launch.main(["--plan", str(path), "--dry-run", "--", "python", "t.py"]) == 0
+  err = capsys.readouterr().err
+  assert "the plan has occupancy regions" in err and "--keep-command-buffers" in err
+  assert "XLA_FLAGS=" in err and "--xla_gpu_enable_command_buffer=" in err
+  assert launch.main(["--plan", str(path), "--keep-command-buffers", "--dry-run", "--", "t"]) == 0
+  assert "occupancy regions" not in capsys.readouterr().err
+
+
 def test_dry_run(plan_file, capsys):
   assert launch.main(["--plan", str(plan_file), "--dry-run", "--", "python", "train.py"]) == 0
   err = capsys.readouterr().err

@@ -1,6 +1,7 @@
 """``jax-overlap launch``: run a program with the runtime library and a plan.
 
-  jax-overlap launch [--plan plan.json] [--verbose] [--no-command-buffers] [--dry-run] \\
+  jax-overlap launch [--plan plan.json] [--verbose] [--no-command-buffers |
+                     --keep-command-buffers] [--dry-run] \\
       -- python train.py args...
 
 validates the plan, prepends ``libjax_overlap_rt.so`` to ``LD_PRELOAD`` (keeping
@@ -19,6 +20,7 @@ import sys
 from collections.abc import Mapping
 
 from jax_overlap._src import runtime
+from jax_overlap._src.flags import syntax
 from jax_overlap._src.plan import Plan
 
 __all__ = ["main", "launch_environment"]
@@ -29,11 +31,45 @@ _PROG = "jax-overlap launch"
 NO_COMMAND_BUFFERS_FLAG = "--xla_gpu_enable_command_buffer="
 
 
-def _set_xla_flag(flags: str, flag: str) -> str:
-  """Sets one XLA flag in a flags string, keeping the others."""
-  name = flag.split("=", 1)[0]
-  kept = [f for f in shlex.split(flags) if f.split("=", 1)[0] != name]
-  return " ".join([*kept, flag])
+COMMAND_BUFFER_OPTION = "xla_gpu_enable_command_buffer"
+
+
+def _set_xla_flag(flags: str, name: str, value: str) -> str:
+  """Sets one XLA flag in an ``XLA_FLAGS`` value, keeping the others as XLA reads them.
+
+  Tokens are cut and re-quoted the way XLA's own parser reads them, so a user's
+  ``--xla_dump_to="/tmp/a b"`` survives.
+  """
+  tokens = [t for t in syntax.read_xla_flags(flags).tokens if t.name != name]
+  kept = [
+    t.text if t.name is None or t.value is None else syntax.format_token(t.name, t.value)
+    for t in tokens
+  ]
+  return " ".join([*kept, syntax.format_token(name, value)])
+
+
+def command_buffers_off(
+  plan: Plan | None, no_command_buffers: bool | None, environ: Mapping[str, str]
+) -> tuple[bool, str]:
+  """Whether the command runs with XLA's command buffers off, and why.
+
+  A plan with occupancy regions needs them off: a command buffer (CUDA graph) is
+  recorded once, before any region thunk runs, so its kernels would never see
+  the region's policy. ``None`` decides automatically: off for such a plan,
+  unless ``XLA_FLAGS`` already sets the option (the user's choice is kept).
+  """
+  if no_command_buffers is not None:
+    return bool(no_command_buffers), "asked for" if no_command_buffers else ""
+  if plan is None or not plan.regions:
+    return False, ""
+  user = syntax.parse_xla_flags(environ.get("XLA_FLAGS", ""))[0]
+  if COMMAND_BUFFER_OPTION in user:
+    return False, ""
+  return True, (
+    f"the plan has occupancy regions, and kernels recorded in command buffers (CUDA graphs) "
+    f"would not see them: command buffers off ({NO_COMMAND_BUFFERS_FLAG}); "
+    "--keep-command-buffers keeps them"
+  )
 
 
 def launch_environment(
@@ -42,7 +78,7 @@ def launch_environment(
   plan_path: str | None = None,
   library: str | os.PathLike | None = None,
   verbose: bool = False,
-  no_command_buffers: bool = False,
+  no_command_buffers: bool | None = None,
   environ: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
   """The environment ``jax-overlap launch`` runs the command with.
@@ -52,7 +88,9 @@ def launch_environment(
     plan_path: the plan's file, exported as JAX_OVERLAP_RT_PLAN.
     library: runtime library path (default: built or found by ``library_path``).
     verbose: print counters at exit and warnings (JAX_OVERLAP_RT_VERBOSE=1 at least).
-    no_command_buffers: add ``--xla_gpu_enable_command_buffer=`` to XLA_FLAGS.
+    no_command_buffers: add ``--xla_gpu_enable_command_buffer=`` to XLA_FLAGS;
+      None (default): when the plan has occupancy regions and XLA_FLAGS does
+      not set that option (see :func:`command_buffers_off`).
     environ: base environment (default: ``os.environ``).
   """
   env = dict(os.environ if environ is None else environ)
@@ -70,8 +108,8 @@ def launch_environment(
     level = env.get(runtime.VERBOSE_ENV, "")
     if not level.isdigit() or int(level) < 1:
       env[runtime.VERBOSE_ENV] = "1"
-  if no_command_buffers:
-    env["XLA_FLAGS"] = _set_xla_flag(env.get("XLA_FLAGS", ""), NO_COMMAND_BUFFERS_FLAG)
+  if command_buffers_off(plan, no_command_buffers, env)[0]:
+    env["XLA_FLAGS"] = _set_xla_flag(env.get("XLA_FLAGS", ""), COMMAND_BUFFER_OPTION, "")
   return env
 
 
@@ -83,10 +121,22 @@ def _parser() -> argparse.ArgumentParser:
   )
   p.add_argument("--plan", help="runtime plan (JSON, version 1)")
   p.add_argument("--verbose", action="store_true", help="print the library's counters at exit")
-  p.add_argument(
+  cb = p.add_mutually_exclusive_group()
+  cb.add_argument(
     "--no-command-buffers",
-    action="store_true",
-    help=f"add {NO_COMMAND_BUFFERS_FLAG} to XLA_FLAGS so that region policies see every launch",
+    dest="no_command_buffers",
+    action="store_const",
+    const=True,
+    default=None,
+    help=f"add {NO_COMMAND_BUFFERS_FLAG} to XLA_FLAGS so that every launch reaches the library "
+    "(the default when the plan has occupancy regions)",
+  )
+  cb.add_argument(
+    "--keep-command-buffers",
+    dest="no_command_buffers",
+    action="store_const",
+    const=False,
+    help="keep XLA's command buffers even for a plan with occupancy regions",
   )
   p.add_argument(
     "--dry-run", action="store_true", help="print the environment and command; do not run it"
@@ -130,12 +180,15 @@ def main(argv: list[str]) -> int:
     except (OSError, ValueError, TypeError) as e:
       print(f"{_PROG}: error: invalid plan {args.plan}: {e}", file=sys.stderr)
       return 2
+  off, why = command_buffers_off(plan, args.no_command_buffers, os.environ)
+  if off and args.no_command_buffers is None:
+    print(f"{_PROG}: {why}", file=sys.stderr)
   try:
     env = launch_environment(
       plan,
       plan_path=args.plan,
       verbose=args.verbose,
-      no_command_buffers=args.no_command_buffers,
+      no_command_buffers=off,
     )
   except RuntimeError as e:
     print(f"{_PROG}: error: {e}", file=sys.stderr)

@@ -189,7 +189,7 @@ def format_value(v: Any) -> str:
 def format_token(name: str, value: Any) -> str:
   """``--name=value``, quoted the way XLA's tokenizer unquotes it when needed."""
   s = format_value(value)
-  if s == "" or any(c in s for c in _BLANK + "'\"\\"):
+  if any(c in s for c in _BLANK + "'\"\\"):
     s = '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
   return f"--{name}={s}"
 
