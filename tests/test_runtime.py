@@ -263,6 +263,25 @@ def test_cooperative_and_cluster_launches_are_not_shaped(fake, tmp_path, kind):
   assert r.counters["launches_skipped"] == 1
 
 
+@pytest.mark.parametrize("mode", ["direct", "dlopen", "procaddr"])
+def test_program_lowering_the_dynamic_smem_limit_is_seen(fake, mode, tmp_path):
+  # The library raises the kernel's limit for its shaped launch; the program then sets
+  # it lower itself. The next shaped launch must raise it again, not fail and fall back.
+  r = harness.run_app(
+    fake,
+    mode,
+    ["launch:gemm_fusion_1:256:0", "setattr:gemm_fusion_1:1024", "launch:gemm_fusion_1:256:0"],
+    rules=rules("kernel\tglob\tgemm_fusion_*\tblocks_per_sm\t2"),
+    tmp=tmp_path,
+  )
+  assert r.returncode == 0, r.stderr
+  assert r.launch_dyn("gemm_fusion_1") == [75777, 75777]
+  assert r.counters["launches_fallback"] == 0
+  assert r.counters["func_attr_raised"] == 2
+  raises = [x for x in r.log if x.startswith("setattr") and "attr=8" in x]
+  assert [x.split("value=")[1].split()[0] for x in raises] == ["75777", "1024", "75777"]
+
+
 def test_kernels_with_compile_time_clusters_are_not_shaped(fake, tmp_path):
   # A kernel compiled with __cluster_dims__ launches as clusters even through cuLaunchKernel.
   r = harness.run_app(

@@ -80,6 +80,8 @@
     (hGraphExec, hNode, nodeParams))                                            \
   X(cuLaunchCooperativeKernel, CUresult, JOR_COOP_PARAMS, JOR_COOP_ARGS)        \
   X(cuLaunchCooperativeKernel_ptsz, CUresult, JOR_COOP_PARAMS, JOR_COOP_ARGS)   \
+  X(cuFuncSetAttribute, CUresult, (CUfunction hfunc, int attrib, int value),    \
+    (hfunc, attrib, value))                                                     \
   X(cuStreamCreate, CUresult, (CUstream * phStream, unsigned int Flags),        \
     (phStream, Flags))                                                          \
   X(cuStreamCreateWithPriority, CUresult,                                       \
@@ -98,8 +100,6 @@
 #define JOR_USED_SYMBOLS(X)                                                     \
   X(cuFuncGetAttribute, CUresult, (int* pi, int attrib, CUfunction hfunc),      \
     (pi, attrib, hfunc))                                                        \
-  X(cuFuncSetAttribute, CUresult, (CUfunction hfunc, int attrib, int value),    \
-    (hfunc, attrib, value))                                                     \
   X(cuFuncGetName, CUresult, (const char** name, CUfunction hfunc),             \
     (name, hfunc))                                                              \
   X(cuDeviceGetAttribute, CUresult, (int* pi, int attrib, CUdevice dev),        \

@@ -900,6 +900,35 @@ CUresult LaunchCooperativeHook JOR_COOP_PARAMS {
   return real JOR_COOP_ARGS;
 }
 
+// The program's own attribute changes keep the cached limits true: a kernel
+// whose MAX_DYNAMIC_SHARED_SIZE_BYTES the program lowers is raised again before a
+// shaped launch, and a carve-out the program sets is asked for again.
+template <int kPath, int kId>
+CUresult FuncSetAttributeHook(CUfunction f, int attrib, int value) {
+  pthread_once(&g_init_once, InitOnce);
+  auto real = reinterpret_cast<PFN_cuFuncSetAttribute>(Real(kId));
+  if (real == nullptr) return JOR_CUDA_ERROR_NOT_INITIALIZED;
+  CUresult r = real(f, attrib, value);
+  if (r != JOR_CUDA_SUCCESS || (attrib != JOR_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES &&
+                                attrib != JOR_CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT)) {
+    return r;
+  }
+  std::unique_lock<std::shared_mutex> lock(g_func_mu);
+  if (g_funcs != nullptr) {
+    auto it = g_funcs->find(f);
+    if (it != g_funcs->end()) {
+      if (attrib == JOR_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES) {
+        it->second.max_dynamic_smem = value;
+      } else {
+        it->second.carveout_set = false;
+      }
+    }
+  }
+  // Per-thread copies are refreshed from the shared entry on their next launch.
+  g_func_epoch.fetch_add(1, std::memory_order_acq_rel);
+  return r;
+}
+
 std::atomic<int64_t> g_stream_index{0};
 
 // Whether the plan puts the index-th created stream at the highest priority.
@@ -1159,6 +1188,7 @@ JOR_BIND(cuLaunchCooperativeKernel,
          (LaunchCooperativeHook<kPath, kSym_cuLaunchCooperativeKernel>))
 JOR_BIND(cuLaunchCooperativeKernel_ptsz,
          (LaunchCooperativeHook<kPath, kSym_cuLaunchCooperativeKernel_ptsz>))
+JOR_BIND(cuFuncSetAttribute, (FuncSetAttributeHook<kPath, kSym_cuFuncSetAttribute>))
 JOR_BIND(cuStreamCreate, (StreamCreateHook<kPath, kSym_cuStreamCreate>))
 JOR_BIND(cuStreamCreateWithPriority,
          (StreamCreateWithPriorityHook<kPath, kSym_cuStreamCreateWithPriority>))

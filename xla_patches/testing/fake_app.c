@@ -17,6 +17,7 @@
  *         nodeset:NAME:THREADS:DYN            cuGraphNodeSetParams, kernel node
  *         execnodeset:NAME:THREADS:DYN        cuGraphExecNodeSetParams, kernel node
  *         coop:NAME:THREADS:DYN               cuLaunchCooperativeKernel
+ *         setattr:NAME:VALUE                  cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)
  *         stream | streamprio:P               cuStreamCreate(WithPriority)
  *         threads:N:NAME:THREADS:DYN:COUNT    N threads launching concurrently
  *         region_begin:ID:BLOCKS | region_end:ID   jor_region_* if loaded
@@ -50,6 +51,7 @@ typedef CUresult (*PFN_nodeset)(CUgraphNode, CUgraphNodeParams*);
 typedef CUresult (*PFN_execnodeset)(CUgraphExec, CUgraphNode, CUgraphNodeParams*);
 typedef CUresult (*PFN_coop)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned,
                              unsigned, unsigned, CUstream, void**);
+typedef CUresult (*PFN_setattr)(CUfunction, int, int);
 typedef CUresult (*PFN_streamcreate)(CUstream*, unsigned);
 typedef CUresult (*PFN_streamprio)(CUstream*, unsigned, int);
 typedef CUresult (*PFN_streamgetprio)(CUstream, int*);
@@ -70,6 +72,7 @@ static struct {
   PFN_nodeset nodeset;
   PFN_execnodeset execnodeset;
   PFN_coop coop;
+  PFN_setattr setattr;
   PFN_streamcreate streamcreate;
   PFN_streamprio streamprio;
   PFN_streamgetprio streamgetprio;
@@ -93,6 +96,7 @@ CUresult cuGraphNodeSetParams(CUgraphNode, CUgraphNodeParams*);
 CUresult cuGraphExecNodeSetParams(CUgraphExec, CUgraphNode, CUgraphNodeParams*);
 CUresult cuLaunchCooperativeKernel(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned,
                                    unsigned, unsigned, CUstream, void**);
+CUresult cuFuncSetAttribute(CUfunction, int, int);
 CUresult cuStreamCreate(CUstream*, unsigned);
 CUresult cuStreamCreateWithPriority(CUstream*, unsigned, int);
 CUresult cuStreamGetPriority(CUstream, int*);
@@ -110,6 +114,7 @@ static int load_direct(void) {
   api.nodeset = cuGraphNodeSetParams;
   api.execnodeset = cuGraphExecNodeSetParams;
   api.coop = cuLaunchCooperativeKernel;
+  api.setattr = cuFuncSetAttribute;
   api.streamcreate = cuStreamCreate;
   api.streamprio = cuStreamCreateWithPriority;
   api.streamgetprio = cuStreamGetPriority;
@@ -139,6 +144,7 @@ static int load_dlopen(void) {
   SYM(nodeset, "cuGraphNodeSetParams");
   SYM(execnodeset, "cuGraphExecNodeSetParams");
   SYM(coop, "cuLaunchCooperativeKernel");
+  SYM(setattr, "cuFuncSetAttribute");
   SYM(streamcreate, "cuStreamCreate");
   SYM(streamprio, "cuStreamCreateWithPriority");
   SYM(streamgetprio, "cuStreamGetPriority");
@@ -174,6 +180,7 @@ static int load_procaddr(int v2) {
   SYM(streamgetprio, "cuStreamGetPriority");
   SYM(unload, "cuModuleUnload");
   SYM(coop, "cuLaunchCooperativeKernel");
+  SYM(setattr, "cuFuncSetAttribute");
   if (v2) {
     SYM(graphadd, "cuGraphAddKernelNode");
     SYM(kset, "cuGraphKernelNodeSetParams");
@@ -336,6 +343,12 @@ int main(int argc, char** argv) {
              api.coop ? api.coop(f, 8, 1, 1, (unsigned)atoi(fields[2]), 1, 1,
                                  (unsigned)atoi(fields[3]), NULL, NULL)
                       : -1);
+    } else if (!strcmp(act, "setattr") && nf >= 3) {
+      CUfunction f = get_function(fields[1]);
+      printf("result %s %d\n", argv[a],
+             api.setattr ? api.setattr(f, JOR_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                       atoi(fields[2]))
+                         : -1);
     } else if (!strcmp(act, "stream") || !strcmp(act, "streamprio")) {
       CUstream s = NULL;
       CUresult r = !strcmp(act, "stream") ? api.streamcreate(&s, 1)
