@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import pytest
 
@@ -25,9 +26,16 @@ def program():
   return S.build("h100x8", layers=2, hidden=256, mlp=512, heads=4, seq=64)
 
 
+def _schedule(compiled) -> str:
+  """The compiled HLO without source locations (which differ between call sites)."""
+  text = compiled.as_text().split("\nFileNames", 1)[0]
+  return re.sub(r", metadata=\{[^}]*\}", "", text)
+
+
 def test_choice_remembered_by_a_new_decorator(cache_dir, program, monkeypatch):
   fn, args = program
-  first = jax_overlap.overlap(fn, target="h100x8").explain(*args)
+  chooser = jax_overlap.overlap(fn, target="h100x8")
+  first = chooser.explain(*args)
   assert not any("remembered" in n for n in first.notes)
   entries = list((cache_dir / "selection").glob("*.json"))
   assert len(entries) == 1
@@ -37,10 +45,15 @@ def test_choice_remembered_by_a_new_decorator(cache_dir, program, monkeypatch):
   monkeypatch.setattr(analysis, "analyze", _no_compiles)
   again = jax_overlap.overlap(fn, target="h100x8")
   e = again.explain(*args)
-  assert (e.chosen, e.candidates, e.xla_options) == (first.chosen, first.candidates, first.xla_options)
+  assert (e.chosen, e.candidates, e.xla_options) == (
+    first.chosen,
+    first.candidates,
+    first.xla_options,
+  )
   assert any("remembered" in n for n in e.notes)
-  # The remembered variant is the one compiled (the same options reach XLA).
-  assert again.lower(*args).compile() is not None
+  # The remembered variant is the one compiled: the same program and options reach XLA,
+  # which schedules it the same way as the decorator that chose it.
+  assert _schedule(again.lower(*args).compile()) == _schedule(chooser.lower(*args).compile())
 
   # Other settings, or no cache, choose again (here: try to compile, and fail).
   with pytest.raises(AssertionError, match="compiled although"):
@@ -86,18 +99,25 @@ def test_unusable_entries_are_chosen_again(cache_dir, program):
 
 
 def test_key_covers_program_signature_and_settings():
-  base = selection_cache.key("{ lambda ; a:f32[8]. let b = sin a in (b,) }", ("sig",), {"target": "h100x8"})
+  base = selection_cache.key(
+    "{ lambda ; a:f32[8]. let b = sin a in (b,) }", ("sig",), {"target": "h100x8"}
+  )
   assert base == selection_cache.key(
-      "{ lambda ; a:f32[8]. let b = sin a in (b,) }", ("sig",), {"target": "h100x8"})
-  assert base != selection_cache.key("{ lambda ; a:f32[8]. let b = cos a in (b,) }", ("sig",),
-                                     {"target": "h100x8"})
-  assert base != selection_cache.key("{ lambda ; a:f32[8]. let b = sin a in (b,) }", ("other",),
-                                     {"target": "h100x8"})
-  assert base != selection_cache.key("{ lambda ; a:f32[8]. let b = sin a in (b,) }", ("sig",),
-                                     {"target": "a100x8"})
+    "{ lambda ; a:f32[8]. let b = sin a in (b,) }", ("sig",), {"target": "h100x8"}
+  )
+  assert base != selection_cache.key(
+    "{ lambda ; a:f32[8]. let b = cos a in (b,) }", ("sig",), {"target": "h100x8"}
+  )
+  assert base != selection_cache.key(
+    "{ lambda ; a:f32[8]. let b = sin a in (b,) }", ("other",), {"target": "h100x8"}
+  )
+  assert base != selection_cache.key(
+    "{ lambda ; a:f32[8]. let b = sin a in (b,) }", ("sig",), {"target": "a100x8"}
+  )
   # Function addresses in printed custom_vjp parameters change between processes.
   assert selection_cache.key("f=<function g at 0x7f00aa>", (), {}) == selection_cache.key(
-      "f=<function g at 0x7f11bb>", (), {})
+    "f=<function g at 0x7f11bb>", (), {}
+  )
   assert selection_cache.key("x", (), {"opt": object()}) is None
 
 

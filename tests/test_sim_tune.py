@@ -56,7 +56,8 @@ def test_plan_dict_json_round_trip():
     "streams": {"priority": "highest"},
   }
   assert json.loads(json.dumps(d)) == d
-  plan_mod = pytest.importorskip("jax_overlap._src.plan")
+  from jax_overlap._src import plan as plan_mod
+
   p = plan_mod.Plan.from_json(d)
   assert p.kernels[0].blocks_per_sm == 1 and p.streams.priority == "highest"
   # AMD targets get the dict unvalidated (the runtime library shapes CUDA launches only).
@@ -64,13 +65,12 @@ def test_plan_dict_json_round_trip():
 
 
 def test_plan_rejected_by_runtime_raises():
-  pytest.importorskip("jax_overlap._src.plan")
   with pytest.raises(ValueError, match=r"'blocks_per_sm' must be at most 32"):
     sim.plan_dict("h100", {"k": 64}, False)
 
 
 def test_shaping_matches_runtime_arithmetic():
-  plan_mod = pytest.importorskip("jax_overlap._src.plan")
+  from jax_overlap._src import plan as plan_mod
   from jax_overlap._src import targets
 
   for gpu in ("a40", "a100", "h100"):

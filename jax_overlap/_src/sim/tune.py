@@ -30,6 +30,7 @@ import sys
 import time
 from collections.abc import Mapping
 
+from jax_overlap._src import plan as plan_lib
 from jax_overlap._src.sim import engine
 from jax_overlap._src.sim.model import Constants, Kernel, Workload
 from jax_overlap._src.sim.policies import (
@@ -48,8 +49,7 @@ class TuneResult:
   """What :func:`tune` found.
 
   Attributes:
-    plan: the plan dict (runtime JSON format; validated by the runtime library's plan
-      module when it is importable).
+    plan: the plan dict (runtime JSON format, validated by :class:`jax_overlap.runtime.Plan`).
     policy: the same choice as a :class:`Policy` for ``sim.simulate``.
     makespan_s: predicted makespan with the plan.
     baseline_s: predicted makespan under plain concurrency (equal priority, no shaping).
@@ -85,7 +85,7 @@ class TuneResult:
 def plan_dict(
   target, shaping: Mapping[str, int], priority: bool, workload: Workload | None = None
 ) -> dict:
-  """The runtime plan for a shaping/priority choice, validated by the plan module if present.
+  """The runtime plan for a shaping/priority choice, validated by the runtime's plan format.
 
   Args:
     target: the GPU target.
@@ -96,7 +96,7 @@ def plan_dict(
       launch name get one rule, with the smallest cap.
 
   Raises:
-    ValueError: when the runtime's plan module rejects it, or a shaped kernel has
+    ValueError: when the runtime's plan format rejects it, or a shaped kernel has
       no name a rule could match.
   """
   topo = engine.resolve_target(target)
@@ -119,14 +119,7 @@ def plan_dict(
   }
   if topo.gpu.vendor != "nvidia":
     return d
-  try:
-    from jax_overlap._src import plan as _plan
-  except ImportError:
-    return d
-  cls = getattr(_plan, "Plan", None)
-  reader = getattr(cls, "from_dict", None) or getattr(cls, "from_json", None)
-  if reader is not None:
-    reader(d)  # raises on anything the runtime would reject
+  plan_lib.Plan.from_json(d)  # raises on anything the runtime library would reject
   return d
 
 
