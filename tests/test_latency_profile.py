@@ -40,10 +40,42 @@ def test_xla_recompiles_with_the_profile_and_keeps_the_names(tmp_path, analysed)
   fn, args, opts, report = analysed
   path = jax_overlap.latency_profile.write_profile(report, str(tmp_path))
   again = jax_overlap.analyze(
-      fn, *args, target="h100x8", xla_options={**opts, jax_overlap.latency_profile.OPTION: path}
+    fn, *args, target="h100x8", xla_options={**opts, jax_overlap.latency_profile.OPTION: path}
   )
   assert again.xla_options[jax_overlap.latency_profile.OPTION] == path
   names = {k.name.split("@")[0] for k in [*again.kernels, *again.collectives]}
   profiled = set(re.findall(r'name: "([^"]+)"', open(path).read()))
   # The recompile has the instructions the profile names, so XLA uses every cost.
   assert names == profiled
+
+
+def test_xla_schedules_by_the_profiles_costs(tmp_path, analysed):
+  # Two profiles with the same names and different costs: if XLA's scheduler reads the
+  # costs, the two schedules differ; the same profile twice gives the same schedule.
+  fn, args, opts, report = analysed
+  entries = re.findall(
+    r'costs \{ name: "([^"]+)" cost_us: ([0-9.]+) \}',
+    jax_overlap.latency_profile.profile_text(report),
+  )
+  collectives = {c.name.split("@")[0] for c in report.collectives}
+
+  def schedule(scale_collectives: float, name: str):
+    path = tmp_path / name
+    path.write_text(
+      "".join(
+        f'costs {{ name: "{n}" cost_us: {float(us) * (scale_collectives if n in collectives else 1.0):.3f} }}\n'
+        for n, us in entries
+      )
+    )
+    r = jax_overlap.analyze(
+      fn,
+      *args,
+      target="h100x8",
+      xla_options={**opts, jax_overlap.latency_profile.OPTION: str(path)},
+    )
+    return [(c.name, c.start_index, c.done_index) for c in r.collectives]
+
+  cheap = schedule(1e-3, "cheap.pbtxt")
+  costly = schedule(1e3, "costly.pbtxt")
+  assert cheap == schedule(1e-3, "cheap_again.pbtxt")
+  assert cheap != costly
