@@ -222,6 +222,33 @@ def test_driver_errors_fall_back_to_the_original_launch(fake, tmp_path, fail):
   assert r.counters["launches_fallback"] == 2
 
 
+def test_no_fallback_relaunch_inside_stream_capture(fake, tmp_path):
+  # Outside a capture a failed shaped launch is re-launched unchanged; inside one it is not:
+  # the error already invalidated the capture, and XLA must see the real error.
+  r = harness.run_app(
+    fake,
+    "dlopen",
+    [
+      "launch:gemm_fusion_1:256:0",
+      "capture_begin",
+      "launch:gemm_fusion_1:256:0",
+      "capture_end",
+    ],
+    rules=rules("kernel\tglob\tgemm_fusion_*\tblocks_per_sm\t2"),
+    env={"FAKE_CUDA_FAIL": "launch_dyn_over=49152"},
+    tmp=tmp_path,
+  )
+  assert r.returncode == 0, r.stderr
+  outside = [x for x in r.launches if x["captured"] == "0"]
+  inside = [x for x in r.launches if x["captured"] != "0"]
+  assert [(x["dyn"], x["result"]) for x in outside] == [("75777", "1"), ("0", "0")]
+  assert [x["dyn"] for x in inside] == ["75777"]  # no second, unshaped launch
+  assert r.results[2].split()[1] != "0"  # the program sees the launch error
+  assert r.results[3] == "capture_end 901"
+  assert r.counters["launches_fallback"] == 1
+  assert r.counters["capture_errors"] == 1
+
+
 def test_failed_attribute_queries_are_not_repeated_on_every_launch(fake, tmp_path):
   r = harness.run_app(
     fake,

@@ -267,6 +267,7 @@ _COUNTER_FIELDS = (
   "launches_shaped",
   "launches_capped",
   "launches_fallback",
+  "capture_errors",
   "launches_skipped",
   "launches_in_region",
   "launches_direct",
@@ -292,6 +293,7 @@ class Counters:
   launches_shaped: int = 0
   launches_capped: int = 0
   launches_fallback: int = 0
+  capture_errors: int = 0
   launches_skipped: int = 0
   launches_in_region: int = 0
   launches_direct: int = 0

@@ -105,6 +105,8 @@
   X(cuDeviceGetAttribute, CUresult, (int* pi, int attrib, CUdevice dev),        \
     (pi, attrib, dev))                                                          \
   X(cuCtxGetDevice, CUresult, (CUdevice * device), (device))                    \
+  X(cuStreamIsCapturing, CUresult, (CUstream hStream, int* captureStatus),      \
+    (hStream, captureStatus))                                                   \
   X(cuCtxGetStreamPriorityRange, CUresult,                                      \
     (int* leastPriority, int* greatestPriority),                                \
     (leastPriority, greatestPriority))
@@ -115,6 +117,7 @@
   X(launches_shaped, "launches given more dynamic shared memory")              \
   X(launches_capped, "shaped launches capped at the opt-in limit")             \
   X(launches_fallback, "launches sent unchanged after a driver error")         \
+  X(capture_errors, "shaped launches that failed inside stream capture")       \
   X(launches_skipped, "selected launches not shaped (cooperative, cluster)")   \
   X(launches_in_region, "launches made inside an occupancy region")            \
   X(launches_direct, "launches through the exported symbol")                   \

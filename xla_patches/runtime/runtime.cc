@@ -703,6 +703,28 @@ void* RealOrSlot(int id, int slot) {
   return slot < 0 ? Real(id) : g_slot_real[id][slot].load(std::memory_order_acquire);
 }
 
+// Whether `stream` is capturing into a graph. A shaped launch that fails there is
+// not re-launched: the failure has already invalidated the capture, and a second
+// launch would only replace the real error with "capture invalidated".
+bool Capturing(CUstream stream) {
+  auto is_capturing = REAL(cuStreamIsCapturing);
+  int status = 0;  // CU_STREAM_CAPTURE_STATUS_NONE
+  return is_capturing != nullptr && is_capturing(stream, &status) == JOR_CUDA_SUCCESS &&
+         status != 0;
+}
+
+// After a shaped launch failed with `r`: true when the original launch may follow.
+bool MayRelaunch(CUresult r, CUstream stream) {
+  if (Capturing(stream)) {
+    Count(kCounter_capture_errors);
+    Log(1, "shaped launch failed inside stream capture (error %d); not re-launched", r);
+    return false;
+  }
+  Count(kCounter_launches_fallback);
+  Log(1, "shaped launch failed (error %d); launching the original configuration", r);
+  return true;
+}
+
 template <int kPath, int kId, int kSlot = -1>
 CUresult LaunchKernelHook JOR_LAUNCH_PARAMS {
   pthread_once(&g_init_once, InitOnce);
@@ -721,8 +743,7 @@ CUresult LaunchKernelHook JOR_LAUNCH_PARAMS {
     Count(kCounter_launches_shaped);
     return r;
   }
-  Count(kCounter_launches_fallback);
-  Log(1, "shaped launch failed (error %d); launching the original configuration", r);
+  if (!MayRelaunch(r, hStream)) return r;
   return real JOR_LAUNCH_ARGS;
 }
 
@@ -758,8 +779,7 @@ CUresult LaunchKernelExHook JOR_LAUNCH_EX_PARAMS {
     Count(kCounter_launches_shaped);
     return r;
   }
-  Count(kCounter_launches_fallback);
-  Log(1, "shaped launch failed (error %d); launching the original configuration", r);
+  if (!MayRelaunch(r, config->hStream)) return r;
   return real JOR_LAUNCH_EX_ARGS;
 }
 

@@ -18,6 +18,7 @@
  *         execnodeset:NAME:THREADS:DYN        cuGraphExecNodeSetParams, kernel node
  *         coop:NAME:THREADS:DYN               cuLaunchCooperativeKernel
  *         setattr:NAME:VALUE                  cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)
+ *         capture_begin | capture_end         cuStreamBeginCapture / cuStreamEndCapture
  *         stream | streamprio:P               cuStreamCreate(WithPriority)
  *         threads:N:NAME:THREADS:DYN:COUNT    N threads launching concurrently
  *         region_begin:ID:BLOCKS | region_end:ID   jor_region_* if loaded
@@ -343,6 +344,14 @@ int main(int argc, char** argv) {
              api.coop ? api.coop(f, 8, 1, 1, (unsigned)atoi(fields[2]), 1, 1,
                                  (unsigned)atoi(fields[3]), NULL, NULL)
                       : -1);
+    } else if (!strcmp(act, "capture_begin") || !strcmp(act, "capture_end")) {
+      void* h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+      CUresult (*begin)(CUstream, int) = h ? dlsym(h, "cuStreamBeginCapture") : NULL;
+      CUresult (*end)(CUstream, CUgraph*) = h ? dlsym(h, "cuStreamEndCapture") : NULL;
+      CUgraph g = NULL;
+      CUresult r = !strcmp(act, "capture_begin") ? (begin ? begin(NULL, 0) : -1)
+                                                 : (end ? end(NULL, &g) : -1);
+      printf("result %s %d\n", argv[a], r);
     } else if (!strcmp(act, "setattr") && nf >= 3) {
       CUfunction f = get_function(fields[1]);
       printf("result %s %d\n", argv[a],

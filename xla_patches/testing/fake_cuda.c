@@ -67,6 +67,7 @@ static pthread_once_t g_once = PTHREAD_ONCE_INIT;
 static int g_log_fd = -1;
 static char g_fail[1024];
 static long g_launch_dyn_over = -1;
+static int g_capturing = 0; /* the (one) stream is capturing: launches are recorded */
 
 #define MAX_RECORDS 65536
 static unsigned g_launch_dyn[MAX_RECORDS];
@@ -374,9 +375,11 @@ static CUresult do_launch(const char* api, CUfunction hf, unsigned gx, unsigned 
   else if ((long)f->regs * threads > g_dev.regs_sm) r = JOR_CUDA_ERROR_INVALID_VALUE;
   else if (g_launch_dyn_over >= 0 && (long)dyn > g_launch_dyn_over) r = JOR_CUDA_ERROR_INVALID_VALUE;
   logf_("launch api=%s func=%s grid=%u,%u,%u block=%u,%u,%u threads=%u dyn=%u static=%d "
-        "regs=%d stream=%d tid=%ld result=%d",
+        "regs=%d stream=%d tid=%ld captured=%d result=%d",
         api, f->name, gx, gy, gz, bx, by, bz, threads, dyn, f->static_smem, f->regs,
-        s ? ((FakeStream*)s)->id : 0, (long)syscall(SYS_gettid), r);
+        s ? ((FakeStream*)s)->id : 0, (long)syscall(SYS_gettid), g_capturing, r);
+  /* As the driver does: an error inside a capture invalidates it. */
+  if (r != 0 && g_capturing) g_capturing = 2;
   if (r == 0) {
     int i = __atomic_fetch_add(&g_launch_count, 1, __ATOMIC_SEQ_CST);
     if (i < MAX_RECORDS) g_launch_dyn[i] = dyn;
@@ -512,6 +515,30 @@ EXPORT CUresult cuLaunchCooperativeKernel_ptsz(COOP_PARAMS) {
   return do_launch("cuLaunchCooperativeKernel_ptsz", f, gx, gy, gz, bx, by, bz, dyn, s);
 }
 
+/* Stream capture: status 0 none, 1 active, 2 invalidated. */
+EXPORT CUresult cuStreamBeginCapture(CUstream s, int mode) {
+  (void)s; (void)mode;
+  CHECK_FAIL("cuStreamBeginCapture");
+  g_capturing = 1;
+  logf_("capture begin");
+  return 0;
+}
+EXPORT CUresult cuStreamEndCapture(CUstream s, CUgraph* g) {
+  (void)s;
+  CHECK_FAIL("cuStreamEndCapture");
+  CUresult r = g_capturing == 2 ? 901 /* CUDA_ERROR_STREAM_CAPTURE_INVALIDATED */ : 0;
+  g_capturing = 0;
+  if (g) *g = (CUgraph)(uintptr_t)0x3000;
+  logf_("capture end result=%d", r);
+  return r;
+}
+EXPORT CUresult cuStreamIsCapturing(CUstream s, int* status) {
+  (void)s;
+  CHECK_FAIL("cuStreamIsCapturing");
+  if (status) *status = g_capturing;
+  return 0;
+}
+
 /* Internal, unexported launch entry points (FAKE_CUDA_VERSIONED_PROCS). */
 static CUresult launch_v2_internal(LAUNCH_PARAMS) {
   (void)params; (void)extra;
@@ -555,6 +582,9 @@ static void* lookup_proc(const char* symbol, int version, cuuint64_t flags) {
     return ptsz ? (void*)cuLaunchCooperativeKernel_ptsz : (void*)cuLaunchCooperativeKernel;
   static const ProcEntry table[] = {
       {"cuGraphNodeSetParams", (void*)cuGraphNodeSetParams},
+      {"cuStreamBeginCapture", (void*)cuStreamBeginCapture},
+      {"cuStreamEndCapture", (void*)cuStreamEndCapture},
+      {"cuStreamIsCapturing", (void*)cuStreamIsCapturing},
       {"cuGraphExecNodeSetParams", (void*)cuGraphExecNodeSetParams},
       {"cuInit", (void*)cuInit},
       {"cuDriverGetVersion", (void*)cuDriverGetVersion},
