@@ -371,6 +371,33 @@ def test_region_policy_applies_between_begin_and_end(fake, tmp_path):
   assert r.counters["launches_in_region"] == 2
 
 
+def test_stream_region_caps_only_its_stream_and_a_stale_one_is_closed(fake, tmp_path):
+  # XLA's region thunks pass their stream: launches of the same thread on another
+  # stream are not capped. A region whose end never ran (a failed execution) is closed
+  # when it begins again on its stream.
+  r = harness.run_app(
+    fake,
+    "dlopen",
+    [
+      "stream",
+      "stream",
+      "region_begin_on:7:2:0",
+      "launchon:gemm_fusion_1:256:0:0",
+      "launchon:gemm_fusion_1:256:0:1",
+      "region_end:7",
+      "launchon:gemm_fusion_1:256:0:0",
+      "region_begin_on:7:2:0",  # its end never runs
+      "region_begin_on:7:2:0",  # the next step
+      "region_end:7",
+      "launchon:gemm_fusion_1:256:0:0",
+    ],
+    tmp=tmp_path,
+  )
+  assert r.returncode == 0, r.stderr
+  assert r.launch_dyn("gemm_fusion_1") == [75777, 0, 0, 0]
+  assert r.results[-2] == "region_end:7 0"  # no frame left open
+
+
 def test_region_works_without_rules(fake, tmp_path):
   r = harness.run_app(
     fake, "direct", ["region_begin:3:4", "launch:loop_fusion_7:128:0", "region_end:3"], tmp=tmp_path

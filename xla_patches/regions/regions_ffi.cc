@@ -8,8 +8,9 @@
 // Host side:
 //   * CPU handlers record (kind, region id, blocks_per_sm) in order; tests read
 //     the record with jor_ffi_region_events().
-//   * CUDA handlers call jor_region_begin / jor_region_end in the runtime
-//     library (libjax_overlap_rt.so, LD_PRELOAD) on the launching thread. The
+//   * CUDA handlers call jor_region_begin_on_stream (the thunk's stream) /
+//     jor_region_end in the runtime library (libjax_overlap_rt.so, LD_PRELOAD)
+//     on the launching thread. The
 //     symbols are resolved with dlsym at run time, so this library does not
 //     link the runtime library and is a no-op without it.
 #include <dlfcn.h>
@@ -97,11 +98,20 @@ ffi::Error CopyThroughDevice(void* stream, ffi::RemainingArgs args, ffi::Remaini
 }
 
 typedef int (*RegionBeginFn)(int64_t, int64_t);
+typedef int (*RegionBeginOnStreamFn)(int64_t, int64_t, void*);
 typedef int (*RegionEndFn)(int64_t);
 
 RegionBeginFn RuntimeBegin() {
   static RegionBeginFn fn =
       reinterpret_cast<RegionBeginFn>(dlsym(RTLD_DEFAULT, "jor_region_begin"));
+  return fn;
+}
+
+// The region applies to the launches on the thunk's stream only (an older
+// runtime library without it: every launch of the thread).
+RegionBeginOnStreamFn RuntimeBeginOnStream() {
+  static RegionBeginOnStreamFn fn = reinterpret_cast<RegionBeginOnStreamFn>(
+      dlsym(RTLD_DEFAULT, "jor_region_begin_on_stream"));
   return fn;
 }
 
@@ -139,7 +149,11 @@ ffi::Error RegionEndCpuImpl(ffi::RemainingArgs args, ffi::RemainingRets rets,
 ffi::Error RegionBeginCudaImpl(void* stream, ffi::RemainingArgs args, ffi::RemainingRets rets,
                                int64_t region_id, int64_t blocks_per_sm) {
   if (auto err = CheckAttrs(region_id, blocks_per_sm); err.failure()) return err;
-  if (RegionBeginFn begin = RuntimeBegin()) begin(region_id, blocks_per_sm);
+  if (RegionBeginOnStreamFn begin = RuntimeBeginOnStream()) {
+    begin(region_id, blocks_per_sm, stream);
+  } else if (RegionBeginFn begin = RuntimeBegin()) {
+    begin(region_id, blocks_per_sm);
+  }
   return CopyThroughDevice(stream, args, rets);
 }
 

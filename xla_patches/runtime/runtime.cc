@@ -337,15 +337,23 @@ const Rules* CurrentRules() { return g_rules.load(std::memory_order_acquire); }
 struct RegionFrame {
   int64_t id;
   int64_t blocks_per_sm;  // resolved at begin: plan's entry, else the attribute
+  bool any_stream;        // opened by jor_region_begin: every launch of the thread
+  CUstream stream;        // opened by jor_region_begin_on_stream: launches on this stream
 };
 constexpr int kMaxRegionDepth = 32;
 thread_local RegionFrame t_regions[kMaxRegionDepth];
 thread_local int t_region_depth = 0;
 
-int64_t CurrentRegionBlocks() {
-  int d = t_region_depth;
-  if (d <= 0) return 0;
-  return t_regions[(d > kMaxRegionDepth ? kMaxRegionDepth : d) - 1].blocks_per_sm;
+// The cap of the innermost open region that applies to a launch on `stream`
+// (`any` for a launch whose stream is not known, such as a graph node: only
+// regions opened for every stream apply).
+int64_t CurrentRegionBlocks(CUstream stream, bool known_stream) {
+  int d = t_region_depth > kMaxRegionDepth ? kMaxRegionDepth : t_region_depth;
+  for (int i = d - 1; i >= 0; --i) {
+    const RegionFrame& r = t_regions[i];
+    if (r.any_stream || (known_stream && r.stream == stream)) return r.blocks_per_sm;
+  }
+  return 0;
 }
 
 // ---------------------------------------------------------------------------
@@ -625,11 +633,12 @@ enum Decision { kPass, kShape, kFallback, kSkip };
 
 // Decides the dynamic shared memory of one launch. `skip` marks launches that
 // must keep their configuration (cooperative, clusters).
-Decision Decide(CUfunction f, unsigned threads, unsigned dyn, bool skip,
+Decision Decide(CUfunction f, CUstream stream, bool known_stream, unsigned threads, unsigned dyn,
+                bool skip,
                 unsigned* new_dyn) {
   *new_dyn = dyn;
   const Rules* rules = CurrentRules();
-  const int64_t region_blocks = CurrentRegionBlocks();
+  const int64_t region_blocks = CurrentRegionBlocks(stream, known_stream);
   if (region_blocks > 0) Count(kCounter_launches_in_region);
   if ((rules == nullptr || rules->kernels.empty()) && region_blocks <= 0) return kPass;
   static const Rules* const kEmpty = [] {
@@ -734,7 +743,7 @@ CUresult LaunchKernelHook JOR_LAUNCH_PARAMS {
   CountPath(kPath);
   unsigned dyn = sharedMemBytes;
   const unsigned threads = blockDimX * blockDimY * blockDimZ;
-  Decision d = Decide(f, threads, sharedMemBytes, false, &dyn);
+  Decision d = Decide(f, hStream, true, threads, sharedMemBytes, false, &dyn);
   if (d == kFallback) Count(kCounter_launches_fallback);
   if (d != kShape) return real JOR_LAUNCH_ARGS;
   CUresult r = real(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ,
@@ -769,7 +778,8 @@ CUresult LaunchKernelExHook JOR_LAUNCH_EX_PARAMS {
   if (config == nullptr) return real JOR_LAUNCH_EX_ARGS;
   unsigned dyn = config->sharedMemBytes;
   const unsigned threads = config->blockDimX * config->blockDimY * config->blockDimZ;
-  Decision d = Decide(f, threads, config->sharedMemBytes, SkipLaunchEx(config), &dyn);
+  Decision d = Decide(f, config->hStream, true, threads, config->sharedMemBytes,
+                      SkipLaunchEx(config), &dyn);
   if (d == kFallback) Count(kCounter_launches_fallback);
   if (d != kShape) return real JOR_LAUNCH_EX_ARGS;
   CUlaunchConfig shaped = *config;
@@ -790,7 +800,7 @@ bool ShapeNode(const Params* p, Params* shaped) {
   Count(kCounter_graph_nodes_seen);
   if (p == nullptr || p->func == nullptr) return false;
   unsigned dyn = p->sharedMemBytes;
-  Decision d = Decide(p->func, p->blockDimX * p->blockDimY * p->blockDimZ,
+  Decision d = Decide(p->func, nullptr, false, p->blockDimX * p->blockDimY * p->blockDimZ,
                       p->sharedMemBytes, false, &dyn);
   if (d == kFallback) Count(kCounter_launches_fallback);
   if (d != kShape) return false;
@@ -916,7 +926,7 @@ CUresult LaunchCooperativeHook JOR_COOP_PARAMS {
   Count(kCounter_launches_seen);
   CountPath(kPath);
   unsigned dyn = sharedMemBytes;
-  Decide(f, blockDimX * blockDimY * blockDimZ, sharedMemBytes, true, &dyn);
+  Decide(f, hStream, true, blockDimX * blockDimY * blockDimZ, sharedMemBytes, true, &dyn);
   return real JOR_COOP_ARGS;
 }
 
@@ -1428,10 +1438,8 @@ JOR_EXPORT int64_t jor_kernel_rule_functions(int i) {
   return static_cast<int64_t>(r->functions[i].load());
 }
 
-// Enters an occupancy region on the calling thread: launches from this thread
-// are capped at the plan's blocks_per_sm for `region_id`, else `blocks_per_sm`
-// (0: no cap), until the matching jor_region_end.
-JOR_EXPORT int jor_region_begin(int64_t region_id, int64_t blocks_per_sm) {
+namespace {
+int RegionBegin(int64_t region_id, int64_t blocks_per_sm, bool any_stream, CUstream stream) {
   pthread_once(&g_init_once, InitOnce);
   const Rules* rules = CurrentRules();
   int64_t blocks = blocks_per_sm > 0 ? blocks_per_sm : 0;
@@ -1440,15 +1448,47 @@ JOR_EXPORT int jor_region_begin(int64_t region_id, int64_t blocks_per_sm) {
     if (it != rules->regions.end()) blocks = it->second;
   }
   Count(kCounter_regions_entered);
+  if (!any_stream) {
+    // The same region already open on the same stream: its end never ran (a thunk
+    // between begin and end failed, ending that execution). Close the stale frame
+    // instead of nesting in it.
+    const int depth = t_region_depth > kMaxRegionDepth ? kMaxRegionDepth : t_region_depth;
+    for (int i = depth - 1; i >= 0; --i) {
+      if (!t_regions[i].any_stream && t_regions[i].id == region_id &&
+          t_regions[i].stream == stream) {
+        Log(1, "region %lld begins again on its stream before its end: the earlier one is "
+               "closed", (long long)region_id);
+        for (int j = i; j + 1 < depth; ++j) t_regions[j] = t_regions[j + 1];
+        --t_region_depth;
+        break;
+      }
+    }
+  }
   int d = t_region_depth++;
   if (d < kMaxRegionDepth) {
-    t_regions[d] = {region_id, blocks};
+    t_regions[d] = {region_id, blocks, any_stream, stream};
   } else {
     Log(1, "occupancy regions nested deeper than %d; region %lld ignored", kMaxRegionDepth,
         (long long)region_id);
   }
   Log(3, "region %lld begin: blocks_per_sm %lld", (long long)region_id, (long long)blocks);
   return t_region_depth;
+}
+}  // namespace
+
+// Enters an occupancy region on the calling thread: launches from this thread
+// are capped at the plan's blocks_per_sm for `region_id`, else `blocks_per_sm`
+// (0: no cap), until the matching jor_region_end.
+JOR_EXPORT int jor_region_begin(int64_t region_id, int64_t blocks_per_sm) {
+  return RegionBegin(region_id, blocks_per_sm, true, nullptr);
+}
+
+// The same, for launches on `stream` only (what XLA's region thunks pass): other
+// streams' launches from the thread are not capped, and a region whose end never
+// ran (a failed execution) is closed when the region begins again on that stream.
+JOR_EXPORT int jor_region_begin_on_stream(int64_t region_id, int64_t blocks_per_sm,
+                                          void* stream) {
+  return RegionBegin(region_id, blocks_per_sm, false, static_cast<CUstream>(stream));
 }
 
 JOR_EXPORT int jor_region_end(int64_t region_id) {
@@ -1473,4 +1513,4 @@ JOR_EXPORT int jor_region_end(int64_t region_id) {
   return t_region_depth;
 }
 
-JOR_EXPORT int64_t jor_region_blocks_per_sm(void) { return CurrentRegionBlocks(); }
+JOR_EXPORT int64_t jor_region_blocks_per_sm(void) { return CurrentRegionBlocks(nullptr, false); }

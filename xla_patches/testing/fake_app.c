@@ -19,6 +19,8 @@
  *         coop:NAME:THREADS:DYN               cuLaunchCooperativeKernel
  *         setattr:NAME:VALUE                  cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)
  *         capture_begin | capture_end         cuStreamBeginCapture / cuStreamEndCapture
+ *         launchon:NAME:THREADS:DYN:S         cuLaunchKernel on the S-th created stream
+ *         region_begin_on:ID:BLOCKS:S         jor_region_begin_on_stream (S-th stream)
  *         stream | streamprio:P               cuStreamCreate(WithPriority)
  *         threads:N:NAME:THREADS:DYN:COUNT    N threads launching concurrently
  *         region_begin:ID:BLOCKS | region_end:ID   jor_region_* if loaded
@@ -193,6 +195,15 @@ static int load_procaddr(int v2) {
   return 0;
 }
 
+static CUstream g_streams[16];
+static int g_num_streams = 0;
+
+static CUstream stream_at(const char* index) {
+  int i = atoi(index);
+  if (i < 0 || i >= g_num_streams) { fprintf(stderr, "fake_app: no stream %d\n", i); exit(3); }
+  return g_streams[i];
+}
+
 static CUfunction get_function(const char* name) {
   CUfunction f = NULL;
   CUresult r = api.getfunc(&f, (CUmodule)0, name);
@@ -344,6 +355,15 @@ int main(int argc, char** argv) {
              api.coop ? api.coop(f, 8, 1, 1, (unsigned)atoi(fields[2]), 1, 1,
                                  (unsigned)atoi(fields[3]), NULL, NULL)
                       : -1);
+    } else if (!strcmp(act, "launchon") && nf >= 5) {
+      CUfunction f = get_function(fields[1]);
+      printf("result %s %d\n", argv[a],
+             api.launch(f, 8, 1, 1, (unsigned)atoi(fields[2]), 1, 1, (unsigned)atoi(fields[3]),
+                        stream_at(fields[4]), NULL, NULL));
+    } else if (!strcmp(act, "region_begin_on") && nf >= 4) {
+      int (*begin)(int64_t, int64_t, void*) = dlsym(RTLD_DEFAULT, "jor_region_begin_on_stream");
+      printf("result %s %d\n", argv[a],
+             begin ? begin(atoll(fields[1]), atoll(fields[2]), stream_at(fields[3])) : -99);
     } else if (!strcmp(act, "capture_begin") || !strcmp(act, "capture_end")) {
       void* h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
       CUresult (*begin)(CUstream, int) = h ? dlsym(h, "cuStreamBeginCapture") : NULL;
@@ -364,6 +384,7 @@ int main(int argc, char** argv) {
                                           : api.streamprio(&s, 1, nf >= 2 ? atoi(fields[1]) : 0);
       int prio = 99;
       api.streamgetprio(s, &prio);
+      if (r == 0 && g_num_streams < 16) g_streams[g_num_streams++] = s;
       printf("result %s %d priority=%d\n", argv[a], r, prio);
     } else if (!strcmp(act, "threads") && nf >= 6) {
       int n = atoi(fields[1]);
