@@ -654,6 +654,63 @@ def test_fuzz_end_to_end_through_the_fake_driver(fake, tmp_path):
     assert all(x["result"] == "0" for x in r.launches)
 
 
+def _random_kernels(rng, n):
+  """Kernels that can run at all: (threads, regs, static, dyn, cap)."""
+  out = []
+  while len(out) < n:
+    threads = int(rng.integers(1, 33)) * 32
+    regs = int(rng.integers(16, 256))
+    if regs * threads > 65536:
+      continue
+    static = int(rng.integers(0, 16 * 1024))
+    dyn = int(rng.integers(0, 48 * 1024 - static + 1))
+    out.append((threads, regs, static, dyn, int(rng.integers(1, 17))))
+  return out
+
+
+def test_fuzz_ten_thousand_kernels_against_the_drivers_occupancy_rules(fake, tmp_path):
+  # 10,000 random kernels launched through the library and the fake driver, whose
+  # occupancy follows NVIDIA's published rules (registers per sub-partition, allocation
+  # units), written apart from the library's arithmetic. Each kernel's residency as
+  # launched and as written (the run without the library) comes from the driver's log.
+  kernels = _random_kernels(np.random.default_rng(11), 10_000)
+  chunk = 250  # kernels per process (the fake driver holds 256 functions)
+  seen = padded = capped = 0
+  for device in ("h100", "a100"):
+    for start in range(0, len(kernels) // 2 if device == "a100" else len(kernels), chunk):
+      part = kernels[start : start + chunk]
+      funcs = ";".join(f"k{i}:static={s}:regs={g}" for i, (_, g, s, _, _) in enumerate(part))
+      actions = [f"launch:k{i}:{t}:{d}" for i, (t, _, _, d, _) in enumerate(part)]
+      text = rules(*[f"kernel\tglob\tk{i}\tblocks_per_sm\t{c}" for i, (*_, c) in enumerate(part)])
+      env = {"FAKE_CUDA_DEVICE": device}
+      plain = harness.run_app(
+        fake, "dlopen", actions, preload=False, funcs=funcs, env=env, tmp=tmp_path
+      )
+      shaped = harness.run_app(
+        fake, "dlopen", actions, rules=text, funcs=funcs, env=env, tmp=tmp_path
+      )
+      assert plain.returncode == shaped.returncode == 0, shaped.stderr[-500:]
+      natural = {x["func"]: int(x["occ"]) for x in plain.launches}
+      ok = [x for x in shaped.launches if x["result"] == "0"]
+      # No launch exceeds a device limit: every kernel launched once, successfully.
+      assert len(ok) == len(part) and shaped.counters["launches_fallback"] == 0
+      for x in ok:
+        i = int(x["func"][1:])
+        threads, regs, static, dyn, cap = part[i]
+        occ, launched = int(x["occ"]), int(x["dyn"])
+        seen += 1
+        if natural[x["func"]] <= cap:
+          assert launched == dyn, (device, part[i], natural[x["func"]])  # not padded
+          continue
+        padded += 1
+        if occ > cap:  # only when even the opt-in limit cannot bring it down
+          capped += 1
+          assert static + launched >= (232448 if device == "h100" else 166912) - 127, part[i]
+        assert launched > dyn
+  assert seen == 15_000
+  assert padded > 1000 and capped < padded // 10
+
+
 # ---------------------------------------------------------------------------
 # status() from Python.
 # ---------------------------------------------------------------------------

@@ -105,6 +105,10 @@
   X(cuDeviceGetAttribute, CUresult, (int* pi, int attrib, CUdevice dev),        \
     (pi, attrib, dev))                                                          \
   X(cuCtxGetDevice, CUresult, (CUdevice * device), (device))                    \
+  X(cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags, CUresult,            \
+    (int* numBlocks, CUfunction func, int blockSize, size_t dynamicSMemSize,    \
+     unsigned int flags),                                                       \
+    (numBlocks, func, blockSize, dynamicSMemSize, flags))                       \
   X(cuStreamIsCapturing, CUresult, (CUstream hStream, int* captureStatus),      \
     (hStream, captureStatus))                                                   \
   X(cuCtxGetStreamPriorityRange, CUresult,                                      \

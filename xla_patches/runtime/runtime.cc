@@ -629,6 +629,65 @@ bool EnsureMaxDynamic(CUfunction f, FuncLite* lite, int64_t dyn) {
   return true;
 }
 
+// The driver's word on residency. The arithmetic (shaping.cc) proposes the dynamic
+// shared memory for a cap; the driver's occupancy calculator, which knows rules the
+// arithmetic approximates (registers per sub-partition, allocation units), decides:
+// a kernel the driver already runs at or below the cap is not padded, and a
+// proposal the driver still finds above the cap grows in 128-byte steps up to the
+// opt-in limit. Answers are cached per (function, block size, dynamic smem, cap).
+// Returns the dynamic shared memory to launch with; `dyn` itself means "leave it".
+struct OccKey {
+  CUfunction f;
+  unsigned threads, dyn;
+  int64_t cap;
+  bool operator==(const OccKey& o) const {
+    return f == o.f && threads == o.threads && dyn == o.dyn && cap == o.cap;
+  }
+};
+struct OccKeyHash {
+  size_t operator()(const OccKey& k) const {
+    return std::hash<const void*>()(k.f) ^ (size_t(k.threads) << 1) ^ (size_t(k.dyn) << 17) ^
+           (size_t(k.cap) << 40);
+  }
+};
+std::shared_mutex g_occ_mu;
+std::unordered_map<OccKey, int64_t, OccKeyHash>* g_occ = nullptr;
+
+int64_t DriverChecked(CUfunction f, unsigned threads, unsigned dyn, int64_t proposed,
+                      int64_t cap, int64_t max_dyn) {
+  auto occ = REAL(cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags);
+  if (occ == nullptr) return proposed;
+  const OccKey key{f, threads, dyn, cap};
+  {
+    std::shared_lock<std::shared_mutex> lock(g_occ_mu);
+    if (g_occ != nullptr) {
+      auto it = g_occ->find(key);
+      if (it != g_occ->end()) return it->second;
+    }
+  }
+  int64_t result = proposed;
+  int n = 0;
+  if (occ(&n, f, static_cast<int>(threads), dyn, 0) == JOR_CUDA_SUCCESS) {
+    if (n <= cap) {
+      result = dyn;  // already at or below the cap
+    } else {
+      for (int64_t d = proposed;; d = std::min<int64_t>(max_dyn, d + 128)) {
+        if (occ(&n, f, static_cast<int>(threads), static_cast<size_t>(d), 0) !=
+            JOR_CUDA_SUCCESS) {
+          result = proposed;
+          break;
+        }
+        result = d;
+        if (n <= cap || d >= max_dyn) break;
+      }
+    }
+  }
+  std::unique_lock<std::shared_mutex> lock(g_occ_mu);
+  if (g_occ == nullptr) g_occ = new std::unordered_map<OccKey, int64_t, OccKeyHash>();
+  (*g_occ)[key] = result;
+  return result;
+}
+
 enum Decision { kPass, kShape, kFallback, kSkip };
 
 // Decides the dynamic shared memory of one launch. `skip` marks launches that
@@ -680,6 +739,12 @@ Decision Decide(CUfunction f, CUstream stream, bool known_stream, unsigned threa
   if (status == JOR_SHAPE_INVALID) {
     Count(kCounter_launches_skipped);
     return kPass;
+  }
+  if (blocks > 0 && status != JOR_SHAPE_INVALID) {
+    const int64_t max_dyn = limits.smem_per_block_optin - lite->static_smem;
+    shaped = DriverChecked(f, threads, dyn, status == JOR_SHAPE_UNCHANGED ? dyn : shaped, blocks,
+                           max_dyn);
+    status = shaped >= max_dyn ? JOR_SHAPE_CAPPED : JOR_SHAPE_SHAPED;
   }
   if (status == JOR_SHAPE_UNCHANGED || shaped == dyn) return kPass;
   if (!EnsureMaxDynamic(f, lite, shaped)) return kFallback;
@@ -1018,9 +1083,13 @@ void* HookFor(int path, int id);
 bool IsOurHook(void* p);
 
 void ForgetFunctions() {
-  std::unique_lock<std::shared_mutex> lock(g_func_mu);
-  if (g_funcs != nullptr) g_funcs->clear();
-  g_func_epoch.fetch_add(1, std::memory_order_acq_rel);
+  {
+    std::unique_lock<std::shared_mutex> lock(g_func_mu);
+    if (g_funcs != nullptr) g_funcs->clear();
+    g_func_epoch.fetch_add(1, std::memory_order_acq_rel);
+  }
+  std::unique_lock<std::shared_mutex> lock(g_occ_mu);
+  if (g_occ != nullptr) g_occ->clear();
 }
 
 template <int kPath, int kId>

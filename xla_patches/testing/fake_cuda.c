@@ -362,6 +362,41 @@ EXPORT CUresult cuFuncGetName(const char** name, CUfunction hf) {
 }
 
 /* ---- Launches: validated as the driver would, then recorded. ---- */
+/* Blocks of `f` resident per SM by NVIDIA's published occupancy rules (the CUDA
+ * occupancy calculator, cuda_occupancy.h), written independently of the runtime
+ * library's arithmetic: warps per SM; registers allocated per warp in units of 256
+ * and split over four sub-partitions (a warp's registers come from one of them);
+ * shared memory per block (static + dynamic + the per-block reservation) in
+ * 128-byte units; the blocks-per-SM limit. 0: the block cannot run. */
+static int occupancy(const FakeFunc* f, int threads, long dyn) {
+  if (threads <= 0 || threads > 1024 || f->regs > 255) return 0;
+  if ((long)f->static_smem + dyn > g_dev.optin) return 0;
+  int warps = (threads + g_dev.warp - 1) / g_dev.warp;
+  int limit = g_dev.blocks_sm;
+  int by_warps = (g_dev.threads_sm / g_dev.warp) / warps;
+  if (by_warps < limit) limit = by_warps;
+  if (f->regs > 0) {
+    int per_warp = (f->regs * g_dev.warp + 255) / 256 * 256;
+    int warps_per_partition = (g_dev.regs_sm / 4) / per_warp;
+    int by_regs = warps_per_partition * 4 / warps;
+    if (by_regs < limit) limit = by_regs;
+  }
+  long smem = ((long)f->static_smem + dyn + g_dev.reserved + 127) / 128 * 128;
+  if (smem > 0 && g_dev.smem_sm / smem < limit) limit = (int)(g_dev.smem_sm / smem);
+  return limit;
+}
+
+EXPORT CUresult cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags(int* n, CUfunction hf,
+                                                                     int block, size_t dyn,
+                                                                     unsigned flags) {
+  (void)flags;
+  CHECK_FAIL("cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags");
+  FakeFunc* f = (FakeFunc*)hf;
+  if (!f || !n) return JOR_CUDA_ERROR_INVALID_VALUE;
+  *n = occupancy(f, block, (long)dyn);
+  return 0;
+}
+
 static CUresult do_launch(const char* api, CUfunction hf, unsigned gx, unsigned gy,
                           unsigned gz, unsigned bx, unsigned by, unsigned bz, unsigned dyn,
                           CUstream s) {
@@ -375,9 +410,10 @@ static CUresult do_launch(const char* api, CUfunction hf, unsigned gx, unsigned 
   else if ((long)f->regs * threads > g_dev.regs_sm) r = JOR_CUDA_ERROR_INVALID_VALUE;
   else if (g_launch_dyn_over >= 0 && (long)dyn > g_launch_dyn_over) r = JOR_CUDA_ERROR_INVALID_VALUE;
   logf_("launch api=%s func=%s grid=%u,%u,%u block=%u,%u,%u threads=%u dyn=%u static=%d "
-        "regs=%d stream=%d tid=%ld captured=%d result=%d",
+        "regs=%d stream=%d tid=%ld captured=%d occ=%d result=%d",
         api, f->name, gx, gy, gz, bx, by, bz, threads, dyn, f->static_smem, f->regs,
-        s ? ((FakeStream*)s)->id : 0, (long)syscall(SYS_gettid), g_capturing, r);
+        s ? ((FakeStream*)s)->id : 0, (long)syscall(SYS_gettid), g_capturing,
+        occupancy(f, (int)threads, dyn), r);
   /* As the driver does: an error inside a capture invalidates it. */
   if (r != 0 && g_capturing) g_capturing = 2;
   if (r == 0) {
@@ -582,6 +618,8 @@ static void* lookup_proc(const char* symbol, int version, cuuint64_t flags) {
     return ptsz ? (void*)cuLaunchCooperativeKernel_ptsz : (void*)cuLaunchCooperativeKernel;
   static const ProcEntry table[] = {
       {"cuGraphNodeSetParams", (void*)cuGraphNodeSetParams},
+      {"cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags",
+       (void*)cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags},
       {"cuStreamBeginCapture", (void*)cuStreamBeginCapture},
       {"cuStreamEndCapture", (void*)cuStreamEndCapture},
       {"cuStreamIsCapturing", (void*)cuStreamIsCapturing},
