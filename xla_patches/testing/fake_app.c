@@ -211,6 +211,15 @@ static CUfunction get_function(const char* name) {
   return f;
 }
 
+/* A kernel node's parameters from NAME:THREADS:DYN (fields[1..3]), grid 8. */
+static void kernel_node(CUDA_KERNEL_NODE_PARAMS_v2* p, char** fields) {
+  memset(p, 0, sizeof(*p));
+  p->func = get_function(fields[1]);
+  p->gridDimX = 8; p->gridDimY = p->gridDimZ = 1;
+  p->blockDimX = (unsigned)atoi(fields[2]); p->blockDimY = p->blockDimZ = 1;
+  p->sharedMemBytes = (unsigned)atoi(fields[3]);
+}
+
 typedef struct LaunchJob {
   CUfunction f;
   unsigned threads, dyn;
@@ -307,11 +316,7 @@ int main(int argc, char** argv) {
       printf("result %s %d\n", argv[a], api.launchex(&c, f, NULL, NULL));
     } else if ((!strcmp(act, "graph") || !strcmp(act, "graphset")) && nf >= 4) {
       CUDA_KERNEL_NODE_PARAMS_v2 p;
-      memset(&p, 0, sizeof(p));
-      p.func = get_function(fields[1]);
-      p.gridDimX = 8; p.gridDimY = p.gridDimZ = 1;
-      p.blockDimX = (unsigned)atoi(fields[2]); p.blockDimY = p.blockDimZ = 1;
-      p.sharedMemBytes = (unsigned)atoi(fields[3]);
+      kernel_node(&p, fields);
       CUresult r;
       if (!strcmp(act, "graph")) {
         CUgraphNode node = NULL;
@@ -322,21 +327,14 @@ int main(int argc, char** argv) {
       printf("result %s %d\n", argv[a], r);
     } else if (!strcmp(act, "kset") && nf >= 4) {
       CUDA_KERNEL_NODE_PARAMS_v2 p;
-      memset(&p, 0, sizeof(p));
-      p.func = get_function(fields[1]);
-      p.gridDimX = 8; p.gridDimY = p.gridDimZ = 1;
-      p.blockDimX = (unsigned)atoi(fields[2]); p.blockDimY = p.blockDimZ = 1;
-      p.sharedMemBytes = (unsigned)atoi(fields[3]);
+      kernel_node(&p, fields);
       printf("result %s %d\n", argv[a], api.kset ? api.kset(NULL, &p) : -1);
     } else if ((!strcmp(act, "node") || !strcmp(act, "nodeset") || !strcmp(act, "execnodeset")) &&
                nf >= 4) {
       CUgraphNodeParams p;
       memset(&p, 0, sizeof(p));
       p.type = nf >= 5 ? atoi(fields[4]) : JOR_CU_GRAPH_NODE_TYPE_KERNEL;
-      p.kernel.func = get_function(fields[1]);
-      p.kernel.gridDimX = 8; p.kernel.gridDimY = p.kernel.gridDimZ = 1;
-      p.kernel.blockDimX = (unsigned)atoi(fields[2]); p.kernel.blockDimY = p.kernel.blockDimZ = 1;
-      p.kernel.sharedMemBytes = (unsigned)atoi(fields[3]);
+      kernel_node(&p.kernel, fields);
       const unsigned before = p.kernel.sharedMemBytes;
       CUresult r = -1;
       if (!strcmp(act, "node") && api.nodeadd) {
