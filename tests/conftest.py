@@ -5,6 +5,8 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # A cache directory of the session's own: remembered variant choices, option
 # probes and latency profiles from other runs or other code do not leak in.
@@ -14,3 +16,17 @@ atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 _flags = os.environ.get("XLA_FLAGS", "")
 if "--xla_force_host_platform_device_count" not in _flags:
   os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+
+
+@pytest.fixture(scope="session")
+def fsdp_h100_dump():
+  """The FSDP transformer example compiled deviceless for h100x8, once per session:
+  (analysis report, XLA's dump directory). Shared by the tests that read the dump."""
+  from jax_overlap._src import analysis
+  from jax_overlap._src import compile as compile_lib
+  from jax_overlap.examples import fsdp_transformer
+
+  fn, args = fsdp_transformer.build()
+  step = compile_lib.compile_for_target(fn, *args, target="h100x8", keep_dump=True)
+  yield analysis.analyze_compiled(step), step.dump_dir
+  shutil.rmtree(step.dump_dir, ignore_errors=True)

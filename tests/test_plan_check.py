@@ -3,28 +3,21 @@
 import glob
 import os
 import re
-import shutil
 
 import pytest
 
 from jax_overlap import runtime, sim
-from jax_overlap._src import analysis
-from jax_overlap._src import compile as compile_lib
-from jax_overlap.examples import fsdp_transformer
 
 
 @pytest.fixture(scope="module")
-def compiled():
-  fn, args = fsdp_transformer.build()
-  step = compile_lib.compile_for_target(fn, *args, target="h100x8", keep_dump=True)
-  report = analysis.analyze_compiled(step)
+def compiled(fsdp_h100_dump):
+  report, dump_dir = fsdp_h100_dump
   # The kernels XLA emitted, by the names the driver will report: PTX .entry names.
   entries = set()
-  for path in glob.glob(os.path.join(step.dump_dir, "*.ptx")):
+  for path in glob.glob(os.path.join(dump_dir, "*.ptx")):
     with open(path) as f:
       entries |= set(re.findall(r"\.entry\s+(\w+)", f.read()))
-  yield report, entries
-  shutil.rmtree(step.dump_dir, ignore_errors=True)
+  return report, entries
 
 
 def test_launch_names_are_kernels_xla_emitted(compiled):

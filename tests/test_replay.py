@@ -18,22 +18,16 @@ import pytest
 from fake_cuda import harness
 
 from jax_overlap import runtime, sim
-from jax_overlap._src import analysis, ptx
-from jax_overlap._src import compile as compile_lib
+from jax_overlap._src import ptx
 from jax_overlap._src.sim import tune as tune_mod
-from jax_overlap.examples import fsdp_transformer
 
 pytestmark = pytest.mark.skipif(shutil.which("ptxas") is None, reason="needs ptxas (CUDA toolkit)")
 
 
 @pytest.fixture(scope="module")
-def step():
-  fn, args = fsdp_transformer.build()
-  compiled = compile_lib.compile_for_target(fn, *args, target="h100x8", keep_dump=True)
-  report = analysis.analyze_compiled(compiled)
-  resources = ptx.kernel_resources(compiled.dump_dir, (9, 0))
-  shutil.rmtree(compiled.dump_dir, ignore_errors=True)
-  return report, resources
+def step(fsdp_h100_dump):
+  report, dump_dir = fsdp_h100_dump
+  return report, ptx.kernel_resources(dump_dir, (9, 0))
 
 
 @pytest.fixture(scope="module")
