@@ -6,6 +6,7 @@ library applies them when the program runs under ``jax-overlap launch``;
 :func:`status` tells whether it is loaded and what it has done.
 """
 
+from jax_overlap._src.plan import CommBlock as CommBlock
 from jax_overlap._src.plan import KernelRule as KernelRule
 from jax_overlap._src.plan import Plan as Plan
 from jax_overlap._src.plan import PlanCheck as PlanCheck
@@ -15,6 +16,8 @@ from jax_overlap._src.plan import blocks_per_sm as blocks_per_sm
 from jax_overlap._src.plan import check_plan as check_plan
 from jax_overlap._src.plan import padded_dynamic_smem as padded_dynamic_smem
 from jax_overlap._src.plan import region_id as region_id
+from jax_overlap._src.plan import residency_limits as residency_limits
+from jax_overlap._src.plan import room_cap as room_cap
 from jax_overlap._src.plan import shaped_dynamic_smem as shaped_dynamic_smem
 from jax_overlap._src.regions import Occupancy as Occupancy
 from jax_overlap._src.regions import occupancy as occupancy
@@ -25,6 +28,7 @@ from jax_overlap._src.runtime import library_path as library_path
 from jax_overlap._src.runtime import status as status
 
 __all__ = [
+  "CommBlock",
   "Counters",
   "KernelRule",
   "Occupancy",
@@ -40,6 +44,8 @@ __all__ = [
   "padded_dynamic_smem",
   "region_events",
   "region_id",
+  "residency_limits",
+  "room_cap",
   "shaped_dynamic_smem",
   "status",
 ]

@@ -29,6 +29,7 @@ from jax_overlap._src.sim.policies import POLICIES as POLICIES
 from jax_overlap._src.sim.policies import Policy as Policy
 from jax_overlap._src.sim.policies import compare as compare
 from jax_overlap._src.sim.policies import default_shaping as default_shaping
+from jax_overlap._src.sim.policies import no_room as no_room
 from jax_overlap._src.sim.policies import policy_from_plan as policy_from_plan
 from jax_overlap._src.sim.policies import simulate as simulate
 from jax_overlap._src.sim.realize import RealizeResult as RealizeResult
@@ -67,6 +68,7 @@ __all__ = [
   "compare",
   "constants_for",
   "default_shaping",
+  "no_room",
   "gemm_config",
   "large_step",
   "load_measurements",

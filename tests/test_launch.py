@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from jax_overlap import runtime
+from jax_overlap import runtime, sim
 from jax_overlap._src import launch
 from jax_overlap._src import runtime as runtime_impl
 
@@ -221,16 +221,43 @@ def test_build_failure_reports_the_compiler_output(tmp_path):
     runtime_impl.build_library(runtime_impl.RUNTIME_LIBRARY, tmp_path / "out", root=tmp_path / "x")
 
 
-def test_gpu_benchmark_dry_run():
+def test_gpu_benchmark_dry_run(tmp_path):
   script = REPO / "benchmarks" / "gpu" / "run_all.sh"
   env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_OVERLAP_RT")}
   env.pop("LD_PRELOAD", None)
   env["PYTHON"] = sys.executable
+  env["BUILD_DIR"] = str(tmp_path)
   out = subprocess.run(
-    ["bash", str(script), "--dry-run"], capture_output=True, text=True, env=env, timeout=120
+    ["bash", str(script), "--dry-run"], capture_output=True, text=True, env=env, timeout=600
   )
   assert out.returncode == 0, out.stderr[-3000:]
   assert "plan ok: plan_shape_all.json" in out.stderr
   assert "SKIP overlap_bench run: dry run" in out.stderr
   assert "outputs identical with and without shaping" in out.stderr
   assert "fake driver: XLA-like dlopen launch shaped (launches_shaped=1)" in out.stderr
+  # The sweep's output is what sim.calibrate reads: every kind x cap x priority, the
+  # registers from ptxas, and (dry run) the simulator's predictions, marked as such.
+  data = json.loads((tmp_path / "overlap_bench.json").read_text())
+  records = sim.load_measurements(str(tmp_path / "overlap_bench.json"))
+  kinds = {r["compute"].get("name", r["compute"]["kind"]) for r in records}
+  assert kinds == {"gemm", "loop_fusion", "attention_like"}
+  assert {(r["cap"], r["policy"]) for r in records} >= {
+    (None, "concurrent"),
+    (None, "priority"),
+    (None, "sequential"),
+    (1, "shaping"),
+    (4, "priority+shaping"),
+  }
+  assert len(records) == 3 * (4 * 2 + 1) and data["measured"] is False
+  assert all(r["source"].startswith("dry run: simulator prediction") for r in records)
+  assert all(r["proxy"]["regs"] > 0 and r["issue"] == "compute_first" for r in records)
+  own = [r for r in records if r["compute"]["kind"] != "gemm"]
+  assert all(r["compute"]["regs"] > 0 and r["compute"]["natural_blocks_per_sm"] > 1 for r in own)
+  # The round trip: calibration from the defaults recovers the constants the records
+  # were generated with.
+  truth = {"cta_copy_bandwidth": 26e9, "occupancy_exponent": 0.3}
+  assert f"fitted cta_copy_bandwidth={truth['cta_copy_bandwidth']:.4g}" in out.stderr
+  res = sim.calibrate(records, "h100", params=tuple(truth))
+  assert res.error_before > 0.05 and res.error_after < 1e-3
+  for k, v in truth.items():
+    assert res.params[k] == pytest.approx(v, rel=0.02)

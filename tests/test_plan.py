@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -53,6 +54,7 @@ def test_simple_constructor_for_the_tuner():
     "kernels": [{"match": "*gemm*", "blocks_per_sm": 1}],
     "regions": {"attn": {"blocks_per_sm": 2}},
     "streams": {"priority": "highest", "create_order": [3]},
+    "comm_block": "auto",
   }
   assert not plan.empty and runtime.Plan().empty
 
@@ -65,7 +67,15 @@ def test_rules_text():
   assert lines[2] == "kernel\tregex\t^sm90_xmma_gemm_.*\tpadding_bytes\t16384"
   assert lines[3] == f"region\t{runtime.region_id('mlp')}\tblocks_per_sm\t1"
   assert lines[4] == "region\t7\tblocks_per_sm\t3"
-  assert lines[5:] == ["streams\tpriority\thighest", "streams\tpromote_requested\t1"]
+  assert lines[5:] == [
+    "streams\tpriority\thighest",
+    "streams\tpromote_requested\t1",
+    "comm_block\tauto",
+  ]
+  explicit = dataclasses.replace(plan, comm_block={"threads": 288, "regs_per_thread": 96})
+  assert explicit.to_rules().splitlines()[-1] == "comm_block\t288\t96\t0"
+  assert dataclasses.replace(plan, comm_block=None).to_rules().endswith("comm_block\tnone\n")
+  assert runtime.Plan.from_json(explicit.to_json()) == explicit
 
 
 def test_region_ids_are_stable_and_disjoint():
@@ -80,13 +90,24 @@ def test_region_ids_are_stable_and_disjoint():
 
 
 BAD_PLANS = [
+  (
+    {"version": 1, "comm_block": {"threads": 2048}},
+    ValueError,
+    "comm_block.threads must be 1-1024, got 2048",
+  ),
+  (
+    {"version": 1, "comm_block": {"threads": 544, "regs": 96}},
+    ValueError,
+    "comm_block: unknown key 'regs'; valid keys: regs_per_thread, smem_bytes, threads",
+  ),
+  ({"version": 1, "comm_block": "nccl"}, TypeError, "'comm_block' must be \"auto\", null"),
   ({"kernels": []}, ValueError, "missing key 'version' (expected 1)"),
   ({"version": 2}, ValueError, "unsupported plan version 2; this jax_overlap reads version 1"),
   ({"version": "1"}, TypeError, "'version' must be an integer, got '1'"),
   (
     {"version": 1, "kernel": []},
     ValueError,
-    "plan: unknown key 'kernel'; valid keys: comment, kernels, regions, streams, target, version",
+    "plan: unknown key 'kernel'; valid keys: comm_block, comment, kernels, regions, streams, target, version",
   ),
   (
     {"version": 1, "target": "h1000"},

@@ -6,8 +6,9 @@ its registers and static shared memory from ptxas on the dumped PTX. Its launch 
 replayed through the runtime library twice: op by op (cuLaunchKernel), and as XLA's command
 buffers record it (one cuGraphAddKernelNode per kernel thunk). With a plan written for the same
 step by the simulator's tuner, the set of kernels the library shapes must be the set the plan
-selects, less those that already run at or below their cap (residency from the published
-occupancy rules with the real resources).
+selects, less those that already run at or below their cap and those beside which no cap
+leaves room for the plan's communication block (residency and room from the published
+occupancy rules with the real resources: ``runtime.room_cap``).
 """
 
 import fnmatch
@@ -72,10 +73,17 @@ def test_replay_shapes_exactly_what_the_plan_selects(step, fake, tmp_path):
   plan, source = _plan(report, resources)
   assert plan["kernels"], source
   assert runtime.check_plan(plan, report).unmatched == ()
-  expected = set()
+  cb = plan["comm_block"]
+  comm = runtime.CommBlock(**cb) if isinstance(cb, dict) else runtime.CommBlock.nccl("h100")
+  expected, no_room = set(), 0
   for name, threads, dyn, regs, static in launches:
     cap = _selected(plan, name)
-    if cap is not None and runtime.blocks_per_sm("h100", threads, regs, static + dyn) > cap:
+    if cap is None:
+      continue
+    room, _ = runtime.room_cap("h100", comm, threads, regs, static, dyn, cap)
+    if room == 0:
+      no_room += 1
+    elif runtime.blocks_per_sm("h100", threads, regs, static + dyn) > room:
       expected.add(name)
   assert expected, f"no planned kernel runs above its cap ({source})"
   funcs = ";".join(
@@ -103,6 +111,7 @@ def test_replay_shapes_exactly_what_the_plan_selects(step, fake, tmp_path):
     counter = "launches_shaped" if action == "launch" else "graph_nodes_shaped"
     n_expected = sum(1 for x in launches if x[0] in expected)
     assert r.counters[counter] == n_expected
+    assert r.counters["launches_no_room"] == no_room
 
 
 def test_replayed_kernels_are_xlas_own(step):

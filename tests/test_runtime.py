@@ -120,12 +120,14 @@ def test_procaddr_hands_out_per_thread_variants(fake, tmp_path):
 # ---------------------------------------------------------------------------
 
 # (device, threads, regs, static, dyn, N, expected dyn). Expected values by hand:
-#   dyn = floor(smem_per_sm / (N + 1)) + 1 - static - 1024 (reserved), at least dyn.
+#   block = smallest multiple of 128 B above smem_per_sm / (N + 1)
+#   dyn = block - 127 - static - 1024 (reserved), at least dyn.
 HAND_CASES = [
   # H100 (228 KB/SM): 256 threads, 32 regs -> 8 blocks by threads and registers.
   ("h100", 256, 32, 0, 0, 1, 116736 + 1 - 1024),  # 115713; 233472 // 116737 = 1
   ("h100", 256, 32, 1024, 0, 2, 77824 + 1 - 2048),  # 75777
-  ("h100", 128, 64, 0, 8192, 4, 46694 + 1 - 1024),  # 45671
+  # 233472 // 5 = 46694 -> 365 units of 128 B = 46720; 46720 - 127 - 1024 = 45569
+  ("h100", 128, 64, 0, 8192, 4, 46720 - 127 - 1024),
   ("h100", 256, 32, 0, 100000, 1, 100000 + 15713),  # starts at 100000: 115713
   # A100 (164 KB/SM).
   ("a100", 128, 64, 4096, 0, 3, 41984 + 1 - 5120),  # 36865
@@ -394,7 +396,9 @@ def test_stream_region_caps_only_its_stream_and_a_stale_one_is_closed(fake, tmp_
     tmp=tmp_path,
   )
   assert r.returncode == 0, r.stderr
-  assert r.launch_dyn("gemm_fusion_1") == [75777, 0, 0, 0]
+  # No plan: the region makes room for NCCL's channel on the H100 (82,240 B of shared
+  # memory), which only a cap of 1 leaves: 116864 (913 units) - 127 - 1024 static - 1024.
+  assert r.launch_dyn("gemm_fusion_1") == [116864 - 127 - 2048, 0, 0, 0]
   assert r.results[-2] == "region_end:7 0"  # no frame left open
 
 
@@ -402,7 +406,9 @@ def test_region_works_without_rules(fake, tmp_path):
   r = harness.run_app(
     fake, "direct", ["region_begin:3:4", "launch:loop_fusion_7:128:0", "region_end:3"], tmp=tmp_path
   )
-  assert r.launch_dyn("loop_fusion_7") == [233472 // 5 + 1 - 1024]
+  # Cap 4, lowered to 1: the only cap that leaves room for NCCL's channel (comm_block auto).
+  assert r.launch_dyn("loop_fusion_7") == [116864 - 127 - 1024]
+  assert r.counters["launches_no_room"] == 0
 
 
 def test_graph_kernel_nodes_are_shaped(fake, tmp_path):
@@ -580,6 +586,7 @@ def test_fuzz_shaping_never_exceeds_device_limits(rt):
   status = ctypes.c_int()
   n_cases = 12000
   shaped = capped = 0
+  rooms = [0, 0]
   for _ in range(n_cases):
     gpu = _random_gpu(rng)
     lim = runtime.DeviceLimits.from_gpu(gpu)
@@ -621,8 +628,24 @@ def test_fuzz_shaping_never_exceeds_device_limits(rt):
     # Python mirror agrees with C.
     assert plan_lib.shaped_dynamic_smem(gpu, threads, regs, static, dyn, n) == new
     assert plan_lib.blocks_per_sm(gpu, threads, regs, static + new) == resident
+    comm = plan_lib.CommBlock(
+      int(rng.choice([128, 288, 544, 640])),
+      int(rng.choice([0, 64, 96])),
+      int(rng.choice([0, 8192, 41280, 82240])),
+    )
+    cc = runtime.CommBlock(*dataclasses.astuple(comm))
+    reasons = ctypes.c_int()
+    c_room = rt.jor_room_cap(
+      ctypes.byref(lim), ctypes.byref(cc), threads, regs, static, dyn, n, ctypes.byref(reasons)
+    )
+    py_room, why = plan_lib.room_cap(gpu, comm, threads, regs, static, dyn, n)
+    assert c_room == py_room, (gpu, comm, threads, regs, static, dyn, n)
+    bits = {"threads": 1, "registers": 2, "shared_memory": 4, "blocks": 8}
+    assert reasons.value == sum(bits[w] for w in why)
+    rooms[py_room > 0] += 1
   # The fuzz reaches every branch.
   assert shaped > n_cases // 10 and capped + shaped < n_cases
+  assert min(rooms) > n_cases // 20, rooms
 
 
 def test_fuzz_end_to_end_through_the_fake_driver(fake, tmp_path):
@@ -709,6 +732,145 @@ def test_fuzz_ten_thousand_kernels_against_the_drivers_occupancy_rules(fake, tmp
         assert launched > dyn
   assert seen == 15_000
   assert padded > 1000 and capped < padded // 10
+
+
+_LIMITS = {
+  "h100": dict(smem_sm=233472, threads_sm=2048, regs_sm=65536, blocks_sm=32, cc=(9, 0)),
+  "a100": dict(smem_sm=167936, threads_sm=2048, regs_sm=65536, blocks_sm=32, cc=(8, 0)),
+}
+
+
+def _sm_wide_fits(device, blocks, threads, regs, smem_total, comm):
+  """Independent, necessary condition for room: SM-wide sums of ``blocks`` compute blocks
+  and one communication block within each per-SM limit (registers per warp in units of
+  256, shared memory per block with its 1 KB reservation in units of 128 B)."""
+  lim = _LIMITS[device]
+
+  def warps(t):
+    return -(-t // 32)
+
+  def regs_of(t, r):
+    return warps(t) * (-(-r * 32 // 256) * 256)
+
+  def smem_of(b):
+    return -(-(b + 1024) // 128) * 128
+
+  return (
+    blocks * warps(threads) * 32 + warps(comm.threads) * 32 <= lim["threads_sm"]
+    and blocks * regs_of(threads, regs) + regs_of(comm.threads, comm.regs_per_thread)
+    <= lim["regs_sm"]
+    and blocks * smem_of(smem_total) + smem_of(comm.smem_bytes) <= lim["smem_sm"]
+    and blocks + 1 <= lim["blocks_sm"]
+  )
+
+
+def test_caps_make_room_for_the_communication_block(fake, tmp_path):
+  # comm_block auto: NCCL's channel on the device (544 threads, 96 registers, 82,240 B).
+  funcs = "gemm_like:static=0:regs=168:maxdyn=200000;small:static=0:regs=32;mid:static=0:regs=64"
+  actions = [
+    "launch:gemm_like:384:200000",  # Hopper GEMM tile: needs the whole register file
+    "launch:small:128:0",  # cap 4 leaves no shared memory for the channel; 1 does
+    "launch:mid:256:0",  # 8 warps x 2048 registers: no sub-partition room beside 17 warps
+  ]
+  text = rules(
+    "kernel\tglob\tgemm_like\tblocks_per_sm\t1",
+    "kernel\tglob\tsmall\tblocks_per_sm\t4",
+    "kernel\tglob\tmid\tblocks_per_sm\t2",
+    "comm_block\tauto",
+  )
+  r = harness.run_app(fake, "dlopen", actions, rules=text, funcs=funcs, tmp=tmp_path)
+  assert r.returncode == 0, r.stderr
+  assert r.launch_dyn("gemm_like") == [200000]  # left alone
+  assert r.launch_dyn("small") == [116864 - 127 - 1024]  # capped at 1, not 4
+  assert r.launch_dyn("mid") == [0]
+  assert r.counters["launches_no_room"] == 2
+  assert r.counters["no_room_registers"] == 2
+  assert r.counters["no_room_smem"] == 1  # the GEMM tile's 200 KB as well
+  assert r.counters["launches_shaped"] == 1
+  # NCCL_NTHREADS=256 (288 threads with the sync warp) leaves registers for `mid`.
+  r = harness.run_app(
+    fake, "dlopen", actions, rules=text, funcs=funcs, env={"NCCL_NTHREADS": "256"}, tmp=tmp_path
+  )
+  assert r.launch_dyn("mid") == [116864 - 127 - 1024]
+  assert r.counters["launches_no_room"] == 1
+  # The same answers from the Python mirror.
+  gpu = targets.get_gpu("h100")
+  assert plan_lib.room_cap(gpu, plan_lib.CommBlock.nccl(gpu, 544), 256, 64, 0, 0, 2) == (
+    0,
+    ("registers",),
+  )
+  assert plan_lib.room_cap(gpu, plan_lib.CommBlock.nccl(gpu, 288), 256, 64, 0, 0, 2) == (1, ())
+  # comm_block none: caps as written.
+  r = harness.run_app(
+    fake, "dlopen", actions, rules=text.replace("auto", "none"), funcs=funcs, tmp=tmp_path
+  )
+  assert r.counters["launches_no_room"] == 0
+  assert r.launch_dyn("small") == [46720 - 127 - 1024]
+
+
+def test_nccl_comm_block_matches_the_library(rt):
+  out = runtime.CommBlock()
+  for gpu in ("a40", "a100", "h100", "h200"):
+    g = targets.get_gpu(gpu)
+    for n in (288, 544, 640):
+      assert rt.jor_nccl_comm_block(*g.compute_capability, n, ctypes.byref(out)) == 1
+      assert (out.threads, out.regs_per_thread, out.smem_bytes) == dataclasses.astuple(
+        plan_lib.CommBlock.nccl(g, n)
+      )
+  assert rt.jor_nccl_comm_block(6, 0, 544, ctypes.byref(out)) == 0
+
+
+def test_fuzz_room_through_the_fake_driver(fake, tmp_path):
+  # Random kernels and caps under comm_block auto, through the launch path. Per launch:
+  # the library and its Python mirror agree on the cap (or on leaving it alone); the
+  # driver's own occupancy (written apart from the library) is at most that cap; and an
+  # independent SM-wide sum shows the communication block fitting beside the blocks.
+  rng = np.random.default_rng(29)
+  kernels = _random_kernels(rng, 3000)
+  chunk = 250
+  no_room = lowered = 0
+  for device in ("h100", "a100"):
+    gpu = targets.get_gpu(device)
+    comm = plan_lib.CommBlock.nccl(gpu)
+    for start in range(0, len(kernels), chunk):
+      part = kernels[start : start + chunk]
+      funcs = ";".join(f"k{i}:static={s}:regs={g}" for i, (_, g, s, _, _) in enumerate(part))
+      actions = [f"launch:k{i}:{t}:{d}" for i, (t, _, _, d, _) in enumerate(part)]
+      text = rules(
+        *[f"kernel\tglob\tk{i}\tblocks_per_sm\t{c}" for i, (*_, c) in enumerate(part)],
+        "comm_block\tauto",
+      )
+      env = {"FAKE_CUDA_DEVICE": device, "NCCL_NTHREADS": ""}
+      r = harness.run_app(fake, "dlopen", actions, rules=text, funcs=funcs, env=env, tmp=tmp_path)
+      assert r.returncode == 0 and r.counters["launches_fallback"] == 0, r.stderr[-500:]
+      expect_no_room = 0
+      for x in r.launches:
+        i = int(x["func"][1:])
+        threads, regs, static, dyn, cap = part[i]
+        occ, launched = int(x["occ"]), int(x["dyn"])
+        room, why = plan_lib.room_cap(gpu, comm, threads, regs, static, dyn, cap)
+        natural = plan_lib.blocks_per_sm(gpu, threads, regs, static + dyn)
+        if natural == 0:  # cannot run at all (registers per sub-partition): left alone
+          assert launched == dyn and room == 0 and why == () and occ == 0
+          continue
+        if room == 0:
+          expect_no_room += 1
+          assert launched == dyn and why, (device, part[i])
+          # Independent: if the SM-wide sums fit at one block, registers per
+          # sub-partition or the padding's shared memory are what stand in the way.
+          if _sm_wide_fits(device, 1, threads, regs, static + dyn, comm):
+            assert set(why) & {"registers", "shared_memory"}, (part[i], why)
+          continue
+        assert room <= cap
+        if room < natural:
+          lowered += room < cap
+          assert launched > dyn and occ <= room, (device, part[i], room, occ)
+        else:
+          assert launched == dyn
+        assert _sm_wide_fits(device, occ, threads, regs, static + launched, comm), part[i]
+      no_room += expect_no_room
+      assert r.counters["launches_no_room"] == expect_no_room
+  assert no_room > 500 and lowered > 100, (no_room, lowered)
 
 
 # ---------------------------------------------------------------------------

@@ -195,8 +195,11 @@ def test_priority_lets_collective_in_before_pending_blocks():
   assert prio.timing("c1").end_s < fifo.timing("c1").end_s
 
 
-def test_shaping_plus_priority_needed_when_blocks_pack_two_per_sm():
+def test_drain_needs_priority_and_a_cap_without_room():
   # Two GEMM blocks per SM: an SM never drains, so priority alone cannot place a NCCL CTA.
+  # No cap leaves room for the channel beside these blocks (registers), so the default
+  # shaping leaves the GEMM alone; a cap of 1 applied anyway (a plan with comm_block
+  # null) drains an SM after each block, where the prioritised channel lands.
   g = sim.Kernel(
     "gemm",
     grid=108 * 2 * 20,
@@ -214,10 +217,17 @@ def test_shaping_plus_priority_needed_when_blocks_pack_two_per_sm():
       sim.Collective("c1", "all-gather", 1 << 28),
     )
   )
+  assert sim.no_room(wl, "a100") == {"gemm": ("registers",)}
+  assert sim.default_shaping(wl, "a100") == {}
   t = {p: sim.simulate(wl, "a100", p).timing("c1").start_s for p in sim.POLICIES}
   assert t["priority"] == pytest.approx(t["concurrent"], rel=0.05)
-  assert t["shaping"] == pytest.approx(t["concurrent"], rel=0.05)
-  assert t["priority+shaping"] < 0.2 * t["concurrent"]
+  assert t["shaping"] == t["concurrent"] and t["priority+shaping"] == t["priority"]
+  drain = sim.Policy("drain", priority=True, shaping={"gemm": 1})
+  assert sim.simulate(wl, "a100", drain).timing("c1").start_s < 0.2 * t["concurrent"]
+  no_priority = sim.Policy("cap only", shaping={"gemm": 1})
+  assert sim.simulate(wl, "a100", no_priority).timing("c1").start_s == pytest.approx(
+    t["concurrent"], rel=0.05
+  )
 
 
 def test_sequential_serialises_everything():

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from jax_overlap import sim
+from jax_overlap import runtime, sim
 from jax_overlap._src.sim import tune as tune_mod
 
 
@@ -39,12 +39,23 @@ def test_tuned_plan_reproduces_its_makespan_and_format():
   assert "makespan (ms)" in res.format_table()
 
 
-def test_tuner_finds_priority_plus_shaping_on_attention_chain():
+def test_tuner_plans_no_cap_that_cannot_make_room():
+  # Attention blocks beside an NCCL channel: no cap leaves room (registers), so the
+  # tuner caps nothing and says why; the runtime library would leave them alone too.
   wl = sim.tp_chain(4, 8192, 4096, lag=2, kernel=lambda i: sim.attention("a", 4096, 4096, 2048))
   res = sim.tune(wl, "h100", progress=False)
-  assert res.policy.priority
-  assert res.policy.shaping  # some kernels shaped
-  assert res.gain > 0.03
+  assert res.plan["kernels"] == [] and not res.policy.shaping
+  assert set(res.no_room) == {f"a.{i}" for i in (1, 2, 3)}  # a.0 overlaps no collective
+  assert all("registers" in why for why in res.no_room.values())
+  assert res.plan["comm_block"] == {"threads": 544, "regs_per_thread": 96, "smem_bytes": 82240}
+  # Searching caps that cannot make room finds the drain plan (cap 1 + priority): the
+  # SM empties after each attention block and the waiting channel lands there. Its plan
+  # turns the library's room rule off so the caps apply as written.
+  drain = sim.tune(wl, "h100", progress=False, make_room=False)
+  assert drain.policy.priority and drain.policy.shaping
+  assert drain.gain > 0.03 and drain.makespan_s < res.makespan_s
+  assert drain.plan["comm_block"] is None
+  assert runtime.Plan.from_json(drain.plan).comm_block is None
 
 
 def test_plan_dict_json_round_trip():
@@ -54,6 +65,7 @@ def test_plan_dict_json_round_trip():
     "target": "h100",
     "kernels": [{"match": "k", "blocks_per_sm": 1}],
     "streams": {"priority": "highest"},
+    "comm_block": "auto",
   }
   assert json.loads(json.dumps(d)) == d
   from jax_overlap._src import plan as plan_mod
@@ -178,3 +190,13 @@ def test_plan_dict_escapes_glob_characters():
 
   assert fnmatch.fnmatchcase("fusion[1]*", rule["match"])
   assert not fnmatch.fnmatchcase("fusion1_x", rule["match"])
+
+
+def test_simulator_comm_block_is_the_runtime_librarys_nccl_channel():
+  # One description of an NCCL channel: the simulator's constants, the plan's "auto" and
+  # the runtime library (test_runtime checks the library against CommBlock.nccl).
+  for gpu in ("a40", "a100", "h100", "h200"):
+    c = sim.constants_for(gpu)
+    assert runtime.CommBlock(c.comm_threads, c.comm_regs, c.comm_smem) == runtime.CommBlock.nccl(
+      gpu, 544
+    )

@@ -1,19 +1,27 @@
-// Compute/communication overlap under five runtime policies, on one GPU.
+// Compute beside a communication-sized copy, under occupancy caps and stream priority.
 //
-// A GEMM stream (cuBLAS bf16 GemmEx, loaded with dlopen; a tiled CUDA-core
-// GEMM when cuBLAS is not found) runs beside an NCCL-footprint proxy kernel on
-// a second stream: 640-thread CTAs built for ~96 registers (so one CTA needs
-// almost a whole SM's register file, like an NCCL channel), a few CTAs, moving
-// memory with streaming copies. Policies:
-//   sequential   GEMM then proxy on one stream
-//   concurrent   two streams, default priority
-//   priority     proxy stream at the highest priority
-//   shaping      GEMM kernels capped at --shape-blocks blocks/SM by the runtime
-//                library (jor_set_rules; needs LD_PRELOAD=libjax_overlap_rt.so)
-//   both         priority + shaping
-// Reported per policy (median of --reps): makespan, proxy latency (issue to
-// completion), GEMM time and its slowdown against the GEMM alone. JSON on
-// stdout (or --out FILE).
+// The sweep: compute kernel kind x cap x priority, each beside a proxy for an NCCL
+// channel launched after the compute kernel on a second stream (as XLA orders a
+// collective behind the compute it overlaps):
+//   kinds     gemm        cuBLAS bf16 GEMM (dlopen; skipped when cuBLAS is not found)
+//             loop_fusion an XLA-loop-fusion-like elementwise kernel: 256 threads, a
+//                         few registers, many blocks per SM, many waves
+//             attention   an attention-like tile kernel: 128 threads, 48 KB of dynamic
+//                         shared memory per block (a K/V tile), several blocks per SM
+//   caps      none, 1, 2, 4 blocks per SM, applied by the runtime library
+//             (jor_set_rules; needs LD_PRELOAD=libjax_overlap_rt.so) with comm_block
+//             none: caps as written, also where they leave no room for the proxy
+//   priority  off, on (proxy stream at the greatest priority)
+// The proxy has an NCCL channel's footprint: built with __launch_bounds__(640, 1) (at
+// most 96 registers), launched with 544 threads (NCCL's Simple protocol) and 82,240
+// bytes of dynamic shared memory (ncclShmemDynamicSize on sm_80+), copying device
+// memory with streaming loads and stores. Inputs are random.
+//
+// Output (--out FILE, and stdout): the measurement format sim.calibrate reads,
+//   {"version": 1, "device": {...}, "baselines": {...}, "records": [...]}
+// one record per (kind, cap, priority) plus one sequential record per kind. With
+// --list nothing touches the GPU: the records are written with their configuration
+// and null measurements (the dry run of run_all.sh fills those from the simulator).
 //
 // Build: nvcc -O3 -std=c++17 -arch=sm_90 -o overlap_bench overlap_bench.cu -ldl
 #include <cuda_runtime.h>
@@ -22,7 +30,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include <algorithm>
 #include <string>
@@ -38,40 +45,109 @@
   } while (0)
 
 // ---------------------------------------------------------------------------
-// The proxy: NCCL-like footprint (640 threads, ~96 registers, few CTAs).
+// Kernels. extern "C": the names the driver reports are the names here.
 // ---------------------------------------------------------------------------
 
-constexpr int kProxyThreads = 640;
-constexpr int kInFlight = 20;  // float4 loads in flight per thread: ~80 data registers
+constexpr int kProxyBoundThreads = 640;  // NCCL_MAX_NTHREADS
+constexpr int kProxyThreads = 544;       // Simple protocol: 512 + a synchronization warp
+constexpr int kProxySmem = 82240;        // ncclShmemDynamicSize, sm_80+
+constexpr int kInFlight = 16;            // float4 loads in flight per thread
 
-__global__ void __launch_bounds__(kProxyThreads, 1)
-    nccl_proxy(const float4* __restrict__ src, float4* __restrict__ dst, size_t per_cta,
-               int reps) {
+extern "C" __global__ void __launch_bounds__(kProxyBoundThreads, 1)
+    nccl_proxy(const float4* __restrict__ src, float4* __restrict__ dst, size_t per_cta) {
+  extern __shared__ float4 stage[];
   const float4* s = src + blockIdx.x * per_cta;
   float4* d = dst + blockIdx.x * per_cta;
   const size_t step = (size_t)blockDim.x * kInFlight;
-  for (int r = 0; r < reps; ++r) {
-    for (size_t base = threadIdx.x; base < per_cta; base += step) {
-      float4 v[kInFlight];
+  for (size_t base = threadIdx.x; base < per_cta; base += step) {
+    float4 v[kInFlight];
 #pragma unroll
-      for (int i = 0; i < kInFlight; ++i) {
-        size_t idx = base + (size_t)i * blockDim.x;
-        v[i] = idx < per_cta ? __ldcs(s + idx) : make_float4(0, 0, 0, 0);
-      }
-#pragma unroll
-      for (int i = 0; i < kInFlight; ++i) {
-        size_t idx = base + (size_t)i * blockDim.x;
-        if (idx < per_cta) __stcs(d + idx, v[i]);
-      }
+    for (int i = 0; i < kInFlight; ++i) {
+      size_t idx = base + (size_t)i * blockDim.x;
+      v[i] = idx < per_cta ? __ldcs(s + idx) : make_float4(0, 0, 0, 0);
     }
+#pragma unroll
+    for (int i = 0; i < kInFlight; ++i) {
+      size_t idx = base + (size_t)i * blockDim.x;
+      if (idx < per_cta) __stcs(d + idx, v[i]);
+    }
+  }
+  if (threadIdx.x == 0) stage[0] = make_float4(0, 0, 0, 0);  // the allocation is real
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    loop_fusion(const float4* __restrict__ a, const float4* __restrict__ b,
+                float4* __restrict__ c, size_t n, int iters) {
+  size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  float4 x = a[i], y = b[i];
+  for (int k = 0; k < iters; ++k) {
+    x.x = fmaf(x.x, y.x, 0.5f);
+    x.y = fmaf(x.y, y.y, 0.5f);
+    x.z = fmaf(x.z, y.z, 0.5f);
+    x.w = fmaf(x.w, y.w, 0.5f);
+  }
+  c[i] = x;
+}
+
+constexpr int kAttnThreads = 128;
+constexpr int kAttnTile = 96;  // keys per tile
+constexpr int kAttnDim = 128;  // head dimension: tile of 96 x 128 floats = 48 KB
+constexpr int kAttnSmem = kAttnTile * kAttnDim * 4;
+
+// One block: 128 queries of one head against `tiles` K tiles staged in shared memory.
+extern "C" __global__ void __launch_bounds__(kAttnThreads)
+    attention_like(const float* __restrict__ q, const float* __restrict__ k,
+                   float* __restrict__ out, int tiles) {
+  extern __shared__ float tile[];
+  const float* qrow = q + ((size_t)blockIdx.x * kAttnThreads + threadIdx.x) * kAttnDim;
+  float qv[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) qv[j] = qrow[j];
+  float acc = 0.f, m = -1e30f;
+  for (int t = 0; t < tiles; ++t) {
+    const float* kt = k + ((size_t)(blockIdx.x + t) % 64) * kAttnTile * kAttnDim;
+    __syncthreads();
+    for (int i = threadIdx.x; i < kAttnTile * kAttnDim; i += blockDim.x) tile[i] = kt[i];
+    __syncthreads();
+    for (int key = 0; key < kAttnTile; ++key) {
+      float s = 0.f;
+#pragma unroll
+      for (int j = 0; j < kAttnDim; j += 8) {
+#pragma unroll
+        for (int u = 0; u < 8; ++u) s = fmaf(qv[u], tile[key * kAttnDim + j + u], s);
+      }
+      float nm = fmaxf(m, s);
+      acc = acc * __expf(m - nm) + __expf(s - nm);
+      m = nm;
+    }
+  }
+  out[(size_t)blockIdx.x * kAttnThreads + threadIdx.x] = acc + m;
+}
+
+extern "C" __global__ void fill_random(float* p, size_t n, uint32_t seed, float scale) {
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x) {
+    uint32_t h = (uint32_t)i * 2654435761u ^ seed;
+    h ^= h >> 15;
+    h *= 2246822519u;
+    h ^= h >> 13;
+    p[i] = scale * ((h & 0xffffff) / 16777216.0f - 0.5f);
+  }
+}
+
+extern "C" __global__ void to_bf16(const float* src, uint16_t* dst, size_t n) {
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x) {
+    uint32_t bits = __float_as_uint(src[i]);
+    dst[i] = (uint16_t)(bits >> 16);
   }
 }
 
 // ---------------------------------------------------------------------------
-// GEMM: cuBLAS through dlopen (no link-time dependency), else a tiled kernel.
+// cuBLAS through dlopen (no link-time dependency).
 // ---------------------------------------------------------------------------
 
-// cublas_api.h / library_types.h values.
 constexpr int kCublasOpN = 0;
 constexpr int kCudaR16BF = 14;
 constexpr int kCublasCompute32F = 68;
@@ -106,61 +182,6 @@ bool LoadCublas(Cublas* c) {
   return false;
 }
 
-constexpr int kTile = 64;
-// Tiled GEMM, 256 threads, 2 x 16 KB shared memory: several blocks per SM,
-// which is what occupancy shaping acts on.
-__global__ void __launch_bounds__(256) tiled_gemm(const float* A, const float* B, float* C,
-                                                  int n) {
-  __shared__ float As[kTile][kTile];
-  __shared__ float Bs[kTile][kTile];
-  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
-  const int row0 = blockIdx.y * kTile, col0 = blockIdx.x * kTile;
-  float acc[4][4] = {};
-  for (int k0 = 0; k0 < n; k0 += kTile) {
-    for (int i = threadIdx.x; i < kTile * kTile; i += blockDim.x) {
-      int r = i / kTile, c = i % kTile;
-      As[r][c] = A[(size_t)(row0 + r) * n + k0 + c];
-      Bs[r][c] = B[(size_t)(k0 + r) * n + col0 + c];
-    }
-    __syncthreads();
-    for (int k = 0; k < kTile; ++k) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) acc[i][j] += As[ty * 4 + i][k] * Bs[k][tx * 4 + j];
-    }
-    __syncthreads();
-  }
-  for (int i = 0; i < 4; ++i)
-    for (int j = 0; j < 4; ++j) C[(size_t)(row0 + ty * 4 + i) * n + col0 + tx * 4 + j] = acc[i][j];
-}
-
-struct Gemm {
-  Cublas cublas;
-  bool use_cublas = false;
-  int n = 0;
-  void *a = nullptr, *b = nullptr, *c = nullptr;
-
-  void Run(cudaStream_t s) {
-    if (use_cublas) {
-      const float one = 1.0f, zero = 0.0f;
-      cublas.set_stream(cublas.handle, s);
-      int st = cublas.gemm(cublas.handle, kCublasOpN, kCublasOpN, n, n, n, &one, a, kCudaR16BF, n,
-                           b, kCudaR16BF, n, &zero, c, kCudaR16BF, n, kCublasCompute32F,
-                           kCublasGemmDefault);
-      if (st != 0) {
-        fprintf(stderr, "overlap_bench: cublasGemmEx failed (%d)\n", st);
-        exit(1);
-      }
-    } else {
-      dim3 grid(n / kTile, n / kTile);
-      tiled_gemm<<<grid, 256, 0, s>>>(static_cast<float*>(a), static_cast<float*>(b),
-                                      static_cast<float*>(c), n);
-      CHECK(cudaGetLastError());
-    }
-  }
-};
-
 // ---------------------------------------------------------------------------
 // Runtime library hooks (present when it is preloaded).
 // ---------------------------------------------------------------------------
@@ -181,41 +202,116 @@ uint64_t RuntimeCounter(const char* name) {
 }
 
 // ---------------------------------------------------------------------------
-// Measurement.
+// The sweep.
 // ---------------------------------------------------------------------------
 
-struct Sample {
-  float makespan, proxy, gemm;
+struct Options {
+  int gemm_n = 8192;
+  size_t loop_elems = (size_t)1 << 26;  // float4 elements: 1 GiB per array
+  int loop_iters = 64;
+  int attn_blocks = 132 * 4 * 8;  // 8 waves at 4 blocks per SM on an H100
+  int attn_tiles = 16;
+  int proxy_ctas = 16;
+  size_t proxy_mb = 256;
+  int reps = 9;
+  bool list = false;
+  const char* out = nullptr;
+  std::vector<std::string> kinds = {"gemm", "loop_fusion", "attention"};
+  std::vector<int> caps = {0, 1, 2, 4};
 };
 
-struct Setup {
-  Gemm gemm;
+struct Compute {
+  std::string kind;
+  const char* regex = "";
+  // Launch description (grid/threads/smem; regs from the driver, 0 before).
+  long long grid = 0;
+  int threads = 0, regs = 0, static_smem = 0, dyn_smem = 0, natural = 0;
+  double flops = 0, bytes = 0;
+  int m = 0, n = 0, k = 0;  // gemm
+  // Device state.
+  Cublas cublas;
+  void *a = nullptr, *b = nullptr, *c = nullptr;
+  Options* opt = nullptr;
+
+  void Run(cudaStream_t s) {
+    if (kind == "gemm") {
+      const float one = 1.0f, zero = 0.0f;
+      cublas.set_stream(cublas.handle, s);
+      int st = cublas.gemm(cublas.handle, kCublasOpN, kCublasOpN, n, n, n, &one, a, kCudaR16BF, n,
+                           b, kCudaR16BF, n, &zero, c, kCudaR16BF, n, kCublasCompute32F,
+                           kCublasGemmDefault);
+      if (st != 0) {
+        fprintf(stderr, "overlap_bench: cublasGemmEx failed (%d)\n", st);
+        exit(1);
+      }
+    } else if (kind == "loop_fusion") {
+      loop_fusion<<<(unsigned)grid, threads, 0, s>>>(static_cast<float4*>(a),
+                                                       static_cast<float4*>(b),
+                                                       static_cast<float4*>(c),
+                                                       opt->loop_elems, opt->loop_iters);
+      CHECK(cudaGetLastError());
+    } else {
+      attention_like<<<(unsigned)grid, threads, dyn_smem, s>>>(
+          static_cast<float*>(a), static_cast<float*>(b), static_cast<float*>(c), opt->attn_tiles);
+      CHECK(cudaGetLastError());
+    }
+  }
+};
+
+void Describe(Compute* c, Options& o) {
+  c->opt = &o;
+  if (c->kind == "gemm") {
+    c->regex = "gemm|nvjet|xmma|cutlass|sm90_|sm80_|ampere_";
+    c->m = c->n = c->k = o.gemm_n;
+    c->flops = 2.0 * o.gemm_n * (double)o.gemm_n * o.gemm_n;
+  } else if (c->kind == "loop_fusion") {
+    c->regex = "^loop_fusion$";
+    c->threads = 256;
+    c->grid = (long long)((o.loop_elems + 255) / 256);
+    c->flops = 8.0 * o.loop_iters * (double)o.loop_elems;
+    c->bytes = 3.0 * 16 * (double)o.loop_elems;
+  } else {
+    c->regex = "^attention_like$";
+    c->threads = kAttnThreads;
+    c->dyn_smem = kAttnSmem;
+    c->grid = o.attn_blocks;
+    c->flops = 2.0 * kAttnDim * kAttnTile * (double)o.attn_tiles * kAttnThreads * o.attn_blocks;
+    c->bytes = 4.0 * kAttnTile * kAttnDim * (double)o.attn_tiles * o.attn_blocks;
+  }
+}
+
+struct Proxy {
   float4 *src = nullptr, *dst = nullptr;
   size_t per_cta = 0;
-  int ctas = 0, reps_inner = 1;
-
-  void Proxy(cudaStream_t s) {
-    nccl_proxy<<<ctas, kProxyThreads, 0, s>>>(src, dst, per_cta, reps_inner);
+  int ctas = 0;
+  void Run(cudaStream_t s) {
+    nccl_proxy<<<ctas, kProxyThreads, kProxySmem, s>>>(src, dst, per_cta);
     CHECK(cudaGetLastError());
   }
 };
 
-Sample Measure(Setup& st, cudaStream_t a, cudaStream_t b, bool sequential, bool run_gemm,
-               bool run_proxy) {
+struct Sample {
+  float makespan, proxy, compute;
+};
+
+// Compute on stream a, then the proxy on stream b (after the compute kernel was
+// issued), or both on a when sequential.
+Sample Measure(Compute& comp, Proxy& px, cudaStream_t a, cudaStream_t b, bool sequential,
+               bool run_compute, bool run_proxy) {
   cudaEvent_t start, end_a, end_b;
   CHECK(cudaEventCreate(&start));
   CHECK(cudaEventCreate(&end_a));
   CHECK(cudaEventCreate(&end_b));
   CHECK(cudaEventRecord(start, a));
   if (sequential) {
-    if (run_gemm) st.gemm.Run(a);
+    if (run_compute) comp.Run(a);
     CHECK(cudaEventRecord(end_a, a));
-    if (run_proxy) st.Proxy(a);
+    if (run_proxy) px.Run(a);
     CHECK(cudaEventRecord(end_b, a));
   } else {
     CHECK(cudaStreamWaitEvent(b, start, 0));
-    if (run_gemm) st.gemm.Run(a);
-    if (run_proxy) st.Proxy(b);  // issued after the GEMM: it must find room beside it
+    if (run_compute) comp.Run(a);
+    if (run_proxy) px.Run(b);
     CHECK(cudaEventRecord(end_a, a));
     CHECK(cudaEventRecord(end_b, b));
   }
@@ -223,12 +319,7 @@ Sample Measure(Setup& st, cudaStream_t a, cudaStream_t b, bool sequential, bool 
   float ta = 0, tb = 0;
   CHECK(cudaEventElapsedTime(&ta, start, end_a));
   CHECK(cudaEventElapsedTime(&tb, start, end_b));
-  Sample s;
-  if (sequential) {
-    s = {tb, tb - ta, ta};
-  } else {
-    s = {std::max(ta, tb), tb, ta};
-  }
+  Sample s = sequential ? Sample{tb, tb - ta, ta} : Sample{std::max(ta, tb), tb, ta};
   cudaEventDestroy(start);
   cudaEventDestroy(end_a);
   cudaEventDestroy(end_b);
@@ -240,124 +331,261 @@ float Median(std::vector<float> v) {
   return v.empty() ? 0.f : v[v.size() / 2];
 }
 
-int main(int argc, char** argv) {
-  int n = 8192, ctas = 16, reps = 15, shape_blocks = 1;
-  size_t proxy_mb = 256;
-  const char* out_path = nullptr;
-  const char* shape_regex = "gemm|nvjet|xmma|cutlass";
-  for (int i = 1; i < argc; ++i) {
-    auto next = [&]() { return i + 1 < argc ? argv[++i] : (char*)""; };
-    if (!strcmp(argv[i], "--n")) n = atoi(next());
-    else if (!strcmp(argv[i], "--proxy-ctas")) ctas = atoi(next());
-    else if (!strcmp(argv[i], "--proxy-mb")) proxy_mb = strtoull(next(), nullptr, 10);
-    else if (!strcmp(argv[i], "--reps")) reps = atoi(next());
-    else if (!strcmp(argv[i], "--shape-blocks")) shape_blocks = atoi(next());
-    else if (!strcmp(argv[i], "--shape-regex")) shape_regex = next();
-    else if (!strcmp(argv[i], "--out")) out_path = next();
-    else {
-      fprintf(stderr, "usage: overlap_bench [--n N] [--proxy-ctas C] [--proxy-mb MB] [--reps R] "
-                      "[--shape-blocks B] [--shape-regex RE] [--out FILE]\n");
-      return 2;
-    }
-  }
-  cudaDeviceProp prop;
-  CHECK(cudaGetDeviceProperties(&prop, 0));
-  Setup st;
-  st.gemm.n = n;
-  st.gemm.use_cublas = LoadCublas(&st.gemm.cublas);
-  const size_t elem = st.gemm.use_cublas ? 2 : 4;
-  if (!st.gemm.use_cublas && n > 4096) st.gemm.n = n = 4096;  // CUDA-core GEMM: keep it short
-  CHECK(cudaMalloc(&st.gemm.a, (size_t)n * n * elem));
-  CHECK(cudaMalloc(&st.gemm.b, (size_t)n * n * elem));
-  CHECK(cudaMalloc(&st.gemm.c, (size_t)n * n * elem));
-  CHECK(cudaMemset(st.gemm.a, 0, (size_t)n * n * elem));
-  CHECK(cudaMemset(st.gemm.b, 0, (size_t)n * n * elem));
-  st.ctas = ctas;
-  st.per_cta = proxy_mb * 1024 * 1024 / sizeof(float4) / ctas;
-  CHECK(cudaMalloc(&st.src, st.per_cta * ctas * sizeof(float4)));
-  CHECK(cudaMalloc(&st.dst, st.per_cta * ctas * sizeof(float4)));
-  CHECK(cudaMemset(st.src, 0, st.per_cta * ctas * sizeof(float4)));
-  cudaFuncAttributes proxy_attr;
-  CHECK(cudaFuncGetAttributes(&proxy_attr, nccl_proxy));
+std::string Num(double v, bool valid) {
+  if (!valid) return "null";
+  char buf[64];
+  snprintf(buf, sizeof(buf), "%.6g", v);
+  return buf;
+}
 
-  int least = 0, greatest = 0;
-  CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-  cudaStream_t a, b, b_high;
-  CHECK(cudaStreamCreateWithPriority(&a, cudaStreamNonBlocking, least));
-  CHECK(cudaStreamCreateWithPriority(&b, cudaStreamNonBlocking, least));
-  CHECK(cudaStreamCreateWithPriority(&b_high, cudaStreamNonBlocking, greatest));
-
-  auto set_rules = reinterpret_cast<SetRules>(dlsym(RTLD_DEFAULT, "jor_set_rules"));
-  char rules_text[512];
-  snprintf(rules_text, sizeof(rules_text), "version\t1\nkernel\tregex\t%s\tblocks_per_sm\t%d\n",
-           shape_regex, shape_blocks);
-
-  // Warm up (cuBLAS heuristics, module loading).
-  for (int i = 0; i < 3; ++i) Measure(st, a, b, false, true, true);
-
-  std::vector<float> alone_gemm, alone_proxy;
-  for (int i = 0; i < reps; ++i) {
-    alone_gemm.push_back(Measure(st, a, b, true, true, false).gemm);
-    alone_proxy.push_back(Measure(st, a, b, true, false, true).proxy);
-  }
-  const float gemm_alone = Median(alone_gemm), proxy_alone = Median(alone_proxy);
-
-  struct Policy {
-    const char* name;
-    bool sequential, priority, shaping;
-  } policies[] = {{"sequential", true, false, false},
-                  {"concurrent", false, false, false},
-                  {"priority", false, true, false},
-                  {"shaping", false, false, true},
-                  {"both", false, true, true}};
-  std::string json = "{";
-  char buf[1024];
-  snprintf(buf, sizeof(buf),
-           "\"gpu\": \"%s\", \"sm_count\": %d, \"compute_capability\": \"%d.%d\", "
-           "\"gemm\": {\"impl\": \"%s\", \"n\": %d, \"dtype\": \"%s\"}, "
-           "\"proxy\": {\"threads\": %d, \"registers\": %d, \"ctas\": %d, \"bytes\": %zu}, "
-           "\"stream_priority_range\": [%d, %d], \"runtime_loaded\": %s, "
-           "\"shape_rule\": {\"regex\": \"%s\", \"blocks_per_sm\": %d}, "
-           "\"gemm_alone_ms\": %.4f, \"proxy_alone_ms\": %.4f, \"policies\": {",
-           prop.name, prop.multiProcessorCount, prop.major, prop.minor,
-           st.gemm.use_cublas ? st.gemm.cublas.library.c_str() : "tiled_gemm", n,
-           st.gemm.use_cublas ? "bf16" : "f32", kProxyThreads, proxy_attr.numRegs, ctas,
-           st.per_cta * ctas * sizeof(float4), least, greatest, set_rules ? "true" : "false",
-           shape_regex, shape_blocks, gemm_alone, proxy_alone);
-  json += buf;
-  bool first = true;
-  for (const Policy& p : policies) {
-    if (p.shaping && set_rules == nullptr) {
-      snprintf(buf, sizeof(buf), "%s\"%s\": {\"skipped\": \"runtime library not preloaded\"}",
-               first ? "" : ", ", p.name);
-      json += buf;
-      first = false;
-      continue;
-    }
-    if (set_rules) set_rules(p.shaping ? rules_text : "version\t1\n");
-    const uint64_t shaped0 = RuntimeCounter("launches_shaped");
-    std::vector<float> mk, px, gm;
-    for (int i = 0; i < reps; ++i) {
-      Sample s = Measure(st, a, p.priority ? b_high : b, p.sequential, true, true);
-      mk.push_back(s.makespan);
-      px.push_back(s.proxy);
-      gm.push_back(s.gemm);
-    }
-    const uint64_t shaped = RuntimeCounter("launches_shaped") - shaped0;
+std::string ComputeJson(const Compute& c) {
+  char buf[512];
+  if (c.kind == "gemm") {
     snprintf(buf, sizeof(buf),
-             "%s\"%s\": {\"makespan_ms\": %.4f, \"proxy_latency_ms\": %.4f, \"gemm_ms\": %.4f, "
-             "\"gemm_slowdown\": %.4f, \"shaped_launches\": %llu}",
-             first ? "" : ", ", p.name, Median(mk), Median(px), Median(gm),
-             Median(gm) / gemm_alone, (unsigned long long)shaped);
-    json += buf;
-    first = false;
+             "{\"kind\": \"gemm\", \"m\": %d, \"n\": %d, \"k\": %d, \"dtype\": \"bf16\", "
+             "\"library\": \"%s\"}",
+             c.m, c.n, c.k, c.cublas.library.c_str());
+  } else {
+    snprintf(buf, sizeof(buf),
+             "{\"kind\": \"%s\", \"name\": \"%s\", \"grid\": %lld, \"threads\": %d, "
+             "\"regs\": %s, \"smem\": %d, \"flops\": %.6g, \"bytes\": %.6g, "
+             "\"natural_blocks_per_sm\": %s}",
+             c.kind == "loop_fusion" ? "fusion" : "custom", c.kind == "loop_fusion"
+                                                               ? "loop_fusion"
+                                                               : "attention_like",
+             c.grid, c.threads, c.regs > 0 ? std::to_string(c.regs).c_str() : "null",
+             c.static_smem + c.dyn_smem, c.flops, c.bytes,
+             c.natural > 0 ? std::to_string(c.natural).c_str() : "null");
   }
-  if (set_rules) set_rules("version\t1\n");
-  json += "}}\n";
-  if (out_path) {
-    FILE* f = fopen(out_path, "w");
+  return buf;
+}
+
+int Usage() {
+  fprintf(stderr,
+          "usage: overlap_bench [--list] [--out FILE] [--reps R] [--kinds gemm,loop_fusion,"
+          "attention] [--caps 0,1,2,4] [--gemm-n N] [--proxy-ctas C] [--proxy-mb MB]\n");
+  return 2;
+}
+
+std::vector<std::string> SplitList(const char* s) {
+  std::vector<std::string> out;
+  std::string cur;
+  for (const char* p = s;; ++p) {
+    if (*p == ',' || *p == '\0') {
+      if (!cur.empty()) out.push_back(cur);
+      cur.clear();
+      if (*p == '\0') break;
+    } else {
+      cur += *p;
+    }
+  }
+  return out;
+}
+
+int main(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    auto next = [&]() -> const char* { return i + 1 < argc ? argv[++i] : ""; };
+    if (!strcmp(argv[i], "--list")) o.list = true;
+    else if (!strcmp(argv[i], "--out")) o.out = next();
+    else if (!strcmp(argv[i], "--reps")) o.reps = atoi(next());
+    else if (!strcmp(argv[i], "--gemm-n")) o.gemm_n = atoi(next());
+    else if (!strcmp(argv[i], "--proxy-ctas")) o.proxy_ctas = atoi(next());
+    else if (!strcmp(argv[i], "--proxy-mb")) o.proxy_mb = strtoull(next(), nullptr, 10);
+    else if (!strcmp(argv[i], "--kinds")) o.kinds = SplitList(next());
+    else if (!strcmp(argv[i], "--caps")) {
+      o.caps.clear();
+      for (auto& c : SplitList(next())) o.caps.push_back(atoi(c.c_str()));
+    } else return Usage();
+  }
+  for (auto& k : o.kinds)
+    if (k != "gemm" && k != "loop_fusion" && k != "attention") return Usage();
+  if (o.reps < 1 || o.proxy_ctas < 1 || o.proxy_mb < 1) return Usage();
+
+  std::vector<Compute> comps;
+  for (auto& k : o.kinds) {
+    Compute c;
+    c.kind = k;
+    Describe(&c, o);
+    comps.push_back(c);
+  }
+  Proxy px;
+  px.ctas = o.proxy_ctas;
+  px.per_cta = o.proxy_mb * 1024 * 1024 / sizeof(float4) / o.proxy_ctas;
+  const double proxy_bytes = (double)px.per_cta * px.ctas * sizeof(float4);
+
+  std::string device = "{\"name\": null}", baselines = "{";
+  int least = 0, greatest = 0;
+  cudaStream_t a = nullptr, b = nullptr, b_high = nullptr;
+  SetRules set_rules = nullptr;
+  int proxy_regs = 0;
+  if (!o.list) {
+    cudaDeviceProp prop;
+    CHECK(cudaGetDeviceProperties(&prop, 0));
+    char buf[512];
+    snprintf(buf, sizeof(buf),
+             "{\"name\": \"%s\", \"sm_count\": %d, \"compute_capability\": \"%d.%d\", "
+             "\"smem_per_sm\": %zu}",
+             prop.name, prop.multiProcessorCount, prop.major, prop.minor,
+             prop.sharedMemPerMultiprocessor);
+    device = buf;
+    CHECK(cudaFuncSetAttribute(nccl_proxy, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               kProxySmem));
+    CHECK(cudaFuncSetAttribute(attention_like, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               kAttnSmem));
+    cudaFuncAttributes attr;
+    CHECK(cudaFuncGetAttributes(&attr, nccl_proxy));
+    proxy_regs = attr.numRegs;
+    CHECK(cudaMalloc(&px.src, proxy_bytes));
+    CHECK(cudaMalloc(&px.dst, proxy_bytes));
+    fill_random<<<1024, 256>>>(reinterpret_cast<float*>(px.src), proxy_bytes / 4, 1, 1.f);
+    for (auto& c : comps) {
+      if (c.kind == "gemm") {
+        if (!LoadCublas(&c.cublas)) {
+          fprintf(stderr, "overlap_bench: cuBLAS not found; set CUBLAS_LIBRARY\n");
+          return 1;
+        }
+        size_t n2 = (size_t)c.n * c.n;
+        float* tmp = nullptr;
+        CHECK(cudaMalloc(&tmp, n2 * 4));
+        CHECK(cudaMalloc(&c.a, n2 * 2));
+        CHECK(cudaMalloc(&c.b, n2 * 2));
+        CHECK(cudaMalloc(&c.c, n2 * 2));
+        fill_random<<<1024, 256>>>(tmp, n2, 2, 1.f);
+        to_bf16<<<1024, 256>>>(tmp, static_cast<uint16_t*>(c.a), n2);
+        fill_random<<<1024, 256>>>(tmp, n2, 3, 1.f);
+        to_bf16<<<1024, 256>>>(tmp, static_cast<uint16_t*>(c.b), n2);
+        CHECK(cudaDeviceSynchronize());
+        CHECK(cudaFree(tmp));
+      } else if (c.kind == "loop_fusion") {
+        for (void** p : {&c.a, &c.b, &c.c}) CHECK(cudaMalloc(p, o.loop_elems * 16));
+        fill_random<<<1024, 256>>>(static_cast<float*>(c.a), o.loop_elems * 4, 4, 1.f);
+        fill_random<<<1024, 256>>>(static_cast<float*>(c.b), o.loop_elems * 4, 5, 1.f);
+        CHECK(cudaFuncGetAttributes(&attr, loop_fusion));
+        c.regs = attr.numRegs;
+        c.static_smem = (int)attr.sharedSizeBytes;
+        CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&c.natural, loop_fusion, c.threads,
+                                                            0));
+      } else {
+        size_t qn = (size_t)o.attn_blocks * kAttnThreads * kAttnDim;
+        size_t kn = (size_t)64 * kAttnTile * kAttnDim;
+        CHECK(cudaMalloc(&c.a, qn * 4));
+        CHECK(cudaMalloc(&c.b, kn * 4));
+        CHECK(cudaMalloc(&c.c, (size_t)o.attn_blocks * kAttnThreads * 4));
+        fill_random<<<1024, 256>>>(static_cast<float*>(c.a), qn, 6, 0.1f);
+        fill_random<<<1024, 256>>>(static_cast<float*>(c.b), kn, 7, 0.1f);
+        CHECK(cudaFuncGetAttributes(&attr, attention_like));
+        c.regs = attr.numRegs;
+        c.static_smem = (int)attr.sharedSizeBytes;
+        CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&c.natural, attention_like, c.threads,
+                                                            c.dyn_smem));
+      }
+    }
+    CHECK(cudaDeviceSynchronize());
+    CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+    CHECK(cudaStreamCreateWithPriority(&a, cudaStreamNonBlocking, least));
+    CHECK(cudaStreamCreateWithPriority(&b, cudaStreamNonBlocking, least));
+    CHECK(cudaStreamCreateWithPriority(&b_high, cudaStreamNonBlocking, greatest));
+    set_rules = reinterpret_cast<SetRules>(dlsym(RTLD_DEFAULT, "jor_set_rules"));
+  }
+
+  char buf[2048];
+  snprintf(buf, sizeof(buf),
+           "{\"kind\": \"copy\", \"ctas\": %d, \"threads\": %d, \"regs\": %s, \"smem\": %d, "
+           "\"bytes\": %.0f, \"group_size\": 1}",
+           px.ctas, kProxyThreads, proxy_regs > 0 ? std::to_string(proxy_regs).c_str() : "96",
+           kProxySmem, proxy_bytes);
+  const std::string proxy_json = buf;
+
+  std::vector<std::string> records;
+  float proxy_alone = 0;
+  if (!o.list) {
+    std::vector<float> v;
+    for (int i = 0; i < o.reps; ++i) v.push_back(Measure(comps[0], px, a, b, true, false, true).proxy);
+    proxy_alone = Median(v);
+  }
+  baselines += "\"proxy_alone_ms\": " + Num(proxy_alone, !o.list);
+  for (auto& c : comps) {
+    // Warm up (cuBLAS heuristics, module loading).
+    if (!o.list) {
+      if (set_rules) set_rules("version\t1\n");
+      for (int i = 0; i < 2; ++i) Measure(c, px, a, b, false, true, true);
+    }
+    for (int cap : o.caps) {
+      std::string rules = "version\t1\ncomm_block\tnone\n";
+      if (cap > 0) {
+        snprintf(buf, sizeof(buf), "kernel\tregex\t%s\tblocks_per_sm\t%d\n", c.regex, cap);
+        rules += buf;
+      }
+      const bool skipped = !o.list && cap > 0 && set_rules == nullptr;
+      float alone = 0;
+      if (!o.list && !skipped) {
+        if (set_rules) set_rules(rules.c_str());
+        std::vector<float> v;
+        for (int i = 0; i < o.reps; ++i) v.push_back(Measure(c, px, a, b, true, true, false).compute);
+        alone = Median(v);
+        snprintf(buf, sizeof(buf), ", \"%s_cap%d_alone_ms\": %.6g", c.kind.c_str(), cap, alone);
+        baselines += buf;
+      }
+      for (int prio = 0; prio < 2; ++prio) {
+        for (int seq = 0; seq < 2; ++seq) {
+          if (seq && (cap > 0 || prio)) continue;  // one sequential record per kind
+          const char* policy = seq ? "sequential"
+                               : cap > 0 ? (prio ? "priority+shaping" : "shaping")
+                                         : (prio ? "priority" : "concurrent");
+          std::string meas = "\"makespan_s\": null, \"proxy_latency_s\": null, "
+                             "\"compute_slowdown\": null";
+          long long shaped = -1, no_room = -1;
+          if (skipped) {
+            meas += ", \"skipped\": \"runtime library not preloaded\"";
+          } else if (!o.list) {
+            const uint64_t s0 = RuntimeCounter("launches_shaped");
+            const uint64_t n0 = RuntimeCounter("launches_no_room");
+            std::vector<float> mk, pl, ct;
+            for (int i = 0; i < o.reps; ++i) {
+              Sample s = Measure(c, px, a, prio ? b_high : b, seq, true, true);
+              mk.push_back(s.makespan);
+              pl.push_back(s.proxy);
+              ct.push_back(s.compute);
+            }
+            shaped = (long long)(RuntimeCounter("launches_shaped") - s0);
+            no_room = (long long)(RuntimeCounter("launches_no_room") - n0);
+            const float base = alone > 0 ? alone : Median(ct);
+            snprintf(buf, sizeof(buf),
+                     "\"makespan_s\": %.6g, \"proxy_latency_s\": %.6g, \"compute_slowdown\": %.6g, "
+                     "\"compute_s\": %.6g, \"compute_alone_s\": %.6g",
+                     Median(mk) * 1e-3, Median(pl) * 1e-3, Median(ct) / base - 1.0,
+                     Median(ct) * 1e-3, base * 1e-3);
+            meas = buf;
+          }
+          const bool meant = cap > 0 && c.natural > cap;
+          snprintf(buf, sizeof(buf),
+                   "{\"policy\": \"%s\", \"cap\": %s, \"issue\": \"compute_first\", \"compute\": %s, \"proxy\": %s, %s, "
+                   "\"shaped_launches\": %s, \"no_room_launches\": %s, \"meant_to_shape\": %s, "
+                   "\"shape_regex\": \"%s\"}",
+                   policy, cap > 0 ? std::to_string(cap).c_str() : "null",
+                   ComputeJson(c).c_str(), proxy_json.c_str(), meas.c_str(),
+                   shaped >= 0 ? std::to_string(shaped).c_str() : "null",
+                   no_room >= 0 ? std::to_string(no_room).c_str() : "null",
+                   c.kind == "gemm" ? "null" : (meant ? "true" : "false"), c.regex);
+          records.push_back(buf);
+        }
+      }
+    }
+    if (!o.list && set_rules) set_rules("version\t1\n");
+  }
+  baselines += "}";
+  std::string json = "{\"version\": 1, \"device\": " + device + ", \"stream_priority_range\": [" +
+                     std::to_string(least) + ", " + std::to_string(greatest) +
+                     "], \"runtime_loaded\": " + (set_rules ? "true" : "false") +
+                     ", \"measured\": " + (o.list ? "false" : "true") +
+                     ", \"baselines\": " + baselines + ", \"records\": [\n";
+  for (size_t i = 0; i < records.size(); ++i) json += "  " + records[i] + (i + 1 < records.size() ? ",\n" : "\n");
+  json += "]}\n";
+  if (o.out) {
+    FILE* f = fopen(o.out, "w");
     if (!f) {
-      perror(out_path);
+      perror(o.out);
       return 1;
     }
     fputs(json.c_str(), f);

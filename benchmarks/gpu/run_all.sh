@@ -1,27 +1,33 @@
 #!/usr/bin/env bash
-# Runtime controls on one GPU (H100/H200): occupancy shaping and stream priority.
+# Runtime controls on one GPU (H100/H200): occupancy caps and stream priority.
 #
 #   benchmarks/gpu/run_all.sh            # on a GPU machine, < 8 minutes
 #   benchmarks/gpu/run_all.sh --dry-run  # anywhere: builds and checks all but the timings
 #
 # 1. builds the runtime library (libjax_overlap_rt.so) with the system compiler;
 # 2. validates the plans used here;
-# 3. builds overlap_bench.cu with nvcc for sm_90 (a cuBLAS GEMM stream beside an
-#    NCCL-footprint proxy kernel) and runs it under the runtime library with five
-#    policies: sequential, concurrent, +priority, +shaping, both;
-# 4. checks that a jitted JAX program gives identical outputs with and without
-#    shaping (jax_check.py, under `jax-overlap launch`);
-# 5. writes benchmarks/results/runtime_<gpu>_<date>.json.
-# The dry run does 1, 2, the nvcc build (no run), the JAX check on CPU under the
-# library, and a launch through the fake driver of the test suite; it states why
-# each GPU-only step is skipped, writes no results file and exits 0.
+# 3. builds overlap_bench.cu with nvcc for sm_90 (ptxas -v gives each kernel's registers)
+#    and runs its sweep under the runtime library: compute kind (cuBLAS GEMM, a loop
+#    fusion with many blocks per SM, an attention-like tile kernel) x cap (none, 1, 2, 4)
+#    x priority (off, on), each beside an NCCL-channel-sized copy issued after it on a
+#    second stream, random inputs; the library's counters and the kernel names it saw
+#    are recorded, and a configuration meant to shape that shaped nothing fails the run;
+# 4. fits the simulator's constants to the sweep (sim.calibrate reads the output as is);
+# 5. checks that a jitted JAX program gives identical outputs with and without shaping
+#    (jax_check.py, under `jax-overlap launch`), with shaped launches > 0 on a GPU;
+# 6. writes benchmarks/results/runtime_<gpu>_<date>.json.
+# The dry run does 1, 2, the nvcc build, the sweep's configurations without timings
+# (`overlap_bench --list`), fills them with the simulator's predictions (marked as
+# such in every record) and calibrates on them (the round trip), the JAX check on CPU
+# under the library, and a launch through the fake driver of the test suite; it
+# writes build/gpu_bench/overlap_bench.json, no results file, and exits 0.
 set -euo pipefail
 
 DRY_RUN=0
 for arg in "$@"; do
   case "$arg" in
     --dry-run) DRY_RUN=1 ;;
-    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
     *) echo "run_all.sh: unknown argument $arg (expected --dry-run)" >&2; exit 2 ;;
   esac
 done
@@ -53,14 +59,16 @@ done
 # 3. The CUDA benchmark.
 HAVE_GPU=0
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then HAVE_GPU=1; fi
-BENCH="$BUILD/overlap_bench"
-if command -v nvcc >/dev/null 2>&1; then
-  nvcc -O3 -std=c++17 -arch=sm_90 -o "$BENCH" "$HERE/overlap_bench.cu" -ldl
-  note "built overlap_bench (nvcc, sm_90)"
-else
-  if [[ $DRY_RUN -eq 0 ]]; then echo "run_all.sh: nvcc not found; install the CUDA toolkit" >&2; exit 1; fi
-  note "SKIP nvcc build: nvcc not found"
+if [[ $DRY_RUN -eq 0 && $HAVE_GPU -eq 0 ]]; then
+  echo "run_all.sh: no GPU found (nvidia-smi -L failed); use --dry-run" >&2; exit 1
 fi
+BENCH="$BUILD/overlap_bench"
+if ! command -v nvcc >/dev/null 2>&1; then
+  echo "run_all.sh: nvcc not found; install the CUDA toolkit" >&2; exit 1
+fi
+nvcc -O3 -std=c++17 -arch=sm_90 -Xptxas -v -o "$BENCH" "$HERE/overlap_bench.cu" -ldl \
+  > "$BUILD/ptxas.log" 2>&1 || { cat "$BUILD/ptxas.log" >&2; exit 1; }
+note "built overlap_bench (nvcc, sm_90; registers from ptxas -v)"
 
 # cuBLAS from the pip wheels jax's CUDA plugin installs, if not on the system path.
 CUBLAS_DIR="$("$PY" - <<'EOF' 2>/dev/null || true
@@ -72,16 +80,32 @@ for root in roots:
 EOF
 )"
 BENCH_JSON="$BUILD/overlap_bench.json"
-if [[ $DRY_RUN -eq 1 || $HAVE_GPU -eq 0 ]]; then
-  [[ $DRY_RUN -eq 0 ]] && { echo "run_all.sh: no GPU found (nvidia-smi -L failed)" >&2; exit 1; }
-  note "SKIP overlap_bench run: dry run (timings need an H100/H200)"
+RECORDS=("$PY" "$HERE/records.py")
+if [[ $DRY_RUN -eq 1 ]]; then
+  GPU_KEY=h100
+  "$BENCH" --list --out "$BENCH_JSON" >/dev/null
+  note "SKIP overlap_bench run: dry run (timings need an H100/H200); configurations listed"
+  "${RECORDS[@]}" resources "$BENCH_JSON" "$BUILD/ptxas.log" "$GPU_KEY" >&2
+  "${RECORDS[@]}" dry-run "$BENCH_JSON" "$GPU_KEY" >&2
 else
+  GPU_NAME="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n1)"
+  case "$(echo "$GPU_NAME" | tr 'A-Z' 'a-z')" in
+    *h200*) GPU_KEY=h200 ;; *h100*) GPU_KEY=h100 ;; *a100*) GPU_KEY=a100 ;;
+    *) echo "run_all.sh: $GPU_NAME is not in the catalogue (h100, h200, a100)" >&2; exit 1 ;;
+  esac
   LD_LIBRARY_PATH="${CUBLAS_DIR:+$CUBLAS_DIR:}${LD_LIBRARY_PATH:-}" LD_PRELOAD="$LIB" \
-    timeout 300 "$BENCH" --out "$BENCH_JSON" >/dev/null
+    JAX_OVERLAP_RT_VERBOSE=2 timeout 300 "$BENCH" --out "$BENCH_JSON" >/dev/null \
+    2> "$BUILD/runtime.log" || { tail -n 20 "$BUILD/runtime.log" >&2; exit 1; }
   note "overlap_bench done: $BENCH_JSON"
+  "${RECORDS[@]}" resources "$BENCH_JSON" "$BUILD/ptxas.log" "$GPU_KEY" >&2
+  "${RECORDS[@]}" names "$BENCH_JSON" "$BUILD/runtime.log" >&2
+  "${RECORDS[@]}" check "$BENCH_JSON" >&2
 fi
 
-# 4. JAX check: identical outputs with and without shaping.
+# 4. Calibration reads the output as it is.
+note "$("${RECORDS[@]}" calibrate "$BENCH_JSON" "$GPU_KEY")"
+
+# 5. JAX check: identical outputs with and without shaping.
 JAX_ENV=(env)
 if [[ $DRY_RUN -eq 1 || $HAVE_GPU -eq 0 ]]; then
   JAX_ENV+=(JAX_PLATFORMS=cpu)
@@ -110,13 +134,12 @@ if [[ $DRY_RUN -eq 1 ]]; then
     "$FAKE/fake_app" dlopen launch:gemm_fusion_1:256:0 | tail -n1)"
   echo "$OUT" | grep -q '"launches_shaped": 1' || { echo "run_all.sh: fake-driver launch was not shaped: $OUT" >&2; exit 1; }
   note "fake driver: XLA-like dlopen launch shaped (launches_shaped=1)"
-  note "dry run done in $((SECONDS - T0)) s; no results written"
+  note "dry run done in $((SECONDS - T0)) s; sweep output $BENCH_JSON; no results written"
   exit 0
 fi
 
-# 5. Results.
+# 6. Results.
 mkdir -p "$RESULTS"
-GPU_NAME="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n1)"
 SLUG="$(echo "$GPU_NAME" | tr 'A-Z' 'a-z' | tr -cs 'a-z0-9' '_' | sed 's/_$//')"
 DATE="$(date -u +%Y-%m-%d)"
 RESULT="$RESULTS/runtime_${SLUG}_${DATE}.json"
@@ -124,17 +147,20 @@ RESULT="$RESULTS/runtime_${SLUG}_${DATE}.json"
 import datetime, json, subprocess, sys
 bench, plain, shaped, out, gpu = sys.argv[1:]
 import jax
-result = {
+shaped_run = json.loads(open(shaped).read().splitlines()[-1])
+if shaped_run["launches_shaped"] + shaped_run["graph_nodes_shaped"] == 0:
+  sys.exit("run_all.sh: the JAX program under the shaping plan shaped no launch")
+result = json.load(open(bench))
+result.update({
   "gpu": gpu,
   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
   "driver": subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                            capture_output=True, text=True).stdout.strip(),
   "jax": jax.__version__,
-  "overlap_bench": json.load(open(bench)),
   "jax_check": {"identical": True, "plain": json.loads(open(plain).read().splitlines()[-1]),
-                "shaped": json.loads(open(shaped).read().splitlines()[-1])},
-}
-json.dump(result, open(out, "w"), indent=2)
+                "shaped": shaped_run},
+})
+json.dump(result, open(out, "w"), indent=1)
 print(out)
 EOF
 note "results: $RESULT ($((SECONDS - T0)) s)"

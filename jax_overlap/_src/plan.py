@@ -11,8 +11,15 @@ through ``Plan(...).to_json()``::
       {"regex": "^sm90_xmma_gemm_.*", "padding_bytes": 16384}
     ],
     "regions": {"mlp": {"blocks_per_sm": 1}},
-    "streams": {"priority": "highest"}
+    "streams": {"priority": "highest"},
+    "comm_block": "auto"
   }
+
+``comm_block`` is the communication block every cap must make room for: ``"auto"``
+(NCCL's channel on the device the program runs on, :meth:`CommBlock.nccl`), an
+explicit ``{"threads": 544, "regs_per_thread": 96, "smem_bytes": 82240}``, or
+``null`` to apply caps as written. A kernel for which no cap leaves room is left
+alone and counted (``runtime.status().counters.no_room``).
 
 ``jax-overlap launch`` validates it and hands it to the runtime library
 (``libjax_overlap_rt.so``) as compact rules (:meth:`Plan.to_rules`).
@@ -22,16 +29,21 @@ at launch (``xla_patches/runtime/shaping.h``), mirrored here for the simulator:
 
   blocks/SM = min(max_blocks_per_sm,
                   floor(max_threads_per_sm / roundup(threads, warp)),
-                  floor(regs_per_sm / (roundup(regs * warp, reg_alloc_unit) * warps)),
-                  floor(smem_per_sm / (static + dynamic + reserved_per_block)))
+                  floor(floor(regs_per_sm / 4 / roundup(regs * warp, reg_alloc_unit))
+                        * 4 / warps),        # four register sub-partitions
+                  floor(smem_per_sm / roundup(static + dynamic + reserved_per_block,
+                                              smem_alloc_unit)))
 
 and, to cap residency at N blocks per SM, the smallest dynamic shared memory
-with floor(smem_per_sm / (static + dyn + reserved)) <= N:
+with floor(smem_per_sm / roundup(static + dyn + reserved, unit)) <= N:
 
-  dyn = floor(smem_per_sm / (N + 1)) + 1 - static - reserved
+  block = (floor(floor(smem_per_sm / (N + 1)) / unit) + 1) * unit
+  dyn   = block - (unit - 1) - static - reserved
 
 never below the launch's own, and never above opt-in - static (CUDA C
 Programming Guide, "Occupancy" and the per-compute-capability limits table).
+:func:`room_cap` lowers a cap until one communication block fits beside the
+capped blocks in every resource (``shaping.h`` states the rule).
 """
 
 from __future__ import annotations
@@ -49,6 +61,7 @@ from jax_overlap._src import targets
 
 __all__ = [
   "PLAN_VERSION",
+  "CommBlock",
   "KernelRule",
   "RegionRule",
   "StreamPolicy",
@@ -57,6 +70,8 @@ __all__ = [
   "blocks_per_sm",
   "shaped_dynamic_smem",
   "padded_dynamic_smem",
+  "residency_limits",
+  "room_cap",
   "PlanCheck",
   "check_plan",
 ]
@@ -64,7 +79,8 @@ __all__ = [
 PLAN_VERSION = 1
 _API = "jax_overlap.runtime.Plan"
 
-_TOP_KEYS = ("comment", "kernels", "regions", "streams", "target", "version")
+_TOP_KEYS = ("comm_block", "comment", "kernels", "regions", "streams", "target", "version")
+_COMM_KEYS = ("regs_per_thread", "smem_bytes", "threads")
 _KERNEL_KEYS = ("blocks_per_sm", "comment", "match", "padding_bytes", "regex")
 _REGION_KEYS = ("blocks_per_sm", "comment")
 _STREAM_KEYS = ("comment", "create_order", "priority", "promote_requested")
@@ -298,6 +314,91 @@ def _region_rules(regions: Any) -> tuple[RegionRule, ...]:
 
 
 @dataclasses.dataclass(frozen=True)
+class CommBlock:
+  """Launch footprint of one communication block (an NCCL channel) a cap makes room for.
+
+  Attributes:
+    threads: threads per block.
+    regs_per_thread: registers per thread (0: unknown, not checked).
+    smem_bytes: static plus dynamic shared memory per block.
+
+  Example:
+    >>> CommBlock.nccl("h100")
+    CommBlock(threads=544, regs_per_thread=96, smem_bytes=82240)
+  """
+
+  threads: int
+  regs_per_thread: int = 0
+  smem_bytes: int = 0
+
+  def __post_init__(self):
+    for name in _COMM_KEYS:
+      value = getattr(self, name)
+      if not _is_int(value):
+        raise TypeError(f"{_API}: comm_block.{name} must be an integer, got {value!r}")
+    if not 1 <= self.threads <= 1024:
+      raise ValueError(f"{_API}: comm_block.threads must be 1-1024, got {self.threads}")
+    if not 0 <= self.regs_per_thread <= 255:
+      raise ValueError(
+        f"{_API}: comm_block.regs_per_thread must be 0-255, got {self.regs_per_thread}"
+      )
+    if self.smem_bytes < 0:
+      raise ValueError(f"{_API}: comm_block.smem_bytes must be >= 0, got {self.smem_bytes}")
+
+  @classmethod
+  def nccl(cls, gpu: str | targets.Gpu, nthreads: int | None = None) -> CommBlock:
+    """NCCL's channel on ``gpu``, as the runtime library's ``"auto"`` (``jor_nccl_comm_block``).
+
+    NCCL (src/include/device.h) builds its kernels with
+    ``__launch_bounds__(NCCL_MAX_NTHREADS = 640, 1)``, which bounds registers at 96 per
+    thread, and launches them with ``ncclShmemDynamicSize`` bytes of dynamic shared memory:
+    ``(unroll * 32 + 1) * 16`` bytes per warp for 20 warps (unroll 8 on sm_80 and later,
+    82,240 bytes; 4 on sm_70). The block size is the Simple protocol's, which carries
+    large messages: ``NCCL_NTHREADS`` (default 512, from the environment when
+    ``nthreads`` is None) plus one synchronization warp. LL128 and tree channels launch
+    640 threads: pass ``nthreads=640`` to make room for those.
+    """
+    g = targets.get_gpu(gpu)
+    if g.vendor != "nvidia" or g.compute_capability[0] < 7:
+      raise ValueError(f"{_API}: no NCCL channel footprint for {g.name} ({g.vendor})")
+    if nthreads is None:
+      nthreads = _nccl_simple_threads(os.environ.get("NCCL_NTHREADS"))
+    unroll = 8 if g.compute_capability[0] >= 8 else 4
+    return cls(int(nthreads), 96, (unroll * 32 + 1) * 16 * (640 // 32))
+
+  def to_dict(self) -> dict[str, int]:
+    return {
+      "threads": self.threads,
+      "regs_per_thread": self.regs_per_thread,
+      "smem_bytes": self.smem_bytes,
+    }
+
+
+def _nccl_simple_threads(value: str | None) -> int:
+  """Threads of NCCL's Simple-protocol channel for an NCCL_NTHREADS value (as the library)."""
+  n = 512
+  if value is not None and value.strip().isdigit():
+    v = int(value)
+    if 64 <= v <= 512 and v % 64 == 0:
+      n = v
+  return n + 32 if n >= 96 else n
+
+
+def _comm_block(value: Any) -> CommBlock | str | None:
+  if value is None or value == "auto" or isinstance(value, CommBlock):
+    return value
+  if isinstance(value, Mapping):
+    _check_keys("comm_block", value, _COMM_KEYS)
+    if "threads" not in value:
+      raise ValueError(f"{_API}: comm_block needs 'threads'")
+    return CommBlock(**value)
+  raise TypeError(
+    f"{_API}: 'comm_block' must be \"auto\", null or an object with {list(_COMM_KEYS)}, "
+    f"got {value!r}"
+  )
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
   """A validated runtime plan.
 
@@ -310,6 +411,9 @@ class Plan:
     regions: mapping of region name to blocks per SM (an int or
       ``{"blocks_per_sm": N}``), for ``jax_overlap.occupancy(name=...)`` regions.
     streams: a :class:`StreamPolicy` or a dict such as ``{"priority": "highest"}``.
+    comm_block: the communication block caps make room for: ``"auto"`` (NCCL's
+      channel on the running device), a :class:`CommBlock` or dict, or None to apply
+      caps as written.
 
   Raises:
     ValueError: for bad values or unknown keys, naming them and the valid ones.
@@ -327,8 +431,10 @@ class Plan:
   kernels: tuple[KernelRule, ...] = ()
   regions: tuple[RegionRule, ...] = ()
   streams: StreamPolicy = dataclasses.field(default_factory=StreamPolicy)
+  comm_block: CommBlock | Literal["auto"] | None = "auto"
 
   def __post_init__(self):
+    object.__setattr__(self, "comm_block", _comm_block(self.comm_block))
     if not _is_int(self.version):
       raise TypeError(f"{_API}: 'version' must be an integer, got {self.version!r}")
     if self.version != PLAN_VERSION:
@@ -417,6 +523,8 @@ class Plan:
     out["kernels"] = [r.to_dict() for r in self.kernels]
     out["regions"] = {r.name: {"blocks_per_sm": r.blocks_per_sm} for r in self.regions}
     out["streams"] = self.streams.to_dict()
+    cb = self.comm_block
+    out["comm_block"] = cb.to_dict() if isinstance(cb, CommBlock) else cb
     return out
 
   def to_json(self, path: str | os.PathLike | None = None, *, indent: int = 2) -> str:
@@ -468,6 +576,7 @@ class Plan:
       kernels=data.get("kernels", ()),
       regions=data.get("regions", {}),
       streams=data.get("streams", None),
+      comm_block=data.get("comm_block", "auto"),
     )
 
   def to_rules(self) -> str:
@@ -490,6 +599,11 @@ class Plan:
     lines.append(f"streams\tpromote_requested\t{int(self.streams.promotes_requested)}")
     if self.streams.create_order:
       lines.append("streams\tcreate_order\t" + ",".join(map(str, self.streams.create_order)))
+    cb = self.comm_block
+    if isinstance(cb, CommBlock):
+      lines.append(f"comm_block\t{cb.threads}\t{cb.regs_per_thread}\t{cb.smem_bytes}")
+    else:
+      lines.append(f"comm_block\t{'none' if cb is None else 'auto'}")
     return "\n".join(lines) + "\n"
 
 
@@ -523,6 +637,46 @@ def _reg_alloc_unit(gpu: targets.Gpu) -> int:
   return gpu.reg_alloc_unit
 
 
+_SUB_PARTITIONS = 4  # register-file sub-partitions per SM (one per warp scheduler)
+
+
+def _regs_per_warp(g: targets.Gpu, regs_per_thread: int) -> int:
+  return _roundup(regs_per_thread * g.warp_size, _reg_alloc_unit(g))
+
+
+def _smem_block(g: targets.Gpu, smem_total: int) -> int:
+  b = smem_total + g.smem_reserved_per_block
+  return _roundup(b, g.smem_alloc_unit) if b > 0 else 0
+
+
+def residency_limits(
+  gpu: str | targets.Gpu, threads: int, regs_per_thread: int, smem_total: int
+) -> dict[str, int]:
+  """Blocks of one kernel per SM allowed by each limit (their minimum is :func:`blocks_per_sm`).
+
+  Keys: ``"threads"``, ``"registers"`` (four sub-partitions, a warp's registers from one),
+  ``"shared_memory"`` (per-block reservation, allocation unit) and ``"blocks"``.
+
+  Example:
+    >>> residency_limits("h100", 384, 168, 200 * 1024)["registers"]
+    1
+  """
+  g = _gpu(gpu)
+  threads_rounded = _roundup(threads, g.warp_size)
+  warps = threads_rounded // g.warp_size
+  by_regs = g.max_blocks_per_sm
+  if regs_per_thread > 0:
+    per_partition = g.regs_per_sm // _SUB_PARTITIONS // _regs_per_warp(g, regs_per_thread)
+    by_regs = per_partition * _SUB_PARTITIONS // warps
+  smem = _smem_block(g, smem_total)
+  return {
+    "threads": g.max_threads_per_sm // threads_rounded,
+    "registers": by_regs,
+    "shared_memory": g.smem_per_sm // smem if smem > 0 else g.max_blocks_per_sm,
+    "blocks": g.max_blocks_per_sm,
+  }
+
+
 def blocks_per_sm(
   gpu: str | targets.Gpu, threads: int, regs_per_thread: int, smem_total: int
 ) -> int:
@@ -538,23 +692,108 @@ def blocks_per_sm(
     >>> blocks_per_sm("h100", 256, 32, 0)
     8
   """
-  g = _gpu(gpu)
   _check_launch(
     "jax_overlap.runtime.blocks_per_sm",
     threads=threads,
     regs_per_thread=regs_per_thread,
     smem_total=smem_total,
   )
-  threads_rounded = _roundup(threads, g.warp_size)
-  warps = threads_rounded // g.warp_size
-  blocks = min(g.max_blocks_per_sm, g.max_threads_per_sm // threads_rounded)
-  if regs_per_thread > 0:
-    regs_per_warp = _roundup(regs_per_thread * g.warp_size, _reg_alloc_unit(g))
-    blocks = min(blocks, g.regs_per_sm // (regs_per_warp * warps))
-  smem_block = smem_total + g.smem_reserved_per_block
-  if smem_block > 0:
-    blocks = min(blocks, g.smem_per_sm // smem_block)
-  return max(blocks, 0)
+  return max(min(residency_limits(gpu, threads, regs_per_thread, smem_total).values()), 0)
+
+
+def _no_room(
+  g: targets.Gpu, c: CommBlock, blocks: int, threads: int, regs: int, smem_total: int
+) -> tuple[str, ...]:
+  """Limits that keep ``c`` from fitting beside ``blocks`` compute blocks (shaping.h)."""
+  out = []
+  w = g.warp_size
+  if blocks * _roundup(threads, w) + _roundup(c.threads, w) > g.max_threads_per_sm:
+    out.append("threads")
+  if c.regs_per_thread > 0 or regs > 0:
+    free = [g.regs_per_sm // _SUB_PARTITIONS] * _SUB_PARTITIONS
+    comm_per_warp = _regs_per_warp(g, c.regs_per_thread) if c.regs_per_thread > 0 else 0
+    for i in range(_roundup(c.threads, w) // w):
+      free[i % _SUB_PARTITIONS] -= comm_per_warp
+    fits = min(free) >= 0
+    per_warp = _regs_per_warp(g, regs) if regs > 0 else 0
+    for _ in range(blocks * (_roundup(threads, w) // w)):
+      if not fits:
+        break
+      best = free.index(max(free))
+      free[best] -= per_warp
+      fits = free[best] >= 0
+    if not fits:
+      out.append("registers")
+  if blocks * _smem_block(g, smem_total) + _smem_block(g, c.smem_bytes) > g.smem_per_sm:
+    out.append("shared_memory")
+  if blocks + 1 > g.max_blocks_per_sm:
+    out.append("blocks")
+  return tuple(out)
+
+
+def room_cap(
+  gpu: str | targets.Gpu,
+  comm: CommBlock,
+  threads: int,
+  regs_per_thread: int,
+  static_smem: int,
+  dynamic_smem: int,
+  blocks_per_sm: int,
+) -> tuple[int, tuple[str, ...]]:
+  """The largest cap ``r <= blocks_per_sm`` that leaves room for ``comm`` beside the kernel.
+
+  Same rule as the runtime library (``jor_room_cap`` in ``shaping.h``): ``r`` blocks
+  with the dynamic shared memory that caps them at ``r`` and one communication block
+  must fit together on an SM in threads, registers (per sub-partition), shared memory
+  and blocks.
+
+  Returns:
+    ``(r, ())`` when a cap leaves room (``r`` equal to the kernel's own residency
+    means: launch it as is), or ``(0, limits)`` with the limits that stand in the way
+    at one block per SM (``"registers"``, ``"threads"``, ``"shared_memory"``,
+    ``"blocks"``): padding cannot make room beside this kernel.
+
+  Example:
+    >>> room_cap("h100", CommBlock.nccl("h100", 544), 384, 168, 0, 200 * 1024, 1)
+    (0, ('registers', 'shared_memory'))
+    >>> room_cap("h100", CommBlock(256, 96, 82240), 128, 32, 0, 0, 4)
+    (1, ())
+  """
+  g = _gpu(gpu)
+  _check_launch(
+    "jax_overlap.runtime.room_cap",
+    threads=threads,
+    regs_per_thread=regs_per_thread,
+    static_smem=static_smem,
+    dynamic_smem=dynamic_smem,
+    blocks_per_sm=blocks_per_sm,
+  )
+  if not isinstance(comm, CommBlock):
+    raise TypeError(f"jax_overlap.runtime.room_cap: comm must be a CommBlock, got {comm!r}")
+  # ``blocks_per_sm`` is shadowed by the argument here.
+  natural = _natural(g, threads, regs_per_thread, static_smem + dynamic_smem)
+  last: tuple[str, ...] = ()
+  for r in range(min(blocks_per_sm, natural), 0, -1):
+    dyn, status = _shape(g, threads, regs_per_thread, static_smem, dynamic_smem, r)
+    if status == SHAPE_CAPPED:
+      last = ("shared_memory",)
+      continue
+    last = _no_room(g, comm, r, threads, regs_per_thread, static_smem + dyn)
+    if not last:
+      return r, ()
+  return 0, last if natural >= 1 else ()
+
+
+def capping_smem(gpu: targets.Gpu, blocks: int) -> int:
+  """Smallest per-block shared memory (static + dynamic) of which ``blocks + 1`` blocks do
+  not fit on an SM: whole allocation units, with the per-block reservation."""
+  unit = max(gpu.smem_alloc_unit, 1)
+  block = (gpu.smem_per_sm // (blocks + 1) // unit + 1) * unit
+  return block - (unit - 1) - gpu.smem_reserved_per_block
+
+
+def _natural(g: targets.Gpu, threads: int, regs: int, smem_total: int) -> int:
+  return max(min(residency_limits(g, threads, regs, smem_total).values()), 0)
 
 
 def _shape(
@@ -565,9 +804,9 @@ def _shape(
   dynamic_smem: int,
   blocks: int,
 ) -> tuple[int, str]:
-  if blocks_per_sm(gpu, threads, regs_per_thread, static_smem + dynamic_smem) <= blocks:
+  if _natural(gpu, threads, regs_per_thread, static_smem + dynamic_smem) <= blocks:
     return dynamic_smem, SHAPE_UNCHANGED
-  dyn = gpu.smem_per_sm // (blocks + 1) + 1 - static_smem - gpu.smem_reserved_per_block
+  dyn = capping_smem(gpu, blocks) - static_smem
   dyn = max(dyn, dynamic_smem)
   if static_smem + dyn > gpu.smem_per_block_optin:
     capped = gpu.smem_per_block_optin - static_smem

@@ -16,7 +16,7 @@ import re
 import shutil
 import subprocess
 
-__all__ = ["KernelResources", "kernel_resources", "ptxas_arch"]
+__all__ = ["KernelResources", "kernel_resources", "parse_ptxas_log", "ptxas_arch"]
 
 _ENTRY = re.compile(r"(?:Compiling entry function|Function properties for) '?(\w+)'?")
 _USED = re.compile(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?")
@@ -73,14 +73,21 @@ def kernel_resources(
     )
     if proc.returncode != 0:
       raise RuntimeError(f"kernel_resources: ptxas failed on {path}: {proc.stderr.strip()[-400:]}")
-    entry = None
-    for line in proc.stderr.splitlines():
-      m = _ENTRY.search(line)
-      if m:
-        entry = m.group(1)
-        continue
-      m = _USED.search(line)
-      if m and entry is not None:
-        out[entry] = KernelResources(int(m.group(1)), int(m.group(2) or 0))
-        entry = None
+    out.update(parse_ptxas_log(proc.stderr))
+  return out
+
+
+def parse_ptxas_log(text: str) -> dict[str, KernelResources]:
+  """Per entry function, the resources ``ptxas -v`` (or ``nvcc -Xptxas -v``) reported."""
+  out: dict[str, KernelResources] = {}
+  entry = None
+  for line in text.splitlines():
+    m = _ENTRY.search(line)
+    if m:
+      entry = m.group(1)
+      continue
+    m = _USED.search(line)
+    if m and entry is not None:
+      out[entry] = KernelResources(int(m.group(1)), int(m.group(2) or 0))
+      entry = None
   return out

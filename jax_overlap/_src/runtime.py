@@ -262,28 +262,6 @@ def library_path(name: str = RUNTIME_LIBRARY, *, build: bool = True) -> pathlib.
 # Status.
 # ---------------------------------------------------------------------------
 
-_COUNTER_FIELDS = (
-  "launches_seen",
-  "launches_shaped",
-  "launches_capped",
-  "launches_fallback",
-  "capture_errors",
-  "launches_skipped",
-  "launches_in_region",
-  "launches_direct",
-  "launches_dlsym",
-  "launches_procaddr",
-  "graph_nodes_seen",
-  "graph_nodes_shaped",
-  "func_attr_raised",
-  "streams_created",
-  "streams_promoted",
-  "lookups_dlsym",
-  "lookups_procaddr",
-  "lookups_unhooked",
-  "regions_entered",
-)
-
 
 @dataclasses.dataclass(frozen=True)
 class Counters:
@@ -295,6 +273,11 @@ class Counters:
   launches_fallback: int = 0
   capture_errors: int = 0
   launches_skipped: int = 0
+  launches_no_room: int = 0
+  no_room_registers: int = 0
+  no_room_threads: int = 0
+  no_room_smem: int = 0
+  no_room_blocks: int = 0
   launches_in_region: int = 0
   launches_direct: int = 0
   launches_dlsym: int = 0
@@ -310,6 +293,18 @@ class Counters:
   regions_entered: int = 0
 
   @property
+  def no_room(self) -> dict[str, int]:
+    """Selected launches left alone because no cap makes room for a communication
+    block beside them, by the limit that stands in the way (a launch can count
+    under several)."""
+    return {
+      "registers": self.no_room_registers,
+      "threads": self.no_room_threads,
+      "shared_memory": self.no_room_smem,
+      "blocks": self.no_room_blocks,
+    }
+
+  @property
   def by_path(self) -> dict[str, int]:
     """Launches by how the program reached the driver."""
     return {
@@ -317,6 +312,9 @@ class Counters:
       "dlsym": self.launches_dlsym,
       "cuGetProcAddress": self.launches_procaddr,
     }
+
+
+_COUNTER_FIELDS = tuple(f.name for f in dataclasses.fields(Counters))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -405,6 +403,19 @@ def load_library(path: str | os.PathLike | None = None, *, noload: bool = False)
   lib.jor_shaped_dynamic_smem.argtypes = (
     [ctypes.POINTER(DeviceLimits)] + [ctypes.c_int64] * 5 + [ctypes.POINTER(ctypes.c_int)]
   )
+  lib.jor_room_cap.restype = ctypes.c_int64
+  lib.jor_room_cap.argtypes = (
+    [ctypes.POINTER(DeviceLimits), ctypes.POINTER(CommBlock)]
+    + [ctypes.c_int64] * 5
+    + [ctypes.POINTER(ctypes.c_int)]
+  )
+  lib.jor_nccl_comm_block.restype = ctypes.c_int
+  lib.jor_nccl_comm_block.argtypes = [
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int64,
+    ctypes.POINTER(CommBlock),
+  ]
   lib.jor_padded_dynamic_smem.restype = ctypes.c_int64
   lib.jor_padded_dynamic_smem.argtypes = (
     [ctypes.POINTER(DeviceLimits)] + [ctypes.c_int64] * 3 + [ctypes.POINTER(ctypes.c_int)]
@@ -427,6 +438,7 @@ class DeviceLimits(ctypes.Structure):
       "regs_per_sm",
       "warp_size",
       "reg_alloc_unit",
+      "smem_alloc_unit",
     )
   ]
 
@@ -446,7 +458,14 @@ class DeviceLimits(ctypes.Structure):
       g.regs_per_sm,
       g.warp_size,
       256 if g.vendor == "nvidia" else g.reg_alloc_unit,
+      g.smem_alloc_unit,
     )
+
+
+class CommBlock(ctypes.Structure):
+  """ctypes mirror of JorCommBlock (xla_patches/runtime/shaping.h)."""
+
+  _fields_ = [(name, ctypes.c_int64) for name in ("threads", "regs_per_thread", "smem_bytes")]
 
 
 def read_counters(lib: ctypes.CDLL) -> dict[str, int]:

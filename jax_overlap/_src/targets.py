@@ -89,6 +89,8 @@ class Gpu:
     network_bandwidth: per-GPU, per-direction inter-node bandwidth, bytes/s.
     network_latency_s: per-hop latency of a collective step across nodes.
     deviceless: whether the installed jaxlib can compile for it without a device.
+    smem_alloc_unit: shared-memory allocation granularity per block, in bytes (128 on
+      sm_80 and later: CUDA occupancy calculator).
   """
 
   name: str
@@ -120,6 +122,7 @@ class Gpu:
   network_bandwidth: float
   network_latency_s: float
   deviceless: bool
+  smem_alloc_unit: int = 128
 
   def __post_init__(self):
     for field in dataclasses.fields(self):

@@ -88,7 +88,11 @@ def run_app(
   """Runs fake_app MODE ACTIONS under the runtime library and parses what happened."""
   tmp = tmp or fake_dir
   log = tmp / f"fake_cuda_{os.getpid()}_{len(list(tmp.glob('fake_cuda_*.log')))}.log"
-  e = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_OVERLAP_RT", "FAKE_CUDA"))}
+  e = {
+    k: v
+    for k, v in os.environ.items()
+    if not k.startswith(("JAX_OVERLAP_RT", "FAKE_CUDA", "NCCL_"))
+  }
   e.pop("LD_PRELOAD", None)
   e.update(
     LD_LIBRARY_PATH=str(fake_dir),

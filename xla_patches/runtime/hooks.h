@@ -123,6 +123,11 @@
   X(launches_fallback, "launches sent unchanged after a driver error")         \
   X(capture_errors, "shaped launches that failed inside stream capture")       \
   X(launches_skipped, "selected launches not shaped (cooperative, cluster)")   \
+  X(launches_no_room, "selected launches left alone: no cap makes room for a communication block") \
+  X(no_room_registers, "of those, register-limited")                           \
+  X(no_room_threads, "of those, thread-limited")                               \
+  X(no_room_smem, "of those, shared-memory-limited")                           \
+  X(no_room_blocks, "of those, limited by blocks per SM")                      \
   X(launches_in_region, "launches made inside an occupancy region")            \
   X(launches_direct, "launches through the exported symbol")                   \
   X(launches_dlsym, "launches through a pointer from dlsym on libcuda")        \

@@ -210,6 +210,10 @@ struct Rules {
   bool stream_priority_highest = false;
   bool promote_requested = false;
   std::vector<int64_t> stream_create_order;
+  // The communication block caps must make room for: none (caps as given),
+  // `comm` as stated, or NCCL's channel for the device (auto).
+  enum { kRoomNone, kRoomGiven, kRoomAuto } room = kRoomNone;
+  JorCommBlock comm{0, 0, 0};
   std::string text;
 };
 
@@ -247,6 +251,7 @@ bool ParseInt(const std::string& s, int64_t* out) {
 //   streams  priority  highest|default
 //   streams  promote_requested  0|1
 //   streams  create_order  <i>,<j>,...
+//   comm_block  auto | none | <threads> <regs_per_thread> <smem_bytes>
 // Returns the number of lines that could not be used (each is logged).
 int ParseRules(const char* text, Rules* rules) {
   int errors = 0;
@@ -296,6 +301,19 @@ int ParseRules(const char* text, Rules* rules) {
     } else if (f[0] == "streams" && f.size() == 3 && f[1] == "promote_requested" &&
                (f[2] == "0" || f[2] == "1")) {
       rules->promote_requested = f[2] == "1";
+    } else if (f[0] == "comm_block" && f.size() == 2 && (f[1] == "auto" || f[1] == "none")) {
+      rules->room = f[1] == "auto" ? Rules::kRoomAuto : Rules::kRoomNone;
+    } else if (f[0] == "comm_block" && f.size() == 4) {
+      int64_t t = 0, r = 0, m = 0;
+      if (!ParseInt(f[1], &t) || !ParseInt(f[2], &r) || !ParseInt(f[3], &m) || t < 1 ||
+          t > 1024 || r < 0 || r > 255 || m < 0) {
+        Log(0, "rules: bad comm_block line '%s' (threads 1-1024, registers 0-255, bytes >= 0)",
+            line.c_str());
+        ++errors;
+        continue;
+      }
+      rules->room = Rules::kRoomGiven;
+      rules->comm = JorCommBlock{t, r, m};
     } else if (f[0] == "streams" && f.size() == 3 && f[1] == "create_order") {
       for (const std::string& item : Split(f[2], ',')) {
         if (item.empty()) continue;
@@ -364,11 +382,12 @@ constexpr int kMaxDevices = 64;
 struct DeviceSlot {
   std::atomic<int> state{0};  // 0 unknown, 1 ok, 2 failed
   JorDeviceLimits limits;
+  int cc_major = 0, cc_minor = 0;  // 0 when the driver does not say
 };
 DeviceSlot g_devices[kMaxDevices];
 std::mutex g_device_mu;
 
-bool DeviceLimits(JorDeviceLimits* out) {
+bool DeviceLimits(JorDeviceLimits* out, int* cc_major = nullptr, int* cc_minor = nullptr) {
   CUdevice dev = 0;
   auto get_device = REAL(cuCtxGetDevice);
   auto get_attr = REAL(cuDeviceGetAttribute);
@@ -378,15 +397,15 @@ bool DeviceLimits(JorDeviceLimits* out) {
   }
   DeviceSlot& slot = g_devices[dev];
   int state = slot.state.load(std::memory_order_acquire);
-  if (state == 1) {
+  auto cached = [&] {
     *out = slot.limits;
+    if (cc_major != nullptr) *cc_major = slot.cc_major;
+    if (cc_minor != nullptr) *cc_minor = slot.cc_minor;
     return true;
-  }
+  };
+  if (state == 1) return cached();
   std::lock_guard<std::mutex> lock(g_device_mu);
-  if (slot.state.load() == 1) {
-    *out = slot.limits;
-    return true;
-  }
+  if (slot.state.load() == 1) return cached();
   struct {
     int attr;
     int64_t* field;
@@ -415,7 +434,19 @@ bool DeviceLimits(JorDeviceLimits* out) {
   // Register allocation granularity per warp: 256 on every part since sm_30
   // (CUDA occupancy calculator, "Register allocation unit size").
   slot.limits.reg_alloc_unit = 256;
+  int major = 0, minor = 0;
+  if (get_attr(&major, JOR_CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev) != JOR_CUDA_SUCCESS ||
+      get_attr(&minor, JOR_CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev) != JOR_CUDA_SUCCESS) {
+    major = minor = 0;
+  }
+  slot.cc_major = major;
+  slot.cc_minor = minor;
+  // Shared memory allocation unit per block (CUDA occupancy calculator): 128
+  // bytes on sm_80 and later, 256 before.
+  slot.limits.smem_alloc_unit = major >= 8 || major == 0 ? 128 : 256;
   slot.state.store(1, std::memory_order_release);
+  if (cc_major != nullptr) *cc_major = major;
+  if (cc_minor != nullptr) *cc_minor = minor;
   Log(2,
       "device %d: %lld SMs, smem/SM %lld, opt-in %lld, reserved %lld, threads/SM "
       "%lld, blocks/SM %lld, regs/SM %lld",
@@ -688,6 +719,47 @@ int64_t DriverChecked(CUfunction f, unsigned threads, unsigned dyn, int64_t prop
   return result;
 }
 
+// NCCL's Simple-protocol channel size: NCCL_NTHREADS (default 512) plus one
+// synchronization warp (NCCL_SIMPLE_EXTRA_GROUP_IF_NTHREADS_GE: 96 threads).
+int64_t NcclSimpleThreads() {
+  static const int64_t threads = [] {
+    int64_t n = 512;
+    const char* v = getenv("NCCL_NTHREADS");
+    int64_t parsed = 0;
+    if (v != nullptr && ParseInt(v, &parsed) && parsed >= 64 && parsed <= 512 &&
+        parsed % 64 == 0) {
+      n = parsed;
+    }
+    return n >= 96 ? n + 32 : n;
+  }();
+  return threads;
+}
+
+// The communication block the rules make room for; false: no room check.
+bool CommBlockFor(const Rules* rules, int cc_major, int cc_minor, JorCommBlock* out) {
+  if (rules->room == Rules::kRoomGiven) {
+    *out = rules->comm;
+    return true;
+  }
+  if (rules->room == Rules::kRoomAuto) {
+    return jor_nccl_comm_block(cc_major, cc_minor, NcclSimpleThreads(), out) != 0;
+  }
+  return false;
+}
+
+int64_t SmemPerBlock(const JorDeviceLimits& d, int64_t bytes) {
+  const int64_t unit = d.smem_alloc_unit > 0 ? d.smem_alloc_unit : 1;
+  return (bytes + d.smem_reserved_per_block + unit - 1) / unit * unit;
+}
+
+void CountNoRoom(int reasons) {
+  Count(kCounter_launches_no_room);
+  if (reasons & JOR_NO_ROOM_REGISTERS) Count(kCounter_no_room_registers);
+  if (reasons & JOR_NO_ROOM_THREADS) Count(kCounter_no_room_threads);
+  if (reasons & JOR_NO_ROOM_SMEM) Count(kCounter_no_room_smem);
+  if (reasons & JOR_NO_ROOM_BLOCKS) Count(kCounter_no_room_blocks);
+}
+
 enum Decision { kPass, kShape, kFallback, kSkip };
 
 // Decides the dynamic shared memory of one launch. `skip` marks launches that
@@ -703,6 +775,7 @@ Decision Decide(CUfunction f, CUstream stream, bool known_stream, unsigned threa
   static const Rules* const kEmpty = [] {
     Rules* r = new Rules();
     r->generation = 1;
+    r->room = Rules::kRoomAuto;  // regions without a plan make room for NCCL's channel
     return r;
   }();
   if (rules == nullptr) rules = kEmpty;
@@ -730,7 +803,22 @@ Decision Decide(CUfunction f, CUstream stream, bool known_stream, unsigned threa
     return kPass;
   }
   JorDeviceLimits limits;
-  if (!DeviceLimits(&limits)) return kFallback;
+  int cc_major = 0, cc_minor = 0;
+  if (!DeviceLimits(&limits, &cc_major, &cc_minor)) return kFallback;
+  JorCommBlock comm;
+  const bool room = blocks > 0 && CommBlockFor(rules, cc_major, cc_minor, &comm);
+  if (room) {
+    int reasons = 0;
+    const int64_t r = jor_room_cap(&limits, &comm, threads, lite->regs, lite->static_smem,
+                                   dyn, blocks, &reasons);
+    if (r < 1) {
+      // No reason: the arithmetic says the kernel cannot run at all; leave it to the driver.
+      if (reasons == 0) Count(kCounter_launches_skipped);
+      else CountNoRoom(reasons);
+      return kPass;
+    }
+    blocks = r;
+  }
   int status = JOR_SHAPE_INVALID;
   int64_t shaped =
       blocks > 0 ? jor_shaped_dynamic_smem(&limits, threads, lite->regs, lite->static_smem,
@@ -745,6 +833,15 @@ Decision Decide(CUfunction f, CUstream stream, bool known_stream, unsigned threa
     shaped = DriverChecked(f, threads, dyn, status == JOR_SHAPE_UNCHANGED ? dyn : shaped, blocks,
                            max_dyn);
     status = shaped >= max_dyn ? JOR_SHAPE_CAPPED : JOR_SHAPE_SHAPED;
+    // The driver may ask for more shared memory than the arithmetic: the room
+    // must still be there.
+    if (room && shaped != dyn &&
+        blocks * SmemPerBlock(limits, lite->static_smem + shaped) +
+                SmemPerBlock(limits, comm.smem_bytes) >
+            limits.smem_per_sm) {
+      CountNoRoom(JOR_NO_ROOM_SMEM);
+      return kPass;
+    }
   }
   if (status == JOR_SHAPE_UNCHANGED || shaped == dyn) return kPass;
   if (!EnsureMaxDynamic(f, lite, shaped)) return kFallback;

@@ -7,7 +7,8 @@
  * Environment:
  *   FAKE_CUDA_DEVICE  "h100" (default) or "a100": per-SM limits to report.
  *   FAKE_CUDA_LIMITS  overrides, "key=value,...", keys: sm, smem_sm, optin,
- *                     reserved, threads_sm, blocks_sm, regs_sm, warp.
+ *                     reserved, threads_sm, blocks_sm, regs_sm, warp,
+ *                     cc_major, cc_minor.
  *   FAKE_CUDA_FUNCS   kernels, "name:static=S:regs=R:maxdyn=D:cluster=W;..."
  *                     (defaults: static 0, regs 32, maxdyn 48 KB - static, no
  *                     compile-time cluster).
@@ -56,7 +57,7 @@ typedef struct FakeStream {
 } FakeStream;
 
 static struct {
-  int sm, smem_sm, optin, reserved, threads_sm, blocks_sm, regs_sm, warp;
+  int sm, smem_sm, optin, reserved, threads_sm, blocks_sm, regs_sm, warp, cc_major, cc_minor;
 } g_dev;
 
 #define MAX_FUNCS 256
@@ -83,6 +84,8 @@ static void set_limit(const char* key, int value) {
   else if (!strcmp(key, "blocks_sm")) g_dev.blocks_sm = value;
   else if (!strcmp(key, "regs_sm")) g_dev.regs_sm = value;
   else if (!strcmp(key, "warp")) g_dev.warp = value;
+  else if (!strcmp(key, "cc_major")) g_dev.cc_major = value;
+  else if (!strcmp(key, "cc_minor")) g_dev.cc_minor = value;
 }
 
 static FakeFunc* add_func(const char* spec) {
@@ -117,11 +120,11 @@ static void init(void) {
   if (dev && !strcmp(dev, "a100")) {
     g_dev.sm = 108; g_dev.smem_sm = 167936; g_dev.optin = 166912;
     g_dev.reserved = 1024; g_dev.threads_sm = 2048; g_dev.blocks_sm = 32;
-    g_dev.regs_sm = 65536; g_dev.warp = 32;
+    g_dev.regs_sm = 65536; g_dev.warp = 32; g_dev.cc_major = 8; g_dev.cc_minor = 0;
   } else {
     g_dev.sm = 132; g_dev.smem_sm = 233472; g_dev.optin = 232448;
     g_dev.reserved = 1024; g_dev.threads_sm = 2048; g_dev.blocks_sm = 32;
-    g_dev.regs_sm = 65536; g_dev.warp = 32;
+    g_dev.regs_sm = 65536; g_dev.warp = 32; g_dev.cc_major = 9; g_dev.cc_minor = 0;
   }
   const char* lim = getenv("FAKE_CUDA_LIMITS");
   if (lim) {
@@ -215,6 +218,8 @@ EXPORT CUresult cuDeviceGetAttribute(int* pi, int attrib, CUdevice dev) {
     case JOR_CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN: *pi = g_dev.optin; break;
     case JOR_CU_DEVICE_ATTRIBUTE_MAX_BLOCKS_PER_MULTIPROCESSOR: *pi = g_dev.blocks_sm; break;
     case JOR_CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK: *pi = g_dev.reserved; break;
+    case JOR_CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: *pi = g_dev.cc_major; break;
+    case JOR_CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: *pi = g_dev.cc_minor; break;
     default: return JOR_CUDA_ERROR_INVALID_VALUE;
   }
   return 0;

@@ -8,6 +8,12 @@ bus bandwidth"):
   all-reduce                   2 (p - 1) / p * S    in 2 (p - 1) steps
   all-to-all                   (p - 1) / p * S      in p - 1 steps
   collective-permute           S                    in 1 step
+  copy                         S                    in 0 steps, through DRAM
+
+``copy`` is not a collective: it is the stand-in the GPU benchmark
+(``benchmarks/gpu/overlap_bench.cu``) launches, CTAs of an NCCL channel's size copying
+``S`` bytes within the device. Its "link" is device memory: ``S`` is read and written, so
+it moves at most ``memory_bandwidth / comm_hbm_factor``.
 
 The bytes are split evenly over ``C`` channels; each channel is one CTA
 (:class:`~jax_overlap._src.sim.model.Constants` ``comm_threads`` / ``comm_regs``). A
@@ -33,6 +39,8 @@ __all__ = ["link_bytes_and_steps", "channel_work"]
 
 def link_bytes_and_steps(kind: str, payload: float, group_size: int) -> tuple[float, int]:
   """(bytes over the link per device, latency steps) of one collective."""
+  if kind == "copy":
+    return float(payload), 0
   p = max(int(group_size), 1)
   if p == 1:
     return 0.0, 0
@@ -53,7 +61,10 @@ def channel_work(c: Collective, topo: targets.Topology, const: Constants) -> dic
     (fixed per-channel time), link_bandwidth, cta_bandwidth.
   """
   channels = c.channels or const.channels
-  link_bw, lat = topo.link_for(c.group_size, c.spans_hosts)
+  if c.kind == "copy":
+    link_bw, lat = topo.gpu.memory_bandwidth / const.comm_hbm_factor, 0.0
+  else:
+    link_bw, lat = topo.link_for(c.group_size, c.spans_hosts)
   moved, steps = link_bytes_and_steps(c.kind, c.bytes, c.group_size)
   return {
     "channels": channels,

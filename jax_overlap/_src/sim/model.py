@@ -1,23 +1,16 @@
 """What the simulator simulates: kernels, collectives, residency and per-target constants.
 
-Residency (blocks of one kernel that fit on one SM/CU) is the minimum of four limits,
-as in the CUDA occupancy calculator (CUDA C Programming Guide, "Occupancy Calculator"
-and "Technical Specifications per Compute Capability"):
+Residency (blocks of one kernel that fit on one SM/CU) is the runtime library's
+arithmetic (``plan.residency_limits``, ``xla_patches/runtime/shaping.h``): the minimum over
+threads, registers (allocated per warp, from one of four sub-partitions), shared memory
+(with the per-block reservation, in allocation units) and the blocks-per-SM limit, as in the
+CUDA occupancy calculator (CUDA C Programming Guide, "Occupancy Calculator" and "Technical
+Specifications per Compute Capability").
 
-  warps        = ceil(threads / warp_size)
-  by_threads   = floor(max_threads_per_sm / (warps * warp_size))
-  regs_block   = warps * ceil(regs_per_thread * warp_size / reg_alloc_unit) * reg_alloc_unit
-  by_regs      = floor(regs_per_sm / regs_block)
-  smem_block   = smem_bytes + padding + smem_reserved_per_block
-  by_smem      = floor(smem_per_sm / smem_block)
-  by_blocks    = max_blocks_per_sm
-  residency    = min(by_threads, by_regs, by_smem, by_blocks)
-
-Occupancy shaping pads each block's dynamic shared memory so that at most ``r`` blocks fit:
-the smallest padded size with ``(r + 1) * smem_block > smem_per_sm``, i.e.
-``smem = floor(smem_per_sm / (r + 1)) - smem_reserved_per_block + 1`` (never less than the
-block already uses). Padding no more than that leaves the most room beside the kernel for
-communication blocks.
+Occupancy shaping pads each block's dynamic shared memory so that at most ``r`` blocks fit,
+with the smallest padded size that does so (``plan.capping_smem``; never less than the block
+already uses). Padding no more than that leaves the most room beside the kernel for
+communication blocks; ``plan.room_cap`` says whether that room is enough for one.
 
 GEMMs are modelled by shape, not by the launch configuration a deviceless compile reports
 (those are untuned defaults): :func:`gemm_config` picks a tile configuration of the kind
@@ -69,6 +62,7 @@ COLLECTIVE_KINDS = (
   "all-reduce",
   "all-to-all",
   "collective-permute",
+  "copy",  # a local device copy by communication-sized CTAs: a GPU benchmark's proxy
 )
 
 _DTYPE_BYTES = {
@@ -128,8 +122,10 @@ class Constants:
       PCIe box and 16-32 on NVLink systems (BACKGROUND section 2; NVIDIA/nccl#689); 24 on
       H100 as in the "tail effect" report.
     comm_threads, comm_regs, comm_smem: launch configuration of one communication CTA.
-      NCCL: up to 640 threads built for at most ~96 registers (NVIDIA/nccl#181, #689) and
-      a few KB of static shared memory (ncclShmem). RCCL on CDNA2: 256 threads.
+      NCCL's Simple-protocol channel on sm_80 and later (``plan.CommBlock.nccl``, from
+      NCCL's src/include/device.h): 512 threads plus a synchronization warp, built for at
+      most 96 registers (``__launch_bounds__(640, 1)``), 82,240 bytes of dynamic shared
+      memory (``ncclShmemDynamicSize``). RCCL on CDNA2: 256 threads (assumed 8 KB LDS).
     saturating_threads: resident threads of one kernel an SM needs to reach full
       throughput (latency hiding); half the SM's thread limit by default. GEMM tiles are
       built to saturate an SM on their own.
@@ -147,9 +143,9 @@ class Constants:
   sm_bandwidth_factor: float = 3.0
   comm_hbm_factor: float = 2.0
   channels: int = 16
-  comm_threads: int = 640
+  comm_threads: int = 544
   comm_regs: int = 96
-  comm_smem: int = 8 * 1024
+  comm_smem: int = 82240
   saturating_threads: int = 1024
   block_jitter: float = 0.04
   occupancy_exponent: float = 0.5
@@ -194,6 +190,7 @@ _CONSTANTS = {
     event_latency_s=8e-6,
     comm_threads=256,
     comm_regs=128,
+    comm_smem=8 * 1024,
   ),
 }
 
@@ -213,20 +210,11 @@ def constants_for(
 
 
 def residency_limits(gpu: targets.Gpu, threads: int, regs_per_thread: int, smem_bytes: int) -> dict:
-  """Blocks per SM allowed by each limit (see the module docstring)."""
-  warps = -(-threads // gpu.warp_size)
-  by_threads = gpu.max_threads_per_sm // (warps * gpu.warp_size)
-  per_warp = -(-max(regs_per_thread, 1) * gpu.warp_size // gpu.reg_alloc_unit) * gpu.reg_alloc_unit
-  regs_block = warps * per_warp
-  by_regs = gpu.regs_per_sm // regs_block
-  smem_block = smem_bytes + gpu.smem_reserved_per_block
-  by_smem = gpu.smem_per_sm // smem_block if smem_block > 0 else gpu.max_blocks_per_sm
-  return {
-    "threads": by_threads,
-    "registers": by_regs,
-    "shared_memory": by_smem,
-    "blocks": gpu.max_blocks_per_sm,
-  }
+  """Blocks per SM allowed by each limit: the runtime library's arithmetic
+  (``plan.residency_limits``), with at least one register per thread."""
+  from jax_overlap._src import plan
+
+  return plan.residency_limits(gpu, threads, max(int(regs_per_thread), 1), int(smem_bytes))
 
 
 def residency(gpu: targets.Gpu, threads: int, regs_per_thread: int, smem_bytes: int) -> int:
@@ -254,7 +242,9 @@ def shaped_smem(gpu: targets.Gpu, smem_bytes: int, blocks_per_sm: int) -> int:
   """
   if blocks_per_sm < 1:
     raise ValueError(f"sim.shaped_smem: blocks_per_sm must be at least 1, got {blocks_per_sm}")
-  need = gpu.smem_per_sm // (blocks_per_sm + 1) - gpu.smem_reserved_per_block + 1
+  from jax_overlap._src import plan
+
+  need = plan.capping_smem(gpu, blocks_per_sm)
   return max(int(smem_bytes), min(need, gpu.smem_per_block_optin))
 
 

@@ -11,9 +11,11 @@
 
 Default shaping (when no per-kernel setting is given): each GEMM or custom kernel in a
 collective's overlap window is capped at the largest blocks-per-SM ``r`` that still leaves
-room for one communication CTA beside it on an SM; when no ``r >= 1`` does (an NCCL CTA
-needs nearly a whole register file), at one block per SM, which lets an SM drain after each
-block so that a waiting communication CTA can land there.
+room for one communication CTA beside it on an SM, by the runtime library's rule
+(``plan.room_cap``: threads, registers per sub-partition, shared memory, blocks). When no
+``r >= 1`` does (an NCCL channel needs most of a register file and 82 KB of shared memory),
+the kernel is left alone, as the runtime library leaves it, and listed in
+:func:`no_room`.
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ from jax_overlap._src.sim.model import (
   Workload,
   constants_for,
   gemm_config,
-  regs_per_block,
   shaped_smem,
 )
 from jax_overlap._src.sim.model import residency as _residency
@@ -44,6 +45,8 @@ __all__ = [
   "policy_from_plan",
   "simulate",
   "default_shaping",
+  "no_room",
+  "comm_block",
   "compare",
 ]
 
@@ -173,47 +176,70 @@ def _launch(k, gpu):
   return k.threads, k.regs, k.smem
 
 
-def default_shaping(wl: Workload, target, constants: Constants | None = None) -> dict[str, int]:
-  """Default per-kernel blocks-per-SM for kernels in a collective's overlap window."""
+def comm_block(c: Collective, const: Constants):
+  """The launch footprint of one CTA of collective ``c`` (a ``plan.CommBlock``)."""
+  from jax_overlap._src import plan
+
+  return plan.CommBlock(
+    int(c.threads or const.comm_threads),
+    int(c.regs or const.comm_regs),
+    int(const.comm_smem if c.smem is None else c.smem),
+  )
+
+
+def _room(wl: Workload, target, constants: Constants | None):
+  """(kernel -> cap with room, kernel -> limits when none) for kernels beside collectives."""
+  from jax_overlap._src import plan
+
   topo = engine.resolve_target(target)
   gpu = topo.gpu
   const = constants or constants_for(gpu)
-  out: dict[str, int] = {}
+  caps: dict[str, int] = {}
+  blocked: dict[str, tuple[str, ...]] = {}
   by_name = {it.name: it for it in wl.items}
-  windows = wl.overlap_windows()
   memo: dict = {}
-  for cname, names in windows.items():
+  for cname, names in wl.overlap_windows().items():
     c = by_name[cname]
     assert isinstance(c, Collective)
-    cth = c.threads or const.comm_threads
-    creg = c.regs or const.comm_regs
-    csm = const.comm_smem if c.smem is None else c.smem
-    c_regs = regs_per_block(gpu, cth, creg)
-    c_thr = -(-cth // gpu.warp_size) * gpu.warp_size
+    cb = comm_block(c, const)
     for name in names:
       k = by_name[name]
       if k.kind not in _SHAPED_KINDS:
         continue
-      key = (name, cth, creg, csm)
-      if key in memo:
-        out[name] = min(out.get(name, memo[key]), memo[key])
-        continue
-      threads, regs, smem = _launch(k, gpu)
-      best = 1
-      for r in _choices(k, gpu):
-        s = shaped_smem(gpu, smem, r) + gpu.smem_reserved_per_block
-        thr = -(-threads // gpu.warp_size) * gpu.warp_size
-        if (
-          r * s + csm + gpu.smem_reserved_per_block <= gpu.smem_per_sm
-          and r * regs_per_block(gpu, threads, regs) + c_regs <= gpu.regs_per_sm
-          and r * thr + c_thr <= gpu.max_threads_per_sm
-          and r + 1 <= gpu.max_blocks_per_sm
-        ):
-          best = r
-          break
-      memo[key] = best
-      out[name] = min(out.get(name, best), best)
-  return out
+      key = (name, cb)
+      if key not in memo:
+        threads, regs, smem = _launch(k, gpu)
+        nat = _residency(gpu, threads, regs, smem)
+        memo[key] = plan.room_cap(gpu, cb, threads, max(int(regs), 1), int(smem), 0, nat)
+      r, why = memo[key]
+      if r == 0:
+        blocked[name] = tuple(sorted(set(blocked.get(name, ())) | set(why)))
+      else:
+        caps[name] = min(caps.get(name, r), r)
+  for name in blocked:
+    caps.pop(name, None)
+  return caps, blocked
+
+
+def default_shaping(wl: Workload, target, constants: Constants | None = None) -> dict[str, int]:
+  """Default per-kernel blocks-per-SM for kernels in a collective's overlap window.
+
+  Kernels for which no cap leaves room for a communication CTA are left out (see
+  :func:`no_room`).
+  """
+  return _room(wl, target, constants)[0]
+
+
+def no_room(wl: Workload, target, constants: Constants | None = None) -> dict[str, tuple[str, ...]]:
+  """Kernels beside a collective that no cap can make room beside, with the limits in the way.
+
+  Example:
+    >>> from jax_overlap import sim
+    >>> wl = sim.synthetic([(8192, 8192, 8192)], [("all-gather", 256 << 20)])
+    >>> sim.no_room(wl, "h100x8")
+    {'gemm.0': ('registers', 'shared_memory')}
+  """
+  return _room(wl, target, constants)[1]
 
 
 def apply(policy, wl: Workload, target, constants: Constants | None = None):

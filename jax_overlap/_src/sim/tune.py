@@ -32,11 +32,14 @@ from collections.abc import Mapping
 
 from jax_overlap._src import plan as plan_lib
 from jax_overlap._src.sim import engine
-from jax_overlap._src.sim.model import Constants, Kernel, Workload
+from jax_overlap._src.sim.model import Collective, Constants, Kernel, Workload
 from jax_overlap._src.sim.policies import (
   Policy,
   _constants,
+  _launch,
+  comm_block,
   default_shaping,
+  no_room,
   shaping_choices,
   simulate,
 )
@@ -60,6 +63,9 @@ class TuneResult:
     table: one row per evaluation: {"priority", "shaping", "makespan_s"}.
     unnamed: kernels left unshaped because the driver name of their kernel is not
       known (library calls such as cuBLAS GEMMs): no plan rule could select them.
+    no_room: kernels beside a collective that no cap can make room beside for one
+      communication CTA, with the limits in the way (``"registers"``...): the tuner
+      does not cap them, as the runtime library would leave them alone.
   """
 
   plan: dict
@@ -72,6 +78,7 @@ class TuneResult:
   method: str
   table: list[dict]
   unnamed: tuple[str, ...] = ()
+  no_room: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
   def format_table(self, top: int = 10) -> str:
     rows = sorted(self.table, key=lambda r: r["makespan_s"])[:top]
@@ -83,7 +90,11 @@ class TuneResult:
 
 
 def plan_dict(
-  target, shaping: Mapping[str, int], priority: bool, workload: Workload | None = None
+  target,
+  shaping: Mapping[str, int],
+  priority: bool,
+  workload: Workload | None = None,
+  comm: plan_lib.CommBlock | None = None,
 ) -> dict:
   """The runtime plan for a shaping/priority choice, validated by the runtime's plan format.
 
@@ -94,6 +105,8 @@ def plan_dict(
     workload: the workload the names refer to; its kernels' ``launch_name`` (the
       name the driver reports) is what the plan's rules match. Kernels sharing a
       launch name get one rule, with the smallest cap.
+    comm: the communication block the caps were chosen to make room for (the plan's
+      ``comm_block``); None: ``"auto"``.
 
   Raises:
     ValueError: when the runtime's plan format rejects it, or a shaped kernel has
@@ -116,6 +129,7 @@ def plan_dict(
     "target": topo.gpu.name,
     "kernels": [{"match": _glob_escape(k), "blocks_per_sm": v} for k, v in sorted(caps.items())],
     "streams": {"priority": "highest" if priority else "default"},
+    "comm_block": comm.to_dict() if comm is not None else "auto",
   }
   if topo.gpu.vendor != "nvidia":
     return d
@@ -175,16 +189,52 @@ def _groups(wl: Workload, mode: str) -> list[list[str]]:
   return [sorted(m, key=order.__getitem__) for m in merged]
 
 
-def search_space(wl: Workload, target, groups: str = "window"):
-  """(groups, per-group settings, per-kernel choices) that :func:`tune` searches."""
+def search_space(
+  wl: Workload, target, groups: str = "window", constants=None, make_room: bool = True
+):
+  """(groups, per-group settings, per-kernel choices) that :func:`tune` searches.
+
+  A kernel's choices are its own residency and the caps below it that change it. With
+  ``make_room`` only caps that leave room for the communication CTA of every collective
+  the kernel overlaps (``plan.room_cap``, the runtime library's rule) are kept: a cap the
+  library would lower or ignore is not searched.
+  """
   topo = engine.resolve_target(target)
+  const = _constants(constants, topo)
   gs = _groups(wl, groups)
-  choices = {n: shaping_choices(wl, topo, n) for g in gs for n in g}
+  blocks = _comm_blocks(wl, const)
+  choices = {}
+  for g in gs:
+    for n in g:
+      nat, *below = shaping_choices(wl, topo, n)
+      threads, regs, smem = _launch(wl.item(n), topo.gpu)
+      room = [
+        r
+        for r in below
+        if not make_room
+        or all(
+          plan_lib.room_cap(topo.gpu, cb, threads, max(int(regs), 1), int(smem), 0, r)[0] == r
+          for cb in blocks.get(n, ())
+        )
+      ]
+      choices[n] = [nat, *room]
   settings = []
   for g in gs:
     vals = sorted({r for n in g for r in choices[n][1:]})  # caps below natural
     settings.append([None, *vals])
   return gs, settings, choices
+
+
+def _comm_blocks(wl: Workload, const: Constants) -> dict[str, set]:
+  """Kernel name -> communication blocks of the collectives it overlaps."""
+  by_name = {it.name: it for it in wl.items}
+  out: dict[str, set] = {}
+  for cname, names in wl.overlap_windows().items():
+    c = by_name[cname]
+    assert isinstance(c, Collective)
+    for n in names:
+      out.setdefault(n, set()).add(comm_block(c, const))
+  return out
 
 
 def _shaping_for(gs, setting, choices) -> dict[str, int]:
@@ -193,7 +243,7 @@ def _shaping_for(gs, setting, choices) -> dict[str, int]:
     if r is None:
       continue
     for n in g:
-      if r < choices[n][0]:
+      if r in choices[n][1:]:
         out[n] = r
   return out
 
@@ -250,6 +300,7 @@ def tune(
   min_gain: float = 0.002,
   constants: Constants | Mapping[str, float] | None = None,
   progress: bool | None = None,
+  make_room: bool = True,
 ) -> TuneResult:
   """Chooses shaping and priority for ``workload`` on ``target`` by simulation.
 
@@ -267,6 +318,13 @@ def tune(
     constants: model constants or overrides.
     progress: show progress (tqdm if installed, else a line every 2 s); None: only when
       stderr is a terminal.
+    make_room: search only caps that leave room for a communication CTA beside the
+      capped blocks (the runtime library's default rule; the plan states the CTA as its
+      ``comm_block``). False also searches caps that cannot make room, such as one
+      block per SM beside an NCCL channel that needs a whole register file: with
+      priority, an SM that holds one block empties when it finishes and a waiting
+      channel lands there ("drain"); such a plan has ``"comm_block": null`` so that the
+      library applies its caps as written.
 
   Returns:
     A :class:`TuneResult` with the plan and its predicted gain over plain concurrency.
@@ -287,7 +345,7 @@ def tune(
     )
   topo = engine.resolve_target(target)
   const = _constants(constants, topo)
-  gs, settings, choices = search_space(workload, topo, groups)
+  gs, settings, choices = search_space(workload, topo, groups, const, make_room)
   prios = [False, True] if priority is None else [bool(priority)]
   size = len(prios)
   for s in settings:
@@ -349,8 +407,13 @@ def tune(
         workload, topo, Policy("tuned", priority=True), constants=const, baseline=False
       ).makespan_s
     )
+  blocks = {cb for bs in _comm_blocks(workload, const).values() for cb in bs}
+  comm = max(blocks, key=lambda cb: (cb.regs_per_thread * cb.threads, cb.smem_bytes), default=None)
+  plan = plan_dict(topo, shaping, p_best, workload, comm)
+  if not make_room:
+    plan["comm_block"] = None
   return TuneResult(
-    plan=plan_dict(topo, shaping, p_best, workload),
+    plan=plan,
     policy=Policy("tuned", priority=p_best, shaping=shaping),
     makespan_s=t_best,
     baseline_s=base,
@@ -360,4 +423,5 @@ def tune(
     method=method,
     table=table,
     unnamed=unnamed_kernels(workload),
+    no_room=no_room(workload, topo, const),
   )

@@ -1,0 +1,173 @@
+"""Post-processing of ``overlap_bench`` output: the file ``sim.calibrate`` reads.
+
+  python records.py resources BENCH.json PTXAS.log GPU   # registers (ptxas -v) and residency
+  python records.py names BENCH.json RUNTIME.log          # kernel names the library saw
+  python records.py check BENCH.json                      # a cap meant to shape shaped nothing?
+  python records.py dry-run BENCH.json GPU                # fill measurements from the model
+  python records.py calibrate BENCH.json GPU              # fit the model's constants
+
+``run_all.sh`` runs them in that order (``dry-run`` only without a GPU). Each command
+rewrites BENCH.json in place (``calibrate`` only reads it).
+
+The dry run's "measurements" are the simulator's predictions for the benchmark's own
+configurations, with constants set apart from the defaults (``DRY_RUN_TRUTH``), and say so
+in every record (``"source"``): they test the round trip (benchmark output -> calibration
+-> constants recovered), not the model.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+# Constants the dry run pretends the GPU has (calibration should recover them).
+DRY_RUN_TRUTH = {"cta_copy_bandwidth": 26e9, "occupancy_exponent": 0.3}
+# What the dry run then fits, starting from the target's defaults.
+FIT_PARAMS = ("cta_copy_bandwidth", "occupancy_exponent")
+_OWN_KERNELS = {"loop_fusion", "attention_like"}
+
+
+def _load(path: str) -> dict:
+  with open(path) as f:
+    return json.load(f)
+
+
+def _save(path: str, data: dict) -> None:
+  with open(path, "w") as f:
+    json.dump(data, f, indent=1)
+    f.write("\n")
+
+
+def resources(path: str, log_path: str, gpu: str) -> int:
+  """Fills registers of the benchmark's own kernels from ptxas and their residency on ``gpu``
+  (the runtime library's arithmetic), where the benchmark could not ask the driver."""
+  from jax_overlap import runtime
+  from jax_overlap._src import ptx
+
+  data = _load(path)
+  with open(log_path) as f:
+    regs = {name: r.registers for name, r in ptx.parse_ptxas_log(f.read()).items()}
+  missing = sorted((_OWN_KERNELS | {"nccl_proxy"}) - set(regs))
+  if missing:
+    print(f"records.py: ptxas log {log_path} has no register count for {missing}", file=sys.stderr)
+    return 1
+  for r in data["records"]:
+    c, p = r["compute"], r["proxy"]
+    if p.get("regs") is None:
+      p["regs"] = regs["nccl_proxy"]
+    if c.get("name") in _OWN_KERNELS:
+      if c.get("regs") is None:
+        c["regs"] = regs[c["name"]]
+      if c.get("natural_blocks_per_sm") is None:
+        c["natural_blocks_per_sm"] = runtime.blocks_per_sm(gpu, c["threads"], c["regs"], c["smem"])
+      if r.get("meant_to_shape") is not None and r.get("cap"):
+        r["meant_to_shape"] = c["natural_blocks_per_sm"] > r["cap"]
+  _save(path, data)
+  return 0
+
+
+def names(path: str, log_path: str) -> int:
+  """Records the kernel names the runtime library reported (``JAX_OVERLAP_RT_VERBOSE=2``)."""
+  data = _load(path)
+  with open(log_path, errors="replace") as f:
+    seen = sorted(set(re.findall(r"kernel (\S+): static smem", f.read())))
+  data["kernel_names"] = seen
+  _save(path, data)
+  print(f"records.py: {len(seen)} kernel names seen by the runtime library")
+  return 0
+
+
+def room(data: dict, gpu: str) -> None:
+  """Adds, per shaping record of an own kernel, what the library's room rule says of its cap."""
+  from jax_overlap import runtime
+
+  for r in data["records"]:
+    c, p = r["compute"], r["proxy"]
+    if not r.get("cap") or c.get("name") not in _OWN_KERNELS or c.get("regs") is None:
+      continue
+    comm = runtime.CommBlock(p["threads"], p["regs"], p["smem"])
+    cap, why = runtime.room_cap(gpu, comm, c["threads"], c["regs"], 0, c["smem"], r["cap"])
+    r["room_rule"] = {"cap": cap, "limits": list(why)}
+
+
+def check(path: str) -> int:
+  """Fails when a configuration meant to shape (an own kernel above its cap, the runtime
+  library loaded) shaped no launch."""
+  data = _load(path)
+  if not data.get("measured"):
+    print("records.py: check: nothing measured (dry run)")
+    return 0
+  bad = [
+    f"{r['compute'].get('name', r['compute']['kind'])} cap {r['cap']} ({r['policy']})"
+    for r in data["records"]
+    if r.get("meant_to_shape") and not r.get("shaped_launches")
+  ]
+  if not data.get("runtime_loaded"):
+    print(
+      "records.py: check: the runtime library was not preloaded: nothing was shaped",
+      file=sys.stderr,
+    )
+    return 1
+  if bad:
+    print(
+      f"records.py: check: configurations meant to shape shaped nothing: {bad}", file=sys.stderr
+    )
+    return 1
+  n = sum(1 for r in data["records"] if r.get("meant_to_shape"))
+  print(f"records.py: check: all {n} configurations meant to shape shaped their launches")
+  return 0
+
+
+def dry_run(path: str, gpu: str) -> int:
+  """Fills each record's measurements with the simulator's prediction under DRY_RUN_TRUTH."""
+  from jax_overlap import sim
+  from jax_overlap._src.sim import calibrate as cal
+
+  data = _load(path)
+  truth = sim.constants_for(gpu, DRY_RUN_TRUTH)
+  for i, r in enumerate(data["records"]):
+    r["gpu"] = gpu
+    probe = {**r, "makespan_s": 1.0}  # any measurement, to read the configuration
+    pred = cal.predict(cal._normalise(probe, i), gpu, truth)
+    r.update(
+      makespan_s=pred["makespan_s"],
+      proxy_latency_s=pred["proxy_latency_s"],
+      compute_slowdown=pred["compute_slowdown"],
+      source=f"dry run: simulator prediction with {DRY_RUN_TRUTH}, not a measurement",
+    )
+  room(data, gpu)
+  data["measured"] = False
+  _save(path, data)
+  print(f"records.py: dry run: {len(data['records'])} records predicted by the simulator")
+  return 0
+
+
+def calibrate(path: str, gpu: str) -> int:
+  from jax_overlap import sim
+
+  res = sim.calibrate(path, gpu, params=FIT_PARAMS)
+  print(
+    f"records.py: calibrate on {gpu}: RMS error {res.error_before:.3f} -> {res.error_after:.3f} "
+    f"({res.method}); fitted {', '.join(f'{k}={v:.4g}' for k, v in res.params.items())}"
+  )
+  return 0
+
+
+def main(argv: list[str]) -> int:
+  cmds = {
+    "resources": (resources, 3),
+    "names": (names, 2),
+    "check": (check, 1),
+    "dry-run": (dry_run, 2),
+    "calibrate": (calibrate, 2),
+  }
+  if not argv or argv[0] not in cmds or len(argv) - 1 != cmds[argv[0]][1]:
+    print(__doc__, file=sys.stderr)
+    return 2
+  fn, _ = cmds[argv[0]]
+  return fn(*argv[1:])
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))
