@@ -110,6 +110,21 @@ def main() -> int:
       f"{c.params['cta_copy_bandwidth'] / 1e9:.1f} GB/s | "
       f"{c.params['gemm_efficiency']:.3f} |"
     )
+  from jax_overlap._src.sim import paper as paper_lib
+
+  sens = paper_lib.sensitivity()
+  data["sensitivity"] = {"changes": sens.changes(), "verdict": sens.verdict()}
+  lines += [
+    "",
+    "## Sensitivity to the assumed constants (`jax-overlap simulate --paper --sensitivity`)",
+    "",
+    "Each assumed constant at both ends of its range (docs/runtime.md, \"Simulator "
+    "constants\"), tuner off; rows whose controls' reduction moves by more than one point:",
+    "",
+    sens.markdown(),
+    "",
+    sens.verdict(),
+  ]
   with open(os.path.join(RESULTS, "sim_paper.json"), "w") as f:
     json.dump(data, f, indent=1, default=str)
   wl = sim.paper_mixes()["tp-attention"]

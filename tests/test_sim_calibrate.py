@@ -97,3 +97,53 @@ def test_calibrate_errors():
     sim.calibrate([dict(none, makespan_s=1.0)], "h100", params=["warp_speed"])
   with pytest.raises(ValueError, match=r"no published figures for 'a40'"):
     sim.published_measurements("a40")
+
+
+def test_calibration_says_what_the_data_can_identify():
+  params = ("cta_copy_bandwidth", "gemm_efficiency", "occupancy_exponent", "event_latency_s")
+  # Three published figures: one all-gather latency and two GEMM slowdowns beside a
+  # collective. They pin down the per-CTA copy bandwidth and nothing else.
+  res = sim.calibrate(sim.published_measurements("h100"), "h100", params=params)
+  assert res.identified == 1
+  assert set(res.insensitive) == {"gemm_efficiency", "occupancy_exponent", "event_latency_s"}
+  # Shaped non-GEMM records (the GPU sweep's kinds, here as the model predicts them) also
+  # pin down the occupancy exponent.
+  records = [
+    {
+      "gpu": "h100",
+      "policy": pol,
+      "cap": cap,
+      "issue": "compute_first",
+      "compute": {
+        "kind": "fusion",
+        "grid": 132 * 8 * 40,
+        "threads": 256,
+        "regs": 19,
+        "smem": 0,
+        "flops": 132 * 8 * 40 * 256 * 512.0,
+        "bytes": 132 * 8 * 40 * 12288.0,
+      },
+      "proxy": {
+        "kind": "copy",
+        "ctas": 16,
+        "threads": 544,
+        "regs": 96,
+        "smem": 82240,
+        "bytes": 256 << 20,
+        "group_size": 1,
+      },
+      "makespan_s": 1.0,
+    }
+    for pol, cap in [("concurrent", None), ("shaping", 1), ("shaping", 2), ("priority", None)]
+  ]
+  truth = sim.constants_for("h100", {"occupancy_exponent": 0.3, "cta_copy_bandwidth": 26e9})
+  for r in records:
+    pred = cal.predict(r, "h100", truth)
+    r.update(
+      makespan_s=pred["makespan_s"],
+      proxy_latency_s=pred["proxy_latency_s"],
+      compute_slowdown=pred["compute_slowdown"],
+    )
+  res = sim.calibrate(records, "h100", params=("cta_copy_bandwidth", "occupancy_exponent"))
+  assert res.identified == 2 and res.insensitive == ()
+  assert res.params["occupancy_exponent"] == pytest.approx(0.3, rel=0.02)

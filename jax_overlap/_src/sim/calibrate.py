@@ -250,6 +250,12 @@ class CalibrationResult:
     error_after: RMS residual with the fitted constants.
     table: per record: measured and predicted quantities.
     method: "scipy" or "numpy".
+    identified: how many of the fitted parameters the measurements determine: the rank
+      of the residuals' Jacobian (in log-parameters) at the fit, counting singular values
+      above 1e-3 of the largest. Below ``len(params)``, some parameters (or combinations)
+      are not pinned down by these records.
+    insensitive: parameters the residuals do not respond to at all at the fit (a 1%
+      change moves no residual by more than 1e-6): the data says nothing about them.
   """
 
   constants: Constants
@@ -258,6 +264,8 @@ class CalibrationResult:
   error_after: float
   table: list[dict]
   method: str
+  identified: int = 0
+  insensitive: tuple[str, ...] = ()
 
 
 def calibrate(
@@ -358,6 +366,18 @@ def calibrate(
     x, method = _lm(residuals, x0, max_iter), "numpy"
   c = consts(x)
   r1 = residuals(x)
+  jac = np.empty((len(r1), len(params)))
+  for j in range(len(params)):
+    h = 1e-2
+    xp, xm = x.copy(), x.copy()
+    xp[j] += h
+    xm[j] -= h
+    jac[:, j] = (residuals(xp) - residuals(xm)) / (2 * h)
+  sv = np.linalg.svd(jac, compute_uv=False) if jac.size else np.zeros(0)
+  identified = int(np.sum(sv > 1e-3 * sv.max())) if sv.size and sv.max() > 0 else 0
+  insensitive = tuple(
+    p for j, p in enumerate(params) if np.max(np.abs(jac[:, j]), initial=0.0) * 1e-2 < 1e-6
+  )
   table = []
   for r in recs:
     pred = predict(r, topo, c)
@@ -378,6 +398,8 @@ def calibrate(
     error_after=float(np.sqrt(np.mean(r1**2))),
     table=table,
     method=method,
+    identified=identified,
+    insensitive=insensitive,
   )
 
 

@@ -43,6 +43,7 @@ __all__ = [
   "COLLECTIVE_KINDS",
   "COMPUTE_KINDS",
   "Constants",
+  "PROVENANCE",
   "Kernel",
   "Collective",
   "constants_for",
@@ -171,6 +172,44 @@ class Constants:
 
   def replace(self, **changes) -> Constants:
     return dataclasses.replace(self, **changes)
+
+
+# Where each constant comes from, and for the assumed ones the plausible range that
+# ``sim.sensitivity`` sweeps (per-GPU values sit inside these ranges).
+PROVENANCE: dict[str, dict] = {
+  "gemm_efficiency": {
+    "source": "published cuBLAS throughput for large bf16 GEMMs (per GPU, see Constants)",
+  },
+  "cta_copy_bandwidth": {
+    "source": "nccl-tests bus bandwidth divided by the channel count (published DGX results)",
+  },
+  "launch_overhead_s": {"source": "assumed", "range": (0.5e-6, 5e-6)},
+  "event_latency_s": {"source": "assumed", "range": (1.5e-6, 10e-6)},
+  "block_overhead_s": {"source": "assumed", "range": (1e-7, 2e-6)},
+  "sm_bandwidth_factor": {"source": "assumed", "range": (1.5, 6.0)},
+  "comm_hbm_factor": {"source": "derived: a copied byte is read once and written once"},
+  "channels": {"source": "NCCL defaults on NVLink systems (NVIDIA/nccl#689), per GPU"},
+  "comm_threads": {"source": "NCCL src/include/device.h (Simple protocol: 512 + one warp)"},
+  "comm_regs": {"source": "NCCL __launch_bounds__(640, 1): at most 96 registers"},
+  "comm_smem": {"source": "NCCL ncclShmemDynamicSize on sm_80+ (82,240 bytes)"},
+  "saturating_threads": {"source": "assumed", "range": (512, 2048)},
+  "block_jitter": {"source": "assumed", "range": (0.0, 0.1)},
+  "occupancy_exponent": {"source": "assumed", "range": (0.0, 1.0)},
+}
+
+
+def provenance_markdown() -> str:
+  """The constants table of ``docs/runtime.md``: default value, source or plausible range."""
+  default = Constants()
+  lines = ["| constant | default | source | swept range |", "|---|---|---|---|"]
+  for f in dataclasses.fields(Constants):
+    info = PROVENANCE[f.name]
+    rng = info.get("range")
+    lines.append(
+      f"| `{f.name}` | {getattr(default, f.name):g} | {info['source']} | "
+      f"{f'{rng[0]:g} - {rng[1]:g}' if rng else '-'} |"
+    )
+  return "\n".join(lines)
 
 
 _CONSTANTS = {

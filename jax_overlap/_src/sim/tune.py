@@ -55,9 +55,15 @@ class TuneResult:
     plan: the plan dict (runtime JSON format, validated by :class:`jax_overlap.runtime.Plan`).
     policy: the same choice as a :class:`Policy` for ``sim.simulate``.
     makespan_s: predicted makespan with the plan.
-    baseline_s: predicted makespan under plain concurrency (equal priority, no shaping).
+    baseline_s: predicted makespan under the baseline policy (``baseline``).
     sequential_s: predicted makespan with everything on one stream.
     gain: ``1 - makespan_s / baseline_s``.
+    baseline: the policy the gain is measured against: ``"priority"`` (XLA's own: its
+      async collective streams are created at the highest priority,
+      ``xla_gpu_enable_highest_priority_async_stream``, on by default) or
+      ``"concurrent"`` (equal priority, for programs that do not run that way).
+    pruned: shaping rules dropped because the plan without each gained less than
+      ``min_rule_gain`` less (kernel name -> cap it had).
     evaluations: simulations run.
     method: "exhaustive" or "coordinate".
     table: one row per evaluation: {"priority", "shaping", "makespan_s"}.
@@ -79,6 +85,8 @@ class TuneResult:
   table: list[dict]
   unnamed: tuple[str, ...] = ()
   no_room: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+  baseline: str = "priority"
+  pruned: dict[str, int] = dataclasses.field(default_factory=dict)
 
   def format_table(self, top: int = 10) -> str:
     rows = sorted(self.table, key=lambda r: r["makespan_s"])[:top]
@@ -287,6 +295,7 @@ class _Progress:
   def close(self):
     if self.bar is not None:
       self.bar.close()
+    self.on = False
 
 
 def tune(
@@ -301,6 +310,8 @@ def tune(
   constants: Constants | Mapping[str, float] | None = None,
   progress: bool | None = None,
   make_room: bool = True,
+  baseline: str = "priority",
+  min_rule_gain: float = 0.005,
 ) -> TuneResult:
   """Chooses shaping and priority for ``workload`` on ``target`` by simulation.
 
@@ -313,8 +324,8 @@ def tune(
       "coordinate".
     max_evals: the largest space searched exhaustively under "auto".
     priority: fix communication priority on/off; None searches both.
-    min_gain: a plan that beats plain concurrency by less than this fraction is not worth
-      turning the controls on for; the empty plan is returned instead.
+    min_gain: a plan that beats the baseline by less than this fraction is not worth
+      turning the controls on for; the baseline's plan is returned instead.
     constants: model constants or overrides.
     progress: show progress (tqdm if installed, else a line every 2 s); None: only when
       stderr is a terminal.
@@ -325,6 +336,10 @@ def tune(
       priority, an SM that holds one block empties when it finishes and a waiting
       channel lands there ("drain"); such a plan has ``"comm_block": null`` so that the
       library applies its caps as written.
+    baseline: ``"priority"`` (default: what XLA already does, its collective streams at
+      the highest priority) or ``"concurrent"`` (equal priority).
+    min_rule_gain: a shaping rule stays in the plan only if the plan without it is at
+      least this fraction slower; the others are dropped (``TuneResult.pruned``).
 
   Returns:
     A :class:`TuneResult` with the plan and its predicted gain over plain concurrency.
@@ -339,6 +354,8 @@ def tune(
     >>> res.plan["streams"]["priority"] in ("highest", "default")
     True
   """
+  if baseline not in ("priority", "concurrent"):
+    raise ValueError(f"sim.tune: baseline must be 'priority' or 'concurrent', got {baseline!r}")
   if method not in ("auto", "exhaustive", "coordinate"):
     raise ValueError(
       f"sim.tune: method must be 'auto', 'exhaustive' or 'coordinate', got {method!r}"
@@ -395,18 +412,25 @@ def tune(
               t_best, s_best, improved = t, s, True
   finally:
     bar.close()
-  shaping = _shaping_for(gs, s_best, choices)
-  base = simulate(workload, topo, "concurrent", constants=const, baseline=False).makespan_s
+  # Keep a shaping rule only if the plan without it is at least min_rule_gain slower.
+  pruned: dict[str, int] = {}
+  s_best = list(s_best)
+  for gi in range(len(gs)):
+    if s_best[gi] is None:
+      continue
+    without = tuple(s_best[:gi] + [None] + s_best[gi + 1 :])
+    t = evaluate(p_best, without)
+    if t <= t_best * (1 + min_rule_gain):
+      pruned.update({n: s_best[gi] for n in gs[gi] if s_best[gi] in choices[n][1:]})
+      s_best, t_best = list(without), t
+  shaping = _shaping_for(gs, tuple(s_best), choices)
+  base = simulate(workload, topo, baseline, constants=const, baseline=False).makespan_s
   seq = simulate(workload, topo, "sequential", constants=const, baseline=False).makespan_s
   if t_best > base * (1 - min_gain):  # not worth turning the controls on
-    p_best, shaping = bool(priority), {}
-    t_best = (
-      base
-      if not p_best
-      else simulate(
-        workload, topo, Policy("tuned", priority=True), constants=const, baseline=False
-      ).makespan_s
-    )
+    p_best, shaping = baseline == "priority" if priority is None else bool(priority), {}
+    t_best = simulate(
+      workload, topo, Policy("tuned", priority=p_best), constants=const, baseline=False
+    ).makespan_s
   blocks = {cb for bs in _comm_blocks(workload, const).values() for cb in bs}
   comm = max(blocks, key=lambda cb: (cb.regs_per_thread * cb.threads, cb.smem_bytes), default=None)
   plan = plan_dict(topo, shaping, p_best, workload, comm)
@@ -424,4 +448,6 @@ def tune(
     table=table,
     unnamed=unnamed_kernels(workload),
     no_room=no_room(workload, topo, const),
+    baseline=baseline,
+    pruned=pruned,
   )
