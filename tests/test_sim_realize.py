@@ -208,5 +208,8 @@ def test_realize_a_real_deviceless_report():
     # Contention can only add time to the uncontended critical path.
     assert res.results[policy].makespan_s >= res.ideal_s * (1 - 1e-9)
   tuned = sim.tune(wl, "h100x8", progress=False, max_evals=32)
-  assert tuned.makespan_s <= tuned.baseline_s * (1 + 1e-9)
+  # The tuned plan, simulated on its own, takes the time the tuner reports.
+  assert sim.simulate(wl, "h100x8", tuned.policy, baseline=False).makespan_s == pytest.approx(
+    tuned.makespan_s
+  )
   assert tuned.plan["version"] == 1 and tuned.plan["target"] == "h100"
