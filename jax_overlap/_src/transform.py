@@ -76,7 +76,7 @@ _PROFILED_SUFFIX = ", scheduled by the cost model's estimates"
 class Action:
   """One thing the transform did (or left alone, with the reason)."""
 
-  kind: str  # "prefetch", "reduce_scatter", "collective_matmul", "annotate", "compiler_option", "left_alone"
+  kind: str  # "classify", "prefetch", "reduce_scatter", "collective_matmul", "annotate", "compiler_option", "left_alone"
   where: str
   detail: str
 
@@ -96,7 +96,7 @@ class Explanation:
 
   def __str__(self) -> str:
     lines = ["jax_overlap.overlap:"]
-    for kind in ("prefetch", "reduce_scatter", "collective_matmul", "annotate", "compiler_option", "left_alone"):
+    for kind in ("classify", "prefetch", "reduce_scatter", "collective_matmul", "annotate", "compiler_option", "left_alone"):
       acts = self.of_kind(kind)
       if acts:
         lines.append(f"  {kind} ({len(acts)}):")
@@ -165,6 +165,144 @@ def _nbytes(aval) -> int:
     return 0
 
 
+# Operations after which a value counts as computed in the step (an activation).
+_COMPUTE = _MATMUL | set(_OPAQUE)
+_HEAVY = _COMPUTE | _COLLECTIVES
+
+
+def parameter_inputs(jaxpr, param_invars) -> dict[int, frozenset]:
+  """Which inputs of each shard_map body (by position) carry parameters, program-wide.
+
+  ``param_invars`` are the program's inputs that are parameters (the leaves of the step's
+  ``params_argnums`` arguments). A value carries a parameter when it is computed from
+  parameters by cheap operations alone (casts, reshapes, slices, elementwise: no matmul,
+  collective or loop); a shard_map body's input carries one when the value passed to it
+  does. Keyed by ``id`` of the body jaxpr.
+  """
+  out: dict[int, frozenset] = {}
+
+  def walk(jx, flags: dict) -> list[bool]:
+    def is_param(v):
+      return _is_var(v) and flags.get(v, False)
+
+    for e in jx.eqns:
+      name = e.primitive.name
+      if name == "shard_map":
+        body = e.params["jaxpr"]
+        out[id(body)] = frozenset(k for k, v in enumerate(e.invars) if is_param(v))
+        res = [False] * len(e.outvars)
+      elif name in ("pjit", "jit") and "jaxpr" in e.params:
+        inner = e.params["jaxpr"].jaxpr
+        res = walk(inner, {iv: is_param(v) for iv, v in zip(inner.invars, e.invars)})
+      elif name in _HEAVY or any(True for _ in _subjaxprs(e)):
+        res = [False] * len(e.outvars)
+      else:
+        vs = [v for v in e.invars if _is_var(v)]
+        res = [bool(vs) and all(is_param(v) for v in vs)] * len(e.outvars)
+      for v, r in zip(e.outvars, res):
+        flags[v] = r
+    return [is_param(v) for v in jx.outvars]
+
+  walk(jaxpr, {v: True for v in param_invars})
+  return out
+
+
+def parameter_avals(jaxpr, param_inputs: dict) -> frozenset:
+  """(shape, dtype) of the parameter-carrying inputs of every shard_map body (per device)."""
+  out: set = set()
+  for e in jaxpr.eqns:
+    if e.primitive.name == "shard_map":
+      body = e.params["jaxpr"]
+      for k in param_inputs.get(id(body), ()):
+        v = body.invars[k]
+        out.add((tuple(getattr(v.aval, "shape", ())), str(getattr(v.aval, "dtype", ""))))
+    for sub in _subjaxprs(e):
+      out |= parameter_avals(sub, param_inputs)
+  return frozenset(out)
+
+
+def classify_collectives(
+    jaxpr, param_inputs: frozenset | None = None, param_avals: frozenset | None = None
+) -> dict[int, str]:
+  """Each all-gather and reduce-scatter of a shard_map body, by what it moves.
+
+  All-gathers:
+
+  * ``"parameter"``: the input depends only on parameters, without a matmul or a loop on
+    the way (other collectives may be: a gathered parameter that feeds another's
+    gather). ``param_inputs`` are the positions of the body's inputs that carry
+    parameters (:func:`parameter_inputs`); None (not known): every input counts as one;
+  * ``"input"``: computed from the body's inputs by cheap operations, but from an input
+    that is not a parameter (the batch, gathered along the sequence for sequence
+    parallelism);
+  * ``"activation"``: the input is computed in the step (a matmul or a loop on its way):
+    it sits on the critical path of the layer that produces it.
+
+  Reduce-scatters are ``"gradient"`` when their results leave the body through cheap
+  operations only and (given ``param_avals``, :func:`parameter_avals`) have a
+  parameter's per-device shape and dtype, else ``"activation"`` (a row-parallel layer's
+  partial sums, or an activation's cotangent).
+  """
+  eqns = list(jaxpr.eqns)
+  producer: dict[Any, int] = {}
+  for i, e in enumerate(eqns):
+    for v in e.outvars:
+      producer[v] = i
+  invars = [v for v in jaxpr.invars if _is_var(v)]
+  index = {v: k for k, v in enumerate(invars)}
+  all_in = list(jaxpr.invars)
+  if param_inputs is None:
+    params = set(invars)
+  else:
+    params = {all_in[k] for k in param_inputs if k < len(all_in) and _is_var(all_in[k])}
+  # Per equation: the body inputs it reads through cheap operations, or None once a heavy
+  # operation (matmul, collective, loop) is on the way.
+  reads: list[frozenset | None] = []
+  for e in eqns:
+    acc: set | None = set()
+    for v in e.invars:
+      if not _is_var(v):
+        continue
+      if v in producer:
+        d = producer[v]
+        src = None if eqns[d].primitive.name in _COMPUTE else reads[d]
+        if src is None:
+          acc = None
+          break
+        acc |= src
+      elif v in index:
+        acc.add(v)
+    reads.append(None if acc is None else frozenset(acc))
+  # Which equations reach an output through cheap operations only.
+  users: dict[Any, list[int]] = {}
+  for i, e in enumerate(eqns):
+    for v in e.invars:
+      if _is_var(v):
+        users.setdefault(v, []).append(i)
+  outs = {v for v in jaxpr.outvars if _is_var(v)}
+  to_output = [False] * len(eqns)
+  for i in range(len(eqns) - 1, -1, -1):
+    for v in eqns[i].outvars:
+      if v in outs or any(
+        to_output[u] and eqns[u].primitive.name not in _HEAVY for u in users.get(v, ())
+      ):
+        to_output[i] = True
+  out: dict[int, str] = {}
+  for i, e in enumerate(eqns):
+    if e.primitive.name == _GATHER:
+      src = reads[i]
+      if src is None:
+        out[i] = "activation"
+      else:
+        out[i] = "parameter" if src and src <= params else "input"
+    elif e.primitive.name == _SCATTER:
+      shaped = param_avals is None or (
+        tuple(e.outvars[0].aval.shape), str(e.outvars[0].aval.dtype)
+      ) in param_avals
+      out[i] = "gradient" if to_output[i] and shaped else "activation"
+  return out
+
+
 @dataclasses.dataclass
 class _BodyPlan:
   order: list[int]
@@ -185,7 +323,8 @@ class _BodyPlan:
 
 def _plan_body(
     jaxpr, where: str, prefetch: int, reduce_scatter: str, annotate: bool, chain: bool = False,
-    collective_matmul: str = "off", target: str | None = None,
+    collective_matmul: str = "off", target: str | None = None, param_inputs: frozenset | None = None,
+    param_avals: frozenset | None = None,
 ) -> _BodyPlan:
   eqns = list(jaxpr.eqns)
   n = len(eqns)
@@ -229,12 +368,30 @@ def _plan_body(
       eqns, set(v for v in jaxpr.outvars if _is_var(v)), collective_matmul, target, where, actions
   )
 
-  # 1. Group parameter gathers into layers.
+  # 1. Group parameter gathers into layers; activation collectives are on the critical
+  # path of the layer that produces them and are not prefetched.
+  kinds = classify_collectives(jaxpr, param_inputs, param_avals)
+  n_kind = {k: sum(1 for i, v in kinds.items() if v == k and eqns[i].primitive.name == p)
+            for k, p in (("parameter", _GATHER), ("input", _GATHER), ("activation", _GATHER))}
+  n_rs = {k: sum(1 for v in kinds.values() if v == k) for k in ("gradient",)}
+  n_act_rs = sum(1 for i, v in kinds.items() if v == "activation" and eqns[i].primitive.name == _SCATTER)
+  if kinds:
+    actions.append(
+        Action(
+            "classify",
+            where,
+            f"{n_kind['parameter']} parameter all-gather(s) (inputs only parameters: prefetched "
+            f"ahead of their layer), {n_kind['input']} all-gather(s) of other inputs (the batch), "
+            f"{n_kind['activation']} activation all-gather(s) and "
+            f"{n_act_rs} activation reduce-scatter(s) (computed in the step: on the critical path, "
+            f"candidates for collective matmuls), {n_rs['gradient']} gradient reduce-scatter(s)",
+        )
+    )
   groups: list[list[int]] = []
   current: list[int] = []
   for i, e in enumerate(eqns):
     name = e.primitive.name
-    if name == _GATHER and input_only[i] and i not in skipped:
+    if name == _GATHER and kinds.get(i) == "parameter" and input_only[i] and i not in skipped:
       current.append(i)
     elif name in _MATMUL and current:
       groups.append(current)
@@ -626,6 +783,9 @@ class _Config:
   collective_matmul: str = "off"
   target: str | None = None
   chain: bool = False  # issue the first layer's gathers and every reduce-scatter one by one
+  # id(shard_map body) -> positions of its inputs that carry parameters (parameter_inputs)
+  param_inputs: dict | None = None
+  param_avals: frozenset | None = None  # parameter_avals
 
 
 def _evaluate(closed, args, cfg: _Config):
@@ -674,7 +834,8 @@ def _collect(jaxpr, cfg: _Config, actions, stats, counter) -> None:
     if name == "shard_map":
       counter[0] += 1
       _record(_plan_body(eqn.params["jaxpr"], f"shard_map #{counter[0]}", cfg.prefetch,
-                         cfg.reduce_scatter, cfg.annotate, cfg.chain, cfg.collective_matmul, cfg.target), actions, stats)
+                         cfg.reduce_scatter, cfg.annotate, cfg.chain, cfg.collective_matmul, cfg.target,
+                         _params_of(cfg, eqn), cfg.param_avals), actions, stats)
     elif name in ("pjit", "jit") and "jaxpr" in eqn.params:
       _collect(eqn.params["jaxpr"].jaxpr, cfg, actions, stats, counter)
     elif name in _OPAQUE and _has_collectives(eqn):
@@ -682,6 +843,12 @@ def _collect(jaxpr, cfg: _Config, actions, stats, counter) -> None:
           Action("left_alone", name, "collectives inside a custom derivative or loop are left as "
                  "written (use jax_overlap.fsdp.scan_layers for scanned layers)")
       )
+
+
+def _params_of(cfg: _Config, eqn) -> frozenset | None:
+  if cfg.param_inputs is None:
+    return None
+  return cfg.param_inputs.get(id(eqn.params["jaxpr"]), frozenset())
 
 
 def _record(plan: _BodyPlan, actions, stats) -> None:
@@ -699,7 +866,7 @@ def _run_shard_map(eqn, invals, cfg: _Config):
   params = eqn.params
   body = params["jaxpr"]
   plan = _plan_body(body, "", cfg.prefetch, cfg.reduce_scatter, cfg.annotate, cfg.chain,
-                    cfg.collective_matmul, cfg.target)
+                    cfg.collective_matmul, cfg.target, _params_of(cfg, eqn), cfg.param_avals)
   consts = getattr(body, "consts", ())
   inner = body.jaxpr if hasattr(body, "jaxpr") and not hasattr(body, "eqns") else body
 
@@ -803,7 +970,9 @@ class Overlapped:
   """
 
   def __init__(self, fn, *, mesh, target, prefetch, reduce_scatter, collective_matmul, annotate,
-               xla_options, workload, select, jit_kwargs, schedule_from_estimates=True, cache=True):
+               xla_options, workload, select, jit_kwargs, schedule_from_estimates=True, cache=True,
+               params_argnums=(0,)):
+    self.params_argnums = params_argnums
     self.select = select
     self.cache = cache
     self.schedule_from_estimates = schedule_from_estimates
@@ -820,6 +989,19 @@ class Overlapped:
     self._cache: dict = {}
     functools.update_wrapper(self, fn)
 
+  def _param_inputs(self, closed, args, kwargs) -> dict | None:
+    """Positions of parameter inputs per shard_map body, from ``params_argnums``."""
+    leaves = [len(jax.tree.leaves(a)) for a in args]
+    n_all = sum(leaves) + len(jax.tree.leaves(kwargs))
+    invars = closed.jaxpr.invars
+    if n_all != len(invars):
+      return None  # the jaxpr does not take the arguments leaf for leaf: no evidence
+    starts = np.cumsum([0, *leaves])
+    params = [
+      v for i in self.params_argnums if i < len(args) for v in invars[starts[i] : starts[i + 1]]
+    ]
+    return parameter_inputs(closed.jaxpr, params) if params else None
+
   def _build(self, args, kwargs):
     _check_args(args, kwargs, self.mesh)
     key = _signature(args, kwargs)
@@ -835,7 +1017,10 @@ class Overlapped:
     annotate = self.annotate
     if annotate == "auto":
       annotate = self.target is not None or _platform(args, kwargs, self.mesh) != "cpu"
-    cfg = _Config(self.prefetch, self.reduce_scatter, annotate, self.collective_matmul, self.target)
+    param_inputs = self._param_inputs(closed, args, kwargs)
+    cfg = _Config(self.prefetch, self.reduce_scatter, annotate, self.collective_matmul, self.target,
+                  param_inputs=param_inputs,
+                  param_avals=None if param_inputs is None else parameter_avals(closed.jaxpr, param_inputs))
     actions: list[Action] = []
     stats: dict = {}
     counter = [0]
@@ -952,7 +1137,7 @@ class Overlapped:
               **self.extra_options})
         )
       out.append(
-          ("as written, recommended flags", _Config(0, "as_written", cfg.annotate, "off", cfg.target),
+          ("as written, recommended flags", _Config(0, "as_written", cfg.annotate, "off", cfg.target, param_inputs=cfg.param_inputs, param_avals=cfg.param_avals),
            {**base, **self.extra_options})
       )
     return out
@@ -960,6 +1145,7 @@ class Overlapped:
   def _settings(self, annotate: bool) -> dict[str, Any]:
     return {
         "target": self.target, "workload": self.workload, "prefetch": self.prefetch,
+        "params_argnums": list(self.params_argnums),
         "reduce_scatter": self.reduce_scatter, "collective_matmul": self.collective_matmul,
         "annotate": annotate, "select": self.select,
         "schedule_from_estimates": self.schedule_from_estimates,
@@ -1082,6 +1268,7 @@ def overlap(
     select: str = "cost_model",
     schedule_from_estimates: bool = True,
     cache: bool = True,
+    params_argnums: int | tuple[int, ...] = 0,
     **jit_kwargs,
 ):
   """Rewrites a sharded step so its collectives overlap compute.
@@ -1124,6 +1311,11 @@ def overlap(
       shapes, dtypes and shardings, the target, these settings, jax/jaxlib and
       jax_overlap's code, so a restarted job skips the deviceless compiles.
       Every variant computes the same values; only the choice is reused.
+    params_argnums: the positional argument(s) holding the parameters (the train
+      state), 0 by default as in ``step(params, batch)``. All-gathers whose input
+      depends only on parameters are prefetched; those of other inputs (a
+      sequence-parallel batch) and of values computed in the step (activations) are
+      not, and ``explain()`` says which is which.
     **jit_kwargs: passed to ``jax.jit`` (e.g. ``donate_argnums``).
 
   Returns:
@@ -1159,6 +1351,16 @@ def overlap(
     )
   if annotate not in (True, False, "auto"):
     raise ValueError(f"overlap: annotate must be True, False or 'auto', got {annotate!r}")
+  argnums = (params_argnums,) if isinstance(params_argnums, int) else params_argnums
+  if (
+    not isinstance(argnums, tuple)
+    or not argnums
+    or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in argnums)
+  ):
+    raise ValueError(
+        "overlap: params_argnums must be a non-negative int or a non-empty tuple of them, got "
+        f"{params_argnums!r}"
+    )
 
   def wrap(f):
     if not callable(f):
@@ -1167,7 +1369,7 @@ def overlap(
         f, mesh=mesh, target=target, prefetch=prefetch, reduce_scatter=reduce_scatter,
         collective_matmul=collective_matmul, annotate=annotate, xla_options=xla_options,
         workload=workload, select=select, jit_kwargs=jit_kwargs,
-        schedule_from_estimates=schedule_from_estimates, cache=cache,
+        schedule_from_estimates=schedule_from_estimates, cache=cache, params_argnums=argnums,
     )
 
   return wrap if fn is None else wrap(fn)
