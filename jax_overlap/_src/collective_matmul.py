@@ -16,6 +16,14 @@ latency-hiding scheduler can run them concurrently:
   neighbour and passes the sum on; after ``N`` steps each device holds the
   full sum of its own block.
 
+* :func:`all_gather_dot_generals`: the general form of the first, for what
+  tensor- and sequence-parallel code writes: an N-D activation gathered along
+  any free dimension (the sequence), ``dot_general``s with batch dimensions,
+  one gather feeding several matmuls, the gathered value also returned (the
+  backward pass needs it for the weight gradient). JAX differentiates it; the
+  transpose of the ring is the reverse ring. ``@overlap`` uses it for every
+  such gather the cost model (or ``collective_matmul="on"``) lets through.
+
 The bidirectional variants split each block into halves that travel in
 opposite directions, using both directions of every link; ``chunks`` splits a
 block into more pieces for finer-grained overlap. Both functions have
@@ -52,7 +60,13 @@ from jax import lax
 
 from jax_overlap._src import targets as _targets
 
-__all__ = ["GainEstimate", "all_gather_matmul", "matmul_reduce_scatter", "estimate_gain"]
+__all__ = [
+  "GainEstimate",
+  "all_gather_dot_generals",
+  "all_gather_matmul",
+  "estimate_gain",
+  "matmul_reduce_scatter",
+]
 
 AxisName = str | tuple[str, ...]
 
@@ -178,6 +192,72 @@ def _rs_ring(x, w, axis, n, dirs, precision, preferred):
     sent = [lax.ppermute(a, axis, _perm(n, dj)) for a, dj in zip(accs, dirs)]
     accs = [snt + part(s, j, dj) for j, (snt, dj) in enumerate(zip(sent, dirs))]
   return accs[0] if len(accs) == 1 else jnp.concatenate(accs, axis=0)
+
+
+def _out_dim(ndim_x: int, ndim_w: int, x_is_lhs: bool, dn, gather_dim: int) -> int:
+  """Where ``gather_dim`` of ``x`` lands in ``dot_general``'s output (batch dims, then the
+  lhs's free dims, then the rhs's, each in order)."""
+  (lc, rc), (lb, rb) = dn
+  xc, xb = (lc, lb) if x_is_lhs else (rc, rb)
+  wc, wb = (rc, rb) if x_is_lhs else (lc, lb)
+  x_free = [d for d in range(ndim_x) if d not in xc and d not in xb]
+  w_free = [d for d in range(ndim_w) if d not in wc and d not in wb]
+  pos = x_free.index(gather_dim)
+  return len(xb) + (pos if x_is_lhs else len(w_free) + pos)
+
+
+def all_gather_dot_generals(x, dots, *, axis: str, gather_dim: int, collect: bool = False):
+  """``all_gather(x, axis, axis=gather_dim, tiled=True)`` fed to several ``dot_general``s, as
+  one ppermute ring: each step sends this device's current block on and computes every
+  dot's slice for the block it holds.
+
+  The general form of :func:`all_gather_matmul` for what tensor- and sequence-parallel
+  code writes: N-D activations gathered along any free dimension (the sequence), dots with
+  batch dimensions, one gather feeding several matmuls (separate Q/K/V, gate/up), the
+  gathered value needed elsewhere too (``collect``). Differentiated by JAX: the
+  transpose of the ring is the reverse ring.
+
+  Args:
+    x: this device's block of the gathered value.
+    dots: one ``(w, x_is_lhs, dimension_numbers, precision, preferred_element_type,
+      out_shape, out_dtype)`` per dot, with ``dimension_numbers`` as for the gathered value
+      and ``out_shape`` the full dot output's.
+    axis: the mesh axis of the gather.
+    gather_dim: the dimension of ``x`` gathered; must be free (neither contracting nor
+      batch) in every dot.
+    collect: also return the gathered value.
+
+  Returns:
+    (list of the dots' outputs, the gathered value or None).
+  """
+  n = int(lax.axis_size(axis))
+  d = lax.axis_index(axis)
+  m = x.shape[gather_dim]
+  outs = [jnp.zeros(shape, dtype) for (*_, shape, dtype) in dots]
+  pos = [_out_dim(x.ndim, w.ndim, lhs, dn, gather_dim) for (w, lhs, dn, *_) in dots]
+  full = None
+  if collect:
+    shape = list(x.shape)
+    shape[gather_dim] = n * m
+    full = jnp.zeros(shape, x.dtype)
+  piece = x
+  for s in range(n):
+    nxt = lax.ppermute(piece, axis, _perm(n, 1)) if s < n - 1 else None
+    start = ((d - s) % n) * m
+    for j, ((w, lhs, dn, precision, preferred, _, dtype), od) in enumerate(zip(dots, pos)):
+      a, b = lax.optimization_barrier((piece, w))  # one dot per step (see _step_dot)
+      part = lax.dot_general(
+        a if lhs else b,
+        b if lhs else a,
+        dn,
+        precision=precision,
+        preferred_element_type=preferred,
+      )
+      outs[j] = lax.dynamic_update_slice_in_dim(outs[j], part.astype(dtype), start, axis=od)
+    if collect:
+      full = lax.dynamic_update_slice_in_dim(full, piece, start, axis=gather_dim)
+    piece = nxt
+  return outs, full
 
 
 def _vma(v) -> frozenset:

@@ -318,6 +318,10 @@ class _BodyPlan:
   # Collective matmuls: eqn index to evaluate -> (kind, gather/dot index skipped, params).
   fused: dict = dataclasses.field(default_factory=dict)
   skipped: frozenset = frozenset()
+  # N-D gather -> dot_general rings: gather index -> (input, gather eqn, dots, collect), and
+  # each user of the gathered value -> its gather index.
+  rings: dict = dataclasses.field(default_factory=dict)
+  ring_of: dict = dataclasses.field(default_factory=dict)
   loops: int = 0  # loops over layers whose collectives are left as written
 
 
@@ -364,7 +368,7 @@ def _plan_body(
   # 3. Collective matmuls: an activation all-gather feeding a matmul, or a matmul
   # feeding a reduce-scatter, become ppermute rings of partial matmuls where the
   # cost model says they win.
-  fused, skipped = _plan_collective_matmuls(
+  fused, skipped, rings, ring_of = _plan_collective_matmuls(
       eqns, set(v for v in jaxpr.outvars if _is_var(v)), collective_matmul, target, where, actions
   )
 
@@ -540,7 +544,8 @@ def _plan_body(
       nested.group_gather_bytes if nested.loops else max(group_bytes, default=0),
       max(max_scatter, nested.scatter_bytes),
       max(single_gather, nested.gather_bytes), max(scatter_out, nested.scatter_out_bytes),
-      max(axis_size, nested.axis_size), chain_prev, fused, frozenset(skipped), nested.loops,
+      max(axis_size, nested.axis_size), chain_prev, fused, frozenset(skipped),
+      rings=rings, ring_of=ring_of, loops=nested.loops,
   )
 
 
@@ -635,7 +640,7 @@ def _plan_collective_matmuls(
 ):
   """Finds all_gather -> dot and dot -> reduce_scatter pairs worth decomposing."""
   if mode not in ("auto", "on"):
-    return {}, set()
+    return {}, set(), {}, {}
   from jax_overlap._src import collective_matmul as cm_lib
 
   users: dict[Any, list[int]] = {}
@@ -645,6 +650,8 @@ def _plan_collective_matmuls(
         users.setdefault(v, []).append(i)
   fused: dict[int, tuple] = {}
   skipped: set[int] = set()
+  rings: dict[int, tuple] = {}
+  ring_of: dict[int, int] = {}
 
   def plain_dot(d):
     dn = d.params.get("dimension_numbers")
@@ -667,6 +674,25 @@ def _plan_collective_matmuls(
     if not isinstance(axis, str) or e.params.get("axis_index_groups") is not None:
       continue
     kw_extra = {}
+    if name == _GATHER and e.params.get("tiled") and not _simple_ag_dot(e, users, outvars, eqns, plain_dot):
+      ring = _plan_ring(i, e, eqns, users, outvars)
+      if ring is None:
+        continue
+      dots, collect = ring
+      m, n, k = _ring_mnk(e, eqns, dots)
+      est = worth(m, n, k, int(e.params.get("axis_size", 1)), e.outvars[0].aval.dtype, "all_gather")
+      if not est.worthwhile:
+        continue
+      rings[i] = (e.invars[0], e, dots, collect)
+      for u in users.get(e.outvars[0], []):
+        ring_of[u] = i
+      skipped.add(i)
+      actions.append(Action(
+          "collective_matmul", where,
+          f"all-gather of {tuple(e.invars[0].aval.shape)} along dim {e.params['all_gather_dimension']} "
+          f"feeding {len(dots)} matmul(s){' (the gathered value is also kept)' if collect else ''} "
+          f"decomposed into a ppermute ring; estimated {est.speedup:.2f}x"))
+      continue
     if name == _GATHER and e.params.get("tiled") and e.params.get("all_gather_dimension") == 0:
       out = e.outvars[0]
       us = users.get(out, [])
@@ -705,7 +731,59 @@ def _plan_collective_matmuls(
       skipped.add(prod)
       actions.append(Action("collective_matmul", where, f"matmul ({m}x{k} @ {k}x{n}) -> "
                             f"reduce-scatter decomposed into a ppermute ring; estimated {est.speedup:.2f}x"))
-  return fused, skipped
+  return fused, skipped, rings, ring_of
+
+
+def _simple_ag_dot(e, users, outvars, eqns, plain_dot) -> bool:
+  """The 2-D case ``all_gather_matmul`` (with its custom VJP) handles."""
+  if e.params.get("all_gather_dimension") != 0:
+    return False
+  out = e.outvars[0]
+  us = users.get(out, [])
+  if len(us) != 1 or out in outvars:
+    return False
+  d = eqns[us[0]]
+  return plain_dot(d) and d.invars[0] is out and d.invars[1] is not out
+
+
+def _plan_ring(i, e, eqns, users, outvars):
+  """The dots an N-D gather feeds along a free dimension: (dots, collect) or None."""
+  out = e.outvars[0]
+  gd = e.params.get("all_gather_dimension")
+  dots, other = [], False
+  for u in users.get(out, []):
+    d = eqns[u]
+    if d.primitive.name != "dot_general" or (d.invars[0] is out) == (d.invars[1] is out):
+      other = True
+      continue
+    lhs = d.invars[0] is out
+    (lc, rc), (lb, rb) = d.params["dimension_numbers"]
+    xc, xb = (lc, lb) if lhs else (rc, rb)
+    if gd in xc or gd in xb:
+      other = True  # gathered along a contracted or batch dimension: not a ring of slices
+      continue
+    dots.append(u)
+  if not dots:
+    return None
+  return tuple(dots), other or out in outvars
+
+
+def _ring_mnk(e, eqns, dots) -> tuple[int, int, int]:
+  """GEMM-equivalent (m, n, k) of the dots a ring replaces, for the cost model."""
+  out = e.outvars[0]
+  shape = out.aval.shape
+  n_total, m, k = 0, 1, 1
+  for u in dots:
+    d = eqns[u]
+    lhs = d.invars[0] is out
+    (lc, rc), (lb, rb) = d.params["dimension_numbers"]
+    xc = lc if lhs else rc
+    w = d.invars[1] if lhs else d.invars[0]
+    wc, wb = (rc, rb) if lhs else (lc, lb)
+    k = int(math.prod(shape[a] for a in xc))
+    m = int(math.prod(shape)) // max(k, 1)
+    n_total += int(math.prod(w.aval.shape[a] for a in range(w.aval.ndim) if a not in wc and a not in wb))
+  return m, n_total, k
 
 
 def _eval_eqn(eqn, invals, metadata: dict[str, str] | None):
@@ -750,11 +828,47 @@ def _environment(jaxpr, consts, args):
   return env, read
 
 
+def _run_ring(ring, env, read) -> bool:
+  """Runs an N-D gather -> dots ring; False (and the plain gather) if a weight is not ready."""
+  from jax_overlap._src import collective_matmul as cm_lib
+
+  x, gather, dots, collect = ring
+  eqns_w = []
+  for d in dots:
+    lhs = d.invars[0] is gather.outvars[0]
+    w = d.invars[1] if lhs else d.invars[0]
+    if _is_var(w) and w not in env:
+      env[gather.outvars[0]] = _eval_eqn(gather, [read(x)], None)[0]
+      return False
+    aval = d.outvars[0].aval
+    eqns_w.append((read(w), lhs, d.params["dimension_numbers"], d.params.get("precision"),
+                   d.params.get("preferred_element_type"), tuple(aval.shape), aval.dtype))
+  axis = gather.params["axis_name"]
+  axis = axis[0] if isinstance(axis, tuple) else axis
+  outs, full = cm_lib.all_gather_dot_generals(
+      read(x), eqns_w, axis=axis, gather_dim=gather.params["all_gather_dimension"], collect=collect
+  )
+  for d, o in zip(dots, outs):
+    env[d.outvars[0]] = o
+  if collect:
+    env[gather.outvars[0]] = full
+  return True
+
+
 def _run(jaxpr, consts, args, plan: _BodyPlan | None):
   env, read = _environment(jaxpr, consts, args)
   order = plan.order if plan is not None else range(len(jaxpr.eqns))
+  ring_done: dict[int, bool] = {}
   for i in order:
     eqn = jaxpr.eqns[i]
+    if plan is not None and i in plan.ring_of:
+      g = plan.ring_of[i]
+      if g not in ring_done:
+        ring, = [plan.rings[g]]
+        ring_done[g] = _run_ring((ring[0], ring[1], [jaxpr.eqns[u] for u in ring[2]], ring[3]),
+                                 env, read)
+      if ring_done[g] and i in plan.rings[g][2]:
+        continue  # this dot's output came from the ring
     if plan is not None and i in plan.skipped:
       continue  # computed by the collective matmul that replaces it
     if plan is not None and i in plan.fused:
