@@ -158,3 +158,20 @@ def test_forward_only_programs_and_params_argnums():
   assert line2 == line
   with pytest.raises(ValueError, match="params_argnums must be a non-negative int"):
     jax_overlap.overlap(swapped, params_argnums=-1)
+
+
+def test_tensor_sequence_parallel_example_has_no_parameter_gathers():
+  # jax_overlap.examples.tp_sp: a Megatron-style TP+SP step. Its weights are sharded over
+  # the tensor axis and never gathered; every all-gather moves the sequence (the batch for
+  # the first, activations computed in the step for the others), and nothing is prefetched.
+  from jax_overlap.examples import tp_sp
+
+  mesh = jax.make_mesh((8,), ("tensor",), axis_types=(AxisType.Auto,))
+  fn, args = tp_sp.build(mesh=mesh, layers=2, hidden=64, mlp=128, heads=8, seq=64, dtype="float32")
+  e = jax_overlap.overlap(fn, prefetch=1).explain(*args)
+  (line,) = [a.detail for a in e.of_kind("classify")]
+  assert line.startswith("0 parameter all-gather(s)")
+  assert "1 all-gather(s) of other inputs" in line
+  assert "7 activation all-gather(s) and 7 activation reduce-scatter(s)" in line
+  assert "0 gradient reduce-scatter(s)" in line
+  assert e.of_kind("prefetch") == []

@@ -1,0 +1,106 @@
+"""A Megatron-style tensor- and sequence-parallel transformer step in ``shard_map``.
+
+Between blocks the activations are ``[batch, seq / N, hidden]`` (sequence parallel over the
+``tensor`` axis of size N). Each block all-gathers the sequence before a fused QKV
+(column-parallel) matmul, runs attention on its local heads, and reduce-scatters the
+sequence after the row-parallel output projection; the MLP does the same around its up
+(column-parallel) and down (row-parallel) matmuls. ``jax.value_and_grad`` of the loss runs
+inside the ``shard_map``; gradients are returned, one per (local) weight.
+
+  fn, args = tp_sp.build("h100x8", layers=2, hidden=8192, mlp=28672, heads=64, seq=8192)
+  jax_overlap.analyze(fn, *args, target="h100x8")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  layers: int = 2
+  hidden: int = 1024
+  mlp: int = 4096
+  heads: int = 16
+  seq: int = 1024
+  batch: int = 1
+  dtype: str = "bfloat16"
+  axis: str = "tensor"
+
+
+def _block(cfg: Config, x, w):
+  n = jax.lax.axis_size(cfg.axis)
+  heads = cfg.heads // n
+  hd = cfg.hidden // cfg.heads
+  xg = jax.lax.all_gather(x, cfg.axis, axis=1, tiled=True)  # [b, s, h]
+  qkv = jnp.einsum("bsh,hk->bsk", xg, w["wqkv"])  # [b, s, 3 * heads * hd]
+  b, s, _ = qkv.shape
+  q, k, v = jnp.split(qkv.reshape(b, s, 3, heads, hd), 3, axis=2)
+  q, k, v = (t[:, :, 0] for t in (q, k, v))
+  att = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / hd**0.5, -1)
+  o = jnp.einsum("bhqk,bkhd->bqhd", att.astype(x.dtype), v).reshape(b, s, heads * hd)
+  o = jnp.einsum("bsk,kh->bsh", o, w["wo"])
+  x = x + jax.lax.psum_scatter(o, cfg.axis, scatter_dimension=1, tiled=True)
+  xg = jax.lax.all_gather(x, cfg.axis, axis=1, tiled=True)
+  h = jax.nn.gelu(jnp.einsum("bsh,hf->bsf", xg, w["w1"]))
+  o = jnp.einsum("bsf,fh->bsh", h, w["w2"])
+  return x + jax.lax.psum_scatter(o, cfg.axis, scatter_dimension=1, tiled=True)
+
+
+def make_step(cfg: Config, mesh: Mesh):
+  def loss(params, x):
+    for w in params:
+      x = _block(cfg, x, w)
+    return jax.lax.pmean(jnp.mean(jnp.square(x.astype(jnp.float32))), cfg.axis)
+
+  def step(params, x):
+    return jax.value_and_grad(loss)(params, x)
+
+  specs = [_specs(cfg)] * cfg.layers
+  return jax.shard_map(
+    step,
+    mesh=mesh,
+    in_specs=(specs, P(None, cfg.axis)),
+    out_specs=(P(), specs),
+  )
+
+
+def _specs(cfg: Config) -> dict:
+  col, row = P(None, cfg.axis), P(cfg.axis, None)
+  return {"wqkv": col, "wo": row, "w1": col, "w2": row}
+
+
+def _shapes(cfg: Config) -> dict:
+  return {
+    "wqkv": (cfg.hidden, 3 * cfg.hidden),
+    "wo": (cfg.hidden, cfg.hidden),
+    "w1": (cfg.hidden, cfg.mlp),
+    "w2": (cfg.mlp, cfg.hidden),
+  }
+
+
+def build(target: str = "h100x8", mesh: Mesh | None = None, **overrides):
+  """(jitted step, (params, x)) as abstract arrays for ``target`` (a ``tensor`` axis over
+  all its devices)."""
+  from jax_overlap._src import targets as targets_lib
+
+  cfg = Config(**overrides)
+  if mesh is None:
+    mesh = targets_lib.compile_only_mesh(target, (cfg.axis,))
+  dtype = jnp.dtype(cfg.dtype)
+  params = [
+    {
+      k: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, _specs(cfg)[k]))
+      for k, shape in _shapes(cfg).items()
+    }
+    for _ in range(cfg.layers)
+  ]
+  x = jax.ShapeDtypeStruct(
+    (cfg.batch, cfg.seq, cfg.hidden), dtype, sharding=NamedSharding(mesh, P(None, cfg.axis))
+  )
+  return jax.jit(make_step(cfg, mesh)), (params, x)
