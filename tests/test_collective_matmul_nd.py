@@ -97,6 +97,56 @@ def test_ring_equals_gather_then_dots_forward_and_backward(
   _close(run["plain"], run["ring"])
 
 
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+  p=st.sampled_from([2, 4, 8]),
+  batch=st.integers(1, 2),
+  seq_block=st.integers(1, 3),
+  k_local=st.sampled_from([2, 4]),
+  out=st.sampled_from([3, 8]),
+  batched=st.booleans(),
+)
+def test_reduce_scatter_ring_equals_dot_then_psum_scatter(
+  p, batch, seq_block, k_local, out, batched
+):
+  mesh = _mesh(p)
+  key = jax.random.key(7 * p + seq_block)
+  h = jax.random.normal(key, (batch, seq_block * p, k_local * p)) * 0.5
+  if batched:
+    w = jax.random.normal(jax.random.fold_in(key, 1), (batch, k_local * p, out)) * 0.3
+    dn = (((2,), (1,)), ((0,), (0,)))
+    wspec = P(None, "tensor")
+  else:
+    w = jax.random.normal(jax.random.fold_in(key, 1), (k_local * p, out)) * 0.3
+    dn = (((2,), (0,)), ((), ()))
+    wspec = P("tensor")
+
+  def plain(h, w):
+    return jax.lax.psum_scatter(
+      jax.lax.dot_general(h, w, dn), "tensor", scatter_dimension=1, tiled=True
+    )
+
+  def ring(h, w):
+    return cm.dot_general_reduce_scatter(h, w, dimension_numbers=dn, axis="tensor", scatter_dim=1)
+
+  def loss(fn):
+    return lambda h, w: jax.lax.psum(jnp.sum(jnp.tanh(fn(h, w))), "tensor")
+
+  run = {
+    name: jax.jit(
+      jax.shard_map(
+        jax.value_and_grad(loss(fn), argnums=(0, 1)),
+        mesh=mesh,
+        in_specs=(P(None, None, "tensor"), wspec),
+        out_specs=(P(), (P(None, None, "tensor"), wspec)),
+        check_vma=False,
+      )
+    )(h, w)
+    for name, fn in (("plain", plain), ("ring", ring))
+  }
+  _close(run["plain"], run["ring"])
+
+
 def _tp_sp_step(p, n_layers, qkv_separate):
   mesh = _mesh(p)
   S, H = 4 * p, 8
@@ -153,6 +203,8 @@ def test_transform_rings_tensor_sequence_parallel_steps(p, qkv_separate):
   assert len(rings) >= 2 * 2
   feeding = "feeding 3 matmul(s)" if qkv_separate else "feeding 1 matmul(s)"
   assert any(feeding in r and "also kept" in r for r in rings)
+  # The row-parallel projections' reduce-scatters along the sequence are rings too.
+  assert sum("-> reduce-scatter along dim 1" in r for r in rings) >= 2
   jaxpr = str(jax.make_jaxpr(lambda a, b: ov(a, b))(params, x))
   assert jaxpr.count("ppermute") >= 2 * (p - 1)
 

@@ -64,6 +64,7 @@ __all__ = [
   "GainEstimate",
   "all_gather_dot_generals",
   "all_gather_matmul",
+  "dot_general_reduce_scatter",
   "estimate_gain",
   "matmul_reduce_scatter",
 ]
@@ -258,6 +259,62 @@ def all_gather_dot_generals(x, dots, *, axis: str, gather_dim: int, collect: boo
       full = lax.dynamic_update_slice_in_dim(full, piece, start, axis=gather_dim)
     piece = nxt
   return outs, full
+
+
+def dot_general_reduce_scatter(
+  lhs, rhs, *, dimension_numbers, axis: str, scatter_dim: int, precision=None,
+  preferred_element_type=None, out_dtype=None,
+):
+  """``psum_scatter(dot_general(lhs, rhs), axis, scatter_dimension=scatter_dim, tiled=True)``
+  as a ppermute ring of partial dots, for N-D operands.
+
+  The general form of :func:`matmul_reduce_scatter` (a row-parallel projection of
+  sequence-parallel activations: ``[batch, seq, hidden / N] @ [hidden / N, out]`` scattered
+  along the sequence). ``scatter_dim`` must be a free dimension of the output (not a batch
+  dimension); the operand it comes from is sliced, one block per ring step, and the
+  partial sums travel round the ring, each step adding the block this device contributes.
+  Differentiated by JAX: the transpose is a gather ring.
+
+  Returns:
+    This device's block of the summed output.
+  """
+  n = int(lax.axis_size(axis))
+  d = lax.axis_index(axis)
+  (lc, rc), (lb, rb) = dimension_numbers
+  l_free = [i for i in range(lhs.ndim) if i not in lc and i not in lb]
+  r_free = [i for i in range(rhs.ndim) if i not in rc and i not in rb]
+  nb = len(lb)
+  if scatter_dim < nb:
+    raise ValueError("dot_general_reduce_scatter: scatter_dim is a batch dimension of the dot")
+  if scatter_dim < nb + len(l_free):
+    slice_lhs, op_dim = True, l_free[scatter_dim - nb]
+  else:
+    slice_lhs, op_dim = False, r_free[scatter_dim - nb - len(l_free)]
+  size = (lhs if slice_lhs else rhs).shape[op_dim]
+  if size % n:
+    raise ValueError(
+      f"dot_general_reduce_scatter: the scattered dimension ({size}) is not divisible by the "
+      f"size of axis {axis!r} ({n})"
+    )
+  block = size // n
+
+  def part(step):
+    idx = ((d - (1 + step)) % n) * block
+    a, b = (lhs, rhs)
+    if slice_lhs:
+      a = lax.dynamic_slice_in_dim(a, idx, block, axis=op_dim)
+    else:
+      b = lax.dynamic_slice_in_dim(b, idx, block, axis=op_dim)
+    a, b = lax.optimization_barrier((a, b))  # one dot per step (see _step_dot)
+    y = lax.dot_general(
+      a, b, dimension_numbers, precision=precision, preferred_element_type=preferred_element_type
+    )
+    return y if out_dtype is None else y.astype(out_dtype)
+
+  acc = part(0)
+  for s in range(1, n):
+    acc = lax.ppermute(acc, axis, _perm(n, 1)) + part(s)
+  return acc
 
 
 def _vma(v) -> frozenset:

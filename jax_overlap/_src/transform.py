@@ -711,11 +711,33 @@ def _plan_collective_matmuls(
       skipped.add(i)
       actions.append(Action("collective_matmul", where, f"all-gather -> matmul ({m}x{k} @ {k}x{n}) "
                             f"decomposed into a ppermute ring; estimated {est.speedup:.2f}x"))
-    elif (name == _SCATTER and e.params.get("tiled") and e.params.get("scatter_dimension") == 0
-          and len(e.invars) == 1 and _is_var(e.invars[0])):
+    elif (name == _SCATTER and e.params.get("tiled") and len(e.invars) == 1
+          and _is_var(e.invars[0])):
       src = e.invars[0]
       prod = next((j for j in range(i) if src in eqns[j].outvars), None)
-      if prod is None or len(users.get(src, [])) != 1 or src in outvars or not plain_dot(eqns[prod]):
+      if prod is None or len(users.get(src, [])) != 1 or src in outvars:
+        continue
+      d = eqns[prod]
+      if d.primitive.name != "dot_general":
+        continue
+      sd = e.params.get("scatter_dimension")
+      if not (plain_dot(d) and sd == 0):
+        nd = _plan_rs_nd(d, sd, int(e.params.get("axis_size", 1)))
+        if nd is None:
+          continue
+        m, n, k = nd
+        est = worth(m, n, k, int(e.params.get("axis_size", 1)), d.invars[0].aval.dtype, "reduce_scatter")
+        if not est.worthwhile:
+          continue
+        fused[i] = ("reduce_scatter_nd", d.invars[0], d.invars[1], {
+            "axis": axis, "scatter_dim": sd, "dimension_numbers": d.params["dimension_numbers"],
+            "precision": d.params.get("precision"),
+            "preferred_element_type": d.params.get("preferred_element_type"),
+            "out_dtype": d.outvars[0].aval.dtype})
+        skipped.add(prod)
+        actions.append(Action("collective_matmul", where, f"matmul {tuple(d.invars[0].aval.shape)} x "
+                              f"{tuple(d.invars[1].aval.shape)} -> reduce-scatter along dim {sd} "
+                              f"decomposed into a ppermute ring; estimated {est.speedup:.2f}x"))
         continue
       d = eqns[prod]
       (m, k), n = d.invars[0].aval.shape, d.invars[1].aval.shape[1]
@@ -732,6 +754,22 @@ def _plan_collective_matmuls(
       actions.append(Action("collective_matmul", where, f"matmul ({m}x{k} @ {k}x{n}) -> "
                             f"reduce-scatter decomposed into a ppermute ring; estimated {est.speedup:.2f}x"))
   return fused, skipped, rings, ring_of
+
+
+def _plan_rs_nd(d, sd, p) -> tuple[int, int, int] | None:
+  """GEMM-equivalent (m, n, k) of an N-D dot whose output is reduce-scattered along ``sd``,
+  or None when ``sd`` is a batch dimension or not divisible by ``p``."""
+  (lc, rc), (lb, rb) = d.params["dimension_numbers"]
+  if sd is None or sd < len(lb):
+    return None
+  out = d.outvars[0].aval.shape
+  if out[sd] % max(p, 1):
+    return None
+  lhs, rhs = d.invars[0].aval.shape, d.invars[1].aval.shape
+  k = int(math.prod(lhs[a] for a in lc))
+  n = int(math.prod(rhs[a] for a in range(len(rhs)) if a not in rc and a not in rb))
+  m = int(math.prod(out)) // max(n, 1)
+  return m, n, k * p
 
 
 def _simple_ag_dot(e, users, outvars, eqns, plain_dot) -> bool:
@@ -875,7 +913,8 @@ def _run(jaxpr, consts, args, plan: _BodyPlan | None):
       kind, lhs, rhs, kw = plan.fused[i]
       from jax_overlap._src import collective_matmul as cm_lib
 
-      fn = cm_lib.all_gather_matmul if kind == "all_gather" else cm_lib.matmul_reduce_scatter
+      fn = {"all_gather": cm_lib.all_gather_matmul, "reduce_scatter": cm_lib.matmul_reduce_scatter,
+            "reduce_scatter_nd": cm_lib.dot_general_reduce_scatter}[kind]
       env[eqn.outvars[0]] = fn(read(lhs), read(rhs), **kw)
       continue
     md = plan.metadata.get(i) if plan is not None else None
