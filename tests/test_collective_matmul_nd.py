@@ -37,11 +37,13 @@ def _close(a, b):
   outs=st.lists(st.sampled_from([3, 5, 8]), min_size=1, max_size=3),
   batched=st.booleans(),
   keep=st.booleans(),
+  bidi=st.booleans(),
 )
 def test_ring_equals_gather_then_dots_forward_and_backward(
-  p, batch, seq_block, hidden, outs, batched, keep
+  p, batch, seq_block, hidden, outs, batched, keep, bidi
 ):
   mesh = _mesh(p)
+  seq_block *= 2 if bidi else 1  # a bidirectional ring splits each block in two
   k = jax.random.key(p * 100 + seq_block)
   x = jax.random.normal(k, (batch, seq_block * p, hidden))
   if batched:  # "bsh,bhk->bsk": the batch dimension is a dot batch dimension
@@ -68,7 +70,9 @@ def test_ring_equals_gather_then_dots_forward_and_backward(
       for w in ws
     ]
     dots = [(w, True, dn, None, None, s.shape, s.dtype) for w, s in zip(ws, shapes)]
-    ys, full = cm.all_gather_dot_generals(x, dots, axis="tensor", gather_dim=1, collect=keep)
+    ys, full = cm.all_gather_dot_generals(
+      x, dots, axis="tensor", gather_dim=1, collect=keep, bidirectional=bidi
+    )
     return ys, (full * 2.0 if keep else None)
 
   def loss(fn):
@@ -105,11 +109,13 @@ def test_ring_equals_gather_then_dots_forward_and_backward(
   k_local=st.sampled_from([2, 4]),
   out=st.sampled_from([3, 8]),
   batched=st.booleans(),
+  bidi=st.booleans(),
 )
 def test_reduce_scatter_ring_equals_dot_then_psum_scatter(
-  p, batch, seq_block, k_local, out, batched
+  p, batch, seq_block, k_local, out, batched, bidi
 ):
   mesh = _mesh(p)
+  seq_block *= 2 if bidi else 1
   key = jax.random.key(7 * p + seq_block)
   h = jax.random.normal(key, (batch, seq_block * p, k_local * p)) * 0.5
   if batched:
@@ -127,7 +133,9 @@ def test_reduce_scatter_ring_equals_dot_then_psum_scatter(
     )
 
   def ring(h, w):
-    return cm.dot_general_reduce_scatter(h, w, dimension_numbers=dn, axis="tensor", scatter_dim=1)
+    return cm.dot_general_reduce_scatter(
+      h, w, dimension_numbers=dn, axis="tensor", scatter_dim=1, bidirectional=bidi
+    )
 
   def loss(fn):
     return lambda h, w: jax.lax.psum(jnp.sum(jnp.tanh(fn(h, w))), "tensor")
@@ -214,3 +222,22 @@ def test_auto_leaves_small_gathers_to_the_cost_model():
   ov = jax_overlap.overlap(f, collective_matmul="auto", target="h100x8", select="rewrite")
   # Tiny blocks: the ring's per-step overhead outweighs the overlap; nothing decomposed.
   assert ov.explain(params, x).of_kind("collective_matmul") == []
+
+
+def test_bidirectional_needs_an_even_block():
+  mesh = _mesh(2)
+  x = jnp.ones((1, 2, 4))
+  w = jnp.ones((4, 3))
+  dn = (((2,), (0,)), ((), ()))
+
+  def f(x, w):
+    dots = [(w, True, dn, None, None, (1, 2, 3), jnp.float32)]
+    return cm.all_gather_dot_generals(x, dots, axis="tensor", gather_dim=1, bidirectional=True)[0][
+      0
+    ]
+
+  g = jax.shard_map(f, mesh=mesh, in_specs=(P(None, "tensor"), P()), out_specs=P(), check_vma=False)
+  with pytest.raises(
+    ValueError, match="bidirectional ring needs an even block along dimension 1, got 1"
+  ):
+    jax.jit(g)(x, w)

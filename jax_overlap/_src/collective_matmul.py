@@ -207,7 +207,9 @@ def _out_dim(ndim_x: int, ndim_w: int, x_is_lhs: bool, dn, gather_dim: int) -> i
   return len(xb) + (pos if x_is_lhs else len(w_free) + pos)
 
 
-def all_gather_dot_generals(x, dots, *, axis: str, gather_dim: int, collect: bool = False):
+def all_gather_dot_generals(
+  x, dots, *, axis: str, gather_dim: int, collect: bool = False, bidirectional: bool = False
+):
   """``all_gather(x, axis, axis=gather_dim, tiled=True)`` fed to several ``dot_general``s, as
   one ppermute ring: each step sends this device's current block on and computes every
   dot's slice for the block it holds.
@@ -227,6 +229,8 @@ def all_gather_dot_generals(x, dots, *, axis: str, gather_dim: int, collect: boo
     gather_dim: the dimension of ``x`` gathered; must be free (neither contracting nor
       batch) in every dot.
     collect: also return the gathered value.
+    bidirectional: split the block in halves sent in opposite directions (both link
+      directions); the block's size along ``gather_dim`` must be even.
 
   Returns:
     (list of the dots' outputs, the gathered value or None).
@@ -241,29 +245,47 @@ def all_gather_dot_generals(x, dots, *, axis: str, gather_dim: int, collect: boo
     shape = list(x.shape)
     shape[gather_dim] = n * m
     full = jnp.zeros(shape, x.dtype)
-  piece = x
+  dirs = (1, -1) if bidirectional else (1,)
+  if m % len(dirs):
+    raise ValueError(
+      f"all_gather_dot_generals: a bidirectional ring needs an even block along dimension "
+      f"{gather_dim}, got {m}"
+    )
+  p = m // len(dirs)
+  pieces = [lax.slice_in_dim(x, j * p, (j + 1) * p, axis=gather_dim) for j in range(len(dirs))]
   for s in range(n):
-    nxt = lax.ppermute(piece, axis, _perm(n, 1)) if s < n - 1 else None
-    start = ((d - s) % n) * m
-    for j, ((w, lhs, dn, precision, preferred, _, dtype), od) in enumerate(zip(dots, pos)):
-      a, b = lax.optimization_barrier((piece, w))  # one dot per step (see _step_dot)
-      part = lax.dot_general(
-        a if lhs else b,
-        b if lhs else a,
-        dn,
-        precision=precision,
-        preferred_element_type=preferred,
-      )
-      outs[j] = lax.dynamic_update_slice_in_dim(outs[j], part.astype(dtype), start, axis=od)
-    if collect:
-      full = lax.dynamic_update_slice_in_dim(full, piece, start, axis=gather_dim)
-    piece = nxt
+    nxt = (
+      [lax.ppermute(pc, axis, _perm(n, dj)) for pc, dj in zip(pieces, dirs)] if s < n - 1 else None
+    )
+    for jp, (piece, dj) in enumerate(zip(pieces, dirs)):
+      start = ((d - dj * s) % n) * m + jp * p
+      for j, ((w, lhs, dn, precision, preferred, _, dtype), od) in enumerate(zip(dots, pos)):
+        a, b = lax.optimization_barrier((piece, w))  # one dot per step (see _step_dot)
+        part = lax.dot_general(
+          a if lhs else b,
+          b if lhs else a,
+          dn,
+          precision=precision,
+          preferred_element_type=preferred,
+        )
+        outs[j] = lax.dynamic_update_slice_in_dim(outs[j], part.astype(dtype), start, axis=od)
+      if collect:
+        full = lax.dynamic_update_slice_in_dim(full, piece, start, axis=gather_dim)
+    pieces = nxt
   return outs, full
 
 
 def dot_general_reduce_scatter(
-  lhs, rhs, *, dimension_numbers, axis: str, scatter_dim: int, precision=None,
-  preferred_element_type=None, out_dtype=None,
+  lhs,
+  rhs,
+  *,
+  dimension_numbers,
+  axis: str,
+  scatter_dim: int,
+  precision=None,
+  preferred_element_type=None,
+  out_dtype=None,
+  bidirectional: bool = False,
 ):
   """``psum_scatter(dot_general(lhs, rhs), axis, scatter_dimension=scatter_dim, tiled=True)``
   as a ppermute ring of partial dots, for N-D operands.
@@ -273,7 +295,9 @@ def dot_general_reduce_scatter(
   along the sequence). ``scatter_dim`` must be a free dimension of the output (not a batch
   dimension); the operand it comes from is sliced, one block per ring step, and the
   partial sums travel round the ring, each step adding the block this device contributes.
-  Differentiated by JAX: the transpose is a gather ring.
+  Differentiated by JAX: the transpose is a gather ring. ``bidirectional`` splits each
+  block in halves whose partial sums travel in opposite directions (the block must be
+  even).
 
   Returns:
     This device's block of the summed output.
@@ -297,24 +321,35 @@ def dot_general_reduce_scatter(
       f"size of axis {axis!r} ({n})"
     )
   block = size // n
+  dirs = (1, -1) if bidirectional else (1,)
+  if block % len(dirs):
+    raise ValueError(
+      f"dot_general_reduce_scatter: a bidirectional ring needs an even block, got {block}"
+    )
+  p = block // len(dirs)
 
-  def part(step):
-    idx = ((d - (1 + step)) % n) * block
+  def part(step, j, dj):
+    # The partial sum passing through this device at `step` ends, after the remaining
+    # hops, on device d - dj * (1 + step): compute that device's piece j.
+    idx = ((d - dj * (1 + step)) % n) * block + j * p
     a, b = (lhs, rhs)
     if slice_lhs:
-      a = lax.dynamic_slice_in_dim(a, idx, block, axis=op_dim)
+      a = lax.dynamic_slice_in_dim(a, idx, p, axis=op_dim)
     else:
-      b = lax.dynamic_slice_in_dim(b, idx, block, axis=op_dim)
+      b = lax.dynamic_slice_in_dim(b, idx, p, axis=op_dim)
     a, b = lax.optimization_barrier((a, b))  # one dot per step (see _step_dot)
     y = lax.dot_general(
       a, b, dimension_numbers, precision=precision, preferred_element_type=preferred_element_type
     )
     return y if out_dtype is None else y.astype(out_dtype)
 
-  acc = part(0)
+  accs = [part(0, j, dj) for j, dj in enumerate(dirs)]
   for s in range(1, n):
-    acc = lax.ppermute(acc, axis, _perm(n, 1)) + part(s)
-  return acc
+    accs = [
+      lax.ppermute(a, axis, _perm(n, dj)) + part(s, j, dj)
+      for j, (a, dj) in enumerate(zip(accs, dirs))
+    ]
+  return accs[0] if len(accs) == 1 else jnp.concatenate(accs, axis=scatter_dim)
 
 
 def _vma(v) -> frozenset:

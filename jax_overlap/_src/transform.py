@@ -661,8 +661,12 @@ def _plan_collective_matmuls(
         and all(getattr(v.aval, "ndim", 0) == 2 for v in d.invars)
     )
 
-  def worth(m, n, k, p, dtype, kind):
-    est = cm_lib.estimate_gain(m, n, k, p, dtype, target or "h100x8", kind=kind)
+  def worth(m, n, k, p, dtype, kind, bidirectional):
+    # The estimate is for the ring that runs: both link directions only when the block
+    # splits in two.
+    est = cm_lib.estimate_gain(
+        m, n, k, p, dtype, target or "h100x8", kind=kind, bidirectional=bidirectional
+    )
     if mode == "on" and not est.worthwhile:
       est = dataclasses.replace(est, worthwhile=True)
     return est
@@ -680,10 +684,12 @@ def _plan_collective_matmuls(
         continue
       dots, collect = ring
       m, n, k = _ring_mnk(e, eqns, dots)
-      est = worth(m, n, k, int(e.params.get("axis_size", 1)), e.outvars[0].aval.dtype, "all_gather")
+      bidi = e.invars[0].aval.shape[e.params["all_gather_dimension"]] % 2 == 0
+      est = worth(m, n, k, int(e.params.get("axis_size", 1)), e.outvars[0].aval.dtype,
+                  "all_gather", bidi)
       if not est.worthwhile:
         continue
-      rings[i] = (e.invars[0], e, dots, collect)
+      rings[i] = (e.invars[0], e, dots, collect, bidi)
       for u in users.get(e.outvars[0], []):
         ring_of[u] = i
       skipped.add(i)
@@ -691,7 +697,7 @@ def _plan_collective_matmuls(
           "collective_matmul", where,
           f"all-gather of {tuple(e.invars[0].aval.shape)} along dim {e.params['all_gather_dimension']} "
           f"feeding {len(dots)} matmul(s){' (the gathered value is also kept)' if collect else ''} "
-          f"decomposed into a ppermute ring; estimated {est.speedup:.2f}x"))
+          f"decomposed into a {'bidirectional' if bidi else 'unidirectional'} ppermute ring; estimated {est.speedup:.2f}x"))
       continue
     if name == _GATHER and e.params.get("tiled") and e.params.get("all_gather_dimension") == 0:
       out = e.outvars[0]
@@ -702,15 +708,17 @@ def _plan_collective_matmuls(
       if not plain_dot(d) or d.invars[0] is not out or d.invars[1] is out:
         continue
       (m, k), n = out.aval.shape, d.invars[1].aval.shape[1]
-      est = worth(m, n, k, int(e.params.get("axis_size", 1)), out.aval.dtype, "all_gather")
+      bidi = e.invars[0].aval.shape[0] % 2 == 0
+      est = worth(m, n, k, int(e.params.get("axis_size", 1)), out.aval.dtype, "all_gather", bidi)
       if not est.worthwhile:
         continue
       kw_extra = {"axis": axis, "precision": d.params.get("precision"),
-                  "preferred_element_type": d.params.get("preferred_element_type")}
+                  "preferred_element_type": d.params.get("preferred_element_type"),
+                  "bidirectional": bidi}
       fused[us[0]] = ("all_gather", e.invars[0], d.invars[1], kw_extra)
       skipped.add(i)
       actions.append(Action("collective_matmul", where, f"all-gather -> matmul ({m}x{k} @ {k}x{n}) "
-                            f"decomposed into a ppermute ring; estimated {est.speedup:.2f}x"))
+                            f"decomposed into a {'bidirectional' if bidi else 'unidirectional'} ppermute ring; estimated {est.speedup:.2f}x"))
     elif (name == _SCATTER and e.params.get("tiled") and len(e.invars) == 1
           and _is_var(e.invars[0])):
       src = e.invars[0]
@@ -726,33 +734,37 @@ def _plan_collective_matmuls(
         if nd is None:
           continue
         m, n, k = nd
-        est = worth(m, n, k, int(e.params.get("axis_size", 1)), d.invars[0].aval.dtype, "reduce_scatter")
+        bidi = e.outvars[0].aval.shape[sd] % 2 == 0
+        est = worth(m, n, k, int(e.params.get("axis_size", 1)), d.invars[0].aval.dtype,
+                    "reduce_scatter", bidi)
         if not est.worthwhile:
           continue
         fused[i] = ("reduce_scatter_nd", d.invars[0], d.invars[1], {
             "axis": axis, "scatter_dim": sd, "dimension_numbers": d.params["dimension_numbers"],
             "precision": d.params.get("precision"),
             "preferred_element_type": d.params.get("preferred_element_type"),
-            "out_dtype": d.outvars[0].aval.dtype})
+            "out_dtype": d.outvars[0].aval.dtype, "bidirectional": bidi})
         skipped.add(prod)
         actions.append(Action("collective_matmul", where, f"matmul {tuple(d.invars[0].aval.shape)} x "
                               f"{tuple(d.invars[1].aval.shape)} -> reduce-scatter along dim {sd} "
-                              f"decomposed into a ppermute ring; estimated {est.speedup:.2f}x"))
+                              f"decomposed into a {'bidirectional' if bidi else 'unidirectional'} ppermute ring; estimated {est.speedup:.2f}x"))
         continue
       d = eqns[prod]
       (m, k), n = d.invars[0].aval.shape, d.invars[1].aval.shape[1]
       p = int(e.params.get("axis_size", 1))
       if m % p:
         continue
-      est = worth(m, n, k * p, p, d.invars[0].aval.dtype, "reduce_scatter")
+      bidi = (m // p) % 2 == 0
+      est = worth(m, n, k * p, p, d.invars[0].aval.dtype, "reduce_scatter", bidi)
       if not est.worthwhile:
         continue
       kw_extra = {"axis": axis, "precision": d.params.get("precision"),
-                  "preferred_element_type": d.params.get("preferred_element_type")}
+                  "preferred_element_type": d.params.get("preferred_element_type"),
+                  "bidirectional": bidi}
       fused[i] = ("reduce_scatter", d.invars[0], d.invars[1], kw_extra)
       skipped.add(prod)
       actions.append(Action("collective_matmul", where, f"matmul ({m}x{k} @ {k}x{n}) -> "
-                            f"reduce-scatter decomposed into a ppermute ring; estimated {est.speedup:.2f}x"))
+                            f"reduce-scatter decomposed into a {'bidirectional' if bidi else 'unidirectional'} ppermute ring; estimated {est.speedup:.2f}x"))
   return fused, skipped, rings, ring_of
 
 
@@ -870,7 +882,7 @@ def _run_ring(ring, env, read) -> bool:
   """Runs an N-D gather -> dots ring; False (and the plain gather) if a weight is not ready."""
   from jax_overlap._src import collective_matmul as cm_lib
 
-  x, gather, dots, collect = ring
+  x, gather, dots, collect, bidi = ring
   eqns_w = []
   for d in dots:
     lhs = d.invars[0] is gather.outvars[0]
@@ -884,7 +896,8 @@ def _run_ring(ring, env, read) -> bool:
   axis = gather.params["axis_name"]
   axis = axis[0] if isinstance(axis, tuple) else axis
   outs, full = cm_lib.all_gather_dot_generals(
-      read(x), eqns_w, axis=axis, gather_dim=gather.params["all_gather_dimension"], collect=collect
+      read(x), eqns_w, axis=axis, gather_dim=gather.params["all_gather_dimension"], collect=collect,
+      bidirectional=bidi,
   )
   for d, o in zip(dots, outs):
     env[d.outvars[0]] = o
@@ -903,7 +916,7 @@ def _run(jaxpr, consts, args, plan: _BodyPlan | None):
       g = plan.ring_of[i]
       if g not in ring_done:
         ring, = [plan.rings[g]]
-        ring_done[g] = _run_ring((ring[0], ring[1], [jaxpr.eqns[u] for u in ring[2]], ring[3]),
+        ring_done[g] = _run_ring((ring[0], ring[1], [jaxpr.eqns[u] for u in ring[2]], ring[3], ring[4]),
                                  env, read)
       if ring_done[g] and i in plan.rings[g][2]:
         continue  # this dot's output came from the ring
