@@ -698,7 +698,7 @@ def blocks_per_sm(
     regs_per_thread=regs_per_thread,
     smem_total=smem_total,
   )
-  return max(min(residency_limits(gpu, threads, regs_per_thread, smem_total).values()), 0)
+  return _natural(_gpu(gpu), threads, regs_per_thread, smem_total)
 
 
 def _no_room(

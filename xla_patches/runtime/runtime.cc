@@ -597,6 +597,11 @@ struct FuncLite {
   bool carveout_set = false;
   bool cluster = false;
   int rule = -1;
+  // Last answer of the room rule (Decide), valid until the slot is refilled.
+  bool room_valid = false;
+  unsigned room_threads = 0, room_dyn = 0;
+  int64_t room_blocks = 0, room_smem_sm = 0, room_r = 0;
+  int room_reasons = 0;
 };
 constexpr int kTlsFuncs = 16;
 thread_local FuncLite t_funcs[kTlsFuncs];
@@ -620,6 +625,7 @@ void FillTls(CUfunction f, const FuncInfo& info) {
   slot.carveout_set = info.carveout_set;
   slot.cluster = info.cluster;
   slot.rule = info.rule;
+  slot.room_valid = false;
 }
 
 // Raises the kernel's MAX_DYNAMIC_SHARED_SIZE_BYTES to `dyn` if it is lower
@@ -747,11 +753,6 @@ bool CommBlockFor(const Rules* rules, int cc_major, int cc_minor, JorCommBlock* 
   return false;
 }
 
-int64_t SmemPerBlock(const JorDeviceLimits& d, int64_t bytes) {
-  const int64_t unit = d.smem_alloc_unit > 0 ? d.smem_alloc_unit : 1;
-  return (bytes + d.smem_reserved_per_block + unit - 1) / unit * unit;
-}
-
 void CountNoRoom(int reasons) {
   Count(kCounter_launches_no_room);
   if (reasons & JOR_NO_ROOM_REGISTERS) Count(kCounter_no_room_registers);
@@ -808,9 +809,20 @@ Decision Decide(CUfunction f, CUstream stream, bool known_stream, unsigned threa
   JorCommBlock comm;
   const bool room = blocks > 0 && CommBlockFor(rules, cc_major, cc_minor, &comm);
   if (room) {
-    int reasons = 0;
-    const int64_t r = jor_room_cap(&limits, &comm, threads, lite->regs, lite->static_smem,
-                                   dyn, blocks, &reasons);
+    // The room rule loops over caps and warps: remembered per thread for the last
+    // launch configuration of this function (a kernel relaunches with the same one).
+    if (!(lite->room_valid && lite->room_threads == threads && lite->room_dyn == dyn &&
+          lite->room_blocks == blocks && lite->room_smem_sm == limits.smem_per_sm)) {
+      lite->room_r = jor_room_cap(&limits, &comm, threads, lite->regs, lite->static_smem, dyn,
+                                  blocks, &lite->room_reasons);
+      lite->room_threads = threads;
+      lite->room_dyn = dyn;
+      lite->room_blocks = blocks;
+      lite->room_smem_sm = limits.smem_per_sm;
+      lite->room_valid = true;
+    }
+    const int reasons = lite->room_reasons;
+    const int64_t r = lite->room_r;
     if (r < 1) {
       // No reason: the arithmetic says the kernel cannot run at all; leave it to the driver.
       if (reasons == 0) Count(kCounter_launches_skipped);
@@ -835,12 +847,13 @@ Decision Decide(CUfunction f, CUstream stream, bool known_stream, unsigned threa
     status = shaped >= max_dyn ? JOR_SHAPE_CAPPED : JOR_SHAPE_SHAPED;
     // The driver may ask for more shared memory than the arithmetic: the room
     // must still be there.
-    if (room && shaped != dyn &&
-        blocks * SmemPerBlock(limits, lite->static_smem + shaped) +
-                SmemPerBlock(limits, comm.smem_bytes) >
-            limits.smem_per_sm) {
-      CountNoRoom(JOR_NO_ROOM_SMEM);
-      return kPass;
+    if (room && shaped != dyn) {
+      const int why =
+          jor_no_room(&limits, &comm, blocks, threads, lite->regs, lite->static_smem + shaped);
+      if (why != 0) {
+        CountNoRoom(why);
+        return kPass;
+      }
     }
   }
   if (status == JOR_SHAPE_UNCHANGED || shaped == dyn) return kPass;

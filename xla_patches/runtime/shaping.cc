@@ -187,6 +187,13 @@ extern "C" int64_t jor_room_cap(const JorDeviceLimits* d, const JorCommBlock* co
   return 0;
 }
 
+extern "C" int jor_no_room(const JorDeviceLimits* d, const JorCommBlock* comm,
+                           int64_t blocks, int64_t threads, int64_t regs_per_thread,
+                           int64_t smem_total) {
+  if (!LimitsValid(d) || comm == nullptr || blocks < 0 || threads <= 0) return 0;
+  return NoRoom(d, comm, blocks, threads, regs_per_thread, smem_total);
+}
+
 extern "C" int jor_nccl_comm_block(int major, int minor, int64_t nthreads,
                                    JorCommBlock* out) {
   (void)minor;

@@ -121,6 +121,12 @@ __attribute__((visibility("default"))) int64_t jor_room_cap(
     int64_t regs_per_thread, int64_t static_smem, int64_t dynamic_smem,
     int64_t blocks_per_sm, int* reasons);
 
+// JorNoRoom bits for `blocks` blocks of a kernel (`smem_total` bytes of shared
+// memory each) beside one `comm` block on an SM; 0 when they fit together.
+__attribute__((visibility("default"))) int jor_no_room(
+    const JorDeviceLimits* d, const JorCommBlock* comm, int64_t blocks, int64_t threads,
+    int64_t regs_per_thread, int64_t smem_total);
+
 // The communication block of an NCCL channel on a device of compute capability
 // `major`.`minor` (NCCL src/include/device.h): NCCL_MAX_NTHREADS = 640 and
 // __launch_bounds__(NCCL_MAX_NTHREADS, 1) bound registers at 96 per thread;

@@ -325,12 +325,7 @@ def calibrate(
 
   def residuals(x) -> np.ndarray:
     c = consts(x)
-    out = []
-    for r in recs:
-      pred = predict(r, topo, c)
-      for q, m in r["measured"].items():
-        out.append(pred[q] - m if q == "compute_slowdown" else pred[q] / m - 1.0)
-    return np.asarray(out)
+    return _residuals(recs, [predict(r, topo, c) for r in recs])
 
   r0 = residuals(x0)
   # Coarse start: the model has plateaus (a link-bound collective does not feel its CTAs'
@@ -365,22 +360,16 @@ def calibrate(
   except ImportError:
     x, method = _lm(residuals, x0, max_iter), "numpy"
   c = consts(x)
-  r1 = residuals(x)
-  jac = np.empty((len(r1), len(params)))
-  for j in range(len(params)):
-    h = 1e-2
-    xp, xm = x.copy(), x.copy()
-    xp[j] += h
-    xm[j] -= h
-    jac[:, j] = (residuals(xp) - residuals(xm)) / (2 * h)
+  preds = [predict(r, topo, c) for r in recs]
+  r1 = _residuals(recs, preds)
+  jac = _jacobian(residuals, x, 1e-2)
   sv = np.linalg.svd(jac, compute_uv=False) if jac.size else np.zeros(0)
   identified = int(np.sum(sv > 1e-3 * sv.max())) if sv.size and sv.max() > 0 else 0
   insensitive = tuple(
     p for j, p in enumerate(params) if np.max(np.abs(jac[:, j]), initial=0.0) * 1e-2 < 1e-6
   )
   table = []
-  for r in recs:
-    pred = predict(r, topo, c)
+  for r, pred in zip(recs, preds):
     table.append(
       {
         "policy": r["policy"],
@@ -403,19 +392,33 @@ def calibrate(
   )
 
 
+def _residuals(recs: list[dict], preds: list[dict]) -> np.ndarray:
+  """Relative residuals of times, absolute of slowdowns, record by record."""
+  out = []
+  for r, pred in zip(recs, preds):
+    for q, m in r["measured"].items():
+      out.append(pred[q] - m if q == "compute_slowdown" else pred[q] / m - 1.0)
+  return np.asarray(out)
+
+
+def _jacobian(fun, x: np.ndarray, h: float) -> np.ndarray:
+  """Central-difference Jacobian of ``fun`` at ``x``."""
+  cols = []
+  for j in range(len(x)):
+    xp, xm = x.copy(), x.copy()
+    xp[j] += h
+    xm[j] -= h
+    cols.append((fun(xp) - fun(xm)) / (2 * h))
+  return np.stack(cols, axis=1) if cols else np.empty((len(fun(x)), 0))
+
+
 def _lm(fun, x0: np.ndarray, max_iter: int) -> np.ndarray:
   """Levenberg-Marquardt with central-difference Jacobians (numpy fallback)."""
   x = np.array(x0, dtype=float)
   r = fun(x)
   lam = 1e-2
   for _ in range(max_iter):
-    jac = np.empty((len(r), len(x)))
-    for j in range(len(x)):
-      h = 1e-3
-      xp, xm = x.copy(), x.copy()
-      xp[j] += h
-      xm[j] -= h
-      jac[:, j] = (fun(xp) - fun(xm)) / (2 * h)
+    jac = _jacobian(fun, x, 1e-3)
     g = jac.T @ r
     a = jac.T @ jac
     improved = False

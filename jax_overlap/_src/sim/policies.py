@@ -187,6 +187,18 @@ def comm_block(c: Collective, const: Constants):
   )
 
 
+def comm_blocks(wl: Workload, const: Constants) -> dict[str, set]:
+  """Kernel name -> communication blocks of the collectives whose window it is in."""
+  by_name = {it.name: it for it in wl.items}
+  out: dict[str, set] = {}
+  for cname, names in wl.overlap_windows().items():
+    c = by_name[cname]
+    assert isinstance(c, Collective)
+    for n in names:
+      out.setdefault(n, set()).add(comm_block(c, const))
+  return out
+
+
 def _room(wl: Workload, target, constants: Constants | None):
   """(kernel -> cap with room, kernel -> limits when none) for kernels beside collectives."""
   from jax_overlap._src import plan
@@ -196,22 +208,14 @@ def _room(wl: Workload, target, constants: Constants | None):
   const = constants or constants_for(gpu)
   caps: dict[str, int] = {}
   blocked: dict[str, tuple[str, ...]] = {}
-  by_name = {it.name: it for it in wl.items}
-  memo: dict = {}
-  for cname, names in wl.overlap_windows().items():
-    c = by_name[cname]
-    assert isinstance(c, Collective)
-    cb = comm_block(c, const)
-    for name in names:
-      k = by_name[name]
-      if k.kind not in _SHAPED_KINDS:
-        continue
-      key = (name, cb)
-      if key not in memo:
-        threads, regs, smem = _launch(k, gpu)
-        nat = _residency(gpu, threads, regs, smem)
-        memo[key] = plan.room_cap(gpu, cb, threads, max(int(regs), 1), int(smem), 0, nat)
-      r, why = memo[key]
+  for name, blocks in comm_blocks(wl, const).items():
+    k = wl.item(name)
+    if k.kind not in _SHAPED_KINDS:
+      continue
+    threads, regs, smem = _launch(k, gpu)
+    nat = _residency(gpu, threads, regs, smem)
+    for cb in blocks:
+      r, why = plan.room_cap(gpu, cb, threads, max(int(regs), 1), int(smem), 0, nat)
       if r == 0:
         blocked[name] = tuple(sorted(set(blocked.get(name, ())) | set(why)))
       else:

@@ -32,12 +32,12 @@ from collections.abc import Mapping
 
 from jax_overlap._src import plan as plan_lib
 from jax_overlap._src.sim import engine
-from jax_overlap._src.sim.model import Collective, Constants, Kernel, Workload
+from jax_overlap._src.sim.model import Constants, Kernel, Workload
 from jax_overlap._src.sim.policies import (
   Policy,
   _constants,
   _launch,
-  comm_block,
+  comm_blocks,
   default_shaping,
   no_room,
   shaping_choices,
@@ -210,7 +210,7 @@ def search_space(
   topo = engine.resolve_target(target)
   const = _constants(constants, topo)
   gs = _groups(wl, groups)
-  blocks = _comm_blocks(wl, const)
+  blocks = comm_blocks(wl, const)
   choices = {}
   for g in gs:
     for n in g:
@@ -231,18 +231,6 @@ def search_space(
     vals = sorted({r for n in g for r in choices[n][1:]})  # caps below natural
     settings.append([None, *vals])
   return gs, settings, choices
-
-
-def _comm_blocks(wl: Workload, const: Constants) -> dict[str, set]:
-  """Kernel name -> communication blocks of the collectives it overlaps."""
-  by_name = {it.name: it for it in wl.items}
-  out: dict[str, set] = {}
-  for cname, names in wl.overlap_windows().items():
-    c = by_name[cname]
-    assert isinstance(c, Collective)
-    for n in names:
-      out.setdefault(n, set()).add(comm_block(c, const))
-  return out
 
 
 def _shaping_for(gs, setting, choices) -> dict[str, int]:
@@ -431,7 +419,7 @@ def tune(
     t_best = simulate(
       workload, topo, Policy("tuned", priority=p_best), constants=const, baseline=False
     ).makespan_s
-  blocks = {cb for bs in _comm_blocks(workload, const).values() for cb in bs}
+  blocks = {cb for bs in comm_blocks(workload, const).values() for cb in bs}
   comm = max(blocks, key=lambda cb: (cb.regs_per_thread * cb.threads, cb.smem_bytes), default=None)
   plan = plan_dict(topo, shaping, p_best, workload, comm)
   if not make_room:
