@@ -213,3 +213,75 @@ def test_realize_a_real_deviceless_report():
     tuned.makespan_s
   )
   assert tuned.plan["version"] == 1 and tuned.plan["target"] == "h100"
+
+
+def test_each_item_alone_takes_the_analysis_time():
+  # One kernel-time model: every converted kernel, alone on the device, takes its analysis
+  # time less the launch gap the simulator adds; every collective its alpha-beta time.
+  rep = _report()
+  for k in rep.kernels:
+    k.time_s *= 2  # the stand-in's fusions run at the full DRAM peak, which no kernel reaches
+  wl = sim.workload_from_report(rep)
+  launch = sim.constants_for("h100").launch_overhead_s
+  want = {k.name: k.time_s - launch for k in rep.kernels}
+  want.update({c.name: c.time_s for c in rep.collectives})
+  for it in wl.items:
+    alone = dataclasses.replace(it, stream=0, after=())
+    got = sim.simulate(sim.Workload((alone,)), "h100x8", "concurrent", baseline=False)
+    assert got.timings[0].duration_s == pytest.approx(want[it.name], rel=2e-3), it.name
+  # A perturbed analysis time moves the simulated one with it.
+  rep.kernels[1].time_s *= 3
+  slow = sim.workload_from_report(rep).item("loop_fusion.0")
+  got = sim.simulate(sim.Workload((dataclasses.replace(slow, after=()),)), "h100x8", "concurrent")
+  assert got.timings[0].duration_s == pytest.approx(rep.kernels[1].time_s - launch, rel=2e-3)
+
+
+def test_time_s_is_checked():
+  with pytest.raises(ValueError, match=r"sim.Kernel\('k'\): time_s must be a finite number"):
+    sim.Kernel("k", grid=1, threads=32, time_s=-1.0)
+  with pytest.raises(TypeError, match=r"sim.Collective\('c'\): time_s must be a number"):
+    sim.Collective("c", "all-gather", 1e6, time_s="1ms")
+
+
+@pytest.mark.parametrize("which", ["demo", "scan"])
+def test_simulator_without_contention_matches_the_analysis(which):
+  # The demo's GPT step and a scanned, rematerialized FSDP step, compiled deviceless.
+  import jax_overlap
+  from jax_overlap.examples import gpt, shard_map_fsdp
+
+  if which == "demo":
+    fn, args = gpt.build(
+      "h100x8",
+      layers=2,
+      hidden=2048,
+      heads=16,
+      mlp=8192,
+      seq=1025,
+      batch=16,
+      vocab=32000,
+      dtype="bfloat16",
+    )
+  else:
+    fn, args = shard_map_fsdp.build(
+      "h100x8",
+      form="scan",
+      layers=2,
+      hidden=2048,
+      mlp=5504,
+      heads=16,
+      seq=2048,
+      batch_per_device=1,
+    )
+  report = jax_overlap.analyze(fn, *args, target="h100x8")
+  res = sim.realize(report, "priority")
+  assert abs(res.ideal_s / report.step_time_s - 1) < 0.05, (res.ideal_s, report.step_time_s)
+  # Contention only adds to it, and the simulated step stays in the analysis's range.
+  assert res.results["priority"].makespan_s >= res.ideal_s * (1 - 1e-9)
+  # The simulator's uncontended step follows the analysis's times: doubling each of them
+  # doubles ideal_s.
+  for k in report.kernels:
+    k.time_s *= 2
+  for c in report.collectives:
+    c.time_s *= 2
+  twice = sim.realize(report, "priority").ideal_s
+  assert twice == pytest.approx(2 * res.ideal_s, rel=0.02)

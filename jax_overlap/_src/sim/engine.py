@@ -27,10 +27,19 @@ Rates (processor sharing, recomputed whenever the set of resident blocks changes
     resident warps), shared in proportion to ``w``: a block progresses at
     ``w_k / W * min(1, W) ** gamma / T0_k`` blocks per second. Shaping a kernel below
     ``sat_k`` therefore costs it throughput;
+  * each communication CTA resident on an SM takes ``comm_sm_share`` of the SM's compute
+    throughput (issue and load/store slots) from the compute blocks there, so a GEMM slows
+    next to an all-gather even when DRAM is not the limit;
   * communication CTAs progress as in :mod:`.collectives`;
-  * DRAM: the sum of every block's demand ``rate * M_b`` is compared with ``B``; when it
-    exceeds it, every rate is scaled by ``B / demand`` (proportional sharing: memory
-    contention raises everyone's latency), which is how concurrent kernels slow each other.
+  * DRAM delivers ``memory_efficiency * B`` (the analysis's roofline figure). When the
+    blocks' demands ``rate * M_b`` exceed it, it is shared max-min fairly: blocks asking less
+    than the fair level keep their rate (a compute-bound block is not slowed by others'
+    traffic), the others are throttled to that level. This is how memory-bound kernels and
+    collectives slow each other.
+
+Durations: an item with ``time_s`` (every item of a workload built from an analysis report)
+has its block work scaled so that, alone on the device, it takes exactly ``time_s``
+(:func:`work_scale`); the rules above then only redistribute that work.
 
 Blocks of one kernel placed on an SM at the same moment are given works spread by
 ``block_jitter`` (mean preserved), so they finish a little apart, as on hardware, where block
@@ -57,7 +66,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from jax_overlap._src import targets
+from jax_overlap._src import cost_model, targets
 from jax_overlap._src.sim import collectives as coll
 from jax_overlap._src.sim.model import (
   Collective,
@@ -71,9 +80,10 @@ from jax_overlap._src.sim.model import (
   shaped_smem,
 )
 
-__all__ = ["KernelTiming", "SimResult", "run", "resolve_target", "isolated_time"]
+__all__ = ["KernelTiming", "SimResult", "run", "resolve_target", "isolated_time", "work_scale"]
 
 _EPS = 1e-9
+_MEMORY_EFFICIENCY = cost_model.CostModel.memory_efficiency
 _FULL_MERGE_ABOVE = 12  # groups; below this only empty groups are merged
 
 
@@ -265,7 +275,9 @@ def _shape_smem(gpu, name, threads, regs, smem, spec) -> int:
 class _Compiled:
   """Per-item arrays the event loop reads."""
 
-  def __init__(self, wl: Workload, topo: targets.Topology, const: Constants, priorities, shaping):
+  def __init__(
+    self, wl: Workload, topo: targets.Topology, const: Constants, priorities, shaping, scales=None
+  ):
     gpu = topo.gpu
     self.gpu = gpu
     n = len(wl.items)
@@ -354,6 +366,13 @@ class _Compiled:
           1 if it.kind == "gemm" else min(max(natural, 1), -(-const.saturating_threads // threads))
         )
         self.w[i] = 1.0 / max(sat, 1)
+      # Durations from time_s (after the checks, so errors name the item).
+      scale = _scale(it, topo, const, scales, i)
+      if self.comm[i]:
+        self.lat[i] *= scale
+        self.chbytes[i] *= scale
+      else:
+        self.t0[i] *= scale
 
   def _check_fits(self, it, threads, regs, smem):
     gpu = self.gpu
@@ -431,6 +450,46 @@ def _strip(k: Kernel) -> Kernel:
   return dataclasses.replace(k, name="k", stream=0, after=())
 
 
+def _scale(it, topo, const, scales, i) -> float:
+  if scales is not None:
+    return scales[i]
+  return work_scale(it, topo, const) if it.time_s is not None else 1.0
+
+
+def _alone(item, topo: targets.Topology, const: Constants, scale: float) -> float:
+  """First dispatch to last block of ``item`` alone on the device, its work times ``scale``."""
+  wl = Workload((item,), name="alone")
+  cp = _Compiled(wl, topo, const, {}, None, scales=(scale,))
+  timing = _loop(wl, topo, const, cp, record=False, check=False)[0][0]
+  return timing.end_s - timing.start_s
+
+
+@functools.lru_cache(maxsize=8192)
+def _work_scale(item, topo: targets.Topology, const: Constants) -> float:
+  scale = 1.0
+  for _ in range(6):
+    ratio = item.time_s / _alone(item, topo, const, scale)
+    scale *= ratio
+    if abs(ratio - 1.0) < 1e-4:
+      break
+  return scale
+
+
+def work_scale(item, topo: targets.Topology, const: Constants) -> float:
+  """The factor on ``item``'s per-block (per-channel) work that makes it take its
+  ``time_s`` alone on the device (the fixed point of a few multiplicative corrections: the
+  duration is proportional to the factor except where DRAM bandwidth caps it).
+
+  One kernel-time model: durations come from whoever set ``time_s`` (the analysis's
+  roofline and alpha-beta costs); the block model only says how the work is spread over
+  blocks and SMs, so residency, priority, shaping and contention change it and nothing
+  else does.
+  """
+  if item.time_s is None:
+    return 1.0
+  return _work_scale(dataclasses.replace(item, name="k", stream=0, after=()), topo, const)
+
+
 @functools.lru_cache(maxsize=4096)
 def isolated_time(kernel: Kernel, topo: targets.Topology, const: Constants) -> float:
   """Duration of one compute kernel alone on the device, unshaped (cached)."""
@@ -449,7 +508,8 @@ def _loop(wl, topo, const, cp: _Compiled, *, record: bool, check: bool):
     gpu.smem_per_sm,
     gpu.max_blocks_per_sm,
   )
-  bw_total = gpu.memory_bandwidth
+  # DRAM delivers what the analysis's roofline assumes (one kernel-time model).
+  bw_total = gpu.memory_bandwidth * _MEMORY_EFFICIENCY
   n = len(wl.items)
   grid, thr, regs, smem = cp.grid, cp.thr, cp.regs, cp.smem
   t0, w, mem, comm = cp.t0, cp.w, cp.mem, cp.comm
@@ -457,6 +517,7 @@ def _loop(wl, topo, const, cp: _Compiled, *, record: bool, check: bool):
   launch = const.launch_overhead_s
   jitter = const.block_jitter
   gamma = const.occupancy_exponent
+  comm_share = const.comm_sm_share
 
   # Dependencies: the stream predecessor and every `after`.
   index = {it.name: i for i, it in enumerate(wl.items)}
@@ -610,12 +671,18 @@ def _loop(wl, topo, const, cp: _Compiled, *, record: bool, check: bool):
       if comm[b.k]:
         n_comm[linkbw[b.k]] = n_comm.get(linkbw[b.k], 0) + len(g.sms) * b.cnt
     demand = 0.0
+    loads = []
     for g in groups:
       wsum = 0.0
+      ncomm = 0
       for b in g.batches:
-        if not comm[b.k]:
+        if comm[b.k]:
+          ncomm += b.cnt
+        else:
           wsum += b.cnt * w[b.k]
       scale = 1.0 / wsum if wsum >= 1.0 else (wsum**gamma) / wsum if wsum > 0 else 1.0
+      # Resident communication CTAs take issue and load/store slots from compute blocks.
+      scale *= max(0.0, 1.0 - comm_share * ncomm)
       ng = len(g.sms)
       for b in g.batches:
         k = b.k
@@ -624,11 +691,12 @@ def _loop(wl, topo, const, cp: _Compiled, *, record: bool, check: bool):
           b.rate = 1.0 / (lat[k] + chbytes[k] / bw)
         else:
           b.rate = w[k] * scale / t0[k]
-        demand += ng * b.cnt * b.rate * mem[k]
+        if mem[k] > 0.0 and b.rate > 0.0:
+          d = b.rate * mem[k]
+          demand += ng * b.cnt * d
+          loads.append((d, ng * b.cnt, b))
     if demand > bw_total:
-      f = bw_total / demand
-      for _, b in batches:
-        b.rate *= f
+      _share_dram(loads, bw_total)
     dt = math.inf
     finishing = None
     for _, b in batches:
@@ -686,6 +754,28 @@ def _loop(wl, topo, const, cp: _Compiled, *, record: bool, check: bool):
   occ_times = np.asarray(occ_t) if record else None
   occ = np.vstack(occ_rows) if record and occ_rows else None
   return timings, events, occ_times, occ, log
+
+
+def _share_dram(loads: list, bw_total: float) -> None:
+  """Max-min fair DRAM sharing: blocks that ask for less than the fair level keep their
+  rate (compute-bound blocks are not slowed by memory traffic); the others are throttled to
+  the level at which the total demand meets ``bw_total``. ``loads``: (bytes/s per block,
+  blocks, batch)."""
+  loads.sort(key=lambda x: x[0])
+  left, blocks = bw_total, sum(c for _, c, _ in loads)
+  level = 0.0
+  for d, c, _ in loads:
+    if d * blocks <= left:
+      left -= d * c
+      blocks -= c
+    else:
+      level = left / blocks
+      break
+  else:
+    return
+  for d, _, b in loads:
+    if d > level:
+      b.rate *= level / d
 
 
 def _merge(groups: list) -> None:

@@ -37,7 +37,7 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
-from jax_overlap._src import targets
+from jax_overlap._src import cost_model, targets
 
 __all__ = [
   "COLLECTIVE_KINDS",
@@ -111,7 +111,8 @@ class Constants:
       NVLink (24-32 channels reach the ~360-450 GB/s links), ~15 GB/s on A100.
     launch_overhead_s: delay from a kernel's stream predecessor finishing to its first
       block being dispatchable; ~1-2 us back to back in a CUDA graph on NVIDIA, more on
-      ROCm (HIP graph launches).
+      ROCm (HIP graph launches). On NVIDIA the analysis's per-kernel overhead
+      (``CostModel.kernel_overhead_s``), so both models charge the same launch cost.
     event_latency_s: delay from an item finishing to a waiter on another stream becoming
       dispatchable (event record + stream wait); several microseconds.
     block_overhead_s: fixed time per block (dispatch, prologue, epilogue).
@@ -134,11 +135,14 @@ class Constants:
       saturation: ``(resident / saturating) ** occupancy_exponent``.
     block_jitter: relative spread of the work of blocks placed together on one SM (block
       times vary by a few percent on hardware, so co-resident blocks finish apart).
+    comm_sm_share: fraction of an SM's compute throughput (issue and load/store slots)
+      one resident communication CTA takes from the compute blocks beside it, so a GEMM
+      slows next to an all-gather even when neither waits for DRAM.
   """
 
   gemm_efficiency: float = 0.75
   cta_copy_bandwidth: float = 20e9
-  launch_overhead_s: float = 1.5e-6
+  launch_overhead_s: float = cost_model.CostModel.kernel_overhead_s
   event_latency_s: float = 5e-6
   block_overhead_s: float = 5e-7
   sm_bandwidth_factor: float = 3.0
@@ -150,6 +154,7 @@ class Constants:
   saturating_threads: int = 1024
   block_jitter: float = 0.04
   occupancy_exponent: float = 0.5
+  comm_sm_share: float = 0.1
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
@@ -166,9 +171,14 @@ class Constants:
           "comm_smem",
           "block_jitter",
           "occupancy_exponent",
+          "comm_sm_share",
         )
       ):
         raise ValueError(f"sim.Constants: {f.name} must be positive, got {v!r}")
+
+    for f in ("comm_sm_share", "block_jitter"):
+      if getattr(self, f) > 1:
+        raise ValueError(f"sim.Constants: {f} must be in [0, 1], got {getattr(self, f)!r}")
 
   def replace(self, **changes) -> Constants:
     return dataclasses.replace(self, **changes)
@@ -183,8 +193,11 @@ PROVENANCE: dict[str, dict] = {
   "cta_copy_bandwidth": {
     "source": "nccl-tests bus bandwidth divided by the channel count (published DGX results)",
   },
-  "launch_overhead_s": {"source": "assumed", "range": (0.5e-6, 5e-6)},
-  "event_latency_s": {"source": "assumed", "range": (1.5e-6, 10e-6)},
+  "launch_overhead_s": {
+    "source": "assumed (the analysis's kernel overhead, shared with it)",
+    "range": (0.5e-6, 5e-6),
+  },
+  "event_latency_s": {"source": "assumed", "range": (1e-6, 10e-6)},
   "block_overhead_s": {"source": "assumed", "range": (1e-7, 2e-6)},
   "sm_bandwidth_factor": {"source": "assumed", "range": (1.5, 6.0)},
   "comm_hbm_factor": {"source": "derived: a copied byte is read once and written once"},
@@ -195,6 +208,7 @@ PROVENANCE: dict[str, dict] = {
   "saturating_threads": {"source": "assumed", "range": (512, 2048)},
   "block_jitter": {"source": "assumed", "range": (0.0, 0.1)},
   "occupancy_exponent": {"source": "assumed", "range": (0.0, 1.0)},
+  "comm_sm_share": {"source": "assumed", "range": (0.0, 0.3)},
 }
 
 
@@ -303,6 +317,15 @@ def _check_num(api: str, field: str, value) -> float:
   return float(value)
 
 
+def _check_time(api: str, value) -> None:
+  if value is None:
+    return
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    raise TypeError(f"{api}: time_s must be a number of seconds or None, got {value!r}")
+  if not math.isfinite(value) or value <= 0:
+    raise ValueError(f"{api}: time_s must be a finite number of seconds > 0, got {value}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Kernel:
   """A compute kernel: a grid of identical blocks.
@@ -329,6 +352,11 @@ class Kernel:
     launch_name: the kernel's name as the GPU driver reports it, which runtime plans
       match; None: the same as ``name`` (hand-built workloads); "": unknown (a library
       call such as a cuBLAS GEMM), so no plan rule can select it by name.
+    time_s: the kernel's duration alone on the device (first block dispatched to last
+      block done) as another model states it, typically the analysis's roofline
+      (:func:`~jax_overlap.sim.workload_from_report`). The simulator then scales its
+      per-block work so the kernel alone takes exactly this long, and only residency,
+      sharing and contention change it. None: the block model's own time.
   """
 
   name: str
@@ -345,6 +373,7 @@ class Kernel:
   gemm_mnk: tuple[int, int, int] | None = None
   efficiency: float | None = None
   launch_name: str | None = None
+  time_s: float | None = None
 
   def __post_init__(self):
     api = f"sim.Kernel({self.name!r})"
@@ -370,6 +399,7 @@ class Kernel:
     _check_num(api, "bytes", self.bytes)
     if self.efficiency is not None and not 0 < self.efficiency <= 1:
       raise ValueError(f"{api}: efficiency must be in (0, 1], got {self.efficiency}")
+    _check_time(api, self.time_s)
     if isinstance(self.after, str) or not all(isinstance(a, str) for a in self.after):
       raise TypeError(f"{api}: after must be a tuple of kernel names, got {self.after!r}")
     object.__setattr__(self, "after", tuple(self.after))
@@ -425,6 +455,9 @@ class Collective:
     after: names of earlier kernels this collective waits for.
     channels, threads, regs, smem: CTA launch configuration (None: target default).
     spans_hosts: whether the group crosses hosts (None: inferred from the topology).
+    time_s: the collective's duration alone on the device as another model states it
+      (the analysis's alpha-beta time); the simulator scales its channels' work to match,
+      as :attr:`Kernel.time_s` does for kernels. None: the channel model's own time.
   """
 
   name: str
@@ -438,6 +471,7 @@ class Collective:
   regs: int | None = None
   smem: int | None = None
   spans_hosts: bool | None = None
+  time_s: float | None = None
 
   def __post_init__(self):
     api = f"sim.Collective({self.name!r})"
@@ -453,6 +487,7 @@ class Collective:
         _check_int(api, f, getattr(self, f), 1)
     if self.smem is not None:
       _check_int(api, "smem", self.smem, 0)
+    _check_time(api, self.time_s)
     if isinstance(self.after, str) or not all(isinstance(a, str) for a in self.after):
       raise TypeError(f"{api}: after must be a tuple of kernel names, got {self.after!r}")
     object.__setattr__(self, "after", tuple(self.after))

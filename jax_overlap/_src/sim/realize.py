@@ -8,11 +8,20 @@ sequence runs through the SM-level simulator, where collectives need resident CT
 share DRAM bandwidth with the kernels, under each policy. The gap between the two is what
 tells a user whether the runtime controls are worth turning on.
 
+One kernel-time model: every kernel and collective carries the analysis's own duration
+(``time_s``: the roofline time less the launch gap the simulator adds between kernels of a
+stream, and the alpha-beta time), and the simulator scales each one's block work so that,
+alone on the device, it takes exactly that long (:func:`engine.work_scale`). The block
+model only decides how that work is spread over blocks and SMs, so the two estimates differ
+by what the analysis leaves out (residency, dispatch order, shared DRAM, link and SM
+bandwidth, cross-stream event latency) and by nothing else: without contention
+``ideal_s`` is the analysis's critical path.
+
 Conversion (:func:`workload_from_report`):
   * kernels keep their order on stream 0. Kernels with ``gemm_mnk`` (GEMMs and fusions
-    containing a dot) are rebuilt by shape (:meth:`Kernel.gemm`): a deviceless compile
-    cannot autotune, so its GEMM launch configurations are defaults, not what runs on
-    hardware. Other kernels keep the report's grid, threads (256 when unknown), shared
+    containing a dot) are rebuilt by shape (:meth:`Kernel.gemm`), keeping the report's
+    bytes: a deviceless compile cannot autotune, so its GEMM launch configurations are
+    defaults, not what runs on hardware. Other kernels keep the report's grid, threads (256 when unknown), shared
     memory and registers (32 when unknown), flops and bytes; convolutions count as
     tensor-core ("custom") kernels;
   * a kernel with an empty grid (a memcpy or a custom call without launch information) is
@@ -24,8 +33,9 @@ Conversion (:func:`workload_from_report`):
 The analysis estimate (when the report has no ``step_time_s``) is the critical path of the
 same sequence with the report's ``time_s`` values (:func:`critical_path`: kernels back to
 back, collectives one after another on their stream, each item starting when what it waits
-for is done). The same critical path with the simulator's own isolated times (``ideal_s``)
-separates the cost of contention from the difference between the two kernel models.
+for is done). The same critical path with the simulator's isolated times (``ideal_s``:
+each kernel alone plus the launch gap, each collective alone) checks the conversion: it
+must equal the analysis up to the analysis's own placement rules.
 """
 
 from __future__ import annotations
@@ -72,13 +82,18 @@ def _kernel_names(kernels) -> list[str]:
   return names
 
 
-def workload_from_report(report, *, channels: int | None = None) -> Workload:
+def workload_from_report(
+  report, *, channels: int | None = None, constants: Constants | dict | None = None
+) -> Workload:
   """The simulator workload of an analysis Report's kernel sequence (see module docstring).
 
   Args:
     report: an object with ``target``, ``kernels`` and ``collectives`` (the analysis
       Report's interface).
     channels: override the communication CTAs per collective.
+    constants: the simulator constants the workload will run under (their
+      ``launch_overhead_s`` is taken out of each kernel's analysis time, since the
+      simulator adds it between kernels); default: the target's.
 
   Returns:
     A :class:`Workload` on stream 0 (compute, synchronous collectives) and 1
@@ -89,12 +104,13 @@ def workload_from_report(report, *, channels: int | None = None) -> Workload:
       unknown kinds, done before start, indices out of range).
     TypeError: when the report lacks a field.
   """
-  return _convert(report, channels)[0]
+  return _convert(report, channels, constants)[0]
 
 
-def _convert(report, channels):
+def _convert(report, channels, constants=None):
   kernels = list(_attr(report, "kernels", "report"))
   colls = list(_attr(report, "collectives", "report"))
+  launch = _constants(constants, _target(report)).launch_overhead_s
   n = len(kernels)
   if n == 0 and not colls:
     raise ValueError("sim.workload_from_report: the report has no kernels and no collectives")
@@ -137,6 +153,7 @@ def _convert(report, channels):
         stream=0 if sync else 1,
         after=after,
         channels=channels,
+        time_s=_positive(getattr(c, "time_s", None)),
       )
     )
     times[cname] = float(getattr(c, "time_s", 0.0) or 0.0)
@@ -145,13 +162,24 @@ def _convert(report, channels):
   items: list = []
   for i, k in enumerate(kernels):
     items.extend(issued[i])
-    items.append(_kernel(k, names[i], tuple(waits[i])))
+    items.append(_kernel(k, names[i], tuple(waits[i]), launch))
   items.extend(issued[n])
   return Workload(tuple(items), name=str(getattr(report, "name", "report"))), times
 
 
-def _kernel(k, name: str, after: tuple[str, ...]) -> Kernel:
+# The duration a kernel is given when the analysis has it take no longer than the launch
+# gap (a block must take some time).
+_MIN_BODY_S = 1e-9
+
+
+def _positive(t) -> float | None:
+  return float(t) if t is not None and float(t) > 0 else None
+
+
+def _kernel(k, name: str, after: tuple[str, ...], launch_s: float) -> Kernel:
   where = f"report kernel {name!r}"
+  t = getattr(k, "time_s", None)
+  time_s = max(float(t) - launch_s, _MIN_BODY_S) if t is not None else None
   raw_kind = kind = str(_attr(k, "kind", where))
   if kind not in COMPUTE_KINDS:
     kind = "other"
@@ -167,7 +195,10 @@ def _kernel(k, name: str, after: tuple[str, ...]) -> Kernel:
   if mnk:
     # Any kernel with a dot (a Triton GEMM fusion, a cuBLAS call): rebuilt by shape.
     gemm = Kernel.gemm(name, *(int(x) for x in mnk), dtype=dtype, after=after)
-    return dataclasses.replace(gemm, launch_name=launch_name)
+    # The report's DRAM bytes (one kernel-time model), the simulator's tiling.
+    return dataclasses.replace(
+      gemm, launch_name=launch_name, time_s=time_s, bytes=nbytes or gemm.bytes
+    )
   if raw_kind == "convolution":
     kind = "custom"  # tensor-core kernel with its own launch configuration
   grid = int(_attr(k, "grid_blocks", where))
@@ -192,6 +223,7 @@ def _kernel(k, name: str, after: tuple[str, ...]) -> Kernel:
     kind=kind,
     dtype=dtype,
     launch_name=launch_name,
+    time_s=time_s,
   )
 
 
@@ -215,6 +247,20 @@ def analysis_step_time(report) -> float:
     return float(st)
   wl, times = _convert(report, None)
   return critical_path(wl, times)
+
+
+def ideal_durations(wl: Workload, result, topo, const: Constants) -> dict[str, float]:
+  """Each item's contention-free duration in the simulator: a kernel alone plus the launch
+  gap before it, a collective alone (no event latency)."""
+  iso = {k: v + const.launch_overhead_s for k, v in dict(result.isolated_s).items()}
+  for c in wl.collectives:
+    alone = dataclasses.replace(c, name="c", stream=0, after=())
+    iso[c.name] = (
+      engine.run(Workload((alone,), "alone"), topo, constants=const, baseline=False)
+      .timings[0]
+      .duration_s
+    )
+  return iso
 
 
 # How XLA runs a JAX program by default: its async collective streams at the highest
@@ -299,7 +345,8 @@ def realize(
     >>> print(res.table())     # doctest: +SKIP
   """
   topo = _target(report)
-  wl = workload_from_report(report, channels=channels)
+  const = _constants(constants, topo)
+  wl = workload_from_report(report, channels=channels, constants=const)
   if policy is None:
     pols = list(POLICIES)
   elif isinstance(policy, (str, Policy)):
@@ -309,12 +356,6 @@ def realize(
   results = {}
   for p in pols:
     pol = get_policy(p)
-    results[pol.name] = simulate(wl, topo, pol, constants=constants)
-  const = _constants(constants, topo)
-  iso = dict(next(iter(results.values())).isolated_s)
-  for c in wl.collectives:
-    alone = dataclasses.replace(c, stream=0, after=())
-    iso[c.name] = engine.run(
-      Workload((alone,), "alone"), topo, constants=const, baseline=False
-    ).makespan_s
+    results[pol.name] = simulate(wl, topo, pol, constants=const)
+  iso = ideal_durations(wl, next(iter(results.values())), topo, const)
   return RealizeResult(analysis_step_time(report), critical_path(wl, iso), results, wl)
