@@ -9,7 +9,6 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_overlap._src.budget._estimate import roofline_estimator
 from jax_overlap.budget import memory
 
 L, D, BATCH = 4, 256, 64
@@ -175,7 +174,6 @@ class TestPlan:
       remat_policies=("nothing", "everything"),
       shard_opt_state=(False, True),
       prefetch=(0, 1),
-      estimator=roofline_estimator,
       progress=False,
       cache=cache,
       **kw,

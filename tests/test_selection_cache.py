@@ -82,12 +82,17 @@ def test_unusable_entries_are_chosen_again(cache_dir, program):
   # gone, is not used.
   entry.write_text(json.dumps(stored))
   offered = [(stored["base"], None, {})]
-  assert ov._recall(k, list(offered)) is not None
+  cands = list(offered)
+  chosen, estimates, _ = ov._recall(k, cands)
+  assert cands[chosen][0] == stored["chosen"] and cands[chosen][2] == stored["options"]
+  assert estimates == [(n, t) for n, t in stored["estimates"]] and estimates
   assert ov._recall(k, [("another variant", None, {})]) is None
   profile = cache_dir / "profile.pbtxt"
   profile.write_text("")
   entry.write_text(json.dumps({**stored, "options": {latency_profile.OPTION: str(profile)}}))
-  assert ov._recall(k, list(offered)) is not None
+  cands = list(offered)
+  chosen, _, _ = ov._recall(k, cands)
+  assert cands[chosen][2] == {latency_profile.OPTION: str(profile)}
   profile.unlink()
   assert ov._recall(k, list(offered)) is None
   # End to end: a damaged entry is chosen again and written again.

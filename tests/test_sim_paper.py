@@ -23,7 +23,9 @@ def test_paper_table_rows_and_ordering(table):
   for r in table.rows:
     # Overlap never loses to running everything in order.
     assert r["ms"]["concurrent"] <= r["ms"]["sequential"] * 1.001
-    assert 0 <= r["controls_reduction"] < 0.5
+    # The reduction is the best control's, recomputed here from the simulated times.
+    best = min(r["ms"][p] for p in ("priority", "shaping", "priority+shaping"))
+    assert r["controls_reduction"] == pytest.approx(max(0.0, 1 - best / r["ms"]["concurrent"]))
 
 
 def _row(gpu, conc, prio, shaping, both):
@@ -65,9 +67,11 @@ def test_paper_table_against_the_paper(table):
   # The verdict names the row and the policy behind the best reduction.
   row = max(table.rows, key=lambda r: r["controls_reduction"])
   assert f"{row['controls_reduction']:.1%} ({row['gpu']}, {row['mix']})" in table.verdict()
-  # Concurrency alone beats sequential by 2-35% (arXiv 2507.03114: 10.2% avg, max 26.6%).
+  # Concurrency alone beats sequential by 10.2% on average, at most 26.6% (arXiv
+  # 2507.03114): the model's average is within 5 points, no row beyond 1.25x the maximum.
   vs_seq = [r["vs_sequential"] for r in table.rows]
-  assert 0.02 <= min(vs_seq) and max(vs_seq) <= 0.35
+  assert abs(sum(vs_seq) / len(vs_seq) - 0.102) < 0.05
+  assert 0 < min(vs_seq) and max(vs_seq) <= 1.25 * 0.266
   s = table.summary()
   assert "25.5%" in s and "Where the model agrees" in s and "Where it does not" in s
   md = table.markdown()

@@ -30,19 +30,20 @@ block into more pieces for finer-grained overlap. Both functions have
 custom VJPs whose backward passes are again collective matmuls: the transpose
 of an all-gather-matmul is a matmul-reduce-scatter and vice versa.
 
-Cost model (:func:`estimate_gain`), for ``y = x @ w`` with global shapes
+Cost model (:func:`estimate_gain`), the analysis's own (:mod:`.cost_model`: roofline
+kernels with achievable fractions of peak, alpha-beta collectives at the achievable link
+bandwidth, a launch overhead per kernel), for ``y = x @ w`` with global shapes
 ``x: (m, k)``, ``w: (k, n)`` on an axis of ``N`` devices:
 
-* per-device compute ``T_c = max(2 m k n / N / F, B / M)`` with ``F`` the peak
-  FLOP/s for the dtype, ``M`` the memory bandwidth and ``B`` the bytes the
-  per-device GEMM reads and writes (roofline);
-* collective ``T_x = (N - 1) (alpha + s / beta)`` (alpha-beta model of a ring)
-  with ``s`` the bytes of one device's block (``m k / N`` elements gathered,
-  or ``m n / N`` scattered), ``alpha`` the per-hop link latency and ``beta``
-  the per-direction link bandwidth (twice that for the bidirectional ring);
-* baseline (no overlap) ``T_c + T_x``; ring
-  ``t + (N - 1) max(t, alpha + s / (p beta))`` with ``t = T_c / N + o`` the
-  time of one step's partial dot and ``o`` a per-kernel launch overhead.
+* per-device GEMM ``T_c = kernel_time(2 m k n / N, B)`` with ``B`` the bytes the
+  per-device GEMM reads and writes;
+* collective ``T_x = collective_time(all-gather or reduce-scatter, N s, N)`` with ``s``
+  the bytes of one device's block (``m k / N`` elements gathered, or ``m n / N``
+  scattered): what XLA's NCCL collective costs in the analysis;
+* baseline (no overlap) ``T_c + T_x``; ring ``t + (N - 1) max(t, e)`` with
+  ``t = p kernel_time(2 m k n / N^2 / p, B / N / p)`` the step's ``p`` partial dots and
+  ``e = collective_time(collective-permute, s / d, N)`` the neighbour exchange, ``d = 2``
+  for the bidirectional ring (each half travels on its own link direction).
 
 The link numbers come from :mod:`jax_overlap.targets` (the catalogue cites
 NVIDIA/AMD datasheets and NCCL's tuning defaults).
@@ -58,6 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jax_overlap._src import cost_model as _cost
 from jax_overlap._src import targets as _targets
 
 __all__ = [
@@ -582,14 +584,15 @@ def estimate_gain(
   kind: str = "all_gather",
   bidirectional: bool = True,
   chunks: int | None = None,
-  launch_overhead_s: float = 5e-6,
+  launch_overhead_s: float | None = None,
   min_speedup: float = 1.05,
+  cost_model: _cost.CostModel | None = None,
 ) -> GainEstimate:
   """Predicts the gain of a collective matmul over a collective followed by a GEMM.
 
-  The formulas are in the module docstring: roofline compute, alpha-beta ring
-  communication, and a ring of ``axis_size`` steps each costing the larger of
-  its partial dot and its neighbour exchange.
+  The formulas are in the module docstring: the analysis's roofline and alpha-beta costs
+  (:class:`~jax_overlap.analysis.CostModel`), and a ring of ``axis_size`` steps each
+  costing the larger of its partial dots and its neighbour exchange.
 
   Args:
     m: rows of the global ``x`` (e.g. batch x sequence).
@@ -602,8 +605,10 @@ def estimate_gain(
       ``"reduce_scatter"`` (the ``m n`` output is scattered).
     bidirectional: whether the ring uses both link directions.
     chunks: pieces per block (as in :func:`all_gather_matmul`).
-    launch_overhead_s: fixed cost added to every partial dot.
+    launch_overhead_s: fixed cost of every kernel (None: the cost model's
+      ``kernel_overhead_s``).
     min_speedup: the speedup at which ``worthwhile`` becomes true.
+    cost_model: efficiencies (None: the analysis's defaults).
 
   Returns:
     A :class:`GainEstimate`.
@@ -622,33 +627,38 @@ def estimate_gain(
       raise ValueError(f"{api}: {name} must be a positive int, got {v!r}")
   if kind not in ("all_gather", "reduce_scatter"):
     raise ValueError(f"{api}: kind must be 'all_gather' or 'reduce_scatter', got {kind!r}")
+  model = cost_model or _cost.CostModel()
+  if launch_overhead_s is not None:
+    model = dataclasses.replace(model, kernel_overhead_s=launch_overhead_s)
   topo = _targets.get(target)
   gpu = topo.gpu
   itemsize = jnp.dtype(dtype).itemsize
   dname = jnp.dtype(dtype).name
   short = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "float64": "f64"}
-  peak = gpu.peak_flops(short.get(dname, dname))
-  bw, alpha = topo.link_for(axis_size)
+  dt = short.get(dname, dname)
   big_n = int(axis_size)
   pieces = chunks if chunks is not None else (2 if bidirectional else 1)
+
+  def gemm(flops, nbytes):
+    return _cost.kernel_time(flops, nbytes, gpu, dtype=dt, is_dot=True, model=model)
 
   flops = 2.0 * m * n * k / big_n
   if kind == "all_gather":  # reads the gathered x, its w columns; writes its y columns
     gemm_bytes = (m * k + (k * n + m * n) / big_n) * itemsize
   else:  # reads its x columns and w rows; writes a full partial y
     gemm_bytes = ((m * k + k * n) / big_n + m * n) * itemsize
-  compute = max(flops / peak, gemm_bytes / gpu.memory_bandwidth)
+  compute = gemm(flops, gemm_bytes)
   block = (m * k if kind == "all_gather" else m * n) / big_n * itemsize
-  link = bw * (2.0 if bidirectional else 1.0)
-  hops = big_n - 1
-  comm = hops * (alpha + block / link)
+  coll = "all-gather" if kind == "all_gather" else "reduce-scatter"
+  comm = _cost.collective_time(coll, block * big_n, big_n, topo, model=model)
   baseline = compute + comm
   if big_n == 1:
     overlapped = compute
   else:
-    step = compute / big_n + pieces * launch_overhead_s
-    exchange = alpha + block / link
-    overlapped = step + hops * max(step, exchange)
+    step = pieces * gemm(flops / big_n / pieces, gemm_bytes / big_n / pieces)
+    half = 2.0 if bidirectional else 1.0
+    exchange = _cost.collective_time("collective-permute", block / half, big_n, topo, model=model)
+    overlapped = step + (big_n - 1) * max(step, exchange)
   speedup = baseline / overlapped
   return GainEstimate(
     compute_s=compute,

@@ -646,31 +646,15 @@ class Plan:
     return "\n".join(lines)
 
 
-def _analyze_or_none() -> Callable[..., Any] | None:
-  try:
-    from jax_overlap import analyze  # type: ignore[attr-defined]
-  except ImportError:
-    return None
-  return analyze
-
-
 def _estimate(
   estimator: Callable[..., float] | None, fn: Any, args: tuple, b: Breakdown, target: str
 ) -> float:
   if estimator is not None:
     return float(estimator(fn, *args, target=target))
-  analyze = _analyze_or_none()
-  if analyze is not None:
-    return float(analyze(fn, *args, target=target).step_time_s)
-  from jax_overlap._src.budget._estimate import estimate_step_time
+  # The analysis of the HLO this candidate was just compiled to (no second compile).
+  from jax_overlap._src import analysis
 
-  logging.log_first_n(
-    logging.WARNING,
-    "budget.memory.plan: jax_overlap.analyze is not available; ranking by a roofline "
-    "estimate from the candidate's optimized HLO",
-    1,
-  )
-  return estimate_step_time(b.hlo_text, target)
+  return float(analysis.analyze_hlo(b.hlo_text, target=target).step_time_s)
 
 
 def _progress(items: list, enabled: bool) -> Iterable:
@@ -723,9 +707,9 @@ def plan(
     remat_policies: policy names for :func:`remat_policy`.
     shard_opt_state: optimizer-state sharding choices.
     prefetch: prefetch depths.
-    estimator: ``estimator(fn, *args, target=...) -> seconds``; default
-      ``jax_overlap.analyze(...).step_time_s`` (a roofline estimate from the
-      optimized HLO when the analysis module is not installed).
+    estimator: ``estimator(fn, *args, target=...) -> seconds``; default: the
+      step time :func:`jax_overlap.analyze` gives the candidate's optimized HLO
+      (read from the compile that measured its memory).
     arg_kinds: passed to :func:`breakdown`.
     progress: show a progress bar over candidates (tqdm if installed, else
       absl log lines).
