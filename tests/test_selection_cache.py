@@ -83,7 +83,7 @@ def test_unusable_entries_are_chosen_again(cache_dir, program):
   entry.write_text(json.dumps(stored))
   offered = [(stored["base"], None, {})]
   cands = list(offered)
-  chosen, estimates, _ = ov._recall(k, cands)
+  chosen, estimates, _, _ = ov._recall(k, cands)
   assert cands[chosen][0] == stored["chosen"] and cands[chosen][2] == stored["options"]
   assert estimates == [(n, t) for n, t in stored["estimates"]] and estimates
   assert ov._recall(k, [("another variant", None, {})]) is None
@@ -91,7 +91,7 @@ def test_unusable_entries_are_chosen_again(cache_dir, program):
   profile.write_text("")
   entry.write_text(json.dumps({**stored, "options": {latency_profile.OPTION: str(profile)}}))
   cands = list(offered)
-  chosen, _, _ = ov._recall(k, cands)
+  chosen, _, _, _ = ov._recall(k, cands)
   assert cands[chosen][2] == {latency_profile.OPTION: str(profile)}
   profile.unlink()
   assert ov._recall(k, list(offered)) is None

@@ -48,7 +48,7 @@ import jax
 import numpy as np
 from jax.experimental.xla_metadata import set_xla_metadata
 
-from jax_overlap._src import errors, latency_profile, selection_cache
+from jax_overlap._src import errors, gspmd, latency_profile, selection_cache
 from jax_overlap._src import flags as flags_lib
 from jax_overlap._src import targets as targets_lib
 from jax_overlap._src.fsdp import _after
@@ -1128,6 +1128,44 @@ def _signature(args, kwargs):
   return tree, tuple(sig)
 
 
+def _windowed_notes(candidates, reports) -> list[str]:
+  """What XLA's windowed einsum decomposed, for each variant that asked for it, against the
+  same program compiled as written (the first candidate)."""
+  out = []
+  for (name, _, options), report in zip(candidates, reports):
+    if (report is None or reports[0] is None or name.endswith(_PROFILED_SUFFIX)
+        or "xla_gpu_threshold_for_windowed_einsum_mib" not in options):
+      continue
+    change = gspmd.decomposed(gspmd.found(reports[0]), gspmd.found(report))
+    out.append(f"{name}: {change}")
+  return out
+
+
+def _judged(name: str, report) -> list[str]:
+  """Notes that judge the chosen variant a second time: the simulator's contention-aware
+  estimate beside the analysis's, and a mark where the analysis judged a schedule it
+  wrote."""
+  if report is None:
+    return []
+  from jax_overlap._src.sim import realize as realize_lib
+
+  out = []
+  try:
+    sim_s = realize_lib.realize(report, realize_lib.XLA_POLICY).results[realize_lib.XLA_POLICY]
+    out.append(
+        f"chosen variant judged twice: the analysis {report.step_time_s * 1e3:.3f} ms, "
+        f"sim.realize (SM contention, XLA's stream priority) {sim_s.makespan_s * 1e3:.3f} ms"
+    )
+  except (ValueError, TypeError, RuntimeError) as e:
+    out.append(f"chosen variant not simulated: {str(e).splitlines()[0][:200]}")
+  if name.endswith(_PROFILED_SUFFIX):
+    out.append(
+        "self-judged: the chosen schedule came from a latency profile written by the same cost "
+        "model that estimated it"
+    )
+  return out
+
+
 class Overlapped:
   """A step function rewritten for overlap; call it like the original.
 
@@ -1211,7 +1249,11 @@ class Overlapped:
 
       return rewritten
 
-    candidates = self._candidates(cfg, stats)
+    known: dict[int, Any] = {}
+    if counter[0] == 0 and self.target is not None and self.select == "cost_model":
+      candidates = self._gspmd_candidates(cfg, make, args, kwargs, notes, known)
+    else:
+      candidates = self._candidates(cfg, stats)
     chosen = 0
     estimates: list[tuple[str, float]] = []
     if len(candidates) > 1:
@@ -1220,11 +1262,13 @@ class Overlapped:
         entry_key = selection_cache.key(str(closed), key, self._settings(annotate))
       remembered = self._recall(entry_key, candidates) if entry_key else None
       if remembered is not None:
-        chosen, estimates, failed = remembered
+        chosen, estimates, failed, judged = remembered
       else:
-        chosen, estimates, failed = self._select(candidates, make, args, kwargs)
+        chosen, estimates, failed, reports = self._select(candidates, make, args, kwargs, known)
+        judged = _judged(candidates[chosen][0], reports[chosen])
+        judged += _windowed_notes(candidates, reports)
         if entry_key:
-          self._remember(entry_key, candidates, chosen, estimates, failed)
+          self._remember(entry_key, candidates, chosen, estimates, failed, judged)
       table = [
           f"{n} {t * 1e3:.3f} ms" + (" (chosen)" if n == candidates[chosen][0] else "")
           for n, t in estimates
@@ -1234,6 +1278,7 @@ class Overlapped:
         notes.append("choice remembered from an earlier run with the same program, arguments "
                      "and settings (jax_overlap cache directory; cache=False chooses again)")
       notes.extend(f"variant not compiled: {f}" for f in failed)
+      notes.extend(judged)
     name, cfg_c, options = candidates[chosen]
     if cfg_c != cfg:
       actions = [a for a in actions if a.kind == "left_alone"]
@@ -1341,22 +1386,29 @@ class Overlapped:
       estimates = [(str(n), float(t)) for n, t in entry["estimates"]]
     except (TypeError, ValueError):
       return None
-    return chosen, estimates, [str(f) for f in entry["failed"]]
+    judged = [str(j) for j in entry.get("judged", [])]
+    return chosen, estimates, [str(f) for f in entry["failed"]], judged
 
-  def _remember(self, entry_key: str, candidates, chosen: int, estimates, failed) -> None:
+  def _remember(self, entry_key: str, candidates, chosen: int, estimates, failed, judged=()) -> None:
     name, _, options = candidates[chosen]
     base = name[: -len(_PROFILED_SUFFIX)] if name.endswith(_PROFILED_SUFFIX) else name
     selection_cache.store(entry_key, {
         "chosen": name, "base": base, "options": options,
-        "estimates": [[n, t] for n, t in estimates], "failed": failed,
+        "estimates": [[n, t] for n, t in estimates], "failed": failed, "judged": list(judged),
     })
 
-  def _select(self, candidates, make, args, kwargs) -> tuple[int, list[tuple[str, float]], list[str]]:
-    """Index of the fastest candidate (profiled ones appended), all estimates, failures."""
+  def _select(self, candidates, make, args, kwargs, known=None):
+    """Index of the fastest candidate (profiled ones appended), all estimates, failures and
+    the reports (None where a variant did not compile); ``known``: reports already made,
+    by candidate index."""
     from jax_overlap._src import analysis
 
     times, reports, failed = [], [], []
-    for name, cfg_c, options in candidates:
+    for i, (name, cfg_c, options) in enumerate(candidates):
+      if known and i in known:
+        times.append(known[i].step_time_s)
+        reports.append(known[i])
+        continue
       try:
         report = analysis.analyze(
             make(cfg_c, options), *args, target=self.target, name=name, xla_options=options, **kwargs
@@ -1391,8 +1443,31 @@ class Overlapped:
           continue
         candidates.append((label, cfg_c, profiled))
         times.append(report.step_time_s)
+        reports.append(report)
     best = min(range(len(times)), key=lambda i: (times[i], i))
-    return best, [(c[0], t) for c, t in zip(candidates, times)], failed
+    return best, [(c[0], t) for c, t in zip(candidates, times)], failed, reports
+
+  def _gspmd_candidates(self, cfg, make, args, kwargs, notes, known):
+    """Option variants for a program without shard_map, built for the collectives the
+    partitioner inserted (read from the step compiled as written for the target)."""
+    from jax_overlap._src import analysis
+
+    as_written = _Config(0, "as_written", cfg.annotate, "off", cfg.target,
+                         param_inputs=cfg.param_inputs, param_avals=cfg.param_avals)
+    base = {**flags_lib.as_compiler_options(self.target, self.workload), **self.extra_options}
+    name = "as written, recommended flags"
+    report = analysis.analyze(make(as_written, base), *args, target=self.target, name=name,
+                              xla_options=base, **kwargs)
+    found = gspmd.found(report)
+    notes[-1] = (
+        f"no shard_map in this program: the SPMD partitioner inserts its collectives; compiled "
+        f"for {self.target} they are {found.summary()}. The variants below are compiler options "
+        "for those collectives; the full rewrite (prefetch, per-layer reduce-scatter, "
+        "annotations) needs shard_map or jax_overlap.fsdp.scan_layers"
+    )
+    known[0] = report
+    return [(n, as_written, {**opts, **self.extra_options})
+            for n, opts in gspmd.variants(found, base)]
 
   def __call__(self, *args, **kwargs):
     fn, _, python_fn = self._build(args, kwargs)
