@@ -1,11 +1,14 @@
 """The overlap transform on a Megatron-style tensor + sequence parallel step (deviceless).
 
-2 blocks (fused QKV, attention on local heads, output projection, MLP), bf16, hidden 8192,
-MLP 28672, 64 heads, sequence 8192, batch 1, a ``tensor`` axis over all 8 GPUs
-(jax_overlap.examples.tp_sp), compiled for the target under XLA defaults, the recommended
-flags and @jax_overlap.overlap; per variant the analysis' exposed communication and step
-over compute-only bound, and sim.realize's contention-aware estimate under XLA's own policy
-(collective streams at the highest priority).
+2 blocks (attention on local heads, output projection, MLP), bf16, batch 1, a ``tensor``
+axis over all 8 GPUs (jax_overlap.examples.tp_sp), in two forms: ``shard_map`` with
+explicit sequence gathers and reduce-scatters around a fused QKV projection, and GSPMD
+(plain ``jax.jit``, ``with_sharding_constraint`` on the activations, separate Q/K/V), at two
+sizes, compiled for h100x8 and a100x8 under XLA defaults, the recommended flags and
+@jax_overlap.overlap. Per variant: the analysis' exposed communication and step over the
+compute-only bound, and the simulator's contention-aware step (sim.realize) without the
+runtime controls (plain concurrency), as XLA runs it (collective streams at the highest
+priority) and with the tuner's plan (priority and occupancy shaping).
 
 Writes benchmarks/results/transform_tp.{json,md}.
 """
@@ -32,94 +35,128 @@ import jax_overlap  # noqa: E402
 from jax_overlap.examples import tp_sp  # noqa: E402
 
 FLAGS = absl_flags.FLAGS
-absl_flags.DEFINE_list("targets", ["h100x8"], "Targets.")
+absl_flags.DEFINE_list("targets", ["h100x8", "a100x8"], "Targets.")
+absl_flags.DEFINE_list("forms", ["shard_map", "gspmd"], "Program forms.")
+absl_flags.DEFINE_list("sizes", ["large", "medium"], "Model sizes (see SIZES).")
 absl_flags.DEFINE_integer("layers", 2, "Blocks.")
-absl_flags.DEFINE_integer("hidden", 8192, "Hidden size.")
-absl_flags.DEFINE_integer("mlp", 28672, "MLP size.")
-absl_flags.DEFINE_integer("heads", 64, "Heads.")
-absl_flags.DEFINE_integer("seq", 8192, "Sequence length.")
+absl_flags.DEFINE_integer("tune_evals", 48, "Simulations the tuner may run per row.")
+
+SIZES = {
+  "large": dict(hidden=8192, mlp=28672, heads=64, seq=8192),
+  "medium": dict(hidden=4096, mlp=14336, heads=32, seq=4096),
+  "tiny": dict(hidden=512, mlp=1024, heads=8, seq=512),  # a quick check of the script
+}
+BUILD = {"shard_map": tp_sp.build, "gspmd": tp_sp.build_gspmd}
+
+
+def _simulated(report, target) -> dict:
+  """sim.realize under plain concurrency and XLA's priority, and the tuner's plan."""
+  real = jax_overlap.sim.realize(report, ["concurrent", "priority"])
+  wl = jax_overlap.sim.workload_from_report(report)
+  tuned = jax_overlap.sim.tune(wl, target, progress=False, max_evals=FLAGS.tune_evals)
+  return {
+    "ideal_s": real.ideal_s,
+    "concurrent_s": real.results["concurrent"].makespan_s,
+    "priority_s": real.results["priority"].makespan_s,
+    "tuned_s": tuned.makespan_s,
+    "tuned_priority": tuned.plan["streams"]["priority"],
+    "tuned_caps": len(tuned.plan["kernels"]),
+    "tuned_no_room": len(tuned.no_room),
+  }
+
+
+def run(target: str, form: str, size: str, rows: list, lines: list, notes: list) -> None:
+  cfg = dict(layers=FLAGS.layers, **SIZES[size])
+  fn, args = BUILD[form](target, **cfg)
+  reports = {
+    "XLA defaults": jax_overlap.analyze(fn, *args, target=target, name="XLA defaults"),
+    "recommended flags": jax_overlap.analyze(
+      fn,
+      *args,
+      target=target,
+      name="recommended flags",
+      xla_options=jax_overlap.flags.as_compiler_options(target, "fsdp"),
+    ),
+  }
+  ov = jax_overlap.overlap(fn, target=target, cache=False)  # time the selection itself
+  t0 = time.perf_counter()
+  expl = ov.explain(*args)
+  select_s = time.perf_counter() - t0
+  reports["@overlap"] = jax_overlap.analyze(ov, *args, target=target, name="@overlap")
+  for name, r in reports.items():
+    s = _simulated(r, target)
+    row = {
+      "target": target,
+      "form": form,
+      "size": size,
+      "config": cfg,
+      "variant": name,
+      "step_s": r.step_time_s,
+      "compute_s": r.compute_time_s,
+      "exposed_fraction": r.exposed_fraction,
+      "vs_compute_bound": r.step_time_s / r.compute_time_s,
+      **s,
+    }
+    rows.append(row)
+    lines.append(
+      f"| {target} | {form} | {size} | {name} | {r.step_time_s * 1e3:.2f} "
+      f"| {r.compute_time_s * 1e3:.2f} | {r.exposed_fraction:.1%} "
+      f"| {row['vs_compute_bound']:.3f} | {s['concurrent_s'] * 1e3:.2f} "
+      f"| {s['priority_s'] * 1e3:.2f} | {s['tuned_s'] * 1e3:.2f} |"
+    )
+    print(lines[-1], flush=True)
+  rows.append(
+    {
+      "target": target,
+      "form": form,
+      "size": size,
+      "choice": expl.chosen,
+      "notes": list(expl.notes),
+      "classify": [a.detail for a in expl.of_kind("classify")],
+      "rings": [a.detail for a in expl.of_kind("collective_matmul")],
+      "selection_s": select_s,
+    }
+  )
+  notes.append(
+    f'- {target} {form} {size}: chose "{expl.chosen}" in {select_s:.0f} s; '
+    f"{len(rows[-1]['rings'])} collective matmul ring(s). "
+    + " ".join(n for n in expl.notes if not n.startswith("chosen by the cost model"))
+  )
 
 
 def main(argv):
   del argv
-  cfg = dict(
-    layers=FLAGS.layers, hidden=FLAGS.hidden, mlp=FLAGS.mlp, heads=FLAGS.heads, seq=FLAGS.seq
-  )
-  rows, tables = [], []
+  rows, lines, notes = [], [], []
   for target in FLAGS.targets:
-    fn, args = tp_sp.build(target, **cfg)
-    reports = {
-      "XLA defaults": jax_overlap.analyze(fn, *args, target=target, name="XLA defaults"),
-      "recommended flags": jax_overlap.analyze(
-        fn,
-        *args,
-        target=target,
-        name="recommended flags",
-        xla_options=jax_overlap.flags.as_compiler_options(target, "fsdp"),
-      ),
-    }
-    ov = jax_overlap.overlap(fn, target=target, cache=False)
-    t0 = time.perf_counter()
-    expl = ov.explain(*args)
-    select_s = time.perf_counter() - t0
-    reports["@overlap"] = jax_overlap.analyze(ov, *args, target=target, name="@overlap")
-    lines = []
-    for name, r in reports.items():
-      real = jax_overlap.sim.realize(r, ["priority"]).results["priority"].makespan_s
-      row = {
-        "target": target,
-        "variant": name,
-        "step_s": r.step_time_s,
-        "compute_s": r.compute_time_s,
-        "exposed_fraction": r.exposed_fraction,
-        "vs_compute_bound": r.step_time_s / r.compute_time_s,
-        "realize_priority_s": real,
-      }
-      rows.append(row)
-      lines.append(
-        f"| {target} | {name} | {r.step_time_s * 1e3:.2f} | {r.compute_time_s * 1e3:.2f} "
-        f"| {r.exposed_fraction:.1%} | {row['vs_compute_bound']:.3f} | {real * 1e3:.2f} |"
-      )
-    tables.append("\n".join(lines))
-    chosen = expl.notes[-1] if expl.notes else ""
-    rings = [a.detail for a in expl.of_kind("collective_matmul")]
-    classify = [a.detail for a in expl.of_kind("classify")]
-    rows.append(
-      {
-        "target": target,
-        "explain_classify": classify,
-        "rings": rings,
-        "choice": chosen,
-        "selection_s": select_s,
-      }
-    )
-    print(target, "\n".join(lines), chosen, sep="\n")
+    for form in FLAGS.forms:
+      for size in FLAGS.sizes:
+        run(target, form, size, rows, lines, notes)
+  sizes = "; ".join(f"{k}: {v}" for k, v in SIZES.items() if k in FLAGS.sizes)
   md = [
     "# @jax_overlap.overlap on a tensor + sequence parallel step",
     "",
-    f"{FLAGS.layers} blocks, bf16, hidden {FLAGS.hidden}, MLP {FLAGS.mlp}, {FLAGS.heads} heads, "
-    f"sequence {FLAGS.seq}, batch 1, tensor axis of 8 (jax_overlap.examples.tp_sp). Deviceless "
-    "estimates (jax_overlap.analyze: roofline kernels, alpha-beta collectives on XLA's "
-    "schedule); sim.realize: the simulator's contention-aware step under XLA's own policy. "
-    "Both are models: the same cost model chose @overlap's variant.",
+    f"{FLAGS.layers} blocks, bf16, batch 1, tensor axis of 8 (jax_overlap.examples.tp_sp), "
+    f"sizes {sizes}. Deviceless estimates: jax_overlap.analyze (roofline kernels, alpha-beta "
+    "collectives on XLA's schedule: step, compute, exposed share, step / compute-only bound) "
+    "and the simulator's contention-aware step from the same kernel times (sim.realize): "
+    "plain concurrency (no runtime controls), XLA's own policy (collective streams at the "
+    "highest priority) and the tuner's plan (priority + occupancy shaping, "
+    f"at most {FLAGS.tune_evals} simulations). Both are models, and the same cost model "
+    "chose @overlap's variant; variants scheduled by the cost model's estimates are judged "
+    "by the model that wrote their schedule (self-judged).",
     "",
-    "| target | variant | step ms | compute ms | exposed comm | step / compute bound | "
-    "sim.realize ms |",
-    "|---|---|---:|---:|---:|---:|---:|",
-    *tables,
+    "| target | form | size | variant | step ms | compute ms | exposed comm "
+    "| step / compute bound | sim: concurrent ms | sim: XLA priority ms | sim: tuned plan ms |",
+    "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    *lines,
     "",
+    *notes,
+    "",
+    f"Machine: {_common.machine()}",
   ]
-  for r in rows:
-    if "choice" in r:
-      md += [f"{r['target']}: {r['choice']} (selection {r['selection_s']:.0f} s)", ""]
-      md += [f"- {c}" for c in r["explain_classify"]]
-      md += [f"- {len(r['rings'])} collective matmul ring(s)"] + [
-        f"  - {d}" for d in r["rings"][:6]
-      ]
-  md.append(f"\nMachine: {_common.machine()}")
   _common.write(
     "transform_tp",
-    {"config": cfg, "rows": rows, "machine": _common.machine()},
+    {"sizes": SIZES, "layers": FLAGS.layers, "rows": rows, "machine": _common.machine()},
     "\n".join(md) + "\n",
   )
   print("wrote benchmarks/results/transform_tp.md")

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_overlap
@@ -94,10 +94,8 @@ def test_overlap_selects_for_a_gspmd_step(fsdp_step, as_written):
 
 def test_gspmd_numerics_are_the_programs():
   # The variants change compiler options only: the step computes what it computed.
-  mesh = jax.make_mesh((8,), ("fsdp",))
-  w = jax.device_put(
-    jax.random.normal(jax.random.key(0), (64, 32)), NamedSharding(mesh, P("fsdp"))
-  )
+  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Auto,))
+  w = jax.device_put(jax.random.normal(jax.random.key(0), (64, 32)), NamedSharding(mesh, P("fsdp")))
   x = jax.device_put(jax.random.normal(jax.random.key(1), (16, 64)), NamedSharding(mesh, P()))
 
   def step(w, x):
@@ -106,3 +104,51 @@ def test_gspmd_numerics_are_the_programs():
   ov = jax_overlap.overlap(step, target="h100x8", cache=False)
   np.testing.assert_array_equal(np.asarray(ov(w, x)), np.asarray(jax.jit(step)(w, x)))
   assert any("compiled for h100x8" in n for n in ov.explain(w, x).notes)
+
+
+def test_tp_sp_gspmd_example_computes_the_shard_map_model():
+  # The GSPMD form of the tensor + sequence parallel example against its shard_map form,
+  # with the fused QKV weight assembled from Q, K and V as the shard_map form lays it out
+  # (each device's columns: its heads' Q, then K, then V).
+  from jax_overlap.examples import tp_sp
+
+  mesh = jax.make_mesh((8,), ("tensor",), axis_types=(AxisType.Auto,))
+  cfg = dict(layers=2, hidden=64, mlp=128, heads=8, seq=64, dtype="float32")
+  fn_g, _ = tp_sp.build_gspmd(mesh=mesh, **cfg)
+  fn_s, _ = tp_sp.build(mesh=mesh, **cfg)
+  keys = iter(jax.random.split(jax.random.key(0), 32))
+  h, f, n = 64, 128, 8
+
+  def rnd(*shape):
+    return jax.random.normal(next(keys), shape) / shape[0] ** 0.5
+
+  def put(a, *spec):
+    return jax.device_put(a, NamedSharding(mesh, P(*spec)))
+
+  gspmd_params, smap_params = [], []
+  for _ in range(2):
+    w = {k: rnd(h, h) for k in ("wq", "wk", "wv", "wo")}
+    w["w1"], w["w2"] = rnd(h, f), rnd(f, h)
+    cols = lambda a: a.reshape(h, n, h // n)  # noqa: E731
+    wqkv = jnp.concatenate([cols(w["wq"]), cols(w["wk"]), cols(w["wv"])], axis=2).reshape(h, -1)
+    gspmd_params.append(
+      {
+        k: put(v, *(("tensor", None) if k in ("wo", "w2") else (None, "tensor")))
+        for k, v in w.items()
+      }
+    )
+    smap_params.append(
+      {
+        "wqkv": put(wqkv, None, "tensor"),
+        "wo": put(w["wo"], "tensor", None),
+        "w1": put(w["w1"], None, "tensor"),
+        "w2": put(w["w2"], "tensor", None),
+      }
+    )
+  x = put(jax.random.normal(next(keys), (1, 64, h)), None, "tensor")
+  loss_g, grads_g = fn_g(gspmd_params, x)
+  loss_s, grads_s = fn_s(smap_params, x)
+  np.testing.assert_allclose(float(loss_g), float(loss_s), rtol=1e-5)
+  for gg, gs in zip(grads_g, grads_s):
+    np.testing.assert_allclose(np.asarray(gg["w1"]), np.asarray(gs["w1"]), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(gg["wo"]), np.asarray(gs["wo"]), rtol=1e-4, atol=1e-6)

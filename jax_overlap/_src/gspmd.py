@@ -131,11 +131,16 @@ def variants(f: Found, base: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]
         out.append((f"as written, XLA's loop pipeliner {word}", {**base, **opts}))
   gather_or_scatter = f.counts.get("all-gather", 0) + f.counts.get("reduce-scatter", 0)
   windowed = _accepted(WINDOWED)
-  if f.dots and gather_or_scatter and windowed.get("xla_gpu_threshold_for_windowed_einsum_mib") == 0:
+  if (
+    f.dots and gather_or_scatter and windowed.get("xla_gpu_threshold_for_windowed_einsum_mib") == 0
+  ):
     out.append(("as written, XLA's windowed einsum", {**base, **windowed}))
     if two:
       out.append(
-        ("as written, XLA's windowed einsum, two collectives in flight", {**base, **windowed, **two})
+        (
+          "as written, XLA's windowed einsum, two collectives in flight",
+          {**base, **windowed, **two},
+        )
       )
   return out
 

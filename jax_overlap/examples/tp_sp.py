@@ -9,6 +9,11 @@ inside the ``shard_map``; gradients are returned, one per (local) weight.
 
   fn, args = tp_sp.build("h100x8", layers=2, hidden=8192, mlp=28672, heads=64, seq=8192)
   jax_overlap.analyze(fn, *args, target="h100x8")
+
+``build_gspmd`` is the same block stack written as users write it for ``jax.jit`` over
+sharded arrays: no collectives in the program, only ``with_sharding_constraint`` on the
+activations (sequence-sharded between blocks, head- or MLP-sharded inside), separate Q, K
+and V projections; XLA's partitioner inserts the gathers and reduce-scatters.
 """
 
 from __future__ import annotations
@@ -104,3 +109,79 @@ def build(target: str = "h100x8", mesh: Mesh | None = None, **overrides):
     (cfg.batch, cfg.seq, cfg.hidden), dtype, sharding=NamedSharding(mesh, P(None, cfg.axis))
   )
   return jax.jit(make_step(cfg, mesh)), (params, x)
+
+
+def _gspmd_block(cfg: Config, mesh: Mesh, x, w):
+  def c(t, *spec):
+    return jax.lax.with_sharding_constraint(t, NamedSharding(mesh, P(*spec)))
+
+  a = cfg.axis
+  hd = cfg.hidden // cfg.heads
+  b, s, _ = x.shape
+  q, k, v = (
+    c(
+      c(jnp.einsum("bsh,hk->bsk", x, w[n]), None, None, a).reshape(b, s, cfg.heads, hd),
+      None,
+      None,
+      a,
+      None,
+    )
+    for n in ("wq", "wk", "wv")
+  )
+  att = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / hd**0.5, -1)
+  o = c(jnp.einsum("bhqk,bkhd->bqhd", att.astype(x.dtype), v), None, None, a, None)
+  o = c(o.reshape(b, s, cfg.hidden), None, None, a)
+  x = x + c(jnp.einsum("bsk,kh->bsh", o, w["wo"]), None, a, None)
+  h = jax.nn.gelu(c(jnp.einsum("bsh,hf->bsf", x, w["w1"]), None, None, a))
+  return x + c(jnp.einsum("bsf,fh->bsh", h, w["w2"]), None, a, None)
+
+
+def _gspmd_specs(cfg: Config) -> dict:
+  col, row = P(None, cfg.axis), P(cfg.axis, None)
+  return {"wq": col, "wk": col, "wv": col, "wo": row, "w1": col, "w2": row}
+
+
+def make_gspmd_step(cfg: Config, mesh: Mesh):
+  """``value_and_grad`` of the loss of the block stack, for ``jax.jit`` (no shard_map)."""
+
+  def loss(params, x):
+    for w in params:
+      x = _gspmd_block(cfg, mesh, x, w)
+    return jnp.mean(jnp.square(x.astype(jnp.float32)))
+
+  return jax.value_and_grad(loss)
+
+
+def build_gspmd(target: str = "h100x8", mesh: Mesh | None = None, **overrides):
+  """(jitted GSPMD step, (params, x)) as abstract arrays for ``target``."""
+  from jax_overlap._src import targets as targets_lib
+
+  cfg = Config(**overrides)
+  if mesh is None:
+    mesh = targets_lib.compile_only_mesh(target, (cfg.axis,))
+  dtype = jnp.dtype(cfg.dtype)
+  h = cfg.hidden
+  shapes = {
+    "wq": (h, h),
+    "wk": (h, h),
+    "wv": (h, h),
+    "wo": (h, h),
+    "w1": (h, cfg.mlp),
+    "w2": (cfg.mlp, h),
+  }
+  specs = _gspmd_specs(cfg)
+  params = [
+    {
+      k: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, specs[k]))
+      for k, shape in shapes.items()
+    }
+    for _ in range(cfg.layers)
+  ]
+  x = jax.ShapeDtypeStruct(
+    (cfg.batch, cfg.seq, h), dtype, sharding=NamedSharding(mesh, P(None, cfg.axis))
+  )
+  out = (
+    NamedSharding(mesh, P()),
+    [{k: NamedSharding(mesh, specs[k]) for k in shapes}] * cfg.layers,
+  )
+  return jax.jit(make_gspmd_step(cfg, mesh), out_shardings=out), (params, x)
