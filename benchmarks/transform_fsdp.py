@@ -52,20 +52,31 @@ def deviceless(rows, tables):
       expl = ov.explain(*args)
       select_time = time.perf_counter() - t0
       reports["@overlap"] = jax_overlap.analyze(ov, *args, target=target, name="@overlap")
+      simulated = {}
       for name, r in reports.items():
+        simulated[name] = jax_overlap.sim.realize(r, "priority").results["priority"].makespan_s
         rows.append({
             **r.summary(), "variant": name, "form": form, "exposed_fraction": r.exposed_fraction,
             "vs_compute_bound": r.step_time_s / r.compute_time_s,
+            "realize_priority_s": simulated[name],
             "xla_options": {k: str(v) for k, v in r.xla_options.items()},
         })
-      rows[-1]["choice"] = expl.notes[-1] if expl.notes else ""
+      choice = next((n for n in expl.notes if n.startswith("chosen by the cost model")), "")
+      self_judged = expl.chosen.endswith("scheduled by the cost model's estimates")
+      rows[-1]["choice"] = choice
+      rows[-1]["chosen"] = expl.chosen
+      rows[-1]["self_judged"] = self_judged
       rows[-1]["selection_time_s"] = select_time
       table = jax_overlap.compare(reports)
+      mark = (" @overlap's row is self-judged: its schedule came from a latency profile written "
+              "by the cost model that estimates it.") if self_judged else ""
       tables.append(f"### {target}, {form}\n\n{table.to_markdown()}\n\n"
                     f"step / compute-only bound: " + ", ".join(
                         f"{n} {r.step_time_s / r.compute_time_s:.3f}" for n, r in reports.items())
-                    + f"\n\n{expl.notes[-1] if expl.notes else ''} (selection took {select_time:.0f} s)\n")
-      print(f"\n{target} {form}\n{table}\n{expl.notes[-1] if expl.notes else ''}")
+                    + "\n\nsim.realize (SM contention, XLA's stream priority): " + ", ".join(
+                        f"{n} {t * 1e3:.2f} ms" for n, t in simulated.items())
+                    + f"\n\n{choice} (selection took {select_time:.0f} s).{mark}\n")
+      print(f"\n{target} {form}\n{table}\n{choice}")
 
 
 def main(argv):

@@ -220,12 +220,12 @@ def test_indivisible_shapes_are_named():
     jax_overlap.overlap(lambda a: a * 2).explain(bad)
 
 
-def test_collectives_in_loops_are_listed_as_left_alone():
+def test_collectives_in_loops_are_pipelined_and_sized_per_layer():
   cfg, mesh, params, x = _setup("scan", layers=2)
   e = jax_overlap.overlap(S.make_step(cfg, mesh)).explain(params, x)
-  left = e.of_kind("left_alone")
-  assert any("loop(s) over layers keep their collectives as written" in a.detail for a in left)
-  assert any("jax_overlap.fsdp.scan_layers" in a.detail for a in left)
+  assert any("lax.scan" in a.where and "7 all-gather(s)" in a.detail for a in e.of_kind("prefetch"))
+  assert any("lax.scan" in a.where and "7 gradient reduce-scatter(s)" in a.detail
+             for a in e.of_kind("reduce_scatter"))
   # One iteration gathers one layer (4 h x h and 3 h x mlp float32 matrices):
   # the combine threshold lets one layer's gathers merge, not two layers'.
   layer_bytes = (4 * 64 * 64 + 3 * 64 * 128) * 4

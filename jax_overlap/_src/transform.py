@@ -48,7 +48,7 @@ import jax
 import numpy as np
 from jax.experimental.xla_metadata import set_xla_metadata
 
-from jax_overlap._src import errors, gspmd, latency_profile, selection_cache
+from jax_overlap._src import errors, gspmd, latency_profile, scan_pipeline, selection_cache
 from jax_overlap._src import flags as flags_lib
 from jax_overlap._src import targets as targets_lib
 from jax_overlap._src.fsdp import _after
@@ -323,6 +323,8 @@ class _BodyPlan:
   rings: dict = dataclasses.field(default_factory=dict)
   ring_of: dict = dataclasses.field(default_factory=dict)
   loops: int = 0  # loops over layers whose collectives are left as written
+  # lax.scan equations whose collectives are pipelined: eqn index -> scan_pipeline.ScanPlan.
+  scans: dict = dataclasses.field(default_factory=dict)
 
 
 def _plan_body(
@@ -349,20 +351,41 @@ def _plan_body(
   # Their sizes still set the combine thresholds (one loop iteration's gathers
   # are one layer's).
   nested = _NestedStats()
-  for e in eqns:
+  scans: dict[int, scan_pipeline.ScanPlan] = {}
+  kept_loops = 0
+  for i, e in enumerate(eqns):
     if e.primitive.name in _OPAQUE and _has_collectives(e):
       _nested_stats(e, nested)
       if e.primitive.name in ("scan", "while"):
-        continue  # a loop over layers: its collectives are counted, not rewritten
+        # A loop over layers: pipeline its collectives across iterations where it can.
+        sp = scan_pipeline.plan(e, gathers=prefetch > 0, scatters=reduce_scatter == "per_layer")
+        loop = f"{where + ', ' if where else ''}lax.scan at equation {i} ({e.params.get('length', '?')} iterations)"
+        if sp:
+          scans[i] = sp
+          if sp.gathers:
+            actions.append(Action(
+                "prefetch", loop, f"{len(sp.gathers)} all-gather(s) of each iteration's layer "
+                "issued one iteration early (the first before the loop), one gathered layer "
+                "carried"))
+          if sp.scatters:
+            actions.append(Action(
+                "reduce_scatter", loop, f"{len(sp.scatters)} gradient reduce-scatter(s) issued "
+                "one iteration late (the last after the loop), one unscattered gradient "
+                "carried"))
+        else:
+          kept_loops += 1
+          why = sp.reason if (prefetch > 0 or reduce_scatter == "per_layer") else (
+              "prefetch=0 and reduce_scatter='as_written' keep collectives where written")
+          actions.append(Action("left_alone", loop, f"collectives kept as written: {why}"))
+        continue
       actions.append(
           Action("left_alone", where, f"collectives inside {e.primitive.name} are left as written "
                  "(for stacked layers under lax.scan use jax_overlap.fsdp.scan_layers)")
       )
-  if nested.loops:
+  if kept_loops:
     actions.append(
-        Action("left_alone", where, f"{nested.loops} loop(s) over layers keep their collectives "
-               "as written (jax_overlap.fsdp.scan_layers pipelines them); their per-iteration "
-               "sizes set the combine thresholds")
+        Action("left_alone", where, f"{kept_loops} loop(s) over layers keep their collectives "
+               "as written; their per-iteration sizes set the combine thresholds")
     )
 
   # 3. Collective matmuls: an activation all-gather feeding a matmul, or a matmul
@@ -545,7 +568,7 @@ def _plan_body(
       max(max_scatter, nested.scatter_bytes),
       max(single_gather, nested.gather_bytes), max(scatter_out, nested.scatter_out_bytes),
       max(axis_size, nested.axis_size), chain_prev, fused, frozenset(skipped),
-      rings=rings, ring_of=ring_of, loops=nested.loops,
+      rings=rings, ring_of=ring_of, loops=nested.loops, scans=scans,
   )
 
 
@@ -929,6 +952,11 @@ def _run(jaxpr, consts, args, plan: _BodyPlan | None):
       fn = {"all_gather": cm_lib.all_gather_matmul, "reduce_scatter": cm_lib.matmul_reduce_scatter,
             "reduce_scatter_nd": cm_lib.dot_general_reduce_scatter}[kind]
       env[eqn.outvars[0]] = fn(read(lhs), read(rhs), **kw)
+      continue
+    if plan is not None and i in plan.scans:
+      outs = scan_pipeline.run(eqn, [read(v) for v in eqn.invars], plan.scans[i], _eval_eqn)
+      for v, o in zip(eqn.outvars, outs):
+        env[v] = o
       continue
     md = plan.metadata.get(i) if plan is not None else None
     invals = [read(v) for v in eqn.invars]

@@ -2,10 +2,12 @@
 
 Every weight is sharded along ``fsdp`` (dimension 0, or 1 when layers are
 stacked) and all-gathered inside the layer that uses it; autodiff turns each
-gather into a gradient reduce-scatter. Three forms of the layer loop:
+gather into a gradient reduce-scatter. Four forms of the layer loop:
 
 * ``form="unrolled"``: a Python loop over layers;
 * ``form="scan"``: stacked layers under ``lax.scan`` with the gathers inside the body;
+* ``form="scan_remat"``: the same under ``jax.checkpoint`` (nothing saved: the backward
+  loop gathers every layer again), as scanned and rematerialized models are written;
 * ``form="scan_layers"``: stacked layers through ``jax_overlap.fsdp.scan_layers``
   (gather of layer i+1 carried into iteration i, reduce-scatter of layer i's
   gradient one iteration late).
@@ -27,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 __all__ = ["Config", "init_params", "abstract_params", "make_loss", "make_step", "build"]
 
-FORMS = ("unrolled", "scan", "scan_layers")
+FORMS = ("unrolled", "scan", "scan_remat", "scan_layers")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,10 +148,12 @@ def make_loss(cfg: Config, mesh: Mesh):
     if cfg.form == "unrolled":
       for p in params:
         x = layer_compute(cfg, _gather_layer(cfg, p), x)
-    elif cfg.form == "scan":
+    elif cfg.form in ("scan", "scan_remat"):
       def step(x, p):
         return layer_compute(cfg, _gather_layer(cfg, p), x), None
 
+      if cfg.form == "scan_remat":  # as MaxText and Flax's nn.scan users write it
+        step = jax.checkpoint(step, policy=jax.checkpoint_policies.nothing_saveable)
       x, _ = jax.lax.scan(step, x, params)
     else:
       from jax_overlap import fsdp
