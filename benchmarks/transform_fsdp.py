@@ -2,7 +2,8 @@
 
 Deviceless part: 8 layers, bf16, hidden 4096, MLP 11008, sequence 2048, one
 sequence per GPU, written with shard_map (jax_overlap.examples.shard_map_fsdp)
-in three forms (unrolled, lax.scan, jax_overlap.fsdp.scan_layers), compiled
+in four forms (unrolled, lax.scan, lax.scan under jax.checkpoint,
+jax_overlap.fsdp.scan_layers), compiled
 for h100x8 and a100x8 under XLA defaults, the recommended flags, and
 @jax_overlap.overlap;
 see transform_overhead.py for the decorator's CPU costs.
@@ -31,7 +32,7 @@ from jax_overlap.examples import shard_map_fsdp as S  # noqa: E402
 
 FLAGS = absl_flags.FLAGS
 absl_flags.DEFINE_list("targets", ["h100x8", "a100x8"], "Targets.")
-absl_flags.DEFINE_list("forms", ["unrolled", "scan", "scan_layers"], "Layer loop forms.")
+absl_flags.DEFINE_list("forms", ["unrolled", "scan", "scan_remat", "scan_layers"], "Layer loop forms.")
 absl_flags.DEFINE_integer("layers", 8, "Layers.")
 
 
