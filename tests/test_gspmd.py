@@ -8,7 +8,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_overlap
-from jax_overlap._src import gspmd
+from jax_overlap._src.transform import gspmd
 from jax_overlap.examples import fsdp_mlp
 
 BASE = jax_overlap.flags.as_compiler_options("h100x8")

@@ -10,7 +10,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_overlap
-from jax_overlap._src import scan_pipeline
+from jax_overlap._src.transform import scan_pipeline
 
 POLICIES = {
   "none": None,

@@ -1,0 +1,81 @@
+"""``@jax_overlap.overlap``: rewrite a sharded step so collectives interleave with compute.
+
+The decorator traces the step to a jaxpr once per input signature and
+re-evaluates it with these changes. All but the collective matmuls keep the
+arithmetic exactly as written (operations are reordered and annotated, never
+changed); a collective matmul computes the same products in row blocks, equal
+up to the order of floating-point accumulation:
+
+1. *Prefetch.* Inside each ``shard_map`` body, parameter all-gathers (gathers
+   whose input depends only on the body's inputs) are grouped into layers —
+   consecutive gathers in program order that no matmul separates — and each
+   group is issued ``prefetch`` layers ahead of its first use, so that the
+   gather of layer i+1 is in flight while layer i computes.
+2. *Per-layer reduce-scatter.* Each ``psum_scatter`` is issued right after
+   the operation that produces its input, so gradient reduce-scatters run
+   during the rest of the backward pass instead of piling up at its end.
+3. *Separate collectives.* The compile gets XLA combine thresholds no larger
+   than one layer's collective, so the combiner cannot merge the gathers of
+   several layers into one that nothing can hide.
+4. *Collective matmuls.* An activation all-gather feeding a matmul, or a
+   matmul feeding a reduce-scatter (tensor and sequence parallelism), becomes
+   a ppermute ring interleaved with partial matmuls where the cost model says
+   it wins (``jax_overlap.collective_matmul``).
+5. *Annotations.* Every collective gets frontend attributes naming the layer
+   group it belongs to (``_jax_overlap_pair``), its priority class
+   (``_jax_overlap_priority``) and occupancy class (``_jax_overlap_occupancy``);
+   the matmuls it should hide under carry the same pair id. They reach the
+   compiled HLO (combiners join them with commas), where the analysis and the
+   runtime controls read them.
+6. *Compiler options.* The target's recommended options (``jax_overlap._src.flags``).
+
+7. *Loops.* In a ``lax.scan`` over layers (and the loops autodiff makes of it),
+   gathers of each iteration's layer are issued one iteration early and gradient
+   reduce-scatters one iteration late (:mod:`.scan_pipeline`).
+
+Programs without explicit collectives (GSPMD inserts them during partitioning)
+are compiled as written for the target, and the selection chooses among
+compiler options for the collectives found there (:mod:`.gspmd`).
+
+Layout: :mod:`.planning` reads the jaxpr and plans each ``shard_map`` body,
+:mod:`.evaluate` re-evaluates the program with the plan, :mod:`.scan_pipeline`
+and :mod:`.gspmd` handle loops and partitioned programs, :mod:`.decorator` holds
+``overlap`` and the variant selection, :mod:`.explain` what it reports."""
+
+from jax_overlap._src.transform.annotations import priority as priority
+from jax_overlap._src.transform.decorator import (
+  _PROFILED_VARIANTS as _PROFILED_VARIANTS,
+)
+from jax_overlap._src.transform.decorator import (
+  Overlapped as Overlapped,
+)
+from jax_overlap._src.transform.decorator import (
+  _pipeliner_off as _pipeliner_off,
+)
+from jax_overlap._src.transform.decorator import (
+  overlap as overlap,
+)
+from jax_overlap._src.transform.evaluate import _Config as _Config
+from jax_overlap._src.transform.evaluate import _evaluate as _evaluate
+from jax_overlap._src.transform.explain import Action as Action
+from jax_overlap._src.transform.explain import Explanation as Explanation
+from jax_overlap._src.transform.planning import (
+  _plan_body as _plan_body,
+)
+from jax_overlap._src.transform.planning import (
+  _subjaxprs as _subjaxprs,
+)
+from jax_overlap._src.transform.planning import (
+  _topological as _topological,
+)
+from jax_overlap._src.transform.planning import (
+  classify_collectives as classify_collectives,
+)
+from jax_overlap._src.transform.planning import (
+  parameter_avals as parameter_avals,
+)
+from jax_overlap._src.transform.planning import (
+  parameter_inputs as parameter_inputs,
+)
+
+__all__ = ["overlap", "Overlapped", "Explanation", "Action", "priority"]

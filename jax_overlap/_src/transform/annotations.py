@@ -1,0 +1,46 @@
+"""Priority annotations users put on collectives (:class:`priority`)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+from jax.experimental.xla_metadata import set_xla_metadata
+
+# ---------------------------------------------------------------------------
+# Manual annotation.
+# ---------------------------------------------------------------------------
+
+
+class priority:  # noqa: N801 - used as a context manager, like jax's own
+  """Marks the collectives (and ops) traced inside as a priority class.
+
+  ``with jax_overlap.priority("high"): y = jax.lax.all_gather(...)`` attaches
+  the frontend attribute ``_jax_overlap_priority="high"`` to the enclosed ops;
+  it reaches the compiled HLO, where the analysis and the runtime plan read it.
+  Also usable as a decorator.
+  """
+
+  _CLASSES = ("high", "normal", "low")
+
+  def __init__(self, level: str = "high"):
+    if level not in self._CLASSES:
+      raise ValueError(f"priority: level must be one of {', '.join(self._CLASSES)}, got {level!r}")
+    self.level = level
+    self._cm = None
+
+  def __enter__(self):
+    self._cm = set_xla_metadata(_jax_overlap_priority=self.level)
+    return self._cm.__enter__()
+
+  def __exit__(self, *exc):
+    cm, self._cm = self._cm, None
+    return cm.__exit__(*exc)
+
+  def __call__(self, fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+      with priority(self.level):
+        return fn(*args, **kwargs)
+
+    return wrapped

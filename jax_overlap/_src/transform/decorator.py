@@ -1,0 +1,728 @@
+"""``jax_overlap.overlap`` and its variant selection (compile each variant for the target,
+keep the one the analysis estimates fastest)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from jax_overlap._src import errors, latency_profile, selection_cache
+from jax_overlap._src import flags as flags_lib
+from jax_overlap._src import targets as targets_lib
+from jax_overlap._src.transform import gspmd
+from jax_overlap._src.transform.evaluate import _collect, _Config, _evaluate
+from jax_overlap._src.transform.explain import Action, Explanation
+from jax_overlap._src.transform.planning import parameter_avals, parameter_inputs
+
+_LOOP_PIPELINER = (
+  "xla_gpu_enable_pipelined_all_gather",
+  "xla_gpu_enable_pipelined_reduce_scatter",
+  "xla_gpu_enable_pipelined_all_reduce",
+)
+_DOT_MERGER = ("xla_gpu_dot_merger_threshold_mb",)
+# Latency-profiled recompiles tried per step (the fastest variants by estimate).
+_PROFILED_VARIANTS = 3
+_PROFILED_SUFFIX = ", scheduled by the cost model's estimates"
+
+
+def _pipeliner_off(options: dict[str, Any]) -> dict[str, Any]:
+  """Options that turn off the loop pipeliner ``options`` turn on, in either spelling."""
+  off: dict[str, Any] = {}
+  for k in _LOOP_PIPELINER:
+    if options.get(k) is True:
+      off[k] = False
+    new = flags_lib.REGISTRY[k].replacement
+    if new and options.get(new) not in (None, False, "off"):
+      off[new] = "off"
+  return off
+
+
+# ---------------------------------------------------------------------------
+# The decorator.
+# ---------------------------------------------------------------------------
+
+
+def _check_args(args, kwargs, mesh) -> None:
+  flat = [
+    ("args" + jax.tree_util.keystr(p), leaf)
+    for p, leaf in jax.tree_util.tree_flatten_with_path(tuple(args))[0]
+  ]
+  flat += [
+    ("kwargs" + jax.tree_util.keystr(p), leaf)
+    for p, leaf in jax.tree_util.tree_flatten_with_path(dict(kwargs))[0]
+  ]
+  for where, leaf in flat:
+    if isinstance(
+      leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic, int, float, bool, complex)
+    ):
+      pass
+    elif hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+      pass
+    else:
+      raise TypeError(
+        f"overlap: argument {where} is a {type(leaf).__name__}, not an array; pass arrays "
+        "(or jax.ShapeDtypeStruct) and close over other values"
+      )
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding):
+      m = sharding.mesh
+      for dim, entry in enumerate(sharding.spec):
+        if entry is None:
+          continue
+        axes = entry if isinstance(entry, tuple) else (entry,)
+        for a in axes:
+          if a not in m.axis_names:
+            raise ValueError(
+              f"overlap: argument {where} is sharded over mesh axis {a!r}, which the mesh "
+              f"{dict(m.shape)} does not have"
+            )
+        size = math.prod(m.shape[a] for a in axes)
+        if leaf.shape[dim] % size:
+          raise ValueError(
+            f"overlap: argument {where} has dimension {dim} of size {leaf.shape[dim]}, not "
+            f"divisible by the mesh axes {axes} ({size} devices)"
+          )
+  if mesh is not None:
+    for where, leaf in flat:
+      sharding = getattr(leaf, "sharding", None)
+      if isinstance(sharding, jax.sharding.NamedSharding):
+        missing = [a for a in sharding.mesh.axis_names if a not in mesh.axis_names]
+        if missing:
+          raise ValueError(
+            f"overlap: argument {where} uses mesh axes {missing} that "
+            f"mesh= {dict(mesh.shape)} does not have"
+          )
+
+
+def _platform(args, kwargs, mesh) -> str:
+  """The platform the step compiles for, read from the arguments' shardings."""
+  for x in jax.tree.leaves((args, kwargs)):
+    if isinstance(x, jax.core.Tracer):
+      # Traced under an outer jit: the abstract mesh still names the platform.
+      mesh_ = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+      platform = getattr(getattr(mesh_, "abstract_device", None), "platform", None)
+      if platform:
+        return str(platform)
+      continue
+    devices = getattr(getattr(x, "sharding", None), "_device_assignment", None)
+    if devices:
+      return str(devices[0].platform)
+  if mesh is not None and getattr(mesh, "devices", None) is not None and mesh.devices.size:
+    return str(mesh.devices.flat[0].platform)
+  return jax.default_backend()
+
+
+def _signature(args, kwargs):
+  leaves, tree = jax.tree.flatten((args, kwargs))
+  sig = []
+  for x in leaves:
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+      sig.append((tuple(x.shape), str(x.dtype), str(getattr(x, "sharding", None))))
+    else:
+      sig.append(("static", repr(x)))
+  return tree, tuple(sig)
+
+
+def _windowed_notes(candidates, reports) -> list[str]:
+  """What XLA's windowed einsum decomposed, for each variant that asked for it, against the
+  same program compiled as written (the first candidate)."""
+  out = []
+  for (name, _, options), report in zip(candidates, reports):
+    if (
+      report is None
+      or reports[0] is None
+      or name.endswith(_PROFILED_SUFFIX)
+      or "xla_gpu_threshold_for_windowed_einsum_mib" not in options
+    ):
+      continue
+    change = gspmd.decomposed(gspmd.found(reports[0]), gspmd.found(report))
+    out.append(f"{name}: {change}")
+  return out
+
+
+def _judged(name: str, report) -> list[str]:
+  """Notes that judge the chosen variant a second time: the simulator's contention-aware
+  estimate beside the analysis's, and a mark where the analysis judged a schedule it
+  wrote."""
+  if report is None:
+    return []
+  from jax_overlap._src.sim import realize as realize_lib
+
+  out = []
+  try:
+    sim_s = realize_lib.realize(report, realize_lib.XLA_POLICY).results[realize_lib.XLA_POLICY]
+    out.append(
+      f"chosen variant judged twice: the analysis {report.step_time_s * 1e3:.3f} ms, "
+      f"sim.realize (SM contention, XLA's stream priority) {sim_s.makespan_s * 1e3:.3f} ms"
+    )
+  except (ValueError, TypeError, RuntimeError) as e:
+    out.append(f"chosen variant not simulated: {str(e).splitlines()[0][:200]}")
+  if name.endswith(_PROFILED_SUFFIX):
+    out.append(
+      "self-judged: the chosen schedule came from a latency profile written by the same cost "
+      "model that estimated it"
+    )
+  return out
+
+
+class Overlapped:
+  """A step function rewritten for overlap; call it like the original.
+
+  Attributes:
+    fn: the original function.
+  """
+
+  def __init__(
+    self,
+    fn,
+    *,
+    mesh,
+    target,
+    prefetch,
+    reduce_scatter,
+    collective_matmul,
+    annotate,
+    xla_options,
+    workload,
+    select,
+    jit_kwargs,
+    schedule_from_estimates=True,
+    cache=True,
+    params_argnums=(0,),
+  ):
+    self.params_argnums = params_argnums
+    self.select = select
+    self.cache = cache
+    self.schedule_from_estimates = schedule_from_estimates
+    self.fn = fn
+    self.mesh = mesh
+    self.target = target
+    self.prefetch = prefetch
+    self.reduce_scatter = reduce_scatter
+    self.collective_matmul = collective_matmul
+    self.annotate = annotate
+    self.extra_options = dict(xla_options or {})
+    self.workload = workload
+    self.jit_kwargs = dict(jit_kwargs)
+    self._cache: dict = {}
+    functools.update_wrapper(self, fn)
+
+  def _param_inputs(self, closed, args, kwargs) -> dict | None:
+    """Positions of parameter inputs per shard_map body, from ``params_argnums``."""
+    leaves = [len(jax.tree.leaves(a)) for a in args]
+    n_all = sum(leaves) + len(jax.tree.leaves(kwargs))
+    invars = closed.jaxpr.invars
+    if n_all != len(invars):
+      return None  # the jaxpr does not take the arguments leaf for leaf: no evidence
+    starts = np.cumsum([0, *leaves])
+    params = [
+      v for i in self.params_argnums if i < len(args) for v in invars[starts[i] : starts[i + 1]]
+    ]
+    return parameter_inputs(closed.jaxpr, params) if params else None
+
+  def _build(self, args, kwargs):
+    _check_args(args, kwargs, self.mesh)
+    key = _signature(args, kwargs)
+    hit = self._cache.get(key)
+    if hit is not None:
+      return hit
+    base = self.fn if hasattr(self.fn, "trace") else jax.jit(self.fn)
+    traced = errors.trace_user_fn(
+      "overlap", self.fn, args, kwargs, lambda: base.trace(*args, **kwargs)
+    )
+    closed, out_info = traced.jaxpr, traced.out_info
+    out_tree = jax.tree.structure(out_info)
+    annotate = self.annotate
+    if annotate == "auto":
+      annotate = self.target is not None or _platform(args, kwargs, self.mesh) != "cpu"
+    param_inputs = self._param_inputs(closed, args, kwargs)
+    cfg = _Config(
+      self.prefetch,
+      self.reduce_scatter,
+      annotate,
+      self.collective_matmul,
+      self.target,
+      param_inputs=param_inputs,
+      param_avals=None if param_inputs is None else parameter_avals(closed.jaxpr, param_inputs),
+    )
+    actions: list[Action] = []
+    stats: dict = {}
+    counter = [0]
+    # Plan the rewrite from the jaxpr alone (no extra tracing).
+    _collect(closed.jaxpr, cfg, actions, stats, counter)
+    groups = stats.get("gather_groups", 0)
+    if groups and self.prefetch > groups:
+      raise ValueError(
+        f"overlap: prefetch must be between 0 and the number of layers ({groups}), got {self.prefetch}"
+      )
+    notes = []
+    if counter[0] == 0:
+      notes.append(
+        "no shard_map in this program: its collectives are inserted by the SPMD partitioner, so "
+        "only compiler options apply; the full rewrite (prefetch, per-layer reduce-scatter, "
+        "annotations) needs shard_map or jax_overlap.fsdp.scan_layers"
+      )
+
+    def make(cfg_: _Config, options_: dict[str, Any]):
+      def rewritten(*a, **kw):
+        out = _evaluate(closed, jax.tree.leaves((a, kw)), cfg_)
+        return jax.tree.unflatten(out_tree, out)
+
+      return rewritten
+
+    known: dict[int, Any] = {}
+    if counter[0] == 0 and self.target is not None and self.select == "cost_model":
+      candidates = self._gspmd_candidates(cfg, make, args, kwargs, notes, known)
+    else:
+      candidates = self._candidates(cfg, stats)
+    chosen = 0
+    estimates: list[tuple[str, float]] = []
+    if len(candidates) > 1:
+      entry_key = None
+      if self.cache:
+        entry_key = selection_cache.key(str(closed), key, self._settings(annotate))
+      remembered = self._recall(entry_key, candidates) if entry_key else None
+      if remembered is not None:
+        chosen, estimates, failed, judged = remembered
+      else:
+        chosen, estimates, failed, reports = self._select(candidates, make, args, kwargs, known)
+        judged = _judged(candidates[chosen][0], reports[chosen])
+        judged += _windowed_notes(candidates, reports)
+        if entry_key:
+          self._remember(entry_key, candidates, chosen, estimates, failed, judged)
+      table = [
+        f"{n} {t * 1e3:.3f} ms" + (" (chosen)" if n == candidates[chosen][0] else "")
+        for n, t in estimates
+      ]
+      notes.append(f"chosen by the cost model on {self.target}: " + "; ".join(table))
+      if remembered is not None:
+        notes.append(
+          "choice remembered from an earlier run with the same program, arguments "
+          "and settings (jax_overlap cache directory; cache=False chooses again)"
+        )
+      notes.extend(f"variant not compiled: {f}" for f in failed)
+      notes.extend(judged)
+    name, cfg_c, options = candidates[chosen]
+    if cfg_c != cfg:
+      actions = [a for a in actions if a.kind == "left_alone"]
+      actions.append(Action("left_alone", "program", f"kept as written: {name} estimated faster"))
+    for k, v in options.items():
+      actions.append(Action("compiler_option", "compile", f"{k}={flags_lib.format_value(v)}"))
+    explanation = Explanation(actions, options, notes, estimates, name)
+    python_fn = make(cfg_c, options)
+    jitted = jax.jit(python_fn, compiler_options=options or None, **self.jit_kwargs)
+    entry = (jitted, explanation, python_fn)
+    self._cache[key] = entry
+    return entry
+
+  def _candidates(self, cfg: _Config, stats: dict) -> list[tuple[str, _Config, dict[str, Any]]]:
+    base: dict[str, Any] = {}
+    if self.target is not None:
+      base.update(flags_lib.as_compiler_options(self.target, self.workload))
+    p = max(stats.get("axis_size", 1), 1)
+    per_layer = dict(base)
+    if stats.get("max_group_gather_bytes"):
+      # Large enough for one layer's gathers, too small to merge two layers.
+      per_layer["xla_gpu_all_gather_combine_threshold_bytes"] = int(stats["max_group_gather_bytes"])
+      if self.reduce_scatter == "per_layer":
+        per_layer["xla_gpu_reduce_scatter_combine_threshold_bytes"] = int(
+          stats["max_group_gather_bytes"] // p
+        )
+    per_op = dict(base)
+    if stats.get("max_gather_bytes"):
+      per_op["xla_gpu_all_gather_combine_threshold_bytes"] = int(stats["max_gather_bytes"])
+    if stats.get("max_scatter_out_bytes") and self.reduce_scatter == "per_layer":
+      per_op["xla_gpu_reduce_scatter_combine_threshold_bytes"] = int(stats["max_scatter_out_bytes"])
+    out = [("rewritten, one layer per collective", cfg, {**per_layer, **self.extra_options})]
+    has_collectives = (
+      stats.get("gather_groups", 0)
+      or stats.get("max_scatter_out_bytes", 0)
+      or stats.get("loops", 0)
+    )
+    if self.target is not None and self.select == "cost_model" and has_collectives:
+      out.append(("rewritten, one tensor per collective", cfg, {**per_op, **self.extra_options}))
+      out.append(
+        (
+          "rewritten, one layer per collective, two collectives in flight",
+          cfg,
+          {
+            **per_layer,
+            "xla_gpu_experimental_parallel_collective_overlap_limit": 2,
+            **self.extra_options,
+          },
+        )
+      )
+      # Merged dots wait for all of their weights: with the first layer's gathers
+      # issued one by one, its first matmul should start on the first tensor.
+      unmerged = {k: 0 for k in _DOT_MERGER if flags_lib.accepted_by_jaxlib(k, 0)}
+      out.append(
+        (
+          "rewritten, first layer and reduce-scatters issued one by one"
+          + (", XLA's dot merger off" if unmerged else ""),
+          dataclasses.replace(cfg, chain=True),
+          {**per_layer, **unmerged, **self.extra_options},
+        )
+      )
+      pipeliner = _pipeliner_off(base)
+      if stats.get("loops") and pipeliner:
+        # Loops that pipeline their own collectives (scan_layers) gain nothing from
+        # XLA's pipeliner, which moves the first gather and the last reduce-scatter
+        # out of the loop where nothing hides them.
+        out.append(
+          (
+            "rewritten, one layer per collective, XLA's loop pipeliner off",
+            cfg,
+            {**per_layer, **pipeliner, **self.extra_options},
+          )
+        )
+        out.append(
+          (
+            "rewritten, one tensor per collective, XLA's loop pipeliner off",
+            cfg,
+            {**per_op, **pipeliner, **self.extra_options},
+          )
+        )
+        out.append(
+          (
+            "rewritten, one layer per collective, XLA's loop pipeliner off, two collectives "
+            "in flight",
+            cfg,
+            {
+              **per_layer,
+              **pipeliner,
+              "xla_gpu_experimental_parallel_collective_overlap_limit": 2,
+              **self.extra_options,
+            },
+          )
+        )
+      as_written = _Config(
+        0,
+        "as_written",
+        cfg.annotate,
+        "off",
+        cfg.target,
+        param_inputs=cfg.param_inputs,
+        param_avals=cfg.param_avals,
+      )
+      if stats.get("loops") and unmerged:
+        # Loops left to XLA's own pipeliner, with its dot merger off (the loop's first
+        # matmul starts on its first weight).
+        out.append(
+          (
+            "as written, recommended flags, XLA's dot merger off",
+            as_written,
+            {**base, **unmerged, **self.extra_options},
+          )
+        )
+      out.append(("as written, recommended flags", as_written, {**base, **self.extra_options}))
+    return out
+
+  def _settings(self, annotate: bool) -> dict[str, Any]:
+    return {
+      "target": self.target,
+      "workload": self.workload,
+      "prefetch": self.prefetch,
+      "params_argnums": list(self.params_argnums),
+      "reduce_scatter": self.reduce_scatter,
+      "collective_matmul": self.collective_matmul,
+      "annotate": annotate,
+      "select": self.select,
+      "schedule_from_estimates": self.schedule_from_estimates,
+      "xla_options": self.extra_options,
+      "jit_kwargs": sorted(self.jit_kwargs),
+    }
+
+  def _recall(
+    self, entry_key: str, candidates
+  ) -> tuple[int, list[tuple[str, float]], list[str]] | None:
+    """The remembered choice, added to ``candidates``; None if there is none to use."""
+    entry = selection_cache.load(entry_key)
+    if entry is None:
+      return None
+    names = [c[0] for c in candidates]
+    if entry["base"] not in names:
+      return None
+    options = entry["options"]
+    profile = options.get(latency_profile.OPTION)
+    if profile is not None and not os.path.exists(str(profile)):
+      return None  # the profile file it was scheduled with is gone
+    cfg = candidates[names.index(entry["base"])][1]
+    if entry["chosen"] in names:
+      chosen = names.index(entry["chosen"])
+      candidates[chosen] = (entry["chosen"], cfg, options)
+    else:
+      candidates.append((entry["chosen"], cfg, options))
+      chosen = len(candidates) - 1
+    try:
+      estimates = [(str(n), float(t)) for n, t in entry["estimates"]]
+    except (TypeError, ValueError):
+      return None
+    judged = [str(j) for j in entry.get("judged", [])]
+    return chosen, estimates, [str(f) for f in entry["failed"]], judged
+
+  def _remember(
+    self, entry_key: str, candidates, chosen: int, estimates, failed, judged=()
+  ) -> None:
+    name, _, options = candidates[chosen]
+    base = name[: -len(_PROFILED_SUFFIX)] if name.endswith(_PROFILED_SUFFIX) else name
+    selection_cache.store(
+      entry_key,
+      {
+        "chosen": name,
+        "base": base,
+        "options": options,
+        "estimates": [[n, t] for n, t in estimates],
+        "failed": failed,
+        "judged": list(judged),
+      },
+    )
+
+  def _select(self, candidates, make, args, kwargs, known=None):
+    """Index of the fastest candidate (profiled ones appended), all estimates, failures and
+    the reports (None where a variant did not compile); ``known``: reports already made,
+    by candidate index."""
+    from jax_overlap._src import analysis
+
+    times, reports, failed = [], [], []
+    for i, (name, cfg_c, options) in enumerate(candidates):
+      if known and i in known:
+        times.append(known[i].step_time_s)
+        reports.append(known[i])
+        continue
+      try:
+        report = analysis.analyze(
+          make(cfg_c, options), *args, target=self.target, name=name, xla_options=options, **kwargs
+        )
+        times.append(report.step_time_s)
+        reports.append(report)
+      except (ValueError, RuntimeError, TypeError) as e:
+        if name == candidates[-1][0] and all(t == float("inf") for t in times):
+          raise
+        failed.append(f"{name}: {str(e).splitlines()[0][:200]}")
+        times.append(float("inf"))
+        reports.append(None)
+    # The fastest few again, scheduled by XLA from the analysis' own costs (a
+    # latency profile) instead of XLA's estimates, unless the user gave a profile.
+    # A schedule can at best hide all of a variant's exposed communication, so one
+    # whose compute alone takes longer than the best step so far is not tried.
+    finite = [i for i in range(len(times)) if times[i] < float("inf")]
+    if self.schedule_from_estimates and latency_profile.OPTION not in self.extra_options:
+      for i in sorted(finite, key=lambda i: (times[i], i))[:_PROFILED_VARIANTS]:
+        if reports[i].compute_time_s >= min(times):
+          continue
+        name, cfg_c, options = candidates[i]
+        label = name + _PROFILED_SUFFIX
+        try:
+          profiled = {**options, latency_profile.OPTION: latency_profile.write_profile(reports[i])}
+          report = analysis.analyze(
+            make(cfg_c, profiled),
+            *args,
+            target=self.target,
+            name=label,
+            xla_options=profiled,
+            **kwargs,
+          )
+        except (ValueError, RuntimeError, TypeError, OSError) as e:
+          failed.append(f"{label}: {str(e).splitlines()[0][:200]}")
+          continue
+        candidates.append((label, cfg_c, profiled))
+        times.append(report.step_time_s)
+        reports.append(report)
+    best = min(range(len(times)), key=lambda i: (times[i], i))
+    return best, [(c[0], t) for c, t in zip(candidates, times)], failed, reports
+
+  def _gspmd_candidates(self, cfg, make, args, kwargs, notes, known):
+    """Option variants for a program without shard_map, built for the collectives the
+    partitioner inserted (read from the step compiled as written for the target)."""
+    from jax_overlap._src import analysis
+
+    as_written = _Config(
+      0,
+      "as_written",
+      cfg.annotate,
+      "off",
+      cfg.target,
+      param_inputs=cfg.param_inputs,
+      param_avals=cfg.param_avals,
+    )
+    base = {**flags_lib.as_compiler_options(self.target, self.workload), **self.extra_options}
+    name = "as written, recommended flags"
+    report = analysis.analyze(
+      make(as_written, base), *args, target=self.target, name=name, xla_options=base, **kwargs
+    )
+    found = gspmd.found(report)
+    notes[-1] = (
+      f"no shard_map in this program: the SPMD partitioner inserts its collectives; compiled "
+      f"for {self.target} they are {found.summary()}. The variants below are compiler options "
+      "for those collectives; the full rewrite (prefetch, per-layer reduce-scatter, "
+      "annotations) needs shard_map or jax_overlap.fsdp.scan_layers"
+    )
+    known[0] = report
+    return [
+      (n, as_written, {**opts, **self.extra_options}) for n, opts in gspmd.variants(found, base)
+    ]
+
+  def __call__(self, *args, **kwargs):
+    fn, _, python_fn = self._build(args, kwargs)
+    if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves((args, kwargs))):
+      # Called inside another transformation (jit, grad, vmap): inline the rewrite;
+      # compiler options can only be set by the outermost jit.
+      return python_fn(*args, **kwargs)
+    return fn(*args, **kwargs)
+
+  def lower(self, *args, **kwargs):
+    """Lowers the rewritten step like ``jax.jit(...).lower``."""
+    fn = self._build(args, kwargs)[0]
+    return fn.lower(*args, **kwargs)
+
+  def trace(self, *args, **kwargs):
+    """Traces the rewritten step like ``jax.jit(...).trace``."""
+    fn = self._build(args, kwargs)[0]
+    return fn.trace(*args, **kwargs)
+
+  def explain(self, *args, **kwargs) -> Explanation:
+    """What was rewritten and why, for these arguments."""
+    return self._build(args, kwargs)[1]
+
+  def compiler_options(self, *args, **kwargs) -> dict[str, Any]:
+    return dict(self.explain(*args, **kwargs).xla_options)
+
+
+def overlap(
+  fn: Callable | None = None,
+  *,
+  mesh=None,
+  target: str | None = None,
+  prefetch: int = 1,
+  reduce_scatter: str = "per_layer",
+  collective_matmul: str = "auto",
+  annotate: bool | str = "auto",
+  xla_options: dict[str, Any] | None = None,
+  workload: str = "fsdp",
+  select: str = "cost_model",
+  schedule_from_estimates: bool = True,
+  cache: bool = True,
+  params_argnums: int | tuple[int, ...] = 0,
+  **jit_kwargs,
+):
+  """Rewrites a sharded step so its collectives overlap compute.
+
+  Usable as ``@overlap`` or ``@overlap(target="h100x8", prefetch=2)``.
+
+  Args:
+    fn: the step function (plain, jitted, or containing ``shard_map``).
+    mesh: the mesh the step runs on (checked against the arguments' shardings).
+    target: GPU topology whose recommended XLA options are applied ("h100x8"...).
+    prefetch: how many layers ahead parameter all-gathers are issued (>= 0).
+    reduce_scatter: "per_layer" (issue each gradient reduce-scatter as soon as
+      its input exists, and keep them separate) or "as_written".
+    collective_matmul: "auto" decomposes an activation all-gather feeding a
+      matmul (and a matmul feeding a reduce-scatter) into a ppermute ring of
+      partial matmuls (``jax_overlap.collective_matmul``) where the cost model
+      for ``target`` (default h100x8) predicts a gain; "on" wherever the
+      pattern matches; "off" never.
+    annotate: attach frontend attributes for the runtime controls and the
+      analysis (True/False); "auto" attaches them when the step compiles for
+      a GPU (a ``target`` is given or the arguments live on GPU devices) and
+      not on CPU, where nothing reads them and they slow XLA's compile.
+    xla_options: extra per-compile XLA options (win over the others).
+    workload: workload for the recommended options.
+    select: with a ``target``, "cost_model" compiles the rewritten step and the
+      step as written (with the recommended options) deviceless for the target
+      and keeps the one the analysis estimates faster, so the transform is never
+      slower than the flags alone by that estimate; "rewrite" always rewrites.
+    schedule_from_estimates: with ``select="cost_model"``, also compile the three
+      fastest variants (those whose compute alone is shorter than the best step
+      so far) with a latency profile written from their analysis
+      (``jax_overlap.latency_profile``), so XLA's latency-hiding scheduler
+      places collectives by the cost model's kernel and collective times
+      instead of its own estimates, and keep whichever is estimated faster.
+      The profile file lives in the jax_overlap cache directory. Skipped when
+      ``xla_options`` already names a profile (e.g. one measured on GPUs).
+    cache: remember the cost model's choice on disk (``selection/`` in the
+      jax_overlap cache directory, ``$JAX_OVERLAP_CACHE_DIR`` or
+      ``~/.cache/jax_overlap``), keyed by the traced program, the arguments'
+      shapes, dtypes and shardings, the target, these settings, jax/jaxlib and
+      jax_overlap's code, so a restarted job skips the deviceless compiles.
+      Every variant computes the same values; only the choice is reused.
+    params_argnums: the positional argument(s) holding the parameters (the train
+      state), 0 by default as in ``step(params, batch)``. All-gathers whose input
+      depends only on parameters are prefetched; those of other inputs (a
+      sequence-parallel batch) and of values computed in the step (activations) are
+      not, and ``explain()`` says which is which.
+    **jit_kwargs: passed to ``jax.jit`` (e.g. ``donate_argnums``).
+
+  Returns:
+    An :class:`Overlapped` callable with the same signature and outputs.
+
+  Raises:
+    ValueError: for a negative prefetch, an unknown mode or target.
+
+  Example:
+    >>> @overlap(target="h100x8")  # doctest: +SKIP
+    ... def train_step(params, batch): ...
+  """
+  if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
+    raise ValueError(f"overlap: prefetch must be a non-negative integer, got {prefetch!r}")
+  if reduce_scatter not in ("per_layer", "as_written"):
+    raise ValueError(
+      f"overlap: reduce_scatter must be 'per_layer' or 'as_written', got {reduce_scatter!r}"
+    )
+  if select not in ("cost_model", "rewrite"):
+    raise ValueError(f"overlap: select must be 'cost_model' or 'rewrite', got {select!r}")
+  if collective_matmul not in ("auto", "on", "off"):
+    raise ValueError(
+      f"overlap: collective_matmul must be 'auto', 'on' or 'off', got {collective_matmul!r}"
+    )
+  if target is not None:
+    targets_lib.get(target)
+  flags_lib.check_workload(workload)
+  if "compiler_options" in jit_kwargs:
+    raise ValueError("overlap: pass XLA options as xla_options=, not compiler_options=")
+  if not isinstance(cache, bool):
+    raise TypeError(f"overlap: cache must be True or False, got {cache!r}")
+  if not isinstance(schedule_from_estimates, bool):
+    raise TypeError(
+      f"overlap: schedule_from_estimates must be True or False, got {schedule_from_estimates!r}"
+    )
+  if annotate not in (True, False, "auto"):
+    raise ValueError(f"overlap: annotate must be True, False or 'auto', got {annotate!r}")
+  argnums = (params_argnums,) if isinstance(params_argnums, int) else params_argnums
+  if (
+    not isinstance(argnums, tuple)
+    or not argnums
+    or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in argnums)
+  ):
+    raise ValueError(
+      "overlap: params_argnums must be a non-negative int or a non-empty tuple of them, got "
+      f"{params_argnums!r}"
+    )
+
+  def wrap(f):
+    if not callable(f):
+      raise TypeError(f"overlap: expected a function, got {type(f).__name__}")
+    return Overlapped(
+      f,
+      mesh=mesh,
+      target=target,
+      prefetch=prefetch,
+      reduce_scatter=reduce_scatter,
+      collective_matmul=collective_matmul,
+      annotate=annotate,
+      xla_options=xla_options,
+      workload=workload,
+      select=select,
+      jit_kwargs=jit_kwargs,
+      schedule_from_estimates=schedule_from_estimates,
+      cache=cache,
+      params_argnums=argnums,
+    )
+
+  return wrap if fn is None else wrap(fn)

@@ -1,0 +1,269 @@
+"""Re-evaluating the traced program with the plan: ``shard_map`` bodies in the planned order,
+collective matmul rings, pipelined loops."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any
+
+import jax
+from jax.experimental.xla_metadata import set_xla_metadata
+
+from jax_overlap._src.fsdp import _after
+from jax_overlap._src.transform import scan_pipeline
+from jax_overlap._src.transform.explain import Action
+from jax_overlap._src.transform.planning import (
+  _OPAQUE,
+  _BodyPlan,
+  _has_collectives,
+  _is_var,
+  _plan_body,
+)
+
+
+def _eval_eqn(eqn, invals, metadata: dict[str, str] | None):
+  """Binds one equation as ``jax.core.eval_jaxpr`` does, optionally under XLA metadata."""
+  from jax._src import source_info_util
+
+  subfuns, params = [], eqn.primitive.get_bind_params(eqn.params)
+  ctx = getattr(eqn, "ctx", None)
+  manager = getattr(ctx, "manager", None)
+  name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+  with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):
+    with manager if manager is not None else contextlib.nullcontext():
+      if metadata:
+        with set_xla_metadata(**metadata):
+          out = eqn.primitive.bind(*subfuns, *invals, **params)
+      else:
+        out = eqn.primitive.bind(*subfuns, *invals, **params)
+  return out if eqn.primitive.multiple_results else [out]
+
+
+def _environment(jaxpr, consts, args):
+  """The variable environment of an evaluation, and its reader (literals read as values)."""
+  env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
+  env.update(zip(jaxpr.invars, args))
+
+  def read(v):
+    return v.val if not _is_var(v) else env[v]
+
+  return env, read
+
+
+def _run_ring(ring, env, read) -> bool:
+  """Runs an N-D gather -> dots ring; False (and the plain gather) if a weight is not ready."""
+  from jax_overlap._src import collective_matmul as cm_lib
+
+  x, gather, dots, collect, bidi = ring
+  eqns_w = []
+  for d in dots:
+    lhs = d.invars[0] is gather.outvars[0]
+    w = d.invars[1] if lhs else d.invars[0]
+    if _is_var(w) and w not in env:
+      env[gather.outvars[0]] = _eval_eqn(gather, [read(x)], None)[0]
+      return False
+    aval = d.outvars[0].aval
+    eqns_w.append(
+      (
+        read(w),
+        lhs,
+        d.params["dimension_numbers"],
+        d.params.get("precision"),
+        d.params.get("preferred_element_type"),
+        tuple(aval.shape),
+        aval.dtype,
+      )
+    )
+  axis = gather.params["axis_name"]
+  axis = axis[0] if isinstance(axis, tuple) else axis
+  outs, full = cm_lib.all_gather_dot_generals(
+    read(x),
+    eqns_w,
+    axis=axis,
+    gather_dim=gather.params["all_gather_dimension"],
+    collect=collect,
+    bidirectional=bidi,
+  )
+  for d, o in zip(dots, outs):
+    env[d.outvars[0]] = o
+  if collect:
+    env[gather.outvars[0]] = full
+  return True
+
+
+def _run(jaxpr, consts, args, plan: _BodyPlan | None):
+  env, read = _environment(jaxpr, consts, args)
+  order = plan.order if plan is not None else range(len(jaxpr.eqns))
+  ring_done: dict[int, bool] = {}
+  for i in order:
+    eqn = jaxpr.eqns[i]
+    if plan is not None and i in plan.ring_of:
+      g = plan.ring_of[i]
+      if g not in ring_done:
+        (ring,) = [plan.rings[g]]
+        ring_done[g] = _run_ring(
+          (ring[0], ring[1], [jaxpr.eqns[u] for u in ring[2]], ring[3], ring[4]), env, read
+        )
+      if ring_done[g] and i in plan.rings[g][2]:
+        continue  # this dot's output came from the ring
+    if plan is not None and i in plan.skipped:
+      continue  # computed by the collective matmul that replaces it
+    if plan is not None and i in plan.fused:
+      kind, lhs, rhs, kw = plan.fused[i]
+      from jax_overlap._src import collective_matmul as cm_lib
+
+      fn = {
+        "all_gather": cm_lib.all_gather_matmul,
+        "reduce_scatter": cm_lib.matmul_reduce_scatter,
+        "reduce_scatter_nd": cm_lib.dot_general_reduce_scatter,
+      }[kind]
+      env[eqn.outvars[0]] = fn(read(lhs), read(rhs), **kw)
+      continue
+    if plan is not None and i in plan.scans:
+      outs = scan_pipeline.run(eqn, [read(v) for v in eqn.invars], plan.scans[i], _eval_eqn)
+      for v, o in zip(eqn.outvars, outs):
+        env[v] = o
+      continue
+    md = plan.metadata.get(i) if plan is not None else None
+    invals = [read(v) for v in eqn.invars]
+    prev = plan.chain_prev.get(i) if plan is not None else None
+    if prev is not None and invals:
+      invals[0] = _after(invals[0], read(jaxpr.eqns[prev].outvars[0]))
+    outs = _eval_eqn(eqn, invals, md)
+    for v, o in zip(eqn.outvars, outs):
+      env[v] = o
+  return [read(v) for v in jaxpr.outvars]
+
+
+@dataclasses.dataclass
+class _Config:
+  prefetch: int
+  reduce_scatter: str
+  annotate: bool
+  collective_matmul: str = "off"
+  target: str | None = None
+  chain: bool = False  # issue the first layer's gathers and every reduce-scatter one by one
+  # id(shard_map body) -> positions of its inputs that carry parameters (parameter_inputs)
+  param_inputs: dict | None = None
+  param_avals: frozenset | None = None  # parameter_avals
+
+
+def _evaluate(closed, args, cfg: _Config):
+  """Evaluates a top-level jaxpr, rewriting the bodies of its shard_maps."""
+  jaxpr = closed.jaxpr
+  env, read = _environment(jaxpr, closed.consts, args)
+  for eqn in jaxpr.eqns:
+    invals = [read(v) for v in eqn.invars]
+    name = eqn.primitive.name
+    if name == "shard_map":
+      outs = _run_shard_map(eqn, invals, cfg)
+    elif name in ("pjit", "jit") and "jaxpr" in eqn.params:
+      outs = _evaluate(eqn.params["jaxpr"], invals, cfg)
+      outs = _constrain(outs, eqn.params.get("out_shardings"))
+    else:
+      outs = _eval_eqn(eqn, invals, None)
+    for v, o in zip(eqn.outvars, outs):
+      env[v] = o
+  return [read(v) for v in jaxpr.outvars]
+
+
+def _constrain(outs, shardings):
+  if not shardings:
+    return outs
+  res = []
+  for o, s in zip(outs, shardings):
+    if isinstance(s, jax.sharding.NamedSharding):
+      o = jax.lax.with_sharding_constraint(o, s)
+    res.append(o)
+  return res
+
+
+def _collect(jaxpr, cfg: _Config, actions, stats, counter) -> None:
+  """Plans every shard_map body the evaluator will rewrite, in the same order."""
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    if name == "shard_map":
+      counter[0] += 1
+      _record(
+        _plan_body(
+          eqn.params["jaxpr"],
+          f"shard_map #{counter[0]}",
+          cfg.prefetch,
+          cfg.reduce_scatter,
+          cfg.annotate,
+          cfg.chain,
+          cfg.collective_matmul,
+          cfg.target,
+          _params_of(cfg, eqn),
+          cfg.param_avals,
+        ),
+        actions,
+        stats,
+      )
+    elif name in ("pjit", "jit") and "jaxpr" in eqn.params:
+      _collect(eqn.params["jaxpr"].jaxpr, cfg, actions, stats, counter)
+    elif name in _OPAQUE and _has_collectives(eqn):
+      actions.append(
+        Action(
+          "left_alone",
+          name,
+          "collectives inside a custom derivative or loop are left as "
+          "written (use jax_overlap.fsdp.scan_layers for scanned layers)",
+        )
+      )
+
+
+def _params_of(cfg: _Config, eqn) -> frozenset | None:
+  if cfg.param_inputs is None:
+    return None
+  return cfg.param_inputs.get(id(eqn.params["jaxpr"]), frozenset())
+
+
+def _record(plan: _BodyPlan, actions, stats) -> None:
+  actions.extend(plan.actions)
+  stats["gather_groups"] = max(stats.get("gather_groups", 0), plan.gather_groups)
+  stats["max_group_gather_bytes"] = max(
+    stats.get("max_group_gather_bytes", 0), plan.max_group_gather_bytes
+  )
+  stats["max_scatter_bytes"] = max(stats.get("max_scatter_bytes", 0), plan.max_scatter_bytes)
+  stats["max_gather_bytes"] = max(stats.get("max_gather_bytes", 0), plan.max_gather_bytes)
+  stats["max_scatter_out_bytes"] = max(
+    stats.get("max_scatter_out_bytes", 0), plan.max_scatter_out_bytes
+  )
+  stats["axis_size"] = max(stats.get("axis_size", 1), plan.axis_size)
+  stats["loops"] = stats.get("loops", 0) + plan.loops
+
+
+def _run_shard_map(eqn, invals, cfg: _Config):
+  params = eqn.params
+  body = params["jaxpr"]
+  plan = _plan_body(
+    body,
+    "",
+    cfg.prefetch,
+    cfg.reduce_scatter,
+    cfg.annotate,
+    cfg.chain,
+    cfg.collective_matmul,
+    cfg.target,
+    _params_of(cfg, eqn),
+    cfg.param_avals,
+  )
+  consts = getattr(body, "consts", ())
+  inner = body.jaxpr if hasattr(body, "jaxpr") and not hasattr(body, "eqns") else body
+
+  def new_body(*args):
+    return tuple(_run(inner, consts, args, plan))
+
+  kwargs = dict(
+    mesh=params["mesh"], in_specs=tuple(params["in_specs"]), out_specs=tuple(params["out_specs"])
+  )
+  if "check_vma" in params:
+    kwargs["check_vma"] = params["check_vma"]
+  manual = params.get("newly_manual_axes", params.get("manual_axes"))
+  mesh_axes = set(params["mesh"].axis_names)
+  if manual is not None and set(manual) != mesh_axes:
+    kwargs["axis_names"] = set(manual)
+  out = jax.shard_map(new_body, **kwargs)(*invals)
+  return list(out) if isinstance(out, (tuple, list)) else [out]

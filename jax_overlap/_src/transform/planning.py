@@ -1,0 +1,834 @@
+"""Reading the jaxpr: which collectives are which, and the plan for each ``shard_map`` body
+(prefetch groups, reduce-scatter placement, collective matmul rings, pipelined loops)."""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+from typing import Any
+
+import numpy as np
+
+from jax_overlap._src.transform import scan_pipeline
+from jax_overlap._src.transform.explain import Action
+
+_GATHER = "all_gather"
+_SCATTER = "reduce_scatter"
+_COLLECTIVES = {
+  "all_gather",
+  "reduce_scatter",
+  "psum",
+  "psum_invariant",
+  "ppermute",
+  "all_to_all",
+  "pmax",
+  "pmin",
+}
+_OPAQUE = ("scan", "while", "cond", "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_jvp_call")
+_MATMUL = {"dot_general", "conv_general_dilated", "ragged_dot_general"}
+
+
+# ---------------------------------------------------------------------------
+# The jaxpr pass.
+# ---------------------------------------------------------------------------
+
+
+def _pure(eqn) -> bool:
+  """No effects other than naming a mesh axis (which every collective has)."""
+  return all(type(eff).__name__ == "NamedAxisEffect" for eff in eqn.effects)
+
+
+def _is_var(x) -> bool:
+  return not hasattr(x, "val")
+
+
+def _nbytes(aval) -> int:
+  try:
+    return int(math.prod(aval.shape) * np.dtype(aval.dtype).itemsize)
+  except (TypeError, AttributeError):
+    return 0
+
+
+# Operations after which a value counts as computed in the step (an activation).
+_COMPUTE = _MATMUL | set(_OPAQUE)
+_HEAVY = _COMPUTE | _COLLECTIVES
+
+
+def parameter_inputs(jaxpr, param_invars) -> dict[int, frozenset]:
+  """Which inputs of each shard_map body (by position) carry parameters, program-wide.
+
+  ``param_invars`` are the program's inputs that are parameters (the leaves of the step's
+  ``params_argnums`` arguments). A value carries a parameter when it is computed from
+  parameters by cheap operations alone (casts, reshapes, slices, elementwise: no matmul,
+  collective or loop); a shard_map body's input carries one when the value passed to it
+  does. Keyed by ``id`` of the body jaxpr.
+  """
+  out: dict[int, frozenset] = {}
+
+  def walk(jx, flags: dict) -> list[bool]:
+    def is_param(v):
+      return _is_var(v) and flags.get(v, False)
+
+    for e in jx.eqns:
+      name = e.primitive.name
+      if name == "shard_map":
+        body = e.params["jaxpr"]
+        out[id(body)] = frozenset(k for k, v in enumerate(e.invars) if is_param(v))
+        res = [False] * len(e.outvars)
+      elif name in ("pjit", "jit") and "jaxpr" in e.params:
+        inner = e.params["jaxpr"].jaxpr
+        res = walk(inner, {iv: is_param(v) for iv, v in zip(inner.invars, e.invars)})
+      elif name in _HEAVY or any(True for _ in _subjaxprs(e)):
+        res = [False] * len(e.outvars)
+      else:
+        vs = [v for v in e.invars if _is_var(v)]
+        res = [bool(vs) and all(is_param(v) for v in vs)] * len(e.outvars)
+      for v, r in zip(e.outvars, res):
+        flags[v] = r
+    return [is_param(v) for v in jx.outvars]
+
+  walk(jaxpr, {v: True for v in param_invars})
+  return out
+
+
+def parameter_avals(jaxpr, param_inputs: dict) -> frozenset:
+  """(shape, dtype) of the parameter-carrying inputs of every shard_map body (per device)."""
+  out: set = set()
+  for e in jaxpr.eqns:
+    if e.primitive.name == "shard_map":
+      body = e.params["jaxpr"]
+      for k in param_inputs.get(id(body), ()):
+        v = body.invars[k]
+        out.add((tuple(getattr(v.aval, "shape", ())), str(getattr(v.aval, "dtype", ""))))
+    for sub in _subjaxprs(e):
+      out |= parameter_avals(sub, param_inputs)
+  return frozenset(out)
+
+
+def classify_collectives(
+  jaxpr, param_inputs: frozenset | None = None, param_avals: frozenset | None = None
+) -> dict[int, str]:
+  """Each all-gather and reduce-scatter of a shard_map body, by what it moves.
+
+  All-gathers:
+
+  * ``"parameter"``: the input depends only on parameters, without a matmul or a loop on
+    the way (other collectives may be: a gathered parameter that feeds another's
+    gather). ``param_inputs`` are the positions of the body's inputs that carry
+    parameters (:func:`parameter_inputs`); None (not known): every input counts as one;
+  * ``"input"``: computed from the body's inputs by cheap operations, but from an input
+    that is not a parameter (the batch, gathered along the sequence for sequence
+    parallelism);
+  * ``"activation"``: the input is computed in the step (a matmul or a loop on its way):
+    it sits on the critical path of the layer that produces it.
+
+  Reduce-scatters are ``"gradient"`` when their results leave the body through cheap
+  operations only and (given ``param_avals``, :func:`parameter_avals`) have a
+  parameter's per-device shape and dtype, else ``"activation"`` (a row-parallel layer's
+  partial sums, or an activation's cotangent).
+  """
+  eqns = list(jaxpr.eqns)
+  producer: dict[Any, int] = {}
+  for i, e in enumerate(eqns):
+    for v in e.outvars:
+      producer[v] = i
+  invars = [v for v in jaxpr.invars if _is_var(v)]
+  index = {v: k for k, v in enumerate(invars)}
+  all_in = list(jaxpr.invars)
+  if param_inputs is None:
+    params = set(invars)
+  else:
+    params = {all_in[k] for k in param_inputs if k < len(all_in) and _is_var(all_in[k])}
+  # Per equation: the body inputs it reads through cheap operations, or None once a heavy
+  # operation (matmul, collective, loop) is on the way.
+  reads: list[frozenset | None] = []
+  for e in eqns:
+    acc: set | None = set()
+    for v in e.invars:
+      if not _is_var(v):
+        continue
+      if v in producer:
+        d = producer[v]
+        src = None if eqns[d].primitive.name in _COMPUTE else reads[d]
+        if src is None:
+          acc = None
+          break
+        acc |= src
+      elif v in index:
+        acc.add(v)
+    reads.append(None if acc is None else frozenset(acc))
+  # Which equations reach an output through cheap operations only.
+  users: dict[Any, list[int]] = {}
+  for i, e in enumerate(eqns):
+    for v in e.invars:
+      if _is_var(v):
+        users.setdefault(v, []).append(i)
+  outs = {v for v in jaxpr.outvars if _is_var(v)}
+  to_output = [False] * len(eqns)
+  for i in range(len(eqns) - 1, -1, -1):
+    for v in eqns[i].outvars:
+      if v in outs or any(
+        to_output[u] and eqns[u].primitive.name not in _HEAVY for u in users.get(v, ())
+      ):
+        to_output[i] = True
+  out: dict[int, str] = {}
+  for i, e in enumerate(eqns):
+    if e.primitive.name == _GATHER:
+      src = reads[i]
+      if src is None:
+        out[i] = "activation"
+      else:
+        out[i] = "parameter" if src and src <= params else "input"
+    elif e.primitive.name == _SCATTER:
+      shaped = (
+        param_avals is None
+        or (tuple(e.outvars[0].aval.shape), str(e.outvars[0].aval.dtype)) in param_avals
+      )
+      out[i] = "gradient" if to_output[i] and shaped else "activation"
+  return out
+
+
+@dataclasses.dataclass
+class _BodyPlan:
+  order: list[int]
+  metadata: dict[int, dict[str, str]]
+  actions: list[Action]
+  gather_groups: int
+  max_group_gather_bytes: int
+  max_scatter_bytes: int
+  max_gather_bytes: int = 0
+  max_scatter_out_bytes: int = 0
+  axis_size: int = 1
+  chain_prev: dict = dataclasses.field(default_factory=dict)
+  # Collective matmuls: eqn index to evaluate -> (kind, gather/dot index skipped, params).
+  fused: dict = dataclasses.field(default_factory=dict)
+  skipped: frozenset = frozenset()
+  # N-D gather -> dot_general rings: gather index -> (input, gather eqn, dots, collect), and
+  # each user of the gathered value -> its gather index.
+  rings: dict = dataclasses.field(default_factory=dict)
+  ring_of: dict = dataclasses.field(default_factory=dict)
+  loops: int = 0  # loops over layers whose collectives are left as written
+  # lax.scan equations whose collectives are pipelined: eqn index -> scan_pipeline.ScanPlan.
+  scans: dict = dataclasses.field(default_factory=dict)
+
+
+def _plan_body(
+  jaxpr,
+  where: str,
+  prefetch: int,
+  reduce_scatter: str,
+  annotate: bool,
+  chain: bool = False,
+  collective_matmul: str = "off",
+  target: str | None = None,
+  param_inputs: frozenset | None = None,
+  param_avals: frozenset | None = None,
+) -> _BodyPlan:
+  eqns = list(jaxpr.eqns)
+  n = len(eqns)
+  producer: dict[Any, int] = {}
+  for i, e in enumerate(eqns):
+    for v in e.outvars:
+      producer[v] = i
+  deps = [[producer[v] for v in e.invars if _is_var(v) and v in producer] for e in eqns]
+  # Operations that depend only on the body's inputs and have no effects can move freely.
+  input_only = [False] * n
+  for i, e in enumerate(eqns):
+    input_only[i] = _pure(e) and all(input_only[d] for d in deps[i])
+  actions: list[Action] = []
+  key = [float(i) for i in range(n)]
+  metadata: dict[int, dict[str, str]] = {}
+
+  # Collectives in nested loops and custom derivatives stay as written; say so.
+  # Their sizes still set the combine thresholds (one loop iteration's gathers
+  # are one layer's).
+  nested = _NestedStats()
+  scans: dict[int, scan_pipeline.ScanPlan] = {}
+  kept_loops = 0
+  for i, e in enumerate(eqns):
+    if e.primitive.name in _OPAQUE and _has_collectives(e):
+      _nested_stats(e, nested)
+      if e.primitive.name in ("scan", "while"):
+        # A loop over layers: pipeline its collectives across iterations where it can.
+        sp = scan_pipeline.plan(e, gathers=prefetch > 0, scatters=reduce_scatter == "per_layer")
+        loop = f"{where + ', ' if where else ''}lax.scan at equation {i} ({e.params.get('length', '?')} iterations)"
+        if sp:
+          scans[i] = sp
+          if sp.gathers:
+            actions.append(
+              Action(
+                "prefetch",
+                loop,
+                f"{len(sp.gathers)} all-gather(s) of each iteration's layer "
+                "issued one iteration early (the first before the loop), one gathered layer "
+                "carried",
+              )
+            )
+          if sp.scatters:
+            actions.append(
+              Action(
+                "reduce_scatter",
+                loop,
+                f"{len(sp.scatters)} gradient reduce-scatter(s) issued "
+                "one iteration late (the last after the loop), one unscattered gradient "
+                "carried",
+              )
+            )
+        else:
+          kept_loops += 1
+          why = (
+            sp.reason
+            if (prefetch > 0 or reduce_scatter == "per_layer")
+            else ("prefetch=0 and reduce_scatter='as_written' keep collectives where written")
+          )
+          actions.append(Action("left_alone", loop, f"collectives kept as written: {why}"))
+        continue
+      actions.append(
+        Action(
+          "left_alone",
+          where,
+          f"collectives inside {e.primitive.name} are left as written "
+          "(for stacked layers under lax.scan use jax_overlap.fsdp.scan_layers)",
+        )
+      )
+  if kept_loops:
+    actions.append(
+      Action(
+        "left_alone",
+        where,
+        f"{kept_loops} loop(s) over layers keep their collectives "
+        "as written; their per-iteration sizes set the combine thresholds",
+      )
+    )
+
+  # 3. Collective matmuls: an activation all-gather feeding a matmul, or a matmul
+  # feeding a reduce-scatter, become ppermute rings of partial matmuls where the
+  # cost model says they win.
+  fused, skipped, rings, ring_of = _plan_collective_matmuls(
+    eqns, set(v for v in jaxpr.outvars if _is_var(v)), collective_matmul, target, where, actions
+  )
+
+  # 1. Group parameter gathers into layers; activation collectives are on the critical
+  # path of the layer that produces them and are not prefetched.
+  kinds = classify_collectives(jaxpr, param_inputs, param_avals)
+  n_kind = {
+    k: sum(1 for i, v in kinds.items() if v == k and eqns[i].primitive.name == p)
+    for k, p in (("parameter", _GATHER), ("input", _GATHER), ("activation", _GATHER))
+  }
+  n_rs = {k: sum(1 for v in kinds.values() if v == k) for k in ("gradient",)}
+  n_act_rs = sum(
+    1 for i, v in kinds.items() if v == "activation" and eqns[i].primitive.name == _SCATTER
+  )
+  if kinds:
+    actions.append(
+      Action(
+        "classify",
+        where,
+        f"{n_kind['parameter']} parameter all-gather(s) (inputs only parameters: prefetched "
+        f"ahead of their layer), {n_kind['input']} all-gather(s) of other inputs (the batch), "
+        f"{n_kind['activation']} activation all-gather(s) and "
+        f"{n_act_rs} activation reduce-scatter(s) (computed in the step: on the critical path, "
+        f"candidates for collective matmuls), {n_rs['gradient']} gradient reduce-scatter(s)",
+      )
+    )
+  groups: list[list[int]] = []
+  current: list[int] = []
+  for i, e in enumerate(eqns):
+    name = e.primitive.name
+    if name == _GATHER and kinds.get(i) == "parameter" and input_only[i] and i not in skipped:
+      current.append(i)
+    elif name in _MATMUL and current:
+      groups.append(current)
+      current = []
+  if current:
+    groups.append(current)
+  group_bytes = [sum(_nbytes(eqns[i].outvars[0].aval) for i in g) for g in groups]
+
+  def closure(i: int) -> list[int]:
+    out, stack = set(), [i]
+    while stack:
+      j = stack.pop()
+      for d in deps[j]:
+        if d not in out:
+          out.add(d)
+          stack.append(d)
+    return sorted(out)
+
+  if prefetch > 0 and groups:
+    for k, g in enumerate(groups):
+      anchor = groups[k - prefetch][-1] if k >= prefetch else -1
+      first = min(g)
+      if anchor >= first - 1:
+        continue  # already issued there
+      for r, i in enumerate(g):
+        new_key = anchor + 0.5 + r * 1e-6
+        for d in closure(i):
+          key[d] = min(key[d], new_key - 0.25 + d * 1e-9)
+        key[i] = new_key
+      label = f"layer {k}" + (
+        f" before layer {k - prefetch}'s compute" if k >= prefetch else " at the start"
+      )
+      actions.append(
+        Action(
+          "prefetch",
+          where,
+          f"{len(g)} all-gather(s) of {label} ({group_bytes[k] / 2**20:.1f} MiB gathered), "
+          f"issued {prefetch} layer(s) ahead of first use",
+        )
+      )
+
+  # 2. Reduce-scatters right after the op producing their input.
+  max_scatter = 0
+  if reduce_scatter == "per_layer":
+    for i, e in enumerate(eqns):
+      if e.primitive.name != _SCATTER:
+        continue
+      max_scatter = max(max_scatter, sum(_nbytes(v.aval) for v in e.invars if _is_var(v)))
+      ready = max([key[d] for d in deps[i]], default=-1.0)
+      if ready < key[i] - 1.5:
+        key[i] = ready + 1e-3
+        actions.append(
+          Action(
+            "reduce_scatter", where, f"reduce-scatter #{i} moved up to just after its producer"
+          )
+        )
+
+  order = sorted(range(n), key=lambda i: (key[i], i))
+  # The order must stay topological; keys were only ever lowered along dependencies.
+  pos = {i: p for p, i in enumerate(order)}
+  if any(pos[d] > pos[i] for i in range(n) for d in deps[i]):
+    order = list(range(n))
+    actions = [Action("left_alone", where, "reordering would break a dependency; order kept")]
+
+  # 4. Annotations.
+  if annotate:
+    group_of = {i: k for k, g in enumerate(groups) for i in g}
+    for i, e in enumerate(eqns):
+      name = e.primitive.name
+      if name in _COLLECTIVES:
+        k = group_of.get(i)
+        pair = f"g{k}" if k is not None else f"op{i}"
+        metadata[i] = {
+          "_jax_overlap_pair": pair,
+          "_jax_overlap_priority": "high",
+          "_jax_overlap_occupancy": "communication",
+        }
+    # Matmuls between a prefetched group's issue point and its first use hide it.
+    if prefetch > 0:
+      for k in range(len(groups)):
+        if k < prefetch:
+          continue
+        lo, hi = groups[k - prefetch][-1], min(groups[k])
+        for i in range(lo + 1, hi):
+          if eqns[i].primitive.name in _MATMUL:
+            metadata[i] = {"_jax_overlap_pair": f"g{k}", "_jax_overlap_occupancy": "shaped"}
+    if metadata:
+      n_coll = sum(1 for m in metadata.values() if m.get("_jax_overlap_priority"))
+      actions.append(
+        Action(
+          "annotate",
+          where,
+          f"{n_coll} collective(s) tagged with pair id, priority 'high' and occupancy "
+          f"class; {len(metadata) - n_coll} matmul(s) tagged as the compute they hide under",
+        )
+      )
+  # Fine-grained issue: the first layer's gathers, and the reduce-scatters, one
+  # after another (an optimization barrier ties each one's input to the previous
+  # one's result), so XLA cannot merge them and compute starts on the first
+  # tensors while the rest are in flight.
+  chain_prev: dict[int, int] = {}
+  if chain:
+    pos = {i: p for p, i in enumerate(order)}
+    if groups:
+      # In order of first use: the first matmul each gathered tensor reaches.
+      first_use = [float("inf")] * n
+      for i in range(n - 1, -1, -1):
+        if eqns[i].primitive.name in _MATMUL:
+          first_use[i] = i
+        for d in deps[i]:
+          first_use[d] = min(first_use[d], first_use[i])
+      first = sorted(groups[0], key=lambda i: (first_use[i], pos[i]))
+      for a_, b_ in zip(first, first[1:]):
+        chain_prev[b_] = a_
+    if reduce_scatter == "per_layer":
+      rs = sorted(
+        (i for i, e in enumerate(eqns) if e.primitive.name == _SCATTER), key=lambda i: pos[i]
+      )
+      for a_, b_ in zip(rs, rs[1:]):
+        chain_prev[b_] = a_
+    if any(pos[a_] > pos[b_] for b_, a_ in chain_prev.items()):
+      reordered = _topological(order, deps, chain_prev)
+      if reordered is not None:
+        order = reordered
+      else:  # a gathered tensor feeds another's gather: keep the links the order allows
+        chain_prev = {b_: a_ for b_, a_ in chain_prev.items() if pos[a_] < pos[b_]}
+    if chain_prev:
+      actions.append(
+        Action(
+          "reduce_scatter" if not groups else "prefetch",
+          where,
+          f"{len(chain_prev)} collective(s) issued one by one (first layer's gathers, "
+          "reduce-scatters) so that none is merged with the next",
+        )
+      )
+  single_gather = max((_nbytes(eqns[i].outvars[0].aval) for g in groups for i in g), default=0)
+  scatter_out = max(
+    (_nbytes(e.outvars[0].aval) for e in eqns if e.primitive.name == _SCATTER), default=0
+  )
+  axis_size = max(
+    (int(e.params.get("axis_size", 1)) for e in eqns if e.primitive.name in (_GATHER, _SCATTER)),
+    default=1,
+  )
+  return _BodyPlan(
+    order,
+    metadata,
+    actions,
+    len(groups),
+    # A loop iteration's gathers are one layer's; top-level groups next to a
+    # loop (its prologue) can span several.
+    nested.group_gather_bytes if nested.loops else max(group_bytes, default=0),
+    max(max_scatter, nested.scatter_bytes),
+    max(single_gather, nested.gather_bytes),
+    max(scatter_out, nested.scatter_out_bytes),
+    max(axis_size, nested.axis_size),
+    chain_prev,
+    fused,
+    frozenset(skipped),
+    rings=rings,
+    ring_of=ring_of,
+    loops=nested.loops,
+    scans=scans,
+  )
+
+
+def _topological(
+  order: list[int], deps: list[list[int]], extra: dict[int, int]
+) -> list[int] | None:
+  """``order`` changed as little as possible so that also ``extra[b]`` comes before ``b``.
+
+  Returns None if the extra links close a cycle with the dependencies.
+  """
+  rank = {i: p for p, i in enumerate(order)}
+  preds = [set(d) for d in deps]
+  for b, a in extra.items():
+    preds[b].add(a)
+  succs: list[list[int]] = [[] for _ in deps]
+  for i, ps in enumerate(preds):
+    for d in ps:
+      succs[d].append(i)
+  waiting = [len(ps) for ps in preds]
+  ready = [(rank[i], i) for i in range(len(deps)) if not waiting[i]]
+  heapq.heapify(ready)
+  out = []
+  while ready:
+    _, i = heapq.heappop(ready)
+    out.append(i)
+    for j in succs[i]:
+      waiting[j] -= 1
+      if not waiting[j]:
+        heapq.heappush(ready, (rank[j], j))
+  return out if len(out) == len(deps) else None
+
+
+@dataclasses.dataclass
+class _NestedStats:
+  """Collective sizes inside loops and custom derivatives of a shard_map body."""
+
+  loops: int = 0  # loops whose body has collectives
+  group_gather_bytes: int = 0  # largest group of gathers no matmul separates, in one iteration
+  gather_bytes: int = 0
+  scatter_bytes: int = 0
+  scatter_out_bytes: int = 0
+  axis_size: int = 1
+
+
+def _subjaxprs(eqn):
+  from jax._src import core
+
+  for p in eqn.params.values():
+    for q in p if isinstance(p, (tuple, list)) else (p,):
+      sub = q.jaxpr if isinstance(q, core.ClosedJaxpr) else q
+      if isinstance(sub, core.Jaxpr):
+        yield sub
+
+
+def _nested_stats(eqn, out: _NestedStats) -> None:
+  """Adds the collective sizes found under ``eqn`` (recursively) to ``out``."""
+  is_loop = eqn.primitive.name in ("scan", "while")
+  for sub in _subjaxprs(eqn):
+    group, found = 0, False
+    for e in sub.eqns:
+      name = e.primitive.name
+      if name in (_GATHER, _SCATTER):
+        found = True
+        out.axis_size = max(out.axis_size, int(e.params.get("axis_size", 1)))
+      if name == _GATHER:
+        b = _nbytes(e.outvars[0].aval)
+        out.gather_bytes = max(out.gather_bytes, b)
+        group += b
+        out.group_gather_bytes = max(out.group_gather_bytes, group)
+      elif name in _MATMUL:
+        group = 0
+      elif name == _SCATTER:
+        out.scatter_bytes = max(
+          out.scatter_bytes, sum(_nbytes(v.aval) for v in e.invars if _is_var(v))
+        )
+        out.scatter_out_bytes = max(out.scatter_out_bytes, _nbytes(e.outvars[0].aval))
+      _nested_stats(e, out)  # nested loops and calls (nothing found: nothing added)
+    if found and is_loop:
+      out.loops += 1
+
+
+def _plan_collective_matmuls(
+  eqns, outvars: set, mode: str, target: str | None, where: str, actions: list
+):
+  """Finds all_gather -> dot and dot -> reduce_scatter pairs worth decomposing."""
+  if mode not in ("auto", "on"):
+    return {}, set(), {}, {}
+  from jax_overlap._src import collective_matmul as cm_lib
+
+  users: dict[Any, list[int]] = {}
+  for i, e in enumerate(eqns):
+    for v in e.invars:
+      if _is_var(v):
+        users.setdefault(v, []).append(i)
+  fused: dict[int, tuple] = {}
+  skipped: set[int] = set()
+  rings: dict[int, tuple] = {}
+  ring_of: dict[int, int] = {}
+
+  def plain_dot(d):
+    dn = d.params.get("dimension_numbers")
+    return (
+      d.primitive.name == "dot_general"
+      and dn == (((1,), (0,)), ((), ()))
+      and all(getattr(v.aval, "ndim", 0) == 2 for v in d.invars)
+    )
+
+  def worth(m, n, k, p, dtype, kind, bidirectional):
+    # The estimate is for the ring that runs: both link directions only when the block
+    # splits in two.
+    est = cm_lib.estimate_gain(
+      m, n, k, p, dtype, target or "h100x8", kind=kind, bidirectional=bidirectional
+    )
+    if mode == "on" and not est.worthwhile:
+      est = dataclasses.replace(est, worthwhile=True)
+    return est
+
+  for i, e in enumerate(eqns):
+    name = e.primitive.name
+    axes = e.params.get("axis_name")
+    axis = axes[0] if isinstance(axes, tuple) and len(axes) == 1 else axes
+    if not isinstance(axis, str) or e.params.get("axis_index_groups") is not None:
+      continue
+    kw_extra = {}
+    if (
+      name == _GATHER
+      and e.params.get("tiled")
+      and not _simple_ag_dot(e, users, outvars, eqns, plain_dot)
+    ):
+      ring = _plan_ring(i, e, eqns, users, outvars)
+      if ring is None:
+        continue
+      dots, collect = ring
+      m, n, k = _ring_mnk(e, eqns, dots)
+      bidi = e.invars[0].aval.shape[e.params["all_gather_dimension"]] % 2 == 0
+      est = worth(
+        m, n, k, int(e.params.get("axis_size", 1)), e.outvars[0].aval.dtype, "all_gather", bidi
+      )
+      if not est.worthwhile:
+        continue
+      rings[i] = (e.invars[0], e, dots, collect, bidi)
+      for u in users.get(e.outvars[0], []):
+        ring_of[u] = i
+      skipped.add(i)
+      actions.append(
+        Action(
+          "collective_matmul",
+          where,
+          f"all-gather of {tuple(e.invars[0].aval.shape)} along dim {e.params['all_gather_dimension']} "
+          f"feeding {len(dots)} matmul(s){' (the gathered value is also kept)' if collect else ''} "
+          f"decomposed into a {'bidirectional' if bidi else 'unidirectional'} ppermute ring; estimated {est.speedup:.2f}x",
+        )
+      )
+      continue
+    if name == _GATHER and e.params.get("tiled") and e.params.get("all_gather_dimension") == 0:
+      out = e.outvars[0]
+      us = users.get(out, [])
+      if len(us) != 1 or out in outvars:
+        continue  # the gathered value is needed elsewhere (e.g. saved for the backward pass)
+      d = eqns[us[0]]
+      if not plain_dot(d) or d.invars[0] is not out or d.invars[1] is out:
+        continue
+      (m, k), n = out.aval.shape, d.invars[1].aval.shape[1]
+      bidi = e.invars[0].aval.shape[0] % 2 == 0
+      est = worth(m, n, k, int(e.params.get("axis_size", 1)), out.aval.dtype, "all_gather", bidi)
+      if not est.worthwhile:
+        continue
+      kw_extra = {
+        "axis": axis,
+        "precision": d.params.get("precision"),
+        "preferred_element_type": d.params.get("preferred_element_type"),
+        "bidirectional": bidi,
+      }
+      fused[us[0]] = ("all_gather", e.invars[0], d.invars[1], kw_extra)
+      skipped.add(i)
+      actions.append(
+        Action(
+          "collective_matmul",
+          where,
+          f"all-gather -> matmul ({m}x{k} @ {k}x{n}) "
+          f"decomposed into a {'bidirectional' if bidi else 'unidirectional'} ppermute ring; estimated {est.speedup:.2f}x",
+        )
+      )
+    elif name == _SCATTER and e.params.get("tiled") and len(e.invars) == 1 and _is_var(e.invars[0]):
+      src = e.invars[0]
+      prod = next((j for j in range(i) if src in eqns[j].outvars), None)
+      if prod is None or len(users.get(src, [])) != 1 or src in outvars:
+        continue
+      d = eqns[prod]
+      if d.primitive.name != "dot_general":
+        continue
+      sd = e.params.get("scatter_dimension")
+      if not (plain_dot(d) and sd == 0):
+        nd = _plan_rs_nd(d, sd, int(e.params.get("axis_size", 1)))
+        if nd is None:
+          continue
+        m, n, k = nd
+        bidi = e.outvars[0].aval.shape[sd] % 2 == 0
+        est = worth(
+          m, n, k, int(e.params.get("axis_size", 1)), d.invars[0].aval.dtype, "reduce_scatter", bidi
+        )
+        if not est.worthwhile:
+          continue
+        fused[i] = (
+          "reduce_scatter_nd",
+          d.invars[0],
+          d.invars[1],
+          {
+            "axis": axis,
+            "scatter_dim": sd,
+            "dimension_numbers": d.params["dimension_numbers"],
+            "precision": d.params.get("precision"),
+            "preferred_element_type": d.params.get("preferred_element_type"),
+            "out_dtype": d.outvars[0].aval.dtype,
+            "bidirectional": bidi,
+          },
+        )
+        skipped.add(prod)
+        actions.append(
+          Action(
+            "collective_matmul",
+            where,
+            f"matmul {tuple(d.invars[0].aval.shape)} x "
+            f"{tuple(d.invars[1].aval.shape)} -> reduce-scatter along dim {sd} "
+            f"decomposed into a {'bidirectional' if bidi else 'unidirectional'} ppermute ring; estimated {est.speedup:.2f}x",
+          )
+        )
+        continue
+      d = eqns[prod]
+      (m, k), n = d.invars[0].aval.shape, d.invars[1].aval.shape[1]
+      p = int(e.params.get("axis_size", 1))
+      if m % p:
+        continue
+      bidi = (m // p) % 2 == 0
+      est = worth(m, n, k * p, p, d.invars[0].aval.dtype, "reduce_scatter", bidi)
+      if not est.worthwhile:
+        continue
+      kw_extra = {
+        "axis": axis,
+        "precision": d.params.get("precision"),
+        "preferred_element_type": d.params.get("preferred_element_type"),
+        "bidirectional": bidi,
+      }
+      fused[i] = ("reduce_scatter", d.invars[0], d.invars[1], kw_extra)
+      skipped.add(prod)
+      actions.append(
+        Action(
+          "collective_matmul",
+          where,
+          f"matmul ({m}x{k} @ {k}x{n}) -> "
+          f"reduce-scatter decomposed into a {'bidirectional' if bidi else 'unidirectional'} ppermute ring; estimated {est.speedup:.2f}x",
+        )
+      )
+  return fused, skipped, rings, ring_of
+
+
+def _plan_rs_nd(d, sd, p) -> tuple[int, int, int] | None:
+  """GEMM-equivalent (m, n, k) of an N-D dot whose output is reduce-scattered along ``sd``,
+  or None when ``sd`` is a batch dimension or not divisible by ``p``."""
+  (lc, rc), (lb, rb) = d.params["dimension_numbers"]
+  if sd is None or sd < len(lb):
+    return None
+  out = d.outvars[0].aval.shape
+  if out[sd] % max(p, 1):
+    return None
+  lhs, rhs = d.invars[0].aval.shape, d.invars[1].aval.shape
+  k = int(math.prod(lhs[a] for a in lc))
+  n = int(math.prod(rhs[a] for a in range(len(rhs)) if a not in rc and a not in rb))
+  m = int(math.prod(out)) // max(n, 1)
+  return m, n, k * p
+
+
+def _simple_ag_dot(e, users, outvars, eqns, plain_dot) -> bool:
+  """The 2-D case ``all_gather_matmul`` (with its custom VJP) handles."""
+  if e.params.get("all_gather_dimension") != 0:
+    return False
+  out = e.outvars[0]
+  us = users.get(out, [])
+  if len(us) != 1 or out in outvars:
+    return False
+  d = eqns[us[0]]
+  return plain_dot(d) and d.invars[0] is out and d.invars[1] is not out
+
+
+def _plan_ring(i, e, eqns, users, outvars):
+  """The dots an N-D gather feeds along a free dimension: (dots, collect) or None."""
+  out = e.outvars[0]
+  gd = e.params.get("all_gather_dimension")
+  dots, other = [], False
+  for u in users.get(out, []):
+    d = eqns[u]
+    if d.primitive.name != "dot_general" or (d.invars[0] is out) == (d.invars[1] is out):
+      other = True
+      continue
+    lhs = d.invars[0] is out
+    (lc, rc), (lb, rb) = d.params["dimension_numbers"]
+    xc, xb = (lc, lb) if lhs else (rc, rb)
+    if gd in xc or gd in xb:
+      other = True  # gathered along a contracted or batch dimension: not a ring of slices
+      continue
+    dots.append(u)
+  if not dots:
+    return None
+  return tuple(dots), other or out in outvars
+
+
+def _ring_mnk(e, eqns, dots) -> tuple[int, int, int]:
+  """GEMM-equivalent (m, n, k) of the dots a ring replaces, for the cost model."""
+  out = e.outvars[0]
+  shape = out.aval.shape
+  n_total, m, k = 0, 1, 1
+  for u in dots:
+    d = eqns[u]
+    lhs = d.invars[0] is out
+    (lc, rc), (lb, rb) = d.params["dimension_numbers"]
+    xc = lc if lhs else rc
+    w = d.invars[1] if lhs else d.invars[0]
+    wc, wb = (rc, rb) if lhs else (lc, lb)
+    k = int(math.prod(shape[a] for a in xc))
+    m = int(math.prod(shape)) // max(k, 1)
+    n_total += int(
+      math.prod(w.aval.shape[a] for a in range(w.aval.ndim) if a not in wc and a not in wb)
+    )
+  return m, n_total, k
+
+
+def _has_collectives(eqn) -> bool:
+  """Whether a sub-jaxpr of ``eqn`` (recursively) holds a collective or a shard_map."""
+  return any(
+    e.primitive.name in _COLLECTIVES or e.primitive.name == "shard_map" or _has_collectives(e)
+    for sub in _subjaxprs(eqn)
+    for e in sub.eqns
+  )
