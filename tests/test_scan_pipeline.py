@@ -165,3 +165,20 @@ def test_scanned_fsdp_step_hides_its_loop_collectives_on_h100():
   piped = jax_overlap.analyze(ov, *args, target="h100x8")
   assert piped.exposed_comm_s < 0.5 * plain.exposed_comm_s
   assert piped.step_time_s < plain.step_time_s
+
+
+def test_budget_memory_counts_the_carried_layer():
+  # XLA's buffer assignment of the pipelined step, read by budget.memory: one gathered layer
+  # carried through the loops, and one unscattered layer gradient in the backward loop.
+  from jax_overlap.budget import memory
+  from jax_overlap.examples import shard_map_fsdp as S
+
+  fn, args = S.build(
+    "h100x8", form="scan_remat", layers=4, hidden=1024, mlp=2816, heads=8, seq=1024
+  )
+  layer = (4 * 1024 * 1024 + 3 * 1024 * 2816) * 2  # one gathered bf16 layer
+  plain = memory.breakdown(fn, *args, target="h100x8")
+  ov = jax_overlap.overlap(fn, target="h100x8", select="rewrite")
+  piped = memory.breakdown(ov, *args, target="h100x8")
+  assert piped.categories["gathered_weights"] >= layer
+  assert 1.5 * layer <= piped.total_bytes - plain.total_bytes <= 3 * layer
