@@ -475,6 +475,7 @@ def _work_scale(item, topo: targets.Topology, const: Constants) -> float:
   return scale
 
 
+@functools.lru_cache(maxsize=65536)
 def work_scale(item, topo: targets.Topology, const: Constants) -> float:
   """The factor on ``item``'s per-block (per-channel) work that makes it take its
   ``time_s`` alone on the device (the fixed point of a few multiplicative corrections: the

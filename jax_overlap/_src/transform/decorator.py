@@ -402,15 +402,7 @@ class Overlapped:
             },
           )
         )
-      as_written = _Config(
-        0,
-        "as_written",
-        cfg.annotate,
-        "off",
-        cfg.target,
-        param_inputs=cfg.param_inputs,
-        param_avals=cfg.param_avals,
-      )
+      as_written = cfg.as_written()
       if stats.get("loops") and unmerged:
         # Loops left to XLA's own pipeliner, with its dot merger off (the loop's first
         # matmul starts on its first weight).
@@ -543,15 +535,7 @@ class Overlapped:
     partitioner inserted (read from the step compiled as written for the target)."""
     from jax_overlap._src import analysis
 
-    as_written = _Config(
-      0,
-      "as_written",
-      cfg.annotate,
-      "off",
-      cfg.target,
-      param_inputs=cfg.param_inputs,
-      param_avals=cfg.param_avals,
-    )
+    as_written = cfg.as_written()
     base = {**flags_lib.as_compiler_options(self.target, self.workload), **self.extra_options}
     name = "as written, recommended flags"
     report = analysis.analyze(

@@ -148,6 +148,12 @@ class _Config:
   param_inputs: dict | None = None
   param_avals: frozenset | None = None  # parameter_avals
 
+  def as_written(self) -> _Config:
+    """The same program evaluated as written (nothing moved, no rings)."""
+    return dataclasses.replace(
+      self, prefetch=0, reduce_scatter="as_written", collective_matmul="off", chain=False
+    )
+
 
 def _evaluate(closed, args, cfg: _Config):
   """Evaluates a top-level jaxpr, rewriting the bodies of its shard_maps."""
@@ -185,22 +191,7 @@ def _collect(jaxpr, cfg: _Config, actions, stats, counter) -> None:
     name = eqn.primitive.name
     if name == "shard_map":
       counter[0] += 1
-      _record(
-        _plan_body(
-          eqn.params["jaxpr"],
-          f"shard_map #{counter[0]}",
-          cfg.prefetch,
-          cfg.reduce_scatter,
-          cfg.annotate,
-          cfg.chain,
-          cfg.collective_matmul,
-          cfg.target,
-          _params_of(cfg, eqn),
-          cfg.param_avals,
-        ),
-        actions,
-        stats,
-      )
+      _record(_plan_for(cfg, eqn, f"shard_map #{counter[0]}"), actions, stats)
     elif name in ("pjit", "jit") and "jaxpr" in eqn.params:
       _collect(eqn.params["jaxpr"].jaxpr, cfg, actions, stats, counter)
     elif name in _OPAQUE and _has_collectives(eqn):
@@ -212,6 +203,22 @@ def _collect(jaxpr, cfg: _Config, actions, stats, counter) -> None:
           "written (use jax_overlap.fsdp.scan_layers for scanned layers)",
         )
       )
+
+
+def _plan_for(cfg: _Config, eqn, where: str) -> _BodyPlan:
+  """The plan of shard_map ``eqn``'s body under ``cfg``."""
+  return _plan_body(
+    eqn.params["jaxpr"],
+    where,
+    cfg.prefetch,
+    cfg.reduce_scatter,
+    cfg.annotate,
+    cfg.chain,
+    cfg.collective_matmul,
+    cfg.target,
+    _params_of(cfg, eqn),
+    cfg.param_avals,
+  )
 
 
 def _params_of(cfg: _Config, eqn) -> frozenset | None:
@@ -238,18 +245,7 @@ def _record(plan: _BodyPlan, actions, stats) -> None:
 def _run_shard_map(eqn, invals, cfg: _Config):
   params = eqn.params
   body = params["jaxpr"]
-  plan = _plan_body(
-    body,
-    "",
-    cfg.prefetch,
-    cfg.reduce_scatter,
-    cfg.annotate,
-    cfg.chain,
-    cfg.collective_matmul,
-    cfg.target,
-    _params_of(cfg, eqn),
-    cfg.param_avals,
-  )
+  plan = _plan_for(cfg, eqn, "")
   consts = getattr(body, "consts", ())
   inner = body.jaxpr if hasattr(body, "jaxpr") and not hasattr(body, "eqns") else body
 

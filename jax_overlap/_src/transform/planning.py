@@ -666,12 +666,7 @@ def _plan_collective_matmuls(
       est = worth(m, n, k, int(e.params.get("axis_size", 1)), out.aval.dtype, "all_gather", bidi)
       if not est.worthwhile:
         continue
-      kw_extra = {
-        "axis": axis,
-        "precision": d.params.get("precision"),
-        "preferred_element_type": d.params.get("preferred_element_type"),
-        "bidirectional": bidi,
-      }
+      kw_extra = _ring_kwargs(axis, d, bidi)
       fused[us[0]] = ("all_gather", e.invars[0], d.invars[1], kw_extra)
       skipped.add(i)
       actions.append(
@@ -736,12 +731,7 @@ def _plan_collective_matmuls(
       est = worth(m, n, k * p, p, d.invars[0].aval.dtype, "reduce_scatter", bidi)
       if not est.worthwhile:
         continue
-      kw_extra = {
-        "axis": axis,
-        "precision": d.params.get("precision"),
-        "preferred_element_type": d.params.get("preferred_element_type"),
-        "bidirectional": bidi,
-      }
+      kw_extra = _ring_kwargs(axis, d, bidi)
       fused[i] = ("reduce_scatter", d.invars[0], d.invars[1], kw_extra)
       skipped.add(prod)
       actions.append(
@@ -753,6 +743,16 @@ def _plan_collective_matmuls(
         )
       )
   return fused, skipped, rings, ring_of
+
+
+def _ring_kwargs(axis, dot, bidi: bool) -> dict:
+  """Keyword arguments of the collective matmul that replaces ``dot``'s ring."""
+  return {
+    "axis": axis,
+    "precision": dot.params.get("precision"),
+    "preferred_element_type": dot.params.get("preferred_element_type"),
+    "bidirectional": bidi,
+  }
 
 
 def _plan_rs_nd(d, sd, p) -> tuple[int, int, int] | None:

@@ -234,23 +234,24 @@ def run(eqn, invals: list, p: ScanPlan, eval_eqn: Callable) -> list:
   skip |= frozenset(j for s in p.scatters for j in p.tails.get(s, ()))
   idx = (lambda k: length - 1 - k) if reverse else (lambda k: k)
 
+  def equations(indices, given: dict) -> dict:
+    """Runs body equations ``indices`` in order, from the constants and ``given``."""
+    env = dict(zip(jaxpr.constvars, body_consts))
+    env.update(zip(jaxpr.invars[:n_consts], consts))
+    env.update(given)
+    for j in indices:
+      e = eqns[j]
+      vals = [v.val if not _is_var(v) else env[v] for v in e.invars]
+      env.update(zip(e.outvars, eval_eqn(e, vals, None)))
+    return env
+
   def gather(step_xs: list) -> list:
     """The moved gathers of one iteration, from its slices of the stacked inputs."""
     out = []
     for g in p.gathers:
       pos, chain = p.chains[g]
-      env = dict(zip(jaxpr.constvars, body_consts))
-      env.update(zip(jaxpr.invars[:n_consts], consts))
-      env[jaxpr.invars[pos]] = step_xs[pos - n_consts - n_carry]
-
-      def read(v, env=env):
-        return v.val if not _is_var(v) else env[v]
-
-      for j in chain:
-        e = eqns[j]
-        for v, o in zip(e.outvars, eval_eqn(e, [read(v) for v in e.invars], None)):
-          env[v] = o
-      out.append(eval_eqn(eqns[g], [read(eqns[g].invars[0])], None)[0])
+      env = equations((*chain, g), {jaxpr.invars[pos]: step_xs[pos - n_consts - n_carry]})
+      out.append(env[eqns[g].outvars[0]])
     return out
 
   def _final(s):
@@ -260,19 +261,10 @@ def run(eqn, invals: list, p: ScanPlan, eval_eqn: Callable) -> list:
 
   def scatter(pending: list) -> list:
     """The moved reduce-scatters (and the operations after them) of unscattered values."""
-    out = []
-    for s, u in zip(p.scatters, pending):
-      env = dict(zip(jaxpr.constvars, body_consts))
-      env.update(zip(jaxpr.invars[:n_consts], consts))
-      env[eqns[s].outvars[0]] = eval_eqn(eqns[s], [u], None)[0]
-      last = eqns[s].outvars[0]
-      for j in p.tails.get(s, ()):
-        t = eqns[j]
-        vals = [v.val if not _is_var(v) else env[v] for v in t.invars]
-        env[t.outvars[0]] = eval_eqn(t, vals, None)[0]
-        last = t.outvars[0]
-      out.append(env[last])
-    return out
+    return [
+      equations((s, *p.tails.get(s, ())), {eqns[s].invars[0]: u})[_final(s)]
+      for s, u in zip(p.scatters, pending)
+    ]
 
   def layer(carry: list, step_xs: list, gathered: list):
     """One iteration of the body with its gathers given; its carry out, its stacked
