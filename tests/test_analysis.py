@@ -295,15 +295,21 @@ def test_collective_brackets_and_while_bodies():
     return a @ b, jax.lax.all_gather(w, "fsdp", axis=0, tiled=True)
 
   fn = _smap(f, mesh, (P("fsdp"), P(), P()), (P(), P()))
-  args = (_sds((4096, 4096), mesh, P("fsdp")), _sds((16384, 4096), mesh, P()), _sds((4096, 4096), mesh, P()))
+  args = (
+    _sds((4096, 4096), mesh, P("fsdp")),
+    _sds((16384, 4096), mesh, P()),
+    _sds((4096, 4096), mesh, P()),
+  )
   step = compile_for_target(fn, *args, target="h100x8", xla_options=LHS)
   module = hlo.parse_module(step.hlo_text)
   (b,) = schedule.collective_brackets(module)
   assert (b.kind, b.gemms, b.synchronous) == ("all-gather", 1, False)
   assert schedule.while_bodies(module) == []
   scanned = compile_for_target(
-      lambda ws, x: jax.lax.scan(lambda c, w: (jnp.tanh(c @ w), None), x, ws)[0],
-      jnp.ones((3, 64, 64)), jnp.ones((8, 64)), target=None,
+    lambda ws, x: jax.lax.scan(lambda c, w: (jnp.tanh(c @ w), None), x, ws)[0],
+    jnp.ones((3, 64, 64)),
+    jnp.ones((8, 64)),
+    target=None,
   )
   assert len(schedule.while_bodies(hlo.parse_module(scanned.hlo_text))) == 1
 
@@ -315,7 +321,9 @@ def test_deviceless_gemm_tiling_failure_falls_back_to_cublas():
 
   fn, args = gpt.build("h100x8")
   try:
-    jax_overlap.analyze(fn, *args, target="h100x8", xla_options={"xla_gpu_enable_triton_gemm": True})
+    jax_overlap.analyze(
+      fn, *args, target="h100x8", xla_options={"xla_gpu_enable_triton_gemm": True}
+    )
   except RuntimeError as e:
     # A choice the user made is kept; the failure names XLA's reason.
     assert "Couldn't find output tile sizes" in str(e)
@@ -326,5 +334,86 @@ def test_deviceless_gemm_tiling_failure_falls_back_to_cublas():
   assert report.xla_options["xla_gpu_enable_triton_gemm"] is False
   assert report.kernels and report.step_time_s > 0
   # The transform's variants compile through the same path.
-  e = jax_overlap.overlap(fn, target="h100x8", schedule_from_estimates=False, cache=False).explain(*args)
+  e = jax_overlap.overlap(fn, target="h100x8", schedule_from_estimates=False, cache=False).explain(
+    *args
+  )
   assert all(t < float("inf") for _, t in e.candidates)
+
+
+_PARTIAL_READS = """HloModule m, is_scheduled=true
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%fused_split (p0: f32[4,256,1536]) -> bf16[256,512] {
+  %p0 = f32[4,256,1536]{2,1,0} parameter(0)
+  %c = f32[] constant(0)
+  %r = f32[256,1536]{1,0} reduce(%p0, %c), dimensions={0}, to_apply=%add
+  %cv = bf16[256,1536]{1,0} convert(%r)
+  ROOT %s = bf16[256,512]{1,0} slice(%cv), slice={[0:256], [512:1024]}
+}
+
+%fused_dot (p0: bf16[256,1536], p1: bf16[1536,64]) -> bf16[128,64] {
+  %p0 = bf16[256,1536]{1,0} parameter(0)
+  %p1 = bf16[1536,64]{1,0} parameter(1)
+  %d = bf16[256,64]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %s = bf16[128,64]{1,0} slice(%d), slice={[0:128], [0:64]}
+}
+
+%fused_both (p0: bf16[256,1536]) -> (bf16[256,512], bf16[256,1536]) {
+  %p0 = bf16[256,1536]{1,0} parameter(0)
+  %s = bf16[256,512]{1,0} slice(%p0), slice={[0:256], [0:512]}
+  %n = bf16[256,1536]{1,0} negate(%p0)
+  ROOT %t = (bf16[256,512]{1,0}, bf16[256,1536]{1,0}) tuple(%s, %n)
+}
+
+ENTRY %main (x: f32[4,256,1536], y: bf16[256,1536], w: bf16[1536,64]) -> bf16[256,512] {
+  %x = f32[4,256,1536]{2,1,0} parameter(0)
+  %y = bf16[256,1536]{1,0} parameter(1)
+  %w = bf16[1536,64]{1,0} parameter(2)
+  %f1 = bf16[128,64]{1,0} fusion(%y, %w), kind=kLoop, calls=%fused_dot
+  %f2 = (bf16[256,512]{1,0}, bf16[256,1536]{1,0}) fusion(%y), kind=kLoop, calls=%fused_both
+  ROOT %f0 = bf16[256,512]{1,0} fusion(%x), kind=kLoop, calls=%fused_split
+}
+"""
+
+
+def test_fusions_read_only_the_share_of_a_parameter_their_result_needs():
+  module = hlo.parse_module(_PARTIAL_READS)
+  comp = module.entry_computation
+  # The split-K partials are summed and converted, and a third of the columns kept: the
+  # emitter reads a third of the f32 partials, whatever lies between them and the slice.
+  split = comp.by_name["f0"]
+  assert module.instruction_bytes(split) == 4 * 256 * 1536 * 4 // 3 + 256 * 512 * 2
+  # A dot needs all of both operands for any part of its result.
+  dot = comp.by_name["f1"]
+  assert module.instruction_bytes(dot) == 256 * 1536 * 2 + 1536 * 64 * 2 + 128 * 64 * 2
+  # A parameter read whole by one user and in part by another is read whole, once.
+  both = comp.by_name["f2"]
+  assert module.instruction_bytes(both) == 256 * 1536 * 2 + 256 * 512 * 2 + 256 * 1536 * 2
+
+
+def test_cublas_gemms_are_counted_like_xla_emits_them():
+  # With XLA's Triton GEMMs off the dot is a cuBLAS custom call, `__cublas$lt$matmul`,
+  # returning (result, scratch workspace): the GEMM's FLOPs, and its operands and result.
+  mesh = targets.compile_only_mesh("h100x8")
+  x = _sds((8 * 512, 1024), mesh, P("fsdp"), jnp.bfloat16)
+  w = _sds((1024, 2048), mesh, P(), jnp.bfloat16)
+  r = jax_overlap.analyze(
+    lambda x, w: x @ w,
+    x,
+    w,
+    target="h100x8",
+    xla_options={"xla_gpu_enable_triton_gemm": False},
+  )
+  assert 'custom_call_target="__cublas$lt$matmul"' in r.hlo_text
+  (k,) = [k for k in r.kernels if k.kind == "gemm"]
+  assert k.flops == 2 * 512 * 1024 * 2048
+  assert k.bytes_accessed == 2 * (512 * 1024 + 1024 * 2048 + 512 * 2048)
+  assert k.time_s == pytest.approx(
+    cm.kernel_time(k.flops, k.bytes_accessed, targets.get_gpu("h100"), dtype="bf16", is_dot=True),
+    rel=1e-9,
+  )

@@ -28,22 +28,23 @@ import re
 from functools import cached_property
 
 __all__ = [
-    "Instruction",
-    "Computation",
-    "Module",
-    "parse_module",
-    "shape_bytes",
-    "shape_elements",
-    "array_shapes",
-    "group_size",
+  "Instruction",
+  "Computation",
+  "Module",
+  "parse_module",
+  "shape_bytes",
+  "shape_elements",
+  "array_shapes",
+  "group_size",
+  "is_cublas_gemm",
 ]
 
 _BITS = {
-    "pred": 8,
-    "token": 0,
-    "opaque": 0,
-    "c64": 64,
-    "c128": 128,
+  "pred": 8,
+  "token": 0,
+  "opaque": 0,
+  "c64": 64,
+  "c128": 128,
 }
 
 
@@ -377,10 +378,12 @@ class Module:
   def instruction_bytes(self, instr: Instruction, comp: Computation | None = None) -> int:
     """Bytes read and written at the kernel boundary: operands plus result.
 
-    Accesses are counted as XLA runs them: an operand that a kernel reads only
-    through dynamic-slices or slices costs the slices, not the whole buffer;
-    a dynamic-update-slice (alone or as a fusion root) reads and writes only
-    the updated slice of the buffer it updates in place.
+    Accesses are counted as XLA runs them: a fused kernel computes only the
+    elements its result needs, so each fusion parameter costs the share of it
+    that the fused computation reads (:func:`_parameter_reads`: slices keep
+    their share of their operand, whatever sits between the parameter and the
+    slice); a dynamic-update-slice (alone or as a fusion root) reads and writes
+    only the updated slice of the buffer it updates in place.
     """
     comp = comp or self.computations[instr.computation]
     sizes = []
@@ -388,7 +391,12 @@ class Module:
       o = comp.by_name.get(name)
       sizes.append(o.bytes_out if o is not None else 0)
     out = instr.bytes_out
-    fused = self.computations.get(instr.called[0]) if instr.opcode == "fusion" and instr.called else None
+    if is_cublas_gemm(instr) and instr.shape.startswith("("):
+      # (result, workspace): the scratch workspace is not data the GEMM moves.
+      out = shape_bytes(_split_top(instr.shape[1:-1], ",")[0])
+    fused = (
+      self.computations.get(instr.called[0]) if instr.opcode == "fusion" and instr.called else None
+    )
     scope = fused if fused is not None else None
     roots = [instr] if fused is None else _roots_of(fused)
     # In-place updates: the result aliases operand 0 of the update.
@@ -400,11 +408,11 @@ class Module:
           out -= sizes[k]
           sizes[k] = 0
           out += u.bytes_out if u is not None else 0
-    # Operands read only through slices.
+    # Operands read in part.
     if scope is not None:
-      for k, read in _sliced_reads(scope).items():
+      for k, share in _parameter_reads(scope).items():
         if k < len(sizes) and sizes[k]:
-          sizes[k] = min(sizes[k], read)
+          sizes[k] = int(round(sizes[k] * share))
     elif instr.opcode in ("dynamic-slice", "slice") and sizes:
       sizes[0] = min(sizes[0], instr.bytes_out)
     return int(max(out, 0) + sum(sizes))
@@ -427,7 +435,7 @@ class Module:
     """(M, N, K) of the dot in an instruction, batch folded into M."""
     dot = self.dot_in(instr)
     if dot is None or dot.opcode != "dot":
-      if instr.opcode == "custom-call" and "gemm" in instr.attrs.get("custom_call_target", ""):
+      if is_cublas_gemm(instr):
         return _cublas_mnk(instr, self.computations[instr.computation])
       return None
     comp = self.computations[dot.computation]
@@ -472,13 +480,112 @@ def _param_index(fused: Computation, name: str) -> int | None:
   return None
 
 
-def _sliced_reads(fused: Computation) -> dict[int, int]:
-  """Fusion parameters read only through (dynamic-)slices, with the bytes those read."""
-  users: dict[str, list[Instruction]] = {}
-  for i in fused.instructions:
-    for n in i.operands:
-      users.setdefault(n, []).append(i)
-  out: dict[int, int] = {}
+# Ops whose operand elements are read in the same share as their result's elements
+# are needed (elementwise, layout and reduction ops: a reduce needs whole rows of its
+# input for the rows of its result it computes). Any other op (dots, sorts, scatters,
+# windows) reads all of its operands as soon as any of its result is needed.
+_SAME_SHARE = frozenset(
+  _PASS_THROUGH
+  + (
+    "broadcast",
+    "convert",
+    "transpose",
+    "reduce",
+    "concatenate",
+    "pad",
+    "select",
+    "clamp",
+    "compare",
+    "add",
+    "subtract",
+    "multiply",
+    "divide",
+    "maximum",
+    "minimum",
+    "power",
+    "remainder",
+    "and",
+    "or",
+    "xor",
+    "not",
+    "negate",
+    "abs",
+    "sign",
+    "exponential",
+    "exponential-minus-one",
+    "log",
+    "log-plus-one",
+    "tanh",
+    "logistic",
+    "sqrt",
+    "rsqrt",
+    "cbrt",
+    "sine",
+    "cosine",
+    "tan",
+    "atan2",
+    "floor",
+    "ceil",
+    "round-nearest-afz",
+    "round-nearest-even",
+    "is-finite",
+    "shift-left",
+    "shift-right-logical",
+    "shift-right-arithmetic",
+    "popcnt",
+    "clz",
+    "real",
+    "imag",
+    "complex",
+    "erf",
+    "bitcast-convert",
+    "reduce-precision",
+    "iota",
+    "constant",
+    "parameter",
+  )
+)
+
+
+def _parameter_reads(fused: Computation) -> dict[int, float]:
+  """Share (0..1) of each fusion parameter that the fused kernel reads.
+
+  XLA's loop and input emitters compute the result element by element, reading
+  only the operand elements those elements need. Starting from the roots (whose
+  results are needed whole), each instruction passes the share of its result
+  that is needed on to its operands: a (dynamic-)slice or gather scales it by
+  its result's size over its operand's; a dynamic-update-slice needs the same
+  share of its update and the remainder of its buffer (none of it when the
+  update happens in place at the root); elementwise, layout and reduction ops
+  pass it unchanged; anything else needs all of its operands. Shares from
+  several users add up, at most 1: a read of the same element twice is served
+  from cache. Only parameters read below their full size are returned.
+  """
+  roots = {r.name for r in _roots_of(fused)}
+  share: dict[str, float] = dict.fromkeys(roots, 1.0)
+  for i in reversed(fused.instructions):
+    u = min(share.get(i.name, 0.0), 1.0)
+    if u <= 0.0 or i.opcode == "parameter":
+      continue
+    ops = [fused.by_name.get(n) for n in i.operands]
+    first = ops[0] if ops else None
+    if i.opcode in ("slice", "dynamic-slice", "gather") and first is not None:
+      # The slice's share of its operand; indices are read whole.
+      ratio = shape_elements(i.shape) / max(shape_elements(first.shape), 1)
+      amounts = [u * ratio] + [u] * (len(ops) - 1)
+    elif i.opcode == "dynamic-update-slice" and len(ops) > 1 and ops[1] is not None:
+      # The update, and what it leaves of the buffer (nothing read when updated in place).
+      covered = shape_elements(ops[1].shape) / max(shape_elements(i.shape), 1)
+      rest = 0.0 if i.name in roots else u * max(1.0 - covered, 0.0)
+      amounts = [rest] + [u] * (len(ops) - 1)
+    elif i.opcode in _SAME_SHARE:
+      amounts = [u] * len(ops)
+    else:
+      amounts = [1.0] * len(ops)
+    for o, amount in zip(ops, amounts):
+      if o is not None:
+        share[o.name] = share.get(o.name, 0.0) + amount
+  out: dict[int, float] = {}
   for i in fused.instructions:
     if i.opcode != "parameter":
       continue
@@ -486,27 +593,8 @@ def _sliced_reads(fused: Computation) -> dict[int, int]:
       k = int(i.attrs.get("parameter_number", ""))
     except ValueError:
       continue
-    frontier, read, ok = [i.name], 0, True
-    seen = set()
-    while frontier and ok:
-      n = frontier.pop()
-      if n in seen:
-        continue
-      seen.add(n)
-      us = users.get(n, [])
-      if not us:
-        continue
-      for u in us:
-        if u.opcode in _PASS_THROUGH:
-          frontier.append(u.name)
-        elif u.opcode in ("dynamic-slice", "slice") and u.operands and u.operands[0] == n:
-          read += u.bytes_out
-        elif u.opcode == "dynamic-update-slice" and u.operands and u.operands[0] == n:
-          continue  # in place; counted by the caller
-        else:
-          ok = False
-          break
-    if ok and seen:
+    read = min(share.get(i.name, 0.0), 1.0)
+    if read < 1.0:
       out[k] = read
   return out
 
@@ -531,6 +619,14 @@ def _cublas_mnk(instr: Instruction, comp: Computation) -> tuple[int, int, int] |
   return int(m), int(n), int(k)
 
 
+def is_cublas_gemm(instr: Instruction) -> bool:
+  """A GEMM XLA hands to cuBLAS (``__cublas$gemm``, ``__cublas$lt$matmul``, its fp8 form)."""
+  if instr.opcode != "custom-call":
+    return False
+  target = instr.attrs.get("custom_call_target", "").strip('"')
+  return target.startswith("__cublas$") and ("gemm" in target or "matmul" in target)
+
+
 def cublas_flops(module: Module, instr: Instruction) -> float:
   mnk = _cublas_mnk(instr, module.computations[instr.computation])
   return 0.0 if mnk is None else 2.0 * mnk[0] * mnk[1] * mnk[2]
@@ -548,61 +644,61 @@ def _window_size(text: str) -> int:
 
 
 _TRANSCENDENTAL = frozenset(
-    {
-        "exponential",
-        "exponential-minus-one",
-        "log",
-        "log-plus-one",
-        "tanh",
-        "logistic",
-        "sine",
-        "cosine",
-        "tan",
-        "power",
-        "sqrt",
-        "rsqrt",
-        "cbrt",
-        "atan2",
-        "erf",
-    }
+  {
+    "exponential",
+    "exponential-minus-one",
+    "log",
+    "log-plus-one",
+    "tanh",
+    "logistic",
+    "sine",
+    "cosine",
+    "tan",
+    "power",
+    "sqrt",
+    "rsqrt",
+    "cbrt",
+    "atan2",
+    "erf",
+  }
 )
 
 _ELEMENTWISE = frozenset(
-    {
-        "add",
-        "subtract",
-        "multiply",
-        "divide",
-        "remainder",
-        "maximum",
-        "minimum",
-        "negate",
-        "abs",
-        "sign",
-        "floor",
-        "ceil",
-        "round-nearest-afz",
-        "round-nearest-even",
-        "compare",
-        "select",
-        "clamp",
-        "and",
-        "or",
-        "xor",
-        "not",
-        "shift-left",
-        "shift-right-arithmetic",
-        "shift-right-logical",
-        "convert",
-        "is-finite",
-        "real",
-        "imag",
-        "complex",
-        "popcnt",
-        "count-leading-zeros",
-        "stochastic-convert",
-        "reduce-precision",
-    }
+  {
+    "add",
+    "subtract",
+    "multiply",
+    "divide",
+    "remainder",
+    "maximum",
+    "minimum",
+    "negate",
+    "abs",
+    "sign",
+    "floor",
+    "ceil",
+    "round-nearest-afz",
+    "round-nearest-even",
+    "compare",
+    "select",
+    "clamp",
+    "and",
+    "or",
+    "xor",
+    "not",
+    "shift-left",
+    "shift-right-arithmetic",
+    "shift-right-logical",
+    "convert",
+    "is-finite",
+    "real",
+    "imag",
+    "complex",
+    "popcnt",
+    "count-leading-zeros",
+    "stochastic-convert",
+    "reduce-precision",
+  }
 )
 
 

@@ -27,42 +27,42 @@ from jax_overlap._src import hlo as hlo_lib
 __all__ = ["KernelInfo", "CollectiveInfo", "Op", "Schedule", "build_schedule", "parse_thunks"]
 
 COLLECTIVE_KINDS = {
-    "all-gather": "all-gather",
-    "all-reduce": "all-reduce",
-    "reduce-scatter": "reduce-scatter",
-    "all-to-all": "all-to-all",
-    "ragged-all-to-all": "all-to-all",
-    "collective-permute": "collective-permute",
-    "collective-broadcast": "all-gather",
+  "all-gather": "all-gather",
+  "all-reduce": "all-reduce",
+  "reduce-scatter": "reduce-scatter",
+  "all-to-all": "all-to-all",
+  "ragged-all-to-all": "all-to-all",
+  "collective-permute": "collective-permute",
+  "collective-broadcast": "all-gather",
 }
 _START = {
-    "all-gather-start": "all-gather",
-    "all-reduce-start": "all-reduce",
-    "collective-permute-start": "collective-permute",
+  "all-gather-start": "all-gather",
+  "all-reduce-start": "all-reduce",
+  "collective-permute-start": "collective-permute",
 }
 _DONE = {"all-gather-done", "all-reduce-done", "collective-permute-done", "async-done"}
 _FREE = frozenset(
-    {
-        "parameter",
-        "constant",
-        "get-tuple-element",
-        "tuple",
-        "bitcast",
-        "after-all",
-        "add-dependency",
-        "opt-barrier",
-        "partition-id",
-        "replica-id",
-        "domain",
-        "get-dimension-size",
-        "set-dimension-size",
-        "copy-start",
-        "copy-done",
-        "send",
-        "send-done",
-        "recv",
-        "recv-done",
-    }
+  {
+    "parameter",
+    "constant",
+    "get-tuple-element",
+    "tuple",
+    "bitcast",
+    "after-all",
+    "add-dependency",
+    "opt-barrier",
+    "partition-id",
+    "replica-id",
+    "domain",
+    "get-dimension-size",
+    "set-dimension-size",
+    "copy-start",
+    "copy-done",
+    "send",
+    "send-done",
+    "recv",
+    "recv-done",
+  }
 )
 
 
@@ -170,8 +170,8 @@ class Schedule:
 
 
 _THUNK_KERNEL = re.compile(
-    r"(\S+)\s+grid:\s*\[(\d+),\s*(\d+),\s*(\d+)\]\s*threads:\s*\[(\d+),\s*(\d+),\s*(\d+)\]"
-    r"\s*shared_memory:\s*(\d+)"
+  r"(\S+)\s+grid:\s*\[(\d+),\s*(\d+),\s*(\d+)\]\s*threads:\s*\[(\d+),\s*(\d+),\s*(\d+)\]"
+  r"\s*shared_memory:\s*(\d+)"
 )
 _THUNK_ASYNC = re.compile(r"kAsyncStart.*stream=communication_stream\[(\d+)\]")
 
@@ -199,14 +199,13 @@ def parse_thunks(text: str) -> tuple[dict[str, tuple[int, int, int]], list[int]]
 
 def _kernel_kind(module: hlo_lib.Module, instr: hlo_lib.Instruction) -> str:
   if instr.opcode == "custom-call":
-    target = instr.attrs.get("custom_call_target", "")
-    return "gemm" if "gemm" in target or "matmul" in target else "custom"
+    return "gemm" if hlo_lib.is_cublas_gemm(instr) else "custom"
   dot = module.dot_in(instr)
   if dot is not None:
     return "gemm" if dot.opcode == "dot" else "convolution"
   name = instr.name
   if instr.opcode in ("copy", "dynamic-slice", "dynamic-update-slice", "transpose", "slice") or any(
-      s in name for s in ("copy", "dynamic_update_slice", "dynamic_slice", "transpose", "slice")
+    s in name for s in ("copy", "dynamic_update_slice", "dynamic_slice", "transpose", "slice")
   ):
     return "copy"
   if instr.opcode in ("reduce", "reduce-window") or "reduce" in name:
@@ -255,12 +254,12 @@ def _operand_bytes(comp: hlo_lib.Computation, instr: hlo_lib.Instruction) -> int
 
 
 def build_schedule(
-    module: hlo_lib.Module,
-    thunk_text: str,
-    topology,
-    gpu,
-    model: cm.CostModel | None = None,
-    max_ops: int = 2_000_000,
+  module: hlo_lib.Module,
+  thunk_text: str,
+  topology,
+  gpu,
+  model: cm.CostModel | None = None,
+  max_ops: int = 2_000_000,
 ) -> Schedule:
   """Flattens the module into the sequence of kernels and collectives of one step.
 
@@ -307,8 +306,8 @@ def build_schedule(
   assign_streams(module.entry)
   if len(async_streams) != len(stream_of_start) and async_streams:
     notes.append(
-        "the thunk listing and the HLO disagree on the number of async collectives; all are "
-        "placed on communication stream 0"
+      "the thunk listing and the HLO disagree on the number of async collectives; all are "
+      "placed on communication stream 0"
     )
     stream_of_start = {k: 0 for k in stream_of_start}
 
@@ -323,7 +322,7 @@ def build_schedule(
   def _launch_of(instr: hlo_lib.Instruction) -> tuple[str, tuple[int, int, int]]:
     """The launched kernel's name and (grid, threads, shared memory); ("", zeros) if none."""
     for key in [instr.kernel_name, instr.name.replace(".", "_").replace("-", "_")] + groups.get(
-        instr.kernel_name, []
+      instr.kernel_name, []
     ):
       if key in launch:
         return key, launch[key]
@@ -331,56 +330,56 @@ def build_schedule(
 
   def add_kernel(instr: hlo_lib.Instruction, comp: hlo_lib.Computation, suffix: str) -> None:
     flops = module.instruction_flops(instr, comp)
-    if instr.opcode == "custom-call" and "gemm" in instr.attrs.get("custom_call_target", ""):
+    if hlo_lib.is_cublas_gemm(instr):
       flops = hlo_lib.cublas_flops(module, instr)
     nbytes = module.instruction_bytes(instr, comp)
     kind = _kernel_kind(module, instr)
     dtype = _dtype(module, instr)
     launch_name, (grid, threads, smem) = _launch_of(instr)
     k = KernelInfo(
-        name=instr.name + suffix,
-        kind=kind,
-        index=len(kernels),
-        grid_blocks=grid,
-        threads_per_block=threads,
-        smem_bytes=smem,
-        regs_per_thread=None,
-        flops=flops,
-        bytes_accessed=float(nbytes),
-        time_s=cm.kernel_time(
-            flops, nbytes, gpu, dtype=dtype, is_dot=kind in ("gemm", "convolution"), model=model
-        ),
-        gemm_mnk=module.gemm_mnk(instr) if kind == "gemm" else None,
-        dtype=dtype,
-        op_name=instr.metadata.get("op_name", ""),
-        annotations=dict(instr.frontend_attributes),
-        launch_name=launch_name,
+      name=instr.name + suffix,
+      kind=kind,
+      index=len(kernels),
+      grid_blocks=grid,
+      threads_per_block=threads,
+      smem_bytes=smem,
+      regs_per_thread=None,
+      flops=flops,
+      bytes_accessed=float(nbytes),
+      time_s=cm.kernel_time(
+        flops, nbytes, gpu, dtype=dtype, is_dot=kind in ("gemm", "convolution"), model=model
+      ),
+      gemm_mnk=module.gemm_mnk(instr) if kind == "gemm" else None,
+      dtype=dtype,
+      op_name=instr.metadata.get("op_name", ""),
+      annotations=dict(instr.frontend_attributes),
+      launch_name=launch_name,
     )
     kernels.append(k)
     ops.append(Op("kernel", kernel=k))
 
   def add_collective(
-      instr: hlo_lib.Instruction,
-      comp: hlo_lib.Computation,
-      kind: str,
-      suffix: str,
-      synchronous: bool,
-      result_bytes: int,
+    instr: hlo_lib.Instruction,
+    comp: hlo_lib.Computation,
+    kind: str,
+    suffix: str,
+    synchronous: bool,
+    result_bytes: int,
   ) -> CollectiveInfo:
     nbytes = max(_operand_bytes(comp, instr), result_bytes)
     p = hlo_lib.group_size(instr, module.num_partitions)
     c = CollectiveInfo(
-        name=instr.name + suffix,
-        kind=kind,
-        bytes=int(nbytes),
-        group_size=p,
-        start_index=len(kernels),
-        done_index=len(kernels),
-        time_s=cm.collective_time(kind, nbytes, p, topology, model=model),
-        synchronous=synchronous,
-        stream=-1 if synchronous else stream_of_start.get(f"{comp.name}/{instr.name}", 0),
-        op_name=instr.metadata.get("op_name", ""),
-        annotations=dict(instr.frontend_attributes),
+      name=instr.name + suffix,
+      kind=kind,
+      bytes=int(nbytes),
+      group_size=p,
+      start_index=len(kernels),
+      done_index=len(kernels),
+      time_s=cm.collective_time(kind, nbytes, p, topology, model=model),
+      synchronous=synchronous,
+      stream=-1 if synchronous else stream_of_start.get(f"{comp.name}/{instr.name}", 0),
+      op_name=instr.metadata.get("op_name", ""),
+      annotations=dict(instr.frontend_attributes),
     )
     collectives.append(c)
     return c
@@ -399,8 +398,8 @@ def build_schedule(
     for instr in comp.instructions:
       if len(ops) > max_ops:
         raise ValueError(
-            f"schedule: the step expands to more than {max_ops} operations; analyse a smaller "
-            "configuration or fewer loop iterations"
+          f"schedule: the step expands to more than {max_ops} operations; analyse a smaller "
+          "configuration or fewer loop iterations"
         )
       op = instr.opcode
       if op in _FREE:
@@ -480,7 +479,7 @@ class Bracket:
 
 def _is_gemm(module: hlo_lib.Module, instr: hlo_lib.Instruction) -> bool:
   if instr.opcode == "custom-call":
-    return "gemm" in instr.attrs.get("custom_call_target", "")
+    return hlo_lib.is_cublas_gemm(instr)
   return instr.opcode == "fusion" and module.dot_in(instr) is not None
 
 
@@ -493,7 +492,9 @@ def collective_brackets(module: hlo_lib.Module, computation: str | None = None) 
   comp = module.computations[computation or module.entry]
   instrs = comp.instructions
   done_at = {
-      instr.operands[0]: i for i, instr in enumerate(instrs) if instr.opcode in _DONE and instr.operands
+    instr.operands[0]: i
+    for i, instr in enumerate(instrs)
+    if instr.opcode in _DONE and instr.operands
   }
   out = []
   for i, instr in enumerate(instrs):
