@@ -2,6 +2,8 @@
 along the sequence, dot_generals with batch dimensions, one gather feeding several matmuls,
 the gathered value also used elsewhere; forward and backward against the plain program."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -241,3 +243,30 @@ def test_bidirectional_needs_an_even_block():
     ValueError, match="bidirectional ring needs an even block along dimension 1, got 1"
   ):
     jax.jit(g)(x, w)
+
+
+def test_rings_assemble_their_outputs_with_one_gather_each_and_try_cublas():
+  # Compiled deviceless for h100x8 as XLA runs it: every ring's output (and the gathered
+  # activation kept for the backward) is put in order by one gather, not by a copy of
+  # each step's slice into a buffer; the selection also tries the rings on cuBLAS GEMMs.
+  from jax_overlap._src import hlo
+  from jax_overlap.examples import tp_sp
+
+  fn, args = tp_sp.build("h100x8", layers=1, hidden=512, mlp=1024, heads=8, seq=1024)
+  chosen = jax_overlap.overlap(
+    fn, target="h100x8", collective_matmul="on", schedule_from_estimates=False, cache=False
+  )
+  names = [n for n, _ in chosen.explain(*args).candidates]
+  assert "rewritten, one layer per collective, cuBLAS GEMMs (XLA's Triton GEMMs off)" in names
+  rewritten = jax_overlap.overlap(
+    fn, target="h100x8", collective_matmul="on", select="rewrite", cache=False
+  )
+  rings = rewritten.explain(*args).of_kind("collective_matmul")
+  assert rings
+  report = jax_overlap.analyze(rewritten, *args, target="h100x8")
+  module = hlo.parse_module(report.hlo_text)
+  ops = [i.opcode for c in module.computations.values() for i in c.instructions]
+  assert "dynamic-update-slice" not in ops
+  fed = [re.search(r"feeding (\d+) matmul", a.detail) for a in rings]
+  outputs = sum(int(f.group(1)) for f in fed if f) + sum("also kept" in a.detail for a in rings)
+  assert outputs > 0 and ops.count("gather") >= outputs

@@ -20,12 +20,13 @@ def _mesh(shape):
 
 def _setup(form="unrolled", layers=3, hidden=64, mlp=128, dtype="float32", mesh_shape=(8,)):
   mesh = _mesh(mesh_shape)
-  cfg = S.Config(layers=layers, hidden=hidden, mlp=mlp, heads=4, seq=8, dtype=dtype, form=form,
-                 learning_rate=0.1)
+  cfg = S.Config(
+    layers=layers, hidden=hidden, mlp=mlp, heads=4, seq=8, dtype=dtype, form=form, learning_rate=0.1
+  )
   params = S.init_params(cfg, mesh, jax.random.key(0))
   x = jax.device_put(
-      jax.random.normal(jax.random.key(1), (8, 8, hidden)).astype(dtype),
-      NamedSharding(mesh, P(tuple(mesh.axis_names))),
+    jax.random.normal(jax.random.key(1), (8, 8, hidden)).astype(dtype),
+    NamedSharding(mesh, P(tuple(mesh.axis_names))),
   )
   return cfg, mesh, params, x
 
@@ -53,23 +54,26 @@ def test_same_losses_and_parameters_over_three_steps(form, mesh_shape):
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    layers=st.integers(1, 4),
-    hidden=st.sampled_from([32, 64]),
-    dtype=st.sampled_from(["float32", "bfloat16"]),
-    prefetch=st.integers(0, 2),
-    mesh_shape=st.sampled_from([(8,), (4, 2)]),
-    form=st.sampled_from(["unrolled", "scan"]),
+  layers=st.integers(1, 4),
+  hidden=st.sampled_from([32, 64]),
+  dtype=st.sampled_from(["float32", "bfloat16"]),
+  prefetch=st.integers(0, 2),
+  mesh_shape=st.sampled_from([(8,), (4, 2)]),
+  form=st.sampled_from(["unrolled", "scan"]),
 )
 def test_property_rewrite_matches_plain_jit(layers, hidden, dtype, prefetch, mesh_shape, form):
-  cfg, mesh, params, x = _setup(form, layers=layers, hidden=hidden, mlp=2 * hidden, dtype=dtype,
-                                mesh_shape=mesh_shape)
+  cfg, mesh, params, x = _setup(
+    form, layers=layers, hidden=hidden, mlp=2 * hidden, dtype=dtype, mesh_shape=mesh_shape
+  )
   step = S.make_step(cfg, mesh)
   prefetch = min(prefetch, layers)
   p1, l1 = _run(jax.jit(step), params, x, n=2)
   p2, l2 = _run(jax_overlap.overlap(step, prefetch=prefetch), params, x, n=2)
   np.testing.assert_allclose(l1, l2, rtol=1e-6)
   for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2)):
-    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-6, atol=0)
+    np.testing.assert_allclose(
+      np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-6, atol=0
+    )
 
 
 def test_explain_lists_prefetch_reduce_scatter_and_options():
@@ -82,7 +86,11 @@ def test_explain_lists_prefetch_reduce_scatter_and_options():
   assert "layer 1 before layer 0's compute" in prefetched[0].detail
   # On CPU devices nothing reads the annotations; "auto" leaves them off.
   assert not e.of_kind("annotate")
-  assert jax_overlap.overlap(S.make_step(cfg, mesh), annotate=True).explain(params, x).of_kind("annotate")
+  assert (
+    jax_overlap.overlap(S.make_step(cfg, mesh), annotate=True)
+    .explain(params, x)
+    .of_kind("annotate")
+  )
   opts = e.xla_options
   assert opts["xla_gpu_all_gather_combine_threshold_bytes"] > 0
   assert opts["xla_gpu_reduce_scatter_combine_threshold_bytes"] > 0
@@ -142,7 +150,8 @@ def test_cost_model_choice_is_never_worse_than_the_flags_alone():
     jax_overlap.overlap(fn, schedule_from_estimates="yes")
   chosen = jax_overlap.analyze(ov, *args, target="h100x8")
   flags_only = jax_overlap.analyze(
-      fn, *args, target="h100x8", xla_options=jax_overlap.flags.as_compiler_options("h100x8"))
+    fn, *args, target="h100x8", xla_options=jax_overlap.flags.as_compiler_options("h100x8")
+  )
   assert chosen.step_time_s <= flags_only.step_time_s * (1 + 1e-9)
   # The decorated step, compiled anew, is the variant the selection reported choosing.
   assert chosen.step_time_s == pytest.approx(times[e.chosen], rel=1e-6)
@@ -185,8 +194,10 @@ def test_priority_context_manager_tags_hlo():
 
   f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("fsdp"), out_specs=P(), check_vma=False))
   text = f.lower(jnp.ones((16, 4))).as_text()
-  assert '_jax_overlap_priority = "low"' in text or "_jax_overlap_priority=\"low\"" in text
-  with pytest.raises(ValueError, match="priority: level must be one of high, normal, low, got 'urgent'"):
+  assert '_jax_overlap_priority = "low"' in text or '_jax_overlap_priority="low"' in text
+  with pytest.raises(
+    ValueError, match="priority: level must be one of high, normal, low, got 'urgent'"
+  ):
     jax_overlap.priority("urgent")
 
 
@@ -195,12 +206,16 @@ def test_bad_input():
   step = S.make_step(cfg, mesh)
   with pytest.raises(ValueError, match="prefetch must be a non-negative integer, got -1"):
     jax_overlap.overlap(step, prefetch=-1)
-  with pytest.raises(ValueError, match=r"prefetch must be between 0 and the number of layers \(2\), got 5"):
+  with pytest.raises(
+    ValueError, match=r"prefetch must be between 0 and the number of layers \(2\), got 5"
+  ):
     jax_overlap.overlap(step, prefetch=5)(params, x)
   with pytest.raises(TypeError, match=r"argument args\[1\] is a str, not an array"):
     jax_overlap.overlap(step)(params, "tokens")
   other = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
-  with pytest.raises(ValueError, match=r"uses mesh axes \['fsdp'\] that mesh= \{'data': 8\} does not have"):
+  with pytest.raises(
+    ValueError, match=r"uses mesh axes \['fsdp'\] that mesh= \{'data': 8\} does not have"
+  ):
     jax_overlap.overlap(step, mesh=other)(params, x)
   with pytest.raises(ValueError, match="unknown target 'q100x8'"):
     jax_overlap.overlap(step, target="q100x8")
@@ -216,7 +231,9 @@ def test_indivisible_shapes_are_named():
   mesh = _mesh((8,))
   # A sharding that cannot be realised: 12 rows over 8 devices.
   bad = jax.ShapeDtypeStruct((12, 4), jnp.float32, sharding=NamedSharding(mesh, P("fsdp")))
-  with pytest.raises(ValueError, match=r"argument args\[0\] has dimension 0 of size 12, not divisible"):
+  with pytest.raises(
+    ValueError, match=r"argument args\[0\] has dimension 0 of size 12, not divisible"
+  ):
     jax_overlap.overlap(lambda a: a * 2).explain(bad)
 
 
@@ -224,8 +241,10 @@ def test_collectives_in_loops_are_pipelined_and_sized_per_layer():
   cfg, mesh, params, x = _setup("scan", layers=2)
   e = jax_overlap.overlap(S.make_step(cfg, mesh)).explain(params, x)
   assert any("lax.scan" in a.where and "7 all-gather(s)" in a.detail for a in e.of_kind("prefetch"))
-  assert any("lax.scan" in a.where and "7 gradient reduce-scatter(s)" in a.detail
-             for a in e.of_kind("reduce_scatter"))
+  assert any(
+    "lax.scan" in a.where and "7 gradient reduce-scatter(s)" in a.detail
+    for a in e.of_kind("reduce_scatter")
+  )
   # One iteration gathers one layer (4 h x h and 3 h x mlp float32 matrices):
   # the combine threshold lets one layer's gathers merge, not two layers'.
   layer_bytes = (4 * 64 * 64 + 3 * 64 * 128) * 4
@@ -240,12 +259,17 @@ def _tp_step():
     h = jax.nn.gelu(jax.lax.all_gather(x, "tensor", axis=0, tiled=True) @ w1)
     return jax.lax.psum_scatter(h @ w2, "tensor", scatter_dimension=0, tiled=True)
 
-  f = jax.shard_map(body, mesh=mesh, in_specs=(P("tensor"), P(None, "tensor"), P("tensor")),
-                    out_specs=P("tensor"))
+  f = jax.shard_map(
+    body, mesh=mesh, in_specs=(P("tensor"), P(None, "tensor"), P("tensor")), out_specs=P("tensor")
+  )
   rng = np.random.default_rng(0)
   x = jax.device_put(rng.normal(size=(64, 32)).astype(np.float32), NamedSharding(mesh, P("tensor")))
-  w1 = jax.device_put(rng.normal(size=(32, 128)).astype(np.float32) * 0.1, NamedSharding(mesh, P(None, "tensor")))
-  w2 = jax.device_put(rng.normal(size=(128, 32)).astype(np.float32) * 0.1, NamedSharding(mesh, P("tensor")))
+  w1 = jax.device_put(
+    rng.normal(size=(32, 128)).astype(np.float32) * 0.1, NamedSharding(mesh, P(None, "tensor"))
+  )
+  w2 = jax.device_put(
+    rng.normal(size=(128, 32)).astype(np.float32) * 0.1, NamedSharding(mesh, P("tensor"))
+  )
   return f, (x, w1, w2)
 
 
@@ -256,7 +280,9 @@ def test_collective_matmul_decomposition():
   kinds = [a.detail for a in e.of_kind("collective_matmul")]
   assert any("all-gather -> matmul (64x32 @ 32x16)" in d for d in kinds)
   assert any("-> reduce-scatter decomposed" in d for d in kinds)
-  np.testing.assert_allclose(np.asarray(ov(*args)), np.asarray(jax.jit(f)(*args)), rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(
+    np.asarray(ov(*args)), np.asarray(jax.jit(f)(*args)), rtol=1e-6, atol=1e-6
+  )
   assert "collective_permute" in ov.lower(*args).as_text()
   # Gradients through the rings match too.
   loss = lambda *a: jnp.sum(f(*a) ** 2)
@@ -265,8 +291,14 @@ def test_collective_matmul_decomposition():
   for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
   # "auto" asks the cost model: these matrices are far too small to gain on an H100.
-  assert jax_overlap.overlap(f, collective_matmul="auto").explain(*args).of_kind("collective_matmul") == []
-  assert jax_overlap.overlap(f, collective_matmul="off").explain(*args).of_kind("collective_matmul") == []
+  assert (
+    jax_overlap.overlap(f, collective_matmul="auto").explain(*args).of_kind("collective_matmul")
+    == []
+  )
+  assert (
+    jax_overlap.overlap(f, collective_matmul="off").explain(*args).of_kind("collective_matmul")
+    == []
+  )
 
 
 def test_collectives_issued_one_by_one_on_a_2d_mesh():
@@ -296,13 +328,23 @@ def test_first_layer_gathers_chained_in_order_of_first_use():
   body = next(e for e in closed.jaxpr.eqns if e.primitive.name == "shard_map").params["jaxpr"]
   names = {v: k for v, k in zip(body.invars, [k for layer in params for k in sorted(layer)])}
   plan = T._plan_body(body, "", 1, "per_layer", False, chain=True)
-  follows = {b: a for b, a in plan.chain_prev.items() if body.eqns[b].primitive.name == "all_gather"}
+  follows = {
+    b: a for b, a in plan.chain_prev.items() if body.eqns[b].primitive.name == "all_gather"
+  }
   (head,) = set(follows.values()) - set(follows)
   chain = [head]
   by_prev = {a: b for b, a in follows.items()}
   while chain[-1] in by_prev:
     chain.append(by_prev[chain[-1]])
-  assert [names[body.eqns[i].invars[0]] for i in chain] == ["wq", "wk", "wv", "wo", "w1", "w3", "w2"]
+  assert [names[body.eqns[i].invars[0]] for i in chain] == [
+    "wq",
+    "wk",
+    "wv",
+    "wo",
+    "w1",
+    "w3",
+    "w2",
+  ]
   # The evaluation order puts each gather after the one it waits for, and the
   # results do not change.
   pos = {i: p for p, i in enumerate(plan.order)}
@@ -330,12 +372,12 @@ def test_topological_order_keeps_dependencies_and_adds_links():
 def test_loop_pipeliner_turned_off_in_either_spelling():
   from jax_overlap._src import transform as T
 
-  assert T._pipeliner_off({"xla_gpu_enable_pipelined_all_gather": True,
-                           "xla_gpu_enable_pipelined_reduce_scatter": False}) == {
-      "xla_gpu_enable_pipelined_all_gather": False}
-  assert T._pipeliner_off({"xla_gpu_pipeline_all_gather": "on",
-                           "xla_gpu_pipeline_reduce_scatter": "off"}) == {
-      "xla_gpu_pipeline_all_gather": "off"}
+  assert T._pipeliner_off(
+    {"xla_gpu_enable_pipelined_all_gather": True, "xla_gpu_enable_pipelined_reduce_scatter": False}
+  ) == {"xla_gpu_enable_pipelined_all_gather": False}
+  assert T._pipeliner_off(
+    {"xla_gpu_pipeline_all_gather": "on", "xla_gpu_pipeline_reduce_scatter": "off"}
+  ) == {"xla_gpu_pipeline_all_gather": "off"}
   assert T._pipeliner_off({}) == {}
 
 
@@ -365,3 +407,20 @@ def test_chain_with_a_gather_feeding_another():
   chained = T._Config(1, "per_layer", False, "off", None, chain=True)
   g = jax.jit(lambda *v: T._evaluate(closed, list(v), chained))
   np.testing.assert_array_equal(np.asarray(f(a, b, x)), np.asarray(g(a, b, x)[0]))
+
+
+def test_latency_profiles_go_to_the_fastest_then_the_least_compute():
+  import types
+
+  from jax_overlap._src.transform import decorator
+
+  def r(compute):
+    return types.SimpleNamespace(compute_time_s=compute)
+
+  times = [10.0, 10.0, 11.0, 12.0, 9.5, float("inf"), 10.5]
+  reports = [r(8.0), r(8.0), r(7.0), r(9.6), r(9.0), None, r(9.7)]
+  # 4 is the fastest; 2 and 0 have the least compute; 1 is 0 again (same estimates);
+  # 3's compute alone is longer than the best step.
+  assert decorator._worth_profiling(times, reports) == [4, 2, 0]
+  assert decorator._worth_profiling([5.0, 6.0], [r(5.0), r(6.0)]) == []
+  assert decorator._worth_profiling([float("inf")], [None]) == []

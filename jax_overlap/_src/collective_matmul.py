@@ -24,6 +24,11 @@ latency-hiding scheduler can run them concurrently:
   transpose of the ring is the reverse ring. ``@overlap`` uses it for every
   such gather the cost model (or ``collective_matmul="on"``) lets through.
 
+A gather ring's results arrive in ring order (the block held at each step, which
+depends on the device); they are kept as they come and put in the gathered order
+once, by one gather per output that XLA fuses into the neighbouring loop (its
+transpose is the inverse gather), rather than copied slice by slice into a buffer.
+
 The bidirectional variants split each block into halves that travel in
 opposite directions, using both directions of every link; ``chunks`` splits a
 block into more pieces for finer-grained overlap. Both functions have
@@ -52,6 +57,7 @@ NVIDIA/AMD datasheets and NCCL's tuning defaults).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -162,19 +168,19 @@ def _ag_ring(x, w, axis, n, dirs, precision, preferred, collect):
   p = m_loc // len(dirs)
   pieces = [x[j * p : (j + 1) * p] for j in range(len(dirs))]
   out_dtype = jnp.result_type(x.dtype, w.dtype) if preferred is None else preferred
-  y = jnp.zeros((n * m_loc, w.shape[1]), out_dtype)
-  xf = jnp.zeros((n * m_loc, x.shape[1]), x.dtype) if collect else None
+  parts, held = [], []
   for s in range(n):
     # Issue the next exchange before this step's dots: they are independent.
     nxt = (
       [lax.ppermute(pc, axis, _perm(n, dj)) for pc, dj in zip(pieces, dirs)] if s < n - 1 else None
     )
-    for j, (pc, dj) in enumerate(zip(pieces, dirs)):
-      row = ((d - dj * s) % n) * m_loc + j * p
-      y = lax.dynamic_update_slice_in_dim(y, _step_dot(pc, w, precision, preferred), row, axis=0)
-      if collect:
-        xf = lax.dynamic_update_slice_in_dim(xf, pc, row, axis=0)
+    for pc in pieces:
+      parts.append(_step_dot(pc, w, precision, preferred).astype(out_dtype))
+      held.append(pc)
     pieces = nxt
+  order, inverse = _ring_order(n, d, dirs)
+  y = _take_chunks(jnp.concatenate(parts, axis=0), order, inverse, 0)
+  xf = _take_chunks(jnp.concatenate(held, axis=0), order, inverse, 0) if collect else None
   return y, xf
 
 
@@ -195,6 +201,57 @@ def _rs_ring(x, w, axis, n, dirs, precision, preferred):
     sent = [lax.ppermute(a, axis, _perm(n, dj)) for a, dj in zip(accs, dirs)]
     accs = [snt + part(s, j, dj) for j, (snt, dj) in enumerate(zip(sent, dirs))]
   return accs[0] if len(accs) == 1 else jnp.concatenate(accs, axis=0)
+
+
+def _ring_order(n: int, d, dirs) -> tuple[jax.Array, jax.Array]:
+  """Where each chunk of a ring's output comes from, and its inverse.
+
+  A gather ring holds, at step ``s``, piece ``j`` (sent in direction ``dirs[j]``) of
+  device ``d - dirs[j] * s``'s block. Concatenated in ring order (step, piece), chunk
+  ``s * len(dirs) + j``; in the gathered order (block, piece), chunk ``b * len(dirs) + j``.
+  Returns ``order`` (gathered chunk -> ring chunk) and ``inverse``.
+  """
+  count = len(dirs)
+  k = jnp.arange(n * count, dtype=jnp.int32)
+  b, j = k // count, k % count
+  dj = jnp.asarray(dirs, jnp.int32)[j]
+  d = jnp.asarray(d, jnp.int32)
+  order = ((dj * (d - b)) % n) * count + j
+  s = b  # read k as a ring chunk: step b, piece j
+  inverse = ((d - dj * s) % n) * count + j
+  return order, inverse
+
+
+def _chunks(x, count: int, axis: int):
+  shape = x.shape
+  return x.reshape(shape[:axis] + (count, shape[axis] // count) + shape[axis + 1 :])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _take_chunks(x, order, inverse, axis: int):
+  """Chunk ``order[k]`` of ``x`` (split along ``axis`` into ``len(order)``) as chunk ``k``.
+
+  One gather, which XLA fuses into the loop that consumes (or produces) it; its
+  transpose is the same gather with the inverse permutation, not a scatter.
+  """
+  return _gather_chunks(x, order, axis)
+
+
+def _gather_chunks(x, order, axis: int):
+  y = jnp.take(_chunks(x, order.shape[0], axis), order, axis=axis, unique_indices=True, mode="clip")
+  return y.reshape(x.shape)
+
+
+def _take_chunks_fwd(x, order, inverse, axis):
+  return _gather_chunks(x, order, axis), (order, inverse)
+
+
+def _take_chunks_bwd(axis, res, ct):
+  order, inverse = res
+  return (_gather_chunks(ct, inverse, axis), None, None)
+
+
+_take_chunks.defvjp(_take_chunks_fwd, _take_chunks_bwd)
 
 
 def _out_dim(ndim_x: int, ndim_w: int, x_is_lhs: bool, dn, gather_dim: int) -> int:
@@ -240,13 +297,7 @@ def all_gather_dot_generals(
   n = int(lax.axis_size(axis))
   d = lax.axis_index(axis)
   m = x.shape[gather_dim]
-  outs = [jnp.zeros(shape, dtype) for (*_, shape, dtype) in dots]
   pos = [_out_dim(x.ndim, w.ndim, lhs, dn, gather_dim) for (w, lhs, dn, *_) in dots]
-  full = None
-  if collect:
-    shape = list(x.shape)
-    shape[gather_dim] = n * m
-    full = jnp.zeros(shape, x.dtype)
   dirs = (1, -1) if bidirectional else (1,)
   if m % len(dirs):
     raise ValueError(
@@ -255,13 +306,15 @@ def all_gather_dot_generals(
     )
   p = m // len(dirs)
   pieces = [lax.slice_in_dim(x, j * p, (j + 1) * p, axis=gather_dim) for j in range(len(dirs))]
+  # Each step's slices in ring order (step, piece); put in order once at the end.
+  parts: list[list] = [[] for _ in dots]
+  held: list = []
   for s in range(n):
     nxt = (
       [lax.ppermute(pc, axis, _perm(n, dj)) for pc, dj in zip(pieces, dirs)] if s < n - 1 else None
     )
-    for jp, (piece, dj) in enumerate(zip(pieces, dirs)):
-      start = ((d - dj * s) % n) * m + jp * p
-      for j, ((w, lhs, dn, precision, preferred, _, dtype), od) in enumerate(zip(dots, pos)):
+    for piece in pieces:
+      for j, (w, lhs, dn, precision, preferred, _, dtype) in enumerate(dots):
         a, b = lax.optimization_barrier((piece, w))  # one dot per step (see _step_dot)
         part = lax.dot_general(
           a if lhs else b,
@@ -270,10 +323,19 @@ def all_gather_dot_generals(
           precision=precision,
           preferred_element_type=preferred,
         )
-        outs[j] = lax.dynamic_update_slice_in_dim(outs[j], part.astype(dtype), start, axis=od)
+        parts[j].append(part.astype(dtype))
       if collect:
-        full = lax.dynamic_update_slice_in_dim(full, piece, start, axis=gather_dim)
+        held.append(piece)
     pieces = nxt
+  order, inverse = _ring_order(n, d, dirs)
+  outs = [
+    _take_chunks(jnp.concatenate(ps, axis=od), order, inverse, od) for ps, od in zip(parts, pos)
+  ]
+  full = (
+    _take_chunks(jnp.concatenate(held, axis=gather_dim), order, inverse, gather_dim)
+    if collect
+    else None
+  )
   return outs, full
 
 

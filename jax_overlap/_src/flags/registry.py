@@ -169,6 +169,17 @@ ENTRIES: tuple[Flag, ...] = (
     "into one buffer.",
     minimum=0,
   ),
+  _f(
+    "xla_gpu_enable_triton_gemm",
+    "xla",
+    "bool",
+    "Emit GEMM fusions with XLA's Triton GEMM emitter; off, dots go to cuBLAS(Lt).",
+    default=True,
+    why="Not set by the recipes. @overlap tries it off in a variant for collective matmul "
+    "rings: cuBLAS adds the ring's running sum in the GEMM's epilogue (beta = 1) instead of "
+    "a separate kernel, and the ring's small partial GEMMs are not split along K. The "
+    "analysis also turns it off when the Triton emitter finds no tile sizes deviceless.",
+  ),
   # --- loop pipelining ----------------------------------------------------------------
   _f(
     "xla_gpu_enable_pipelined_all_gather",

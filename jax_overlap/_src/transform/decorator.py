@@ -44,6 +44,33 @@ def _pipeliner_off(options: dict[str, Any]) -> dict[str, Any]:
   return off
 
 
+def _worth_profiling(times: list[float], reports: list) -> list[int]:
+  """The variants to recompile with a latency profile, at most ``_PROFILED_VARIANTS``.
+
+  A schedule can at best hide all of a variant's exposed communication: a variant whose
+  compute alone takes longer than the best step so far cannot win and is not tried.
+  The fastest variant is tried first; the rest are those with the least compute (the
+  most a better schedule can reach), skipping variants whose estimates equal one
+  already picked (the same program compiled under options that changed nothing).
+  """
+  finite = [i for i in range(len(times)) if times[i] < float("inf")]
+  if not finite:
+    return []
+  best = min(times)
+  fastest = min(finite, key=lambda i: (times[i], i))
+  rest = sorted(finite, key=lambda i: (reports[i].compute_time_s, times[i], i))
+  picked, seen = [], set()
+  for i in [fastest, *rest]:
+    same = (times[i], reports[i].compute_time_s)
+    if same in seen or reports[i].compute_time_s >= best:
+      continue
+    seen.add(same)
+    picked.append(i)
+    if len(picked) == _PROFILED_VARIANTS:
+      break
+  return picked
+
+
 # ---------------------------------------------------------------------------
 # The decorator.
 # ---------------------------------------------------------------------------
@@ -370,6 +397,16 @@ class Overlapped:
           {**per_layer, **unmerged, **self.extra_options},
         )
       )
+      if stats.get("rings") and flags_lib.accepted_by_jaxlib("xla_gpu_enable_triton_gemm", False):
+        # The rings' partial GEMMs through cuBLAS: the running sum of a reduce-scatter
+        # ring is added in the GEMM's epilogue, and no partial GEMM is split along K.
+        out.append(
+          (
+            "rewritten, one layer per collective, cuBLAS GEMMs (XLA's Triton GEMMs off)",
+            cfg,
+            {**per_layer, "xla_gpu_enable_triton_gemm": False, **self.extra_options},
+          )
+        )
       pipeliner = _pipeliner_off(base)
       if stats.get("loops") and pipeliner:
         # Loops that pipeline their own collectives (scan_layers) gain nothing from
@@ -500,15 +537,10 @@ class Overlapped:
         failed.append(f"{name}: {str(e).splitlines()[0][:200]}")
         times.append(float("inf"))
         reports.append(None)
-    # The fastest few again, scheduled by XLA from the analysis' own costs (a
-    # latency profile) instead of XLA's estimates, unless the user gave a profile.
-    # A schedule can at best hide all of a variant's exposed communication, so one
-    # whose compute alone takes longer than the best step so far is not tried.
-    finite = [i for i in range(len(times)) if times[i] < float("inf")]
+    # A few again, scheduled by XLA from the analysis' own costs (a latency profile)
+    # instead of XLA's estimates, unless the user gave a profile.
     if self.schedule_from_estimates and latency_profile.OPTION not in self.extra_options:
-      for i in sorted(finite, key=lambda i: (times[i], i))[:_PROFILED_VARIANTS]:
-        if reports[i].compute_time_s >= min(times):
-          continue
+      for i in _worth_profiling(times, reports):
         name, cfg_c, options = candidates[i]
         label = name + _PROFILED_SUFFIX
         try:
@@ -622,9 +654,10 @@ def overlap(
       step as written (with the recommended options) deviceless for the target
       and keeps the one the analysis estimates faster, so the transform is never
       slower than the flags alone by that estimate; "rewrite" always rewrites.
-    schedule_from_estimates: with ``select="cost_model"``, also compile the three
-      fastest variants (those whose compute alone is shorter than the best step
-      so far) with a latency profile written from their analysis
+    schedule_from_estimates: with ``select="cost_model"``, also compile three
+      variants (the fastest, then those with the least compute; none whose
+      compute alone takes longer than the best step so far) with a latency
+      profile written from their analysis
       (``jax_overlap.latency_profile``), so XLA's latency-hiding scheduler
       places collectives by the cost model's kernel and collective times
       instead of its own estimates, and keep whichever is estimated faster.

@@ -240,6 +240,7 @@ def _record(plan: _BodyPlan, actions, stats) -> None:
   )
   stats["axis_size"] = max(stats.get("axis_size", 1), plan.axis_size)
   stats["loops"] = stats.get("loops", 0) + plan.loops
+  stats["rings"] = stats.get("rings", 0) + len(plan.rings) + len(plan.fused)
 
 
 def _run_shard_map(eqn, invals, cfg: _Config):
