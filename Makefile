@@ -24,10 +24,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check jax_overlap tests benchmarks
-	$(PY) -m pytest -q tests $(ARGS)
+	$(PY) -m ruff format --check jax_overlap tests benchmarks
+	$(PY) -m pytest -q tests --durations=15 $(ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check jax_overlap tests benchmarks
+	$(PY) -m ruff format --check jax_overlap tests benchmarks
 
 clean:
 	rm -rf $(VENV) build *.egg-info demo_out

@@ -15,13 +15,13 @@ def machine() -> dict:
   import jaxlib
 
   return {
-      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-      "platform": platform.platform(),
-      "python": platform.python_version(),
-      "cpu_count": os.cpu_count(),
-      "jax": jax.__version__,
-      "jaxlib": jaxlib.__version__,
-      "devices": str(jax.devices()[0].platform) if jax.devices() else "none",
+    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    "platform": platform.platform(),
+    "python": platform.python_version(),
+    "cpu_count": os.cpu_count(),
+    "jax": jax.__version__,
+    "jaxlib": jaxlib.__version__,
+    "devices": str(jax.devices()[0].platform) if jax.devices() else "none",
   }
 
 

@@ -37,8 +37,8 @@ def main(argv):
       fn, args = fsdp_transformer.build(target, scan=scan, **cfg)
       form = "scan" if scan else "unrolled"
       variants = {
-          "XLA defaults": None,
-          "recommended flags": jax_overlap.flags.as_compiler_options(target, "fsdp"),
+        "XLA defaults": None,
+        "recommended flags": jax_overlap.flags.as_compiler_options(target, "fsdp"),
       }
       reports = {}
       for name, opts in variants.items():
@@ -46,8 +46,16 @@ def main(argv):
         r = jax_overlap.analyze(fn, *args, target=target, xla_options=opts, name=name)
         r_time = time.perf_counter() - t0
         reports[name] = r
-        rows.append({**r.summary(), "variant": name, "form": form, "analysis_time_s": r_time,
-                     "exposed_fraction": r.exposed_fraction, "xla_options": opts or {}})
+        rows.append(
+          {
+            **r.summary(),
+            "variant": name,
+            "form": form,
+            "analysis_time_s": r_time,
+            "exposed_fraction": r.exposed_fraction,
+            "xla_options": opts or {},
+          }
+        )
       table = jax_overlap.compare(reports)
       tables.append(f"### {target}, {form}\n\n{table.to_markdown()}\n")
       print(f"\n{target} {form}\n{table}")
@@ -56,24 +64,37 @@ def main(argv):
   for scan in (False, True):
     fn, args = fsdp_transformer.build("h100x8", scan=scan, **{**cfg, "layers": FLAGS.big_layers})
     t0 = time.perf_counter()
-    r = jax_overlap.analyze(fn, *args, target="h100x8", xla_options=jax_overlap.flags.as_compiler_options("h100x8"))
+    r = jax_overlap.analyze(
+      fn, *args, target="h100x8", xla_options=jax_overlap.flags.as_compiler_options("h100x8")
+    )
     timings["scan" if scan else "unrolled"] = {
-        "analysis_time_s": time.perf_counter() - t0,
-        "compile_time_s": r.compile_time_s,
-        "kernels": len(r.kernels),
-        "collectives": len(r.collectives),
+      "analysis_time_s": time.perf_counter() - t0,
+      "compile_time_s": r.compile_time_s,
+      "kernels": len(r.kernels),
+      "collectives": len(r.collectives),
     }
-    print(f"{FLAGS.big_layers}-layer {'scan' if scan else 'unrolled'} analysis: {timings['scan' if scan else 'unrolled']}")
-  payload = {"config": cfg, "machine": _common.machine(), "rows": rows, "big_step_timing": timings,
-             "big_layers": FLAGS.big_layers}
+    print(
+      f"{FLAGS.big_layers}-layer {'scan' if scan else 'unrolled'} analysis: {timings['scan' if scan else 'unrolled']}"
+    )
+  payload = {
+    "config": cfg,
+    "machine": _common.machine(),
+    "rows": rows,
+    "big_step_timing": timings,
+    "big_layers": FLAGS.big_layers,
+  }
   md = (
-      f"# Deviceless analysis of a bf16 FSDP transformer step\n\n"
-      f"Configuration: {cfg}. Machine: {payload['machine']}.\n\n"
-      "Exposed % is the share of communication time not hidden under compute, as placed on "
-      "XLA's schedule by the cost model (jax_overlap.analyze).\n\n" + "\n".join(tables) +
-      f"\n### Analysis time of a {FLAGS.big_layers}-layer step (h100x8, recommended flags)\n\n"
-      + "\n".join(f"- {k}: {v['analysis_time_s']:.1f} s ({v['kernels']} kernels, {v['collectives']} collectives; XLA compile {v['compile_time_s']:.1f} s)" for k, v in timings.items())
-      + "\n"
+    f"# Deviceless analysis of a bf16 FSDP transformer step\n\n"
+    f"Configuration: {cfg}. Machine: {payload['machine']}.\n\n"
+    "Exposed % is the share of communication time not hidden under compute, as placed on "
+    "XLA's schedule by the cost model (jax_overlap.analyze).\n\n"
+    + "\n".join(tables)
+    + f"\n### Analysis time of a {FLAGS.big_layers}-layer step (h100x8, recommended flags)\n\n"
+    + "\n".join(
+      f"- {k}: {v['analysis_time_s']:.1f} s ({v['kernels']} kernels, {v['collectives']} collectives; XLA compile {v['compile_time_s']:.1f} s)"
+      for k, v in timings.items()
+    )
+    + "\n"
   )
   print("wrote", _common.write("analysis_fsdp", payload, md))
 

@@ -78,7 +78,9 @@ def compile_hlo(target: str, layers: int, width: int, batch: int, prefetch: int,
     for n, s in specs.items()
   }
   x = jax.ShapeDtypeStruct((batch, width), jnp.bfloat16, sharding=NamedSharding(mesh, P("fsdp")))
-  return compile_for_target(jax.jit(jax.grad(loss)), params, x, target=target, xla_options=flags).hlo_text
+  return compile_for_target(
+    jax.jit(jax.grad(loss)), params, x, target=target, xla_options=flags
+  ).hlo_text
 
 
 def main(argv=None):

@@ -121,7 +121,7 @@ def main() -> int:
     "",
     "## Sensitivity to the assumed constants (`jax-overlap simulate --paper --sensitivity`)",
     "",
-    "Each assumed constant at both ends of its range (docs/runtime.md, \"Simulator "
+    'Each assumed constant at both ends of its range (docs/runtime.md, "Simulator '
     "constants\"), tuner off; rows whose controls' reduction moves by more than one point:",
     "",
     sens.markdown(),

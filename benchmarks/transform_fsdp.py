@@ -19,7 +19,9 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+  os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+  ).strip()
 
 from absl import app  # noqa: E402
 from absl import flags as absl_flags
@@ -32,7 +34,9 @@ from jax_overlap.examples import shard_map_fsdp as S  # noqa: E402
 
 FLAGS = absl_flags.FLAGS
 absl_flags.DEFINE_list("targets", ["h100x8", "a100x8"], "Targets.")
-absl_flags.DEFINE_list("forms", ["unrolled", "scan", "scan_remat", "scan_layers"], "Layer loop forms.")
+absl_flags.DEFINE_list(
+  "forms", ["unrolled", "scan", "scan_remat", "scan_layers"], "Layer loop forms."
+)
 absl_flags.DEFINE_integer("layers", 8, "Layers.")
 
 
@@ -42,11 +46,14 @@ def deviceless(rows, tables):
     for form in FLAGS.forms:
       fn, args = S.build(target, form=form, **cfg)
       reports = {
-          "XLA defaults": jax_overlap.analyze(fn, *args, target=target, name="XLA defaults"),
-          "recommended flags": jax_overlap.analyze(
-              fn, *args, target=target, name="recommended flags",
-              xla_options=jax_overlap.flags.as_compiler_options(target, "fsdp"),
-          ),
+        "XLA defaults": jax_overlap.analyze(fn, *args, target=target, name="XLA defaults"),
+        "recommended flags": jax_overlap.analyze(
+          fn,
+          *args,
+          target=target,
+          name="recommended flags",
+          xla_options=jax_overlap.flags.as_compiler_options(target, "fsdp"),
+        ),
       }
       ov = jax_overlap.overlap(fn, target=target, cache=False)  # time the selection itself
       t0 = time.perf_counter()
@@ -56,12 +63,17 @@ def deviceless(rows, tables):
       simulated = {}
       for name, r in reports.items():
         simulated[name] = jax_overlap.sim.realize(r, "priority").results["priority"].makespan_s
-        rows.append({
-            **r.summary(), "variant": name, "form": form, "exposed_fraction": r.exposed_fraction,
+        rows.append(
+          {
+            **r.summary(),
+            "variant": name,
+            "form": form,
+            "exposed_fraction": r.exposed_fraction,
             "vs_compute_bound": r.step_time_s / r.compute_time_s,
             "realize_priority_s": simulated[name],
             "xla_options": {k: str(v) for k, v in r.xla_options.items()},
-        })
+          }
+        )
       choice = next((n for n in expl.notes if n.startswith("chosen by the cost model")), "")
       self_judged = expl.chosen.endswith("scheduled by the cost model's estimates")
       rows[-1]["choice"] = choice
@@ -69,14 +81,22 @@ def deviceless(rows, tables):
       rows[-1]["self_judged"] = self_judged
       rows[-1]["selection_time_s"] = select_time
       table = jax_overlap.compare(reports)
-      mark = (" @overlap's row is self-judged: its schedule came from a latency profile written "
-              "by the cost model that estimates it.") if self_judged else ""
-      tables.append(f"### {target}, {form}\n\n{table.to_markdown()}\n\n"
-                    f"step / compute-only bound: " + ", ".join(
-                        f"{n} {r.step_time_s / r.compute_time_s:.3f}" for n, r in reports.items())
-                    + "\n\nsim.realize (SM contention, XLA's stream priority): " + ", ".join(
-                        f"{n} {t * 1e3:.2f} ms" for n, t in simulated.items())
-                    + f"\n\n{choice} (selection took {select_time:.0f} s).{mark}\n")
+      mark = (
+        (
+          " @overlap's row is self-judged: its schedule came from a latency profile written "
+          "by the cost model that estimates it."
+        )
+        if self_judged
+        else ""
+      )
+      tables.append(
+        f"### {target}, {form}\n\n{table.to_markdown()}\n\n"
+        f"step / compute-only bound: "
+        + ", ".join(f"{n} {r.step_time_s / r.compute_time_s:.3f}" for n, r in reports.items())
+        + "\n\nsim.realize (SM contention, XLA's stream priority): "
+        + ", ".join(f"{n} {t * 1e3:.2f} ms" for n, t in simulated.items())
+        + f"\n\n{choice} (selection took {select_time:.0f} s).{mark}\n"
+      )
       print(f"\n{target} {form}\n{table}\n{choice}")
 
 
@@ -86,12 +106,12 @@ def main(argv):
   deviceless(rows, tables)
   payload = {"machine": _common.machine(), "rows": rows, "layers": FLAGS.layers}
   md = (
-      "# @jax_overlap.overlap on a Llama-style FSDP step\n\n"
-      f"8 layers, bf16, hidden 4096, MLP 11008, 32 heads, sequence 2048, one sequence per GPU; "
-      f"shard_map with explicit gathers. Machine: {payload['machine']}.\n\n"
-      "Estimates from jax_overlap.analyze (deviceless compile for the target, roofline and "
-      "alpha-beta costs placed on XLA's schedule). CPU costs of the decorator: "
-      "transform_overhead.md.\n\n" + "\n".join(tables)
+    "# @jax_overlap.overlap on a Llama-style FSDP step\n\n"
+    f"8 layers, bf16, hidden 4096, MLP 11008, 32 heads, sequence 2048, one sequence per GPU; "
+    f"shard_map with explicit gathers. Machine: {payload['machine']}.\n\n"
+    "Estimates from jax_overlap.analyze (deviceless compile for the target, roofline and "
+    "alpha-beta costs placed on XLA's schedule). CPU costs of the decorator: "
+    "transform_overhead.md.\n\n" + "\n".join(tables)
   )
   print("wrote", _common.write("transform_fsdp", payload, md))
 

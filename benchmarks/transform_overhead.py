@@ -15,7 +15,9 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+  os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+  ).strip()
 
 from absl import app  # noqa: E402
 from absl import flags as absl_flags
@@ -38,9 +40,13 @@ absl_flags.DEFINE_integer("repeats", 3, "Fresh first calls per variant (the mini
 def main(argv):
   del argv
   mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Auto,))
-  cfg = S.Config(layers=4, hidden=256, mlp=1024, heads=4, seq=64, batch_per_device=2, dtype="float32")
+  cfg = S.Config(
+    layers=4, hidden=256, mlp=1024, heads=4, seq=64, batch_per_device=2, dtype="float32"
+  )
   params = S.init_params(cfg, mesh, jax.random.key(0))
-  x = jax.device_put(jax.random.normal(jax.random.key(1), (16, 64, 256)), NamedSharding(mesh, P("fsdp")))
+  x = jax.device_put(
+    jax.random.normal(jax.random.key(1), (16, 64, 256)), NamedSharding(mesh, P("fsdp"))
+  )
 
   def first_call(make):
     best = float("inf")
@@ -88,23 +94,23 @@ def main(argv):
       times[name].append(time.perf_counter() - t0)
   med = {k: float(np.median(v)) for k, v in times.items()}
   payload = {
-      "machine": _common.machine(),
-      "config": str(cfg),
-      "first_call_s": {"jit": jit_t, "overlap": ov_t, "overhead": ov_t / jit_t - 1},
-      "cost_model_selection_s": select_t,
-      "remembered_selection_s": recall_t,
-      "step_s_median": med,
-      "step_ratio_overlap_over_jit": med["overlap"] / med["jit"],
+    "machine": _common.machine(),
+    "config": str(cfg),
+    "first_call_s": {"jit": jit_t, "overlap": ov_t, "overhead": ov_t / jit_t - 1},
+    "cost_model_selection_s": select_t,
+    "remembered_selection_s": recall_t,
+    "step_s_median": med,
+    "step_ratio_overlap_over_jit": med["overlap"] / med["jit"],
   }
   md = (
-      "# CPU cost of @jax_overlap.overlap\n\n"
-      f"{cfg}, 8 virtual CPU devices. Machine: {payload['machine']}.\n\n"
-      f"- first call (trace + compile), best of {2 * FLAGS.repeats}: jit {jit_t:.2f} s, "
-      f"@overlap {ov_t:.2f} s, overhead {payload['first_call_s']['overhead'] * 100:.1f}%\n"
-      f"- one-off cost-model selection for h100x8 (deviceless compiles of the variants): {select_t:.1f} s; "
-      f"remembered by a restarted job (trace + selection cache): {recall_t:.2f} s\n"
-      f"- step time, median of {FLAGS.steps}: jit {med['jit'] * 1e3:.2f} ms, @overlap "
-      f"{med['overlap'] * 1e3:.2f} ms, ratio {payload['step_ratio_overlap_over_jit']:.3f}\n"
+    "# CPU cost of @jax_overlap.overlap\n\n"
+    f"{cfg}, 8 virtual CPU devices. Machine: {payload['machine']}.\n\n"
+    f"- first call (trace + compile), best of {2 * FLAGS.repeats}: jit {jit_t:.2f} s, "
+    f"@overlap {ov_t:.2f} s, overhead {payload['first_call_s']['overhead'] * 100:.1f}%\n"
+    f"- one-off cost-model selection for h100x8 (deviceless compiles of the variants): {select_t:.1f} s; "
+    f"remembered by a restarted job (trace + selection cache): {recall_t:.2f} s\n"
+    f"- step time, median of {FLAGS.steps}: jit {med['jit'] * 1e3:.2f} ms, @overlap "
+    f"{med['overlap'] * 1e3:.2f} ms, ratio {payload['step_ratio_overlap_over_jit']:.3f}\n"
   )
   print(md)
   print("wrote", _common.write("transform_overhead", payload, md))

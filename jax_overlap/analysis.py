@@ -13,15 +13,15 @@ from jax_overlap._src.schedule import CollectiveInfo as CollectiveInfo
 from jax_overlap._src.schedule import KernelInfo as KernelInfo
 
 __all__ = [
-    "CollectiveInfo",
-    "Comparison",
-    "CostModel",
-    "KernelInfo",
-    "Report",
-    "analyze",
-    "analyze_compiled",
-    "analyze_hlo",
-    "collective_time",
-    "compare",
-    "kernel_time",
+  "CollectiveInfo",
+  "Comparison",
+  "CostModel",
+  "KernelInfo",
+  "Report",
+  "analyze",
+  "analyze_compiled",
+  "analyze_hlo",
+  "collective_time",
+  "compare",
+  "kernel_time",
 ]

@@ -14,16 +14,16 @@ from jax_overlap._src.flags import recommended as recommended
 from jax_overlap._src.flags import validate as validate
 
 __all__ = [
-    "REGISTRY",
-    "WORKLOADS",
-    "Flag",
-    "Problem",
-    "accepted_by_jaxlib",
-    "as_compiler_options",
-    "configure",
-    "format_xla_flags",
-    "parse_xla_flags",
-    "read_xla_flags",
-    "recommended",
-    "validate",
+  "REGISTRY",
+  "WORKLOADS",
+  "Flag",
+  "Problem",
+  "accepted_by_jaxlib",
+  "as_compiler_options",
+  "configure",
+  "format_xla_flags",
+  "parse_xla_flags",
+  "read_xla_flags",
+  "recommended",
+  "validate",
 ]

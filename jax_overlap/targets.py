@@ -11,13 +11,13 @@ from jax_overlap._src.targets import gpu_target_config as gpu_target_config
 from jax_overlap._src.targets import names as names
 
 __all__ = [
-    "GPUS",
-    "Gpu",
-    "Topology",
-    "compile_only_devices",
-    "compile_only_mesh",
-    "get",
-    "get_gpu",
-    "gpu_target_config",
-    "names",
+  "GPUS",
+  "Gpu",
+  "Topology",
+  "compile_only_devices",
+  "compile_only_mesh",
+  "get",
+  "get_gpu",
+  "gpu_target_config",
+  "names",
 ]

@@ -270,10 +270,17 @@ def test_last_layer_reduce_scatters_go_in_backward_order():
   params = {"a": jnp.ones((3, 16, 16)) * 0.1, "b": jnp.ones((3, 16, 32)) * 0.1}
   specs = {"a": P(None, "fsdp"), "b": P(None, "fsdp")}
   loss = _loss_fn(lambda p, c: scan_layers(layer, p, c, prefetch=1), mesh, specs)
-  bwd = [e for e in jax.make_jaxpr(jax.grad(loss))(params, jnp.ones((16, 16))).jaxpr.eqns
-         if e.primitive.name == "shard_map"][-1].params["jaxpr"]
+  bwd = [
+    e
+    for e in jax.make_jaxpr(jax.grad(loss))(params, jnp.ones((16, 16))).jaxpr.eqns
+    if e.primitive.name == "shard_map"
+  ][-1].params["jaxpr"]
   tail = [e for e in bwd.eqns if e.primitive.name in ("reduce_scatter", "optimization_barrier")]
-  assert [e.primitive.name for e in tail] == ["reduce_scatter", "optimization_barrier", "reduce_scatter"]
+  assert [e.primitive.name for e in tail] == [
+    "reduce_scatter",
+    "optimization_barrier",
+    "reduce_scatter",
+  ]
   assert tail[0].outvars[0].aval.shape == (2, 32)  # b's cotangent first
   assert tail[2].outvars[0].aval.shape == (2, 16)
 
@@ -300,7 +307,9 @@ def test_replicated_leaf_cotangents_are_reduced_once_after_the_loop():
   x = jax.random.normal(jax.random.PRNGKey(5), (16, 16))
 
   def loops(**kw):
-    loss = _loss_fn(lambda p, c: scan_layers(_layer, p, c, gather_dim=dims, **kw), mesh, _specs(dims))
+    loss = _loss_fn(
+      lambda p, c: scan_layers(_layer, p, c, gather_dim=dims, **kw), mesh, _specs(dims)
+    )
     return _primitives_in_loops(jax.make_jaxpr(jax.grad(loss))(params, x).jaxpr)
 
   psums = {"psum", "psum_invariant", "psum2"}
@@ -611,7 +620,9 @@ def _compiled_schedule(prefetch, flags):
     for n in specs
   }
   cs = jax.ShapeDtypeStruct((batch, width), jnp.bfloat16, sharding=NamedSharding(mesh, P("fsdp")))
-  step = compile_for_target(jax.jit(jax.grad(loss)), ps, cs, target="h100x8", xla_options=dict(flags))
+  step = compile_for_target(
+    jax.jit(jax.grad(loss)), ps, cs, target="h100x8", xla_options=dict(flags)
+  )
   module = hlo.parse_module(step.hlo_text)
   return [schedule.collective_brackets(module, body) for body in schedule.while_bodies(module)]
 

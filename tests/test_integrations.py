@@ -25,7 +25,9 @@ def test_flax_optax_step_is_unchanged_by_the_transform():
   a = b = (params, opt_state)
   losses = []
   for _ in range(3):
-    tokens = jax.device_put(rng.integers(0, 128, (16, 17)).astype(np.int32), NamedSharding(mesh, P("fsdp")))
+    tokens = jax.device_put(
+      rng.integers(0, 128, (16, 17)).astype(np.int32), NamedSharding(mesh, P("fsdp"))
+    )
     *a, la = jax.jit(step)(*a, tokens)
     *b, lb = jax_overlap.overlap(step)(*b, tokens)
     assert float(la) == float(lb)

@@ -21,9 +21,21 @@ def _free_port() -> int:
 def _launch(port: int, pid: int, *extra: str) -> subprocess.Popen:
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
   return subprocess.Popen(
-      [sys.executable, "-m", "jax_overlap.examples.multihost", f"--coordinator=127.0.0.1:{port}",
-       "--num_processes=2", f"--process_id={pid}", "--local_devices=4", "--steps=3", *extra],
-      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    [
+      sys.executable,
+      "-m",
+      "jax_overlap.examples.multihost",
+      f"--coordinator=127.0.0.1:{port}",
+      "--num_processes=2",
+      f"--process_id={pid}",
+      "--local_devices=4",
+      "--steps=3",
+      *extra,
+    ],
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+    env=env,
   )
 
 
@@ -43,7 +55,9 @@ def test_two_processes_match_the_single_process_run():
   procs, outs = _run_pair()
   for p, (_, err) in zip(procs, outs):
     assert p.returncode == 0, err[-3000:]
-  results = [json.loads(next(ln for ln in out.splitlines() if ln.startswith("{"))) for out, _ in outs]
+  results = [
+    json.loads(next(ln for ln in out.splitlines() if ln.startswith("{"))) for out, _ in outs
+  ]
   assert {r["process"] for r in results} == {0, 1}
   assert results[0]["losses"] == results[1]["losses"]
   # The same decorated step on this process's 8 devices.

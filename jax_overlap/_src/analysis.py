@@ -32,14 +32,14 @@ def _fn_name(fn) -> str:
 
 
 def analyze(
-    fn: Callable,
-    *args,
-    target: str | targets_lib.Topology | None = "h100x8",
-    xla_options: Mapping[str, Any] | None = None,
-    mesh=None,
-    cost_model: cm.CostModel | None = None,
-    name: str | None = None,
-    **kwargs,
+  fn: Callable,
+  *args,
+  target: str | targets_lib.Topology | None = "h100x8",
+  xla_options: Mapping[str, Any] | None = None,
+  mesh=None,
+  cost_model: cm.CostModel | None = None,
+  name: str | None = None,
+  **kwargs,
 ) -> Report:
   """Compiles ``fn`` for ``target`` once and estimates how its collectives overlap.
 
@@ -74,27 +74,27 @@ def analyze(
   topo = targets_lib.get(target) if target is not None else None
   if topo is not None and not topo.gpu.deviceless:
     raise ValueError(
-        f"analyze: {topo.name} cannot be compiled for on this machine (no deviceless "
-        "compilation for ROCm); analyse an NVIDIA target and use jax_overlap.sim for "
-        f"{topo.gpu.name}"
+      f"analyze: {topo.name} cannot be compiled for on this machine (no deviceless "
+      "compilation for ROCm); analyse an NVIDIA target and use jax_overlap.sim for "
+      f"{topo.gpu.name}"
     )
   if hasattr(fn, "explain") and hasattr(fn, "compiler_options"):
     # A jax_overlap.overlap step: compile it with the options it chose.
     xla_options = {**fn.compiler_options(*args, **kwargs), **dict(xla_options or {})}
   step = compile_lib.compile_for_target(
-      fn, *args, target=topo, xla_options=xla_options, mesh=mesh, api_name="analyze", **kwargs
+    fn, *args, target=topo, xla_options=xla_options, mesh=mesh, api_name="analyze", **kwargs
   )
   return analyze_compiled(
-      step, name=name or _fn_name(fn), cost_model=cost_model, xla_options=dict(xla_options or {})
+    step, name=name or _fn_name(fn), cost_model=cost_model, xla_options=dict(xla_options or {})
   )
 
 
 def analyze_compiled(
-    step: compile_lib.CompiledStep,
-    *,
-    name: str = "step",
-    cost_model: cm.CostModel | None = None,
-    xla_options: dict[str, Any] | None = None,
+  step: compile_lib.CompiledStep,
+  *,
+  name: str = "step",
+  cost_model: cm.CostModel | None = None,
+  xla_options: dict[str, Any] | None = None,
 ) -> Report:
   """Builds the Report of an already compiled step (see :func:`analyze`)."""
   memory = {}
@@ -102,37 +102,37 @@ def analyze_compiled(
     stats = step.compiled.memory_analysis()
     if stats is not None:
       memory = {
-          "arguments": int(stats.argument_size_in_bytes),
-          "outputs": int(stats.output_size_in_bytes),
-          "temporaries": int(stats.temp_size_in_bytes),
-          "aliased": int(stats.alias_size_in_bytes),
+        "arguments": int(stats.argument_size_in_bytes),
+        "outputs": int(stats.output_size_in_bytes),
+        "temporaries": int(stats.temp_size_in_bytes),
+        "aliased": int(stats.alias_size_in_bytes),
       }
   except Exception:  # noqa: BLE001 - not every backend implements it
     memory = {}
   report = analyze_hlo(
-      step.hlo_text,
-      step.thunk_text,
-      target=step.target,
-      name=name,
-      cost_model=cost_model,
-      memory=memory,
-      xla_options={**(xla_options or {}), **step.fallback_options},
-      compile_time_s=step.compile_time_s,
+    step.hlo_text,
+    step.thunk_text,
+    target=step.target,
+    name=name,
+    cost_model=cost_model,
+    memory=memory,
+    xla_options={**(xla_options or {}), **step.fallback_options},
+    compile_time_s=step.compile_time_s,
   )
   report.notes.extend(step.notes)
   return report
 
 
 def analyze_hlo(
-    hlo_text: str,
-    thunk_text: str = "",
-    *,
-    target: str | targets_lib.Topology | None = "h100x8",
-    name: str = "step",
-    cost_model: cm.CostModel | None = None,
-    memory: dict[str, int] | None = None,
-    xla_options: dict[str, Any] | None = None,
-    compile_time_s: float = 0.0,
+  hlo_text: str,
+  thunk_text: str = "",
+  *,
+  target: str | targets_lib.Topology | None = "h100x8",
+  name: str = "step",
+  cost_model: cm.CostModel | None = None,
+  memory: dict[str, int] | None = None,
+  xla_options: dict[str, Any] | None = None,
+  compile_time_s: float = 0.0,
 ) -> Report:
   """Builds a Report from XLA's dumped HLO text (and thunk listing, for GPU dumps).
 
@@ -140,8 +140,8 @@ def analyze_hlo(
   """
   if not hlo_text.strip():
     raise ValueError(
-        "analyze: XLA wrote no optimised HLO for this compile; check that the function has "
-        "any computation"
+      "analyze: XLA wrote no optimised HLO for this compile; check that the function has "
+      "any computation"
     )
   model = cost_model or cm.CostModel()
   topo = targets_lib.get(target) if target is not None else None
@@ -156,27 +156,27 @@ def analyze_hlo(
     notes.append("the program has no collectives: its step time is its compute time")
   if topo is None:
     notes.append(
-        "target=None: the local CPU with a rough host model (XLA:CPU runs collectives "
-        "synchronously); pass a GPU target such as 'h100x8' for overlap estimates"
+      "target=None: the local CPU with a rough host model (XLA:CPU runs collectives "
+      "synchronously); pass a GPU target such as 'h100x8' for overlap estimates"
     )
   comm = placed.comm_time_s
   return Report(
-      name=name,
-      target=topo.name if topo is not None else "cpu",
-      step_time_s=placed.step_time_s,
-      compute_time_s=placed.compute_time_s,
-      comm_time_s=comm,
-      exposed_comm_s=placed.exposed_comm_s,
-      overlap_fraction=(1.0 - placed.exposed_comm_s / comm) if comm > 0 else None,
-      flops=sum(k.flops for k in sched.kernels),
-      kernels=sched.kernels,
-      collectives=sched.collectives,
-      events=placed.events,
-      memory=dict(memory or {}),
-      xla_options=dict(xla_options or {}),
-      notes=notes,
-      compile_time_s=compile_time_s,
-      loops=sched.loops,
-      topology=topo,
-      hlo_text=hlo_text,
+    name=name,
+    target=topo.name if topo is not None else "cpu",
+    step_time_s=placed.step_time_s,
+    compute_time_s=placed.compute_time_s,
+    comm_time_s=comm,
+    exposed_comm_s=placed.exposed_comm_s,
+    overlap_fraction=(1.0 - placed.exposed_comm_s / comm) if comm > 0 else None,
+    flops=sum(k.flops for k in sched.kernels),
+    kernels=sched.kernels,
+    collectives=sched.collectives,
+    events=placed.events,
+    memory=dict(memory or {}),
+    xla_options=dict(xla_options or {}),
+    notes=notes,
+    compile_time_s=compile_time_s,
+    loops=sched.loops,
+    topology=topo,
+    hlo_text=hlo_text,
   )

@@ -11,7 +11,9 @@ def cache_dir() -> str:
   base = os.environ.get("JAX_OVERLAP_CACHE_DIR")
   if base:
     return base
-  return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jax_overlap")
+  return os.path.join(
+    os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jax_overlap"
+  )
 
 
 def write_text(path: str, text: str) -> None:

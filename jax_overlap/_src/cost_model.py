@@ -84,13 +84,13 @@ _LOW_PRECISION = ("bf16", "f16", "f8", "s8", "u8", "s4", "u4")
 
 
 def kernel_time(
-    flops: float,
-    bytes_accessed: float,
-    gpu,
-    *,
-    dtype: str = "f32",
-    is_dot: bool = False,
-    model: CostModel | None = None,
+  flops: float,
+  bytes_accessed: float,
+  gpu,
+  *,
+  dtype: str = "f32",
+  is_dot: bool = False,
+  model: CostModel | None = None,
 ) -> float:
   """Roofline time of one kernel on ``gpu`` (a targets.Gpu or HOST_CPU)."""
   model = model or _DEFAULT
@@ -106,12 +106,12 @@ def kernel_time(
 
 
 def collective_time(
-    kind: str,
-    nbytes: float,
-    group_size: int,
-    topology,
-    *,
-    model: CostModel | None = None,
+  kind: str,
+  nbytes: float,
+  group_size: int,
+  topology,
+  *,
+  model: CostModel | None = None,
 ) -> float:
   """Alpha-beta time of one collective; see the module docstring for the formulas."""
   model = model or _DEFAULT
@@ -132,6 +132,6 @@ def collective_time(
   if kind == "collective-permute":
     return alpha + nbytes / beta
   raise ValueError(
-      f"collective_time: unknown collective kind {kind!r}; expected all-gather, reduce-scatter, "
-      "all-reduce, all-to-all or collective-permute"
+    f"collective_time: unknown collective kind {kind!r}; expected all-gather, reduce-scatter, "
+    "all-reduce, all-to-all or collective-permute"
   )

@@ -559,7 +559,10 @@ def _scan_layers_local(layer_fn, stacked, carry, cfg: _Config):
 
   def scatter_last(tree):
     return _one_by_one(
-      lambda x, d: lax.psum_scatter(x, axis, scatter_dimension=d, tiled=True), tree, dims, order[::-1]
+      lambda x, d: lax.psum_scatter(x, axis, scatter_dimension=d, tiled=True),
+      tree,
+      dims,
+      order[::-1],
     )
 
   def f(full, c, cs):
@@ -735,7 +738,9 @@ def _defer_replicated(layer_fn, layer_out, example_params, stacked, carry, const
     after = jax.eval_shape(lambda p, c: fn_b(vary(p), c, *consts), example_params, carry)
   except Exception:  # noqa: BLE001 - any failure keeps the per-layer reductions
     return None
-  if [_varying(x) for x in jax.tree.leaves(layer_out)] != [_varying(x) for x in jax.tree.leaves(after)]:
+  if [_varying(x) for x in jax.tree.leaves(layer_out)] != [
+    _varying(x) for x in jax.tree.leaves(after)
+  ]:
     return None
   return fn_b, vary, reduce
 

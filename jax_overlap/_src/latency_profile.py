@@ -62,7 +62,9 @@ def write_profile(report: report_lib.Report, directory: str | None = None) -> st
   if text.strip() == "":
     raise ValueError("write_profile: the report has no kernels or collectives")
   name = hashlib.sha1(text.encode()).hexdigest()[:16] + ".pbtxt"
-  for d in ([directory] if directory else [_directory(), os.path.join(tempfile.gettempdir(), "jax_overlap")]):
+  for d in (
+    [directory] if directory else [_directory(), os.path.join(tempfile.gettempdir(), "jax_overlap")]
+  ):
     path = os.path.join(d, name)
     try:
       cache_lib.write_text(path, text)

@@ -36,9 +36,9 @@ from collections.abc import Iterable
 __all__ = ["Measured", "measure", "load_trace", "COMM_PATTERN"]
 
 COMM_PATTERN = re.compile(
-    r"nccl|rccl|all[-_]?gather|reduce[-_]?scatter|all[-_]?reduce|all[-_]?to[-_]?all|"
-    r"collective[-_]?permute|ragged[-_]?all|send|recv",
-    re.IGNORECASE,
+  r"nccl|rccl|all[-_]?gather|reduce[-_]?scatter|all[-_]?reduce|all[-_]?to[-_]?all|"
+  r"collective[-_]?permute|ragged[-_]?all|send|recv",
+  re.IGNORECASE,
 )
 _SKIP = re.compile(r"^end: |^Wait|Rendezvous|Threadpool|^\$", re.IGNORECASE)
 
@@ -71,12 +71,12 @@ class Measured:
   def __str__(self) -> str:
     ov = "n/a" if self.overlap_fraction is None else f"{self.overlap_fraction * 100:.1f} %"
     return (
-        f"measured from {os.path.basename(self.source)} ({len(self.devices)} devices, mean):\n"
-        f"  communication  {self.comm_time_s * 1e3:10.3f} ms\n"
-        f"  overlapped     {self.overlapped_s * 1e3:10.3f} ms\n"
-        f"  exposed comm   {self.exposed_comm_s * 1e3:10.3f} ms\n"
-        f"  compute        {self.compute_time_s * 1e3:10.3f} ms\n"
-        f"  overlap        {ov:>10}"
+      f"measured from {os.path.basename(self.source)} ({len(self.devices)} devices, mean):\n"
+      f"  communication  {self.comm_time_s * 1e3:10.3f} ms\n"
+      f"  overlapped     {self.overlapped_s * 1e3:10.3f} ms\n"
+      f"  exposed comm   {self.exposed_comm_s * 1e3:10.3f} ms\n"
+      f"  compute        {self.compute_time_s * 1e3:10.3f} ms\n"
+      f"  overlap        {ov:>10}"
     )
 
 
@@ -89,7 +89,7 @@ def _find_trace(path: str) -> str:
   files += glob.glob(os.path.join(path, "**", "*.trace.json"), recursive=True)
   if not files:
     raise FileNotFoundError(
-        f"measure: no *.trace.json.gz under {path!r}; write one with jax.profiler.trace(dir)"
+      f"measure: no *.trace.json.gz under {path!r}; write one with jax.profiler.trace(dir)"
     )
   return max(files, key=os.path.getmtime)
 
@@ -142,14 +142,20 @@ def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) ->
 
 
 def _device_events(events: list[dict]) -> dict[str, list[dict]]:
-  procs = {e["pid"]: e.get("args", {}).get("name", "") for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+  procs = {
+    e["pid"]: e.get("args", {}).get("name", "")
+    for e in events
+    if e.get("ph") == "M" and e.get("name") == "process_name"
+  }
   threads = {
-      (e["pid"], e.get("tid")): e.get("args", {}).get("name", "")
-      for e in events
-      if e.get("ph") == "M" and e.get("name") == "thread_name"
+    (e["pid"], e.get("tid")): e.get("args", {}).get("name", "")
+    for e in events
+    if e.get("ph") == "M" and e.get("name") == "thread_name"
   }
   by_dev: dict[str, list[dict]] = {}
-  gpu_pids = {pid: name for pid, name in procs.items() if re.search(r"/device:(GPU|ROCM|CUDA)", name, re.I)}
+  gpu_pids = {
+    pid: name for pid, name in procs.items() if re.search(r"/device:(GPU|ROCM|CUDA)", name, re.I)
+  }
   for e in events:
     if e.get("ph") != "X" or "dur" not in e:
       continue
@@ -169,7 +175,9 @@ def _device_events(events: list[dict]) -> dict[str, list[dict]]:
 
 def _is_comm(e: dict) -> bool:
   args = e.get("args", {})
-  return bool(COMM_PATTERN.search(e.get("name", "")) or COMM_PATTERN.search(str(args.get("hlo_op", ""))))
+  return bool(
+    COMM_PATTERN.search(e.get("name", "")) or COMM_PATTERN.search(str(args.get("hlo_op", "")))
+  )
 
 
 def measure(trace_dir: str, *, devices: Iterable[str] | None = None) -> Measured:
@@ -194,8 +202,8 @@ def measure(trace_dir: str, *, devices: Iterable[str] | None = None) -> Measured
     by_dev = {k: v for k, v in by_dev.items() if k in wanted}
   if not by_dev:
     raise ValueError(
-        f"measure: {src} has no device kernel events (GPU stream lanes, or CPU events with "
-        "hlo_op); was the traced code run on the devices inside the trace?"
+      f"measure: {src} has no device kernel events (GPU stream lanes, or CPU events with "
+      "hlo_op); was the traced code run on the devices inside the trace?"
     )
   per = []
   for dev, evs in sorted(by_dev.items()):
@@ -206,18 +214,20 @@ def measure(trace_dir: str, *, devices: Iterable[str] | None = None) -> Measured
     allv = _union(comm + comp)
     span = (allv[-1][1] - allv[0][0]) if allv else 0.0
     per.append(
-        DeviceMeasure(dev, c, ov, c - ov, k, span, sum(map(_is_comm, evs)), sum(not _is_comm(e) for e in evs))
+      DeviceMeasure(
+        dev, c, ov, c - ov, k, span, sum(map(_is_comm, evs)), sum(not _is_comm(e) for e in evs)
+      )
     )
   n = len(per)
   comm_t = sum(d.comm_time_s for d in per) / n
   ov_t = sum(d.overlapped_s for d in per) / n
   return Measured(
-      comm_time_s=comm_t,
-      overlapped_s=ov_t,
-      exposed_comm_s=comm_t - ov_t,
-      compute_time_s=sum(d.compute_time_s for d in per) / n,
-      span_s=sum(d.span_s for d in per) / n,
-      overlap_fraction=(ov_t / comm_t) if comm_t > 0 else None,
-      devices=per,
-      source=src,
+    comm_time_s=comm_t,
+    overlapped_s=ov_t,
+    exposed_comm_s=comm_t - ov_t,
+    compute_time_s=sum(d.compute_time_s for d in per) / n,
+    span_s=sum(d.span_s for d in per) / n,
+    overlap_fraction=(ov_t / comm_t) if comm_t > 0 else None,
+    devices=per,
+    source=src,
   )

@@ -13,11 +13,11 @@ from jax_overlap._src.timeline import Event
 __all__ = ["Report", "Comparison", "compare"]
 
 COLLECTIVE_COLOURS = {
-    "all-gather": "#1f77b4",
-    "reduce-scatter": "#2ca02c",
-    "all-reduce": "#9467bd",
-    "all-to-all": "#ff7f0e",
-    "collective-permute": "#17becf",
+  "all-gather": "#1f77b4",
+  "reduce-scatter": "#2ca02c",
+  "all-reduce": "#9467bd",
+  "all-to-all": "#ff7f0e",
+  "collective-permute": "#17becf",
 }
 
 
@@ -78,39 +78,38 @@ class Report:
 
   def summary(self) -> dict[str, Any]:
     return {
-        "name": self.name,
-        "target": self.target,
-        "step_time_s": self.step_time_s,
-        "compute_time_s": self.compute_time_s,
-        "comm_time_s": self.comm_time_s,
-        "exposed_comm_s": self.exposed_comm_s,
-        "overlap_fraction": self.overlap_fraction,
-        "flops": self.flops,
-        "num_kernels": len(self.kernels),
-        "num_collectives": len(self.collectives),
-        "async_collectives": sum(not c.synchronous for c in self.collectives),
+      "name": self.name,
+      "target": self.target,
+      "step_time_s": self.step_time_s,
+      "compute_time_s": self.compute_time_s,
+      "comm_time_s": self.comm_time_s,
+      "exposed_comm_s": self.exposed_comm_s,
+      "overlap_fraction": self.overlap_fraction,
+      "flops": self.flops,
+      "num_kernels": len(self.kernels),
+      "num_collectives": len(self.collectives),
+      "async_collectives": sum(not c.synchronous for c in self.collectives),
     }
 
   def __str__(self) -> str:
     lines = [
-        f"jax_overlap analysis: {self.name} on {self.target}",
-        f"  step time        {_ms(self.step_time_s):>10} ms",
-        f"  compute (sum)    {_ms(self.compute_time_s):>10} ms   ({self.flops / 1e12:.3f} TFLOP per device, "
-        f"{len(self.kernels)} kernels)",
-        f"  communication    {_ms(self.comm_time_s):>10} ms   ({len(self.collectives)} collectives, "
-        f"{sum(not c.synchronous for c in self.collectives)} async)",
-        f"  exposed comm     {_ms(self.exposed_comm_s):>10} ms",
-        "  overlap          "
-        + (
-            "       n/a      (no collectives)"
-            if self.overlap_fraction is None
-            else f"{self.overlap_fraction * 100:>9.1f} %"
-        ),
+      f"jax_overlap analysis: {self.name} on {self.target}",
+      f"  step time        {_ms(self.step_time_s):>10} ms",
+      f"  compute (sum)    {_ms(self.compute_time_s):>10} ms   ({self.flops / 1e12:.3f} TFLOP per device, "
+      f"{len(self.kernels)} kernels)",
+      f"  communication    {_ms(self.comm_time_s):>10} ms   ({len(self.collectives)} collectives, "
+      f"{sum(not c.synchronous for c in self.collectives)} async)",
+      f"  exposed comm     {_ms(self.exposed_comm_s):>10} ms",
+      "  overlap          "
+      + (
+        "       n/a      (no collectives)"
+        if self.overlap_fraction is None
+        else f"{self.overlap_fraction * 100:>9.1f} %"
+      ),
     ]
     if self.memory:
       lines.append(
-          "  memory/device    "
-          + ", ".join(f"{k} {_mb(v)} MiB" for k, v in self.memory.items() if v)
+        "  memory/device    " + ", ".join(f"{k} {_mb(v)} MiB" for k, v in self.memory.items() if v)
       )
     if self.collectives:
       by_kind: dict[str, list[CollectiveInfo]] = {}
@@ -118,13 +117,13 @@ class Report:
         by_kind.setdefault(c.kind, []).append(c)
       lines.append("")
       lines.append(
-          f"  {'collective':<20}{'count':>6}{'MiB':>10}{'time ms':>10}{'exposed ms':>12}{'async':>7}"
+        f"  {'collective':<20}{'count':>6}{'MiB':>10}{'time ms':>10}{'exposed ms':>12}{'async':>7}"
       )
       for kind, cs in by_kind.items():
         lines.append(
-            f"  {kind:<20}{len(cs):>6}{_mb(sum(c.bytes for c in cs)):>10}"
-            f"{sum(c.time_s for c in cs) * 1e3:>10.3f}{sum(c.exposed_s for c in cs) * 1e3:>12.3f}"
-            f"{sum(not c.synchronous for c in cs):>7}"
+          f"  {kind:<20}{len(cs):>6}{_mb(sum(c.bytes for c in cs)):>10}"
+          f"{sum(c.time_s for c in cs) * 1e3:>10.3f}{sum(c.exposed_s for c in cs) * 1e3:>12.3f}"
+          f"{sum(not c.synchronous for c in cs):>7}"
         )
       worst = sorted(self.collectives, key=lambda c: -c.exposed_s)[:5]
       worst = [c for c in worst if c.exposed_s > 0]
@@ -133,8 +132,8 @@ class Report:
         lines.append("  most exposed:")
         for c in worst:
           lines.append(
-              f"    {c.name:<36} {c.kind:<18} {_mb(c.bytes):>8} MiB  {c.exposed_s * 1e3:8.3f} ms "
-              f"exposed of {c.time_s * 1e3:.3f} ms ({c.overlapped_kernels} kernels under it)"
+            f"    {c.name:<36} {c.kind:<18} {_mb(c.bytes):>8} MiB  {c.exposed_s * 1e3:8.3f} ms "
+            f"exposed of {c.time_s * 1e3:.3f} ms ({c.overlapped_kernels} kernels under it)"
           )
     else:
       lines.append("")
@@ -146,15 +145,18 @@ class Report:
   def to_dict(self, *, with_events: bool = True) -> dict[str, Any]:
     d = self.summary()
     d.update(
-        {
-            "memory": self.memory,
-            "xla_options": {k: (v if isinstance(v, (bool, int, float)) else str(v)) for k, v in self.xla_options.items()},
-            "notes": self.notes,
-            "compile_time_s": self.compile_time_s,
-            "loops": self.loops,
-            "kernels": [dataclasses.asdict(k) for k in self.kernels],
-            "collectives": [dataclasses.asdict(c) for c in self.collectives],
-        }
+      {
+        "memory": self.memory,
+        "xla_options": {
+          k: (v if isinstance(v, (bool, int, float)) else str(v))
+          for k, v in self.xla_options.items()
+        },
+        "notes": self.notes,
+        "compile_time_s": self.compile_time_s,
+        "loops": self.loops,
+        "kernels": [dataclasses.asdict(k) for k in self.kernels],
+        "collectives": [dataclasses.asdict(c) for c in self.collectives],
+      }
     )
     if with_events:
       d["events"] = [dataclasses.asdict(e) for e in self.events]
@@ -173,22 +175,27 @@ class Report:
     lanes = sorted({e.lane for e in self.events}, key=lambda s: (s != "compute", s))
     tid = {lane: i for i, lane in enumerate(lanes)}
     trace = [
-        {"ph": "M", "name": "process_name", "pid": 0, "args": {"name": f"{self.name} on {self.target} (estimated)"}}
+      {
+        "ph": "M",
+        "name": "process_name",
+        "pid": 0,
+        "args": {"name": f"{self.name} on {self.target} (estimated)"},
+      }
     ]
     for lane, i in tid.items():
       trace.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": i, "args": {"name": lane}})
     for e in self.events:
       trace.append(
-          {
-              "ph": "X",
-              "name": e.name,
-              "cat": e.kind,
-              "pid": 0,
-              "tid": tid[e.lane],
-              "ts": e.start_s * 1e6,
-              "dur": max(e.end_s - e.start_s, 0.0) * 1e6,
-              "args": e.args,
-          }
+        {
+          "ph": "X",
+          "name": e.name,
+          "cat": e.kind,
+          "pid": 0,
+          "tid": tid[e.lane],
+          "ts": e.start_s * 1e6,
+          "dur": max(e.end_s - e.start_s, 0.0) * 1e6,
+          "args": e.args,
+        }
       )
     with open(path, "w") as f:
       json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f, default=str)
@@ -204,30 +211,65 @@ class Report:
     for e in self.events:
       width = (e.end_s - e.start_s) * scale
       if e.kind == "wait":
-        ax.barh(y[e.lane], width, left=e.start_s * scale, height=0.8, color="#ffdddd",
-                edgecolor="#d62728", hatch="///", linewidth=0.5)
+        ax.barh(
+          y[e.lane],
+          width,
+          left=e.start_s * scale,
+          height=0.8,
+          color="#ffdddd",
+          edgecolor="#d62728",
+          hatch="///",
+          linewidth=0.5,
+        )
       elif e.kind in COLLECTIVE_COLOURS:
-        ax.barh(y[e.lane], width, left=e.start_s * scale, height=0.6,
-                color=COLLECTIVE_COLOURS[e.kind], edgecolor="black", linewidth=0.3)
+        ax.barh(
+          y[e.lane],
+          width,
+          left=e.start_s * scale,
+          height=0.6,
+          color=COLLECTIVE_COLOURS[e.kind],
+          edgecolor="black",
+          linewidth=0.3,
+        )
       else:
-        ax.barh(y[e.lane], width, left=e.start_s * scale, height=0.6,
-                color="#ff9896" if e.kind == "gemm" else "#c7c7c7", linewidth=0)
+        ax.barh(
+          y[e.lane],
+          width,
+          left=e.start_s * scale,
+          height=0.6,
+          color="#ff9896" if e.kind == "gemm" else "#c7c7c7",
+          linewidth=0,
+        )
     ax.set_yticks(list(y.values()))
     ax.set_yticklabels(list(y.keys()))
     ax.set_xlabel("time (ms, estimated)")
     overlap = "n/a" if self.overlap_fraction is None else f"{self.overlap_fraction * 100:.0f}%"
     ax.set_title(
-        title
-        or f"{self.name} on {self.target}: step {self.step_time_s * 1e3:.2f} ms, exposed comm "
-        f"{self.exposed_comm_s * 1e3:.2f} ms, overlap {overlap}"
+      title
+      or f"{self.name} on {self.target}: step {self.step_time_s * 1e3:.2f} ms, exposed comm "
+      f"{self.exposed_comm_s * 1e3:.2f} ms, overlap {overlap}"
     )
     from matplotlib.patches import Patch
 
-    handles = [Patch(color="#ff9896", label="matmul"), Patch(color="#c7c7c7", label="other kernels")]
-    handles += [Patch(color=c, label=k) for k, c in COLLECTIVE_COLOURS.items()
-                if any(e.kind == k for e in self.events)]
-    handles.append(Patch(facecolor="#ffdddd", edgecolor="#d62728", hatch="///", label="exposed (waiting)"))
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.45), ncol=len(handles), fontsize=8)
+    handles = [
+      Patch(color="#ff9896", label="matmul"),
+      Patch(color="#c7c7c7", label="other kernels"),
+    ]
+    handles += [
+      Patch(color=c, label=k)
+      for k, c in COLLECTIVE_COLOURS.items()
+      if any(e.kind == k for e in self.events)
+    ]
+    handles.append(
+      Patch(facecolor="#ffdddd", edgecolor="#d62728", hatch="///", label="exposed (waiting)")
+    )
+    ax.legend(
+      handles=handles,
+      loc="upper center",
+      bbox_to_anchor=(0.5, -0.45),
+      ncol=len(handles),
+      fontsize=8,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -241,9 +283,7 @@ def _pyplot():
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
   except ImportError as e:
-    raise ImportError(
-        "plotting needs matplotlib: pip install 'jax_overlap[plot]'"
-    ) from e
+    raise ImportError("plotting needs matplotlib: pip install 'jax_overlap[plot]'") from e
   return plt
 
 
@@ -268,18 +308,18 @@ class Comparison:
   def __str__(self) -> str:
     w = max([len(n) for n in self.names] + [7])
     header = (
-        f"{'variant':<{w}}  {'step ms':>9} {'compute ms':>10} {'comm ms':>9} {'exposed ms':>10} "
-        f"{'exposed %':>9} {'overlap %':>9} {'vs first':>8}"
+      f"{'variant':<{w}}  {'step ms':>9} {'compute ms':>10} {'comm ms':>9} {'exposed ms':>10} "
+      f"{'exposed %':>9} {'overlap %':>9} {'vs first':>8}"
     )
     lines = [header, "-" * len(header)]
     for row in self.rows():
       exp = row["exposed_fraction"]
       ov = row["overlap_fraction"]
       lines.append(
-          f"{row['variant']:<{w}}  {row['step_time_s'] * 1e3:>9.3f} {row['compute_time_s'] * 1e3:>10.3f} "
-          f"{row['comm_time_s'] * 1e3:>9.3f} {row['exposed_comm_s'] * 1e3:>10.3f} "
-          f"{'n/a' if exp is None else f'{exp * 100:.1f}':>9} {'n/a' if ov is None else f'{ov * 100:.1f}':>9} "
-          f"{row['speedup_vs_first']:>7.3f}x"
+        f"{row['variant']:<{w}}  {row['step_time_s'] * 1e3:>9.3f} {row['compute_time_s'] * 1e3:>10.3f} "
+        f"{row['comm_time_s'] * 1e3:>9.3f} {row['exposed_comm_s'] * 1e3:>10.3f} "
+        f"{'n/a' if exp is None else f'{exp * 100:.1f}':>9} {'n/a' if ov is None else f'{ov * 100:.1f}':>9} "
+        f"{row['speedup_vs_first']:>7.3f}x"
       )
     return "\n".join(lines)
 
@@ -292,20 +332,22 @@ class Comparison:
 
   def to_markdown(self) -> str:
     lines = [
-        "| variant | step ms | compute ms | comm ms | exposed ms | exposed % | overlap % |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+      "| variant | step ms | compute ms | comm ms | exposed ms | exposed % | overlap % |",
+      "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for row in self.rows():
       exp, ov = row["exposed_fraction"], row["overlap_fraction"]
       lines.append(
-          f"| {row['variant']} | {row['step_time_s'] * 1e3:.3f} | {row['compute_time_s'] * 1e3:.3f} | "
-          f"{row['comm_time_s'] * 1e3:.3f} | {row['exposed_comm_s'] * 1e3:.3f} | "
-          f"{'n/a' if exp is None else f'{exp * 100:.1f}'} | {'n/a' if ov is None else f'{ov * 100:.1f}'} |"
+        f"| {row['variant']} | {row['step_time_s'] * 1e3:.3f} | {row['compute_time_s'] * 1e3:.3f} | "
+        f"{row['comm_time_s'] * 1e3:.3f} | {row['exposed_comm_s'] * 1e3:.3f} | "
+        f"{'n/a' if exp is None else f'{exp * 100:.1f}'} | {'n/a' if ov is None else f'{ov * 100:.1f}'} |"
       )
     return "\n".join(lines)
 
 
-def compare(reports: Sequence[Report] | dict[str, Report], names: Sequence[str] | None = None) -> Comparison:
+def compare(
+  reports: Sequence[Report] | dict[str, Report], names: Sequence[str] | None = None
+) -> Comparison:
   """Side-by-side table of several analyses of variants of one step.
 
   Args:

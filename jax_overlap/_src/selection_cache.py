@@ -37,7 +37,7 @@ def _code_fingerprint() -> str:
   here = os.path.dirname(os.path.abspath(__file__))
   for path in sorted(glob.glob(os.path.join(here, "**", "*.py"), recursive=True)):
     with open(path, "rb") as f:
-      h.update(path[len(here):].encode() + b"\0" + f.read())
+      h.update(path[len(here) :].encode() + b"\0" + f.read())
   return h.hexdigest()
 
 
@@ -48,9 +48,14 @@ def key(program: str, signature: Any, settings: dict[str, Any]) -> str | None:
   """
   try:
     text = json.dumps(
-        {"settings": settings, "signature": repr(signature), "jax": jax.__version__,
-         "jaxlib": jaxlib.__version__, "code": _code_fingerprint()},
-        sort_keys=True,
+      {
+        "settings": settings,
+        "signature": repr(signature),
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "code": _code_fingerprint(),
+      },
+      sort_keys=True,
     )
   except TypeError:
     return None

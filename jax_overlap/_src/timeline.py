@@ -74,7 +74,14 @@ def place(schedule: Schedule) -> Placement:
       for c in running:
         c.overlapped_kernels += 1
       events.append(
-          Event("compute", k.name, k.kind, k.start_s, k.end_s, {"flops": k.flops, "bytes": k.bytes_accessed})
+        Event(
+          "compute",
+          k.name,
+          k.kind,
+          k.start_s,
+          k.end_s,
+          {"flops": k.flops, "bytes": k.bytes_accessed},
+        )
       )
     elif op.kind == "sync":
       c = op.collective
@@ -82,7 +89,9 @@ def place(schedule: Schedule) -> Placement:
       c.exposed_s = c.time_s
       exposed += c.time_s
       t = c.end_s
-      events.append(Event("compute", c.name, c.kind, c.start_s, c.end_s, {"bytes": c.bytes, "sync": True}))
+      events.append(
+        Event("compute", c.name, c.kind, c.start_s, c.end_s, {"bytes": c.bytes, "sync": True})
+      )
     elif op.kind == "start":
       c = op.collective
       c.start_s = max(t, stream_free[c.stream])
@@ -92,7 +101,14 @@ def place(schedule: Schedule) -> Placement:
       order.append(c.name)
       running.append(c)
       events.append(
-          Event(f"comm[{c.stream}]", c.name, c.kind, c.start_s, c.end_s, {"bytes": c.bytes, "group": c.group_size})
+        Event(
+          f"comm[{c.stream}]",
+          c.name,
+          c.kind,
+          c.start_s,
+          c.end_s,
+          {"bytes": c.bytes, "group": c.group_size},
+        )
       )
     elif op.kind == "done":
       c = in_flight.pop(op.start_name, None) if op.start_name else None
@@ -110,7 +126,9 @@ def place(schedule: Schedule) -> Placement:
         wait = c.end_s - t
         c.exposed_s += wait
         exposed += wait
-        events.append(Event("compute", f"wait {c.name}", "wait", t, c.end_s, {"collective": c.kind}))
+        events.append(
+          Event("compute", f"wait {c.name}", "wait", t, c.end_s, {"collective": c.kind})
+        )
         t = c.end_s
   # Collectives never waited for (none in well-formed programs) still finish.
   for c in in_flight.values():

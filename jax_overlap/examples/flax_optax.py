@@ -23,7 +23,7 @@ def require():
     import optax
   except ImportError as e:
     raise ImportError(
-        f"this example needs flax and optax ({e.name} is missing): pip install 'jax_overlap[train]'"
+      f"this example needs flax and optax ({e.name} is missing): pip install 'jax_overlap[train]'"
     ) from None
   return nn, optax
 
@@ -58,9 +58,9 @@ def init(key, mesh, hidden=64, layers=3, vocab=128):
   keys = jax.random.split(key, layers + 2)
   x = jnp.zeros((1, hidden))
   params = {
-      "embed": embed.init(keys[0], jnp.zeros((1,), jnp.int32))["params"],
-      "blocks": [b.init(k, x)["params"] for b, k in zip(blocks, keys[1:-1])],
-      "head": head.init(keys[-1], x)["params"],
+    "embed": embed.init(keys[0], jnp.zeros((1,), jnp.int32))["params"],
+    "blocks": [b.init(k, x)["params"] for b, k in zip(blocks, keys[1:-1])],
+    "head": head.init(keys[-1], x)["params"],
   }
   n = mesh.shape["fsdp"]
 
@@ -84,8 +84,9 @@ def make_train_step(mesh, specs, hidden=64, layers=3, vocab=128, learning_rate=3
 
   def gather(tree, spec_tree):
     return jax.tree.map(
-        lambda p, s: jax.lax.all_gather(p, "fsdp", axis=0, tiled=True) if s == P("fsdp") else p,
-        tree, spec_tree,
+      lambda p, s: jax.lax.all_gather(p, "fsdp", axis=0, tiled=True) if s == P("fsdp") else p,
+      tree,
+      spec_tree,
     )
 
   def body(params, tokens):
@@ -127,7 +128,9 @@ def init_opt_state(tx, params, mesh):
 def main():
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+    os.environ["XLA_FLAGS"] = (
+      os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
   import jax
   import numpy as np
   from jax.sharding import AxisType, NamedSharding
@@ -143,7 +146,9 @@ def main():
   plain, fast = jax.jit(step), jax_overlap.overlap(step)
   a = b = (params, opt_state)
   for i in range(5):
-    tokens = jax.device_put(rng.integers(0, 128, (16, 33)).astype(np.int32), NamedSharding(mesh, P("fsdp")))
+    tokens = jax.device_put(
+      rng.integers(0, 128, (16, 33)).astype(np.int32), NamedSharding(mesh, P("fsdp"))
+    )
     *a, la = plain(*a, tokens)
     *b, lb = fast(*b, tokens)
     print(f"step {i}: jit {float(la):.6f}  @overlap {float(lb):.6f}")

@@ -28,20 +28,22 @@ def make_step(mesh: Mesh, learning_rate: float = 1e-3):
 
   def step(ws, x):
     value, grads = jax.value_and_grad(loss)(ws, x)
-    ws = jax.tree.map(lambda w, g: (w - learning_rate * g.astype(jnp.float32)).astype(w.dtype), ws, grads)
+    ws = jax.tree.map(
+      lambda w, g: (w - learning_rate * g.astype(jnp.float32)).astype(w.dtype), ws, grads
+    )
     return ws, value
 
   return step
 
 
 def build(
-    target: str = "h100x8",
-    mesh: Mesh | None = None,
-    layers: int = 4,
-    hidden: int = 4096,
-    mlp: int = 16384,
-    tokens_per_device: int = 4096,
-    dtype=jnp.bfloat16,
+  target: str = "h100x8",
+  mesh: Mesh | None = None,
+  layers: int = 4,
+  hidden: int = 4096,
+  mlp: int = 16384,
+  tokens_per_device: int = 4096,
+  dtype=jnp.bfloat16,
 ):
   """Returns (jitted step, (weights, activations)) as abstract arrays for ``target``."""
   from jax_overlap._src import targets as targets_lib
@@ -51,8 +53,11 @@ def build(
   n = mesh.shape["fsdp"]
   ps = NamedSharding(mesh, P("fsdp", None))
   ws = [
-      (jax.ShapeDtypeStruct((hidden, mlp), dtype, sharding=ps), jax.ShapeDtypeStruct((mlp, hidden), dtype, sharding=ps))
-      for _ in range(layers)
+    (
+      jax.ShapeDtypeStruct((hidden, mlp), dtype, sharding=ps),
+      jax.ShapeDtypeStruct((mlp, hidden), dtype, sharding=ps),
+    )
+    for _ in range(layers)
   ]
   x = jax.ShapeDtypeStruct((tokens_per_device * n, hidden), dtype, sharding=ps)
   out = (jax.tree.map(lambda a: a.sharding, ws), NamedSharding(mesh, P()))

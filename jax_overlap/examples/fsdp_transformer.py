@@ -23,7 +23,15 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["Config", "param_specs", "abstract_params", "init_params", "loss_fn", "make_step", "build"]
+__all__ = [
+  "Config",
+  "param_specs",
+  "abstract_params",
+  "init_params",
+  "loss_fn",
+  "make_step",
+  "build",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,15 +62,15 @@ class Config:
 def _layer_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
   h, f = cfg.hidden, cfg.mlp
   return {
-      "ln1": (h,),
-      "wq": (h, h),
-      "wk": (h, h),
-      "wv": (h, h),
-      "wo": (h, h),
-      "ln2": (h,),
-      "w1": (h, f),
-      "w3": (h, f),
-      "w2": (f, h),
+    "ln1": (h,),
+    "wq": (h, h),
+    "wk": (h, h),
+    "wv": (h, h),
+    "wo": (h, h),
+    "ln2": (h,),
+    "w1": (h, f),
+    "w3": (h, f),
+    "w2": (f, h),
   }
 
 
@@ -82,7 +90,9 @@ def param_specs(cfg: Config) -> dict[str, Any]:
     else:
       spec = (t, fs)
     layer[name] = P(None, *spec) if cfg.scan else P(*spec)
-  specs: dict[str, Any] = {"layers": layer if cfg.scan else [dict(layer) for _ in range(cfg.layers)]}
+  specs: dict[str, Any] = {
+    "layers": layer if cfg.scan else [dict(layer) for _ in range(cfg.layers)]
+  }
   if cfg.vocab:
     specs["embed"] = P(None, fs)
     specs["head"] = P(fs, None)
@@ -110,10 +120,10 @@ def abstract_params(cfg: Config, mesh: Mesh) -> Any:
   """ShapeDtypeStructs of the parameters with their shardings on ``mesh``."""
   dtype = jnp.dtype(cfg.dtype)
   return jax.tree.map(
-      lambda shape, spec: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec)),
-      _shapes(cfg),
-      param_specs(cfg),
-      is_leaf=_is_shape,
+    lambda shape, spec: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec)),
+    _shapes(cfg),
+    param_specs(cfg),
+    is_leaf=_is_shape,
   )
 
 
@@ -181,6 +191,7 @@ def loss_fn(cfg: Config, mesh: Mesh | None, params: Any, batch: dict) -> jax.Arr
   else:
     x = batch["x"]
   if cfg.scan:
+
     def body(x, p):
       return layer_fn(cfg, mesh, p, x), None
 
@@ -201,7 +212,9 @@ def make_step(cfg: Config, mesh: Mesh | None):
 
   def step(params, batch):
     loss, grads = jax.value_and_grad(lambda p: loss_fn(cfg, mesh, p, batch))(params)
-    params = jax.tree.map(lambda w, g: (w - cfg.learning_rate * g.astype(jnp.float32)).astype(w.dtype), params, grads)
+    params = jax.tree.map(
+      lambda w, g: (w - cfg.learning_rate * g.astype(jnp.float32)).astype(w.dtype), params, grads
+    )
     return params, loss
 
   return step
@@ -213,8 +226,8 @@ def abstract_batch(cfg: Config, mesh: Mesh) -> dict:
   sh = NamedSharding(mesh, P(cfg.fsdp_axis))
   if cfg.vocab:
     return {
-        "tokens": jax.ShapeDtypeStruct((b, cfg.seq), jnp.int32, sharding=sh),
-        "labels": jax.ShapeDtypeStruct((b, cfg.seq), jnp.int32, sharding=sh),
+      "tokens": jax.ShapeDtypeStruct((b, cfg.seq), jnp.int32, sharding=sh),
+      "labels": jax.ShapeDtypeStruct((b, cfg.seq), jnp.int32, sharding=sh),
     }
   return {"x": jax.ShapeDtypeStruct((b, cfg.seq, cfg.hidden), jnp.dtype(cfg.dtype), sharding=sh)}
 
@@ -233,9 +246,9 @@ def build(target: str = "h100x8", mesh: Mesh | None = None, **overrides):
   batch = abstract_batch(cfg, mesh)
   shardings = jax.tree.map(lambda a: a.sharding, params)
   step = jax.jit(
-      make_step(cfg, mesh),
-      out_shardings=(shardings, NamedSharding(mesh, P())),
-      donate_argnums=(0,),
+    make_step(cfg, mesh),
+    out_shardings=(shardings, NamedSharding(mesh, P())),
+    donate_argnums=(0,),
   )
   return step, (params, batch)
 

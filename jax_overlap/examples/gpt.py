@@ -20,7 +20,15 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["Config", "init_params", "make_loss", "make_train_step", "init_opt_state", "token_batches", "build"]
+__all__ = [
+  "Config",
+  "init_params",
+  "make_loss",
+  "make_train_step",
+  "init_opt_state",
+  "token_batches",
+  "build",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +50,9 @@ class Config:
       if getattr(self, f) < 1:
         raise ValueError(f"gpt.Config: {f} must be >= 1, got {getattr(self, f)}")
     if self.hidden % self.heads:
-      raise ValueError(f"gpt.Config: hidden ({self.hidden}) must be divisible by heads ({self.heads})")
+      raise ValueError(
+        f"gpt.Config: hidden ({self.hidden}) must be divisible by heads ({self.heads})"
+      )
 
 
 # name -> (shape, PartitionSpec, dimension gathered over fsdp or None)
@@ -50,38 +60,38 @@ def _layer_params(cfg: Config) -> dict[str, tuple[tuple[int, ...], P, int | None
   h, f = cfg.hidden, cfg.mlp
   col, row = P("fsdp", "tensor"), P("tensor", "fsdp")
   return {
-      "ln1_scale": ((h,), P(), None),
-      "ln1_bias": ((h,), P(), None),
-      "wq": ((h, h), col, 0),
-      "wk": ((h, h), col, 0),
-      "wv": ((h, h), col, 0),
-      "wo": ((h, h), row, 1),
-      "ln2_scale": ((h,), P(), None),
-      "ln2_bias": ((h,), P(), None),
-      "w1": ((h, f), col, 0),
-      "w2": ((f, h), row, 1),
+    "ln1_scale": ((h,), P(), None),
+    "ln1_bias": ((h,), P(), None),
+    "wq": ((h, h), col, 0),
+    "wk": ((h, h), col, 0),
+    "wv": ((h, h), col, 0),
+    "wo": ((h, h), row, 1),
+    "ln2_scale": ((h,), P(), None),
+    "ln2_bias": ((h,), P(), None),
+    "w1": ((h, f), col, 0),
+    "w2": ((f, h), row, 1),
   }
 
 
 def _top_params(cfg: Config):
   return {
-      "embed": ((cfg.vocab, cfg.hidden), P(None, "fsdp"), 1),
-      "lnf_scale": ((cfg.hidden,), P(), None),
-      "lnf_bias": ((cfg.hidden,), P(), None),
+    "embed": ((cfg.vocab, cfg.hidden), P(None, "fsdp"), 1),
+    "lnf_scale": ((cfg.hidden,), P(), None),
+    "lnf_bias": ((cfg.hidden,), P(), None),
   }
 
 
 def param_specs(cfg: Config):
   return {
-      **{k: v[1] for k, v in _top_params(cfg).items()},
-      "layers": [{k: v[1] for k, v in _layer_params(cfg).items()} for _ in range(cfg.layers)],
+    **{k: v[1] for k, v in _top_params(cfg).items()},
+    "layers": [{k: v[1] for k, v in _layer_params(cfg).items()} for _ in range(cfg.layers)],
   }
 
 
 def _gather_dims(cfg: Config):
   return {
-      **{k: v[2] for k, v in _top_params(cfg).items()},
-      "layers": [{k: v[2] for k, v in _layer_params(cfg).items()} for _ in range(cfg.layers)],
+    **{k: v[2] for k, v in _top_params(cfg).items()},
+    "layers": [{k: v[2] for k, v in _layer_params(cfg).items()} for _ in range(cfg.layers)],
   }
 
 
@@ -96,11 +106,16 @@ def init_params(cfg: Config, mesh: Mesh, key: jax.Array):
     elif name.endswith("bias"):
       x = jnp.zeros(shape, dtype)
     else:
-      x = (jax.random.normal(next(keys), shape, jnp.float32) * (0.02 if name == "embed" else 1 / math.sqrt(shape[0]))).astype(dtype)
+      x = (
+        jax.random.normal(next(keys), shape, jnp.float32)
+        * (0.02 if name == "embed" else 1 / math.sqrt(shape[0]))
+      ).astype(dtype)
     return jax.device_put(x, NamedSharding(mesh, spec))
 
   top = {k: make(k, s, p) for k, (s, p, _) in _top_params(cfg).items()}
-  layers = [{k: make(k, s, p) for k, (s, p, _) in _layer_params(cfg).items()} for _ in range(cfg.layers)]
+  layers = [
+    {k: make(k, s, p) for k, (s, p, _) in _layer_params(cfg).items()} for _ in range(cfg.layers)
+  ]
   return {**top, "layers": layers}
 
 
@@ -169,7 +184,7 @@ def make_train_step(cfg: Config, mesh: Mesh, b1: float = 0.9, b2: float = 0.99, 
     c1 = 1 - b1 ** count.astype(jnp.float32)
     c2 = 1 - b2 ** count.astype(jnp.float32)
     params = jax.tree.map(
-        lambda p, m, v: p - cfg.learning_rate * (m / c1) / (jnp.sqrt(v / c2) + eps), params, m, v
+      lambda p, m, v: p - cfg.learning_rate * (m / c1) / (jnp.sqrt(v / c2) + eps), params, m, v
     )
     return params, {"m": m, "v": v, "count": count}, loss
 
@@ -203,12 +218,24 @@ def build(target: str = "h100x8", **overrides) -> tuple[Any, tuple]:
   n = targets_lib.get(target).num_devices
   mesh = targets_lib.compile_only_mesh(target, {"fsdp": n // 2, "tensor": 2})
   dtype = jnp.dtype(cfg.dtype)
-  top = {k: jax.ShapeDtypeStruct(s, dtype, sharding=NamedSharding(mesh, p)) for k, (s, p, _) in _top_params(cfg).items()}
+  top = {
+    k: jax.ShapeDtypeStruct(s, dtype, sharding=NamedSharding(mesh, p))
+    for k, (s, p, _) in _top_params(cfg).items()
+  }
   layers = [
-      {k: jax.ShapeDtypeStruct(s, dtype, sharding=NamedSharding(mesh, p)) for k, (s, p, _) in _layer_params(cfg).items()}
-      for _ in range(cfg.layers)
+    {
+      k: jax.ShapeDtypeStruct(s, dtype, sharding=NamedSharding(mesh, p))
+      for k, (s, p, _) in _layer_params(cfg).items()
+    }
+    for _ in range(cfg.layers)
   ]
   params = {**top, "layers": layers}
-  opt = {"m": params, "v": params, "count": jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))}
-  tokens = jax.ShapeDtypeStruct((cfg.batch, cfg.seq), jnp.int32, sharding=NamedSharding(mesh, P("fsdp")))
+  opt = {
+    "m": params,
+    "v": params,
+    "count": jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P())),
+  }
+  tokens = jax.ShapeDtypeStruct(
+    (cfg.batch, cfg.seq), jnp.int32, sharding=NamedSharding(mesh, P("fsdp"))
+  )
   return jax.jit(make_train_step(cfg, mesh)), (params, opt, tokens)

@@ -55,9 +55,9 @@ def run_training(steps: int, mesh_shape: tuple[int, int], overlap: bool) -> list
 
   params = jax.tree.map(global_array, host_params, specs, is_leaf=lambda s: isinstance(s, P))
   opt = {
-      "m": jax.tree.map(lambda p: global_array(np.zeros(p.shape, p.dtype), p.sharding.spec), params),
-      "v": jax.tree.map(lambda p: global_array(np.zeros(p.shape, p.dtype), p.sharding.spec), params),
-      "count": global_array(np.zeros((), np.int32), P()),
+    "m": jax.tree.map(lambda p: global_array(np.zeros(p.shape, p.dtype), p.sharding.spec), params),
+    "v": jax.tree.map(lambda p: global_array(np.zeros(p.shape, p.dtype), p.sharding.spec), params),
+    "count": global_array(np.zeros((), np.int32), P()),
   }
   step = gpt.make_train_step(cfg, mesh)
   step = jax_overlap.overlap(step) if overlap else jax.jit(step)
@@ -87,28 +87,41 @@ def main(argv) -> None:
     os.environ["JAX_PLATFORMS"] = "cpu"
     flags_ = os.environ.get("XLA_FLAGS", "")
     if "--xla_force_host_platform_device_count" not in flags_:
-      os.environ["XLA_FLAGS"] = f"{flags_} --xla_force_host_platform_device_count={FLAGS.local_devices}".strip()
+      os.environ["XLA_FLAGS"] = (
+        f"{flags_} --xla_force_host_platform_device_count={FLAGS.local_devices}".strip()
+      )
   import jax
 
   if FLAGS.local_devices:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  print(f"multihost: joining {FLAGS.coordinator} as process {FLAGS.process_id} of "
-        f"{FLAGS.num_processes} (timeout {FLAGS.timeout_s} s)", file=sys.stderr, flush=True)
+  print(
+    f"multihost: joining {FLAGS.coordinator} as process {FLAGS.process_id} of "
+    f"{FLAGS.num_processes} (timeout {FLAGS.timeout_s} s)",
+    file=sys.stderr,
+    flush=True,
+  )
   try:
     jax.distributed.initialize(
-        coordinator_address=FLAGS.coordinator,
-        num_processes=FLAGS.num_processes,
-        process_id=FLAGS.process_id,
-        initialization_timeout=FLAGS.timeout_s,
+      coordinator_address=FLAGS.coordinator,
+      num_processes=FLAGS.num_processes,
+      process_id=FLAGS.process_id,
+      initialization_timeout=FLAGS.timeout_s,
     )
   except Exception as e:  # noqa: BLE001 - report and exit non-zero, never hang
-    print(f"multihost: process {FLAGS.process_id} could not join {FLAGS.coordinator} within "
-          f"{FLAGS.timeout_s} s: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
+    print(
+      f"multihost: process {FLAGS.process_id} could not join {FLAGS.coordinator} within "
+      f"{FLAGS.timeout_s} s: {str(e).splitlines()[0]}",
+      file=sys.stderr,
+      flush=True,
+    )
     sys.exit(3)
   f, t = (int(v) for v in FLAGS.mesh.split("x"))
   if f * t != jax.device_count():
-    print(f"multihost: mesh {FLAGS.mesh} needs {f * t} devices, the processes have "
-          f"{jax.device_count()}", file=sys.stderr)
+    print(
+      f"multihost: mesh {FLAGS.mesh} needs {f * t} devices, the processes have "
+      f"{jax.device_count()}",
+      file=sys.stderr,
+    )
     sys.exit(2)
   losses = run_training(FLAGS.steps, (f, t), FLAGS.overlap)
   print(json.dumps({"process": jax.process_index(), "losses": losses}), flush=True)

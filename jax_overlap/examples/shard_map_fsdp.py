@@ -61,8 +61,17 @@ _MATS = ("wq", "wk", "wv", "wo", "w1", "w3", "w2")
 
 def _shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
   h, f = cfg.hidden, cfg.mlp
-  return {"ln1": (h,), "wq": (h, h), "wk": (h, h), "wv": (h, h), "wo": (h, h), "ln2": (h,),
-          "w1": (h, f), "w3": (h, f), "w2": (f, h)}
+  return {
+    "ln1": (h,),
+    "wq": (h, h),
+    "wk": (h, h),
+    "wv": (h, h),
+    "wo": (h, h),
+    "ln2": (h,),
+    "w1": (h, f),
+    "w3": (h, f),
+    "w2": (f, h),
+  }
 
 
 def _stacked(cfg: Config) -> bool:
@@ -149,6 +158,7 @@ def make_loss(cfg: Config, mesh: Mesh):
       for p in params:
         x = layer_compute(cfg, _gather_layer(cfg, p), x)
     elif cfg.form in ("scan", "scan_remat"):
+
       def step(x, p):
         return layer_compute(cfg, _gather_layer(cfg, p), x), None
 
@@ -166,12 +176,12 @@ def make_loss(cfg: Config, mesh: Mesh):
 
       # Norm scales are replicated; gather only the sharded matrices.
       x, _ = fsdp.scan_layers(
-          lambda full, x: (layer_fn({**full["mats"], **full["norms"]}, x), None),
-          {"mats": mats, "norms": norms},
-          x,
-          axis=cfg.fsdp_axis,
-          prefetch=cfg.prefetch,
-          gather_dim={"mats": {k: 0 for k in mats}, "norms": {k: None for k in norms}},
+        lambda full, x: (layer_fn({**full["mats"], **full["norms"]}, x), None),
+        {"mats": mats, "norms": norms},
+        x,
+        axis=cfg.fsdp_axis,
+        prefetch=cfg.prefetch,
+        gather_dim={"mats": {k: 0 for k in mats}, "norms": {k: None for k in norms}},
       )
     local = jnp.mean(jnp.square(x.astype(jnp.float32)))
     return jax.lax.psum(local, batch_axes) / n_batch
@@ -186,8 +196,11 @@ def make_step(cfg: Config, mesh: Mesh):
   def step(params, x):
     value, grads = jax.value_and_grad(loss)(params, x)
     params = jax.tree.map(
-        lambda w, g: (w.astype(jnp.float32) - cfg.learning_rate * g.astype(jnp.float32)).astype(w.dtype),
-        params, grads,
+      lambda w, g: (w.astype(jnp.float32) - cfg.learning_rate * g.astype(jnp.float32)).astype(
+        w.dtype
+      ),
+      params,
+      grads,
     )
     return params, value
 
@@ -197,8 +210,9 @@ def make_step(cfg: Config, mesh: Mesh):
 def abstract_batch(cfg: Config, mesh: Mesh):
   n = mesh.devices.size
   return jax.ShapeDtypeStruct(
-      (cfg.batch_per_device * n, cfg.seq, cfg.hidden), jnp.dtype(cfg.dtype),
-      sharding=NamedSharding(mesh, P(tuple(mesh.axis_names))),
+    (cfg.batch_per_device * n, cfg.seq, cfg.hidden),
+    jnp.dtype(cfg.dtype),
+    sharding=NamedSharding(mesh, P(tuple(mesh.axis_names))),
   )
 
 
