@@ -38,7 +38,7 @@ def main(argv):
       form = "scan" if scan else "unrolled"
       variants = {
         "XLA defaults": None,
-        "recommended flags": jax_overlap.flags.as_compiler_options(target, "fsdp"),
+        "recommended flags": jax_overlap.flags.as_compiler_options(target=target, workload="fsdp"),
       }
       reports = {}
       for name, opts in variants.items():
@@ -65,7 +65,7 @@ def main(argv):
     fn, args = fsdp_transformer.build("h100x8", scan=scan, **{**cfg, "layers": FLAGS.big_layers})
     t0 = time.perf_counter()
     r = jax_overlap.analyze(
-      fn, *args, target="h100x8", xla_options=jax_overlap.flags.as_compiler_options("h100x8")
+      fn, *args, target="h100x8", xla_options=jax_overlap.flags.as_compiler_options(target="h100x8")
     )
     timings["scan" if scan else "unrolled"] = {
       "analysis_time_s": time.perf_counter() - t0,

@@ -131,7 +131,7 @@ def main() -> None:
     p = memory.plan(
       builder,
       gib * GiB,
-      CONFIG["target"],
+      target=CONFIG["target"],
       remat_policies=("nothing", "dots", "names:attn_out,mlp_hidden", "everything"),
       prefetch=(0, 1, 2),
       cache=cache,

@@ -19,16 +19,18 @@ RESULTS = os.path.join(os.path.dirname(__file__), "results")
 def anchors() -> dict:
   """The published observations of BACKGROUND section 2, as the model sees them."""
   out = {}
-  seq = sim.simulate(sim.tail_effect(), "h100x8", "sequential")
-  con = sim.simulate(sim.tail_effect(), "h100x8", "concurrent")
+  seq = sim.simulate(sim.tail_effect(), target="h100x8", policy="sequential")
+  con = sim.simulate(sim.tail_effect(), target="h100x8", policy="concurrent")
   out["h100_tail_effect_gemm_ratio"] = con.timing("gemm").duration_s / seq.timing("gemm").duration_s
   wl = sim.synthetic([(16384, 16384, 8192)], [("all-gather", 4 << 30)])
   for g in ("a100", "h100", "mi250x"):
-    out[f"{g}_gemm_slowdown_beside_allgather"] = sim.simulate(wl, g, "concurrent").compute_slowdown
+    out[f"{g}_gemm_slowdown_beside_allgather"] = sim.simulate(
+      wl, target=g, policy="concurrent"
+    ).compute_slowdown
   for g in ("a100", "h100"):
     step = sim.transformer_step(2, d=8192, tokens=4096)
-    s = sim.simulate(step, g, "sequential", baseline=False).makespan_s
-    c = sim.simulate(step, g, "concurrent", baseline=False).makespan_s
+    s = sim.simulate(step, target=g, policy="sequential", baseline=False).makespan_s
+    c = sim.simulate(step, target=g, policy="concurrent", baseline=False).makespan_s
     out[f"{g}_sequential_vs_overlapped"] = s / c - 1
   return out
 
@@ -101,7 +103,7 @@ def main() -> int:
     "|---|---|---|---|---|---|",
   ]
   for g in ("a100", "h100"):
-    c = sim.calibrate(sim.published_measurements(g), g)
+    c = sim.calibrate(sim.published_measurements(g), target=g)
     data.setdefault("calibration", {})[g] = {
       "before": c.error_before,
       "after": c.error_after,
@@ -132,7 +134,7 @@ def main() -> int:
     json.dump(data, f, indent=1, default=str)
   wl = sim.paper_mixes()["tp-attention"]
   for pol in ("concurrent", "priority+shaping"):
-    r = sim.simulate(wl, "h100x8", pol, record=True)
+    r = sim.simulate(wl, target="h100x8", policy=pol, record=True)
     png = f"sim_timeline_h100_tp_attention_{pol.replace('+', '_')}.png"
     r.plot(os.path.join(RESULTS, png))
     lines.append(f"\n![{pol}]({png})")

@@ -25,7 +25,7 @@ def _time(wl, target, policy, repeat=3):
   res = None
   for _ in range(repeat):
     t = time.perf_counter()
-    res = sim.simulate(wl, target, policy, baseline=False)
+    res = sim.simulate(wl, target=target, policy=policy, baseline=False)
     best = min(best, time.perf_counter() - t)
   blocks = sum(t.blocks for t in res.timings)
   return {

@@ -52,7 +52,7 @@ def deviceless(rows, tables):
           *args,
           target=target,
           name="recommended flags",
-          xla_options=jax_overlap.flags.as_compiler_options(target, "fsdp"),
+          xla_options=jax_overlap.flags.as_compiler_options(target=target, workload="fsdp"),
         ),
       }
       ov = jax_overlap.overlap(fn, target=target, cache=False)  # time the selection itself

@@ -53,7 +53,7 @@ def _simulated(report, target) -> dict:
   """sim.realize under plain concurrency and XLA's priority, and the tuner's plan."""
   real = jax_overlap.sim.realize(report, ["concurrent", "priority"])
   wl = jax_overlap.sim.workload_from_report(report)
-  tuned = jax_overlap.sim.tune(wl, target, progress=False, max_evals=FLAGS.tune_evals)
+  tuned = jax_overlap.sim.tune(wl, target=target, progress=False, max_evals=FLAGS.tune_evals)
   return {
     "ideal_s": real.ideal_s,
     "concurrent_s": real.results["concurrent"].makespan_s,
@@ -75,7 +75,7 @@ def run(target: str, form: str, size: str, rows: list, lines: list, notes: list)
       *args,
       target=target,
       name="recommended flags",
-      xla_options=jax_overlap.flags.as_compiler_options(target, "fsdp"),
+      xla_options=jax_overlap.flags.as_compiler_options(target=target, workload="fsdp"),
     ),
   }
   ov = jax_overlap.overlap(fn, target=target, cache=False)  # time the selection itself

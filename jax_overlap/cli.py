@@ -177,7 +177,7 @@ def _cmd_analyze(args: Sequence[str]) -> int:
 
   options: dict = {}
   if FLAGS.recommended:
-    options.update(flags_lib.as_compiler_options(FLAGS.target, FLAGS.workload))
+    options.update(flags_lib.as_compiler_options(target=FLAGS.target, workload=FLAGS.workload))
   options.update(_parse_options(FLAGS["xla-option"].value))
   built = builder()
   if not (isinstance(built, tuple) and len(built) == 2):

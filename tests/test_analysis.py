@@ -187,7 +187,7 @@ def test_report_outputs(tmp_path):
 
   fn, args = fsdp_mlp.build("h100x8", layers=2, hidden=1024, mlp=4096, tokens_per_device=1024)
   r = jax_overlap.analyze(
-    fn, *args, target="h100x8", xla_options=jax_overlap.flags.as_compiler_options("h100x8")
+    fn, *args, target="h100x8", xla_options=jax_overlap.flags.as_compiler_options(target="h100x8")
   )
   text = str(r)
   assert "all-gather" in text and "exposed comm" in text
@@ -226,7 +226,7 @@ def test_compare_table():
     fn,
     *args,
     target="a100x8",
-    xla_options=jax_overlap.flags.as_compiler_options("a100x8"),
+    xla_options=jax_overlap.flags.as_compiler_options(target="a100x8"),
     name="recommended",
   )
   table = jax_overlap.compare([base, rec])

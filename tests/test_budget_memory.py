@@ -170,7 +170,7 @@ class TestPlan:
     return memory.plan(
       _builder,
       budget,
-      "h100x8",
+      target="h100x8",
       remat_policies=("nothing", "everything"),
       shard_opt_state=(False, True),
       prefetch=(0, 1),
@@ -206,7 +206,7 @@ class TestPlan:
     with pytest.raises(
       ValueError, match="budget_bytes must be a positive number of bytes per device"
     ):
-      memory.plan(_builder, budget, "h100x8")
+      memory.plan(_builder, budget, target="h100x8")
 
   def test_failing_candidates_are_reported(self):
     def builder(remat_policy, shard_opt_state, prefetch):
@@ -217,7 +217,7 @@ class TestPlan:
     p = memory.plan(
       builder,
       1 << 40,
-      "cpu",
+      target="cpu",
       remat_policies=("nothing",),
       shard_opt_state=(True,),
       prefetch=(0, 1),
@@ -233,7 +233,7 @@ class TestPlan:
       raise RuntimeError("no")
 
     with pytest.raises(RuntimeError, match="every candidate failed"):
-      memory.plan(builder, 1 << 30, "h100x8", progress=False)
+      memory.plan(builder, 1 << 30, target="h100x8", progress=False)
 
 
 class TestDumpParsing:

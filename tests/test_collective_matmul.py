@@ -345,7 +345,7 @@ _PEAK, _HBM, _LINK, _ALPHA = 989.4e12, 3.352e12, 450e9, 2.5e-6
 
 
 def test_estimate_gain_large_matmul_is_worthwhile():
-  est = estimate_gain(8192, 8192, 8192, 8, "bfloat16", "h100x8")
+  est = estimate_gain(8192, 8192, 8192, 8, dtype="bfloat16", target="h100x8")
   assert isinstance(est, GainEstimate)
   assert est.worthwhile and est.speedup > 1.1
   assert est.overlapped_s < est.baseline_s
@@ -358,7 +358,7 @@ def test_estimate_gain_large_matmul_is_worthwhile():
 
 
 def test_estimate_gain_small_matmul_is_not():
-  est = estimate_gain(256, 256, 256, 8, "bfloat16", "h100x8")
+  est = estimate_gain(256, 256, 256, 8, dtype="bfloat16", target="h100x8")
   assert not est.worthwhile and est.speedup < 1.0
 
 
@@ -366,8 +366,8 @@ def test_estimate_gain_bidirectional_halves_the_exchange():
   # Communication-bound (short k): the ring's time is its exchanges, each block's halves
   # travelling on the two link directions at once.
   m, n, k = 65536, 1024, 512
-  uni = estimate_gain(m, n, k, 8, "bfloat16", "h100x8", bidirectional=False)
-  bidi = estimate_gain(m, n, k, 8, "bfloat16", "h100x8", bidirectional=True)
+  uni = estimate_gain(m, n, k, 8, dtype="bfloat16", target="h100x8", bidirectional=False)
+  bidi = estimate_gain(m, n, k, 8, dtype="bfloat16", target="h100x8", bidirectional=True)
   assert uni.comm_s == bidi.comm_s  # the baseline collective is the same NCCL ring
   block = m * k / 8 * 2
 

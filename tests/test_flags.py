@@ -180,7 +180,7 @@ def test_parse_and_format_round_trip():
 @pytest.mark.parametrize("target", ["a40x8", "a100x8", "h100x8", "h200x8", "h200x16"])
 @pytest.mark.parametrize("workload", flags.WORKLOADS)
 def test_every_recommended_profile_compiles_deviceless(target, workload):
-  opts = flags.as_compiler_options(target, workload)
+  opts = flags.as_compiler_options(target=target, workload=workload)
   assert flags.validate(opts) == []
   topo = targets.get(target)
   mesh = targets.compile_only_mesh(topo, {"fsdp": topo.num_devices // 2, "tensor": 2})
@@ -198,14 +198,14 @@ def test_every_recommended_profile_compiles_deviceless(target, workload):
 
 
 def test_recommended_differs_by_gpu_and_workload():
-  h = flags.recommended("h100x8", "fsdp")
-  a = flags.recommended("a100x8", "fsdp")
+  h = flags.recommended(target="h100x8", workload="fsdp")
+  a = flags.recommended(target="a100x8", workload="fsdp")
   assert h["xla_gpu_enable_latency_hiding_scheduler"] is True
   assert "xla_gpu_enable_analytical_latency_estimator" not in h
   assert a["xla_gpu_enable_analytical_latency_estimator"] is True
-  tp = flags.recommended("h100x8", "tensor_parallel")
+  tp = flags.recommended(target="h100x8", workload="tensor_parallel")
   assert tp["xla_gpu_threshold_for_windowed_einsum_mib"] == 0
-  assert flags.recommended("a40x8", "fsdp")["NCCL_MAX_CTAS"] == 4
+  assert flags.recommended(target="a40x8", workload="fsdp")["NCCL_MAX_CTAS"] == 4
   for opts in (h, a, tp):
     for name in opts:
       assert flags.REGISTRY[name].why or flags.REGISTRY[name].meaning
@@ -213,17 +213,21 @@ def test_recommended_differs_by_gpu_and_workload():
 
 def test_recommended_bad_input():
   with pytest.raises(ValueError, match="unknown workload 'pipeline'; valid choices: fsdp"):
-    flags.recommended("h100x8", "pipeline")
+    flags.recommended(target="h100x8", workload="pipeline")
   with pytest.raises(ValueError, match="unknown target 'b300x8'"):
-    flags.recommended("b300x8", "fsdp")
+    flags.recommended(target="b300x8", workload="fsdp")
 
 
 def test_as_compiler_options_rejects_bad_overrides():
   with pytest.raises(ConfigError, match="xla_gpu_enable_async_all_gather was removed"):
-    flags.as_compiler_options("h100x8", "fsdp", xla_gpu_enable_async_all_gather=True)
+    flags.as_compiler_options(
+      target="h100x8", workload="fsdp", xla_options={"xla_gpu_enable_async_all_gather": True}
+    )
   with pytest.raises(ConfigError, match="environment variables, not compile options"):
-    flags.as_compiler_options("h100x8", "fsdp", NCCL_MAX_CTAS=8)
-  opts = flags.as_compiler_options("h100x8", "fsdp", xla_gpu_memory_limit_slop_factor=80)
+    flags.as_compiler_options(target="h100x8", workload="fsdp", xla_options={"NCCL_MAX_CTAS": 8})
+  opts = flags.as_compiler_options(
+    target="h100x8", workload="fsdp", xla_options={"xla_gpu_memory_limit_slop_factor": 80}
+  )
   assert opts["xla_gpu_memory_limit_slop_factor"] == 80
 
 
@@ -233,25 +237,25 @@ def test_configure_edits_a_given_environment():
     ConfigError,
     match="xla_gpu_enable_latency_hiding_scheduler: XLA_FLAGS has false, recommended true",
   ):
-    flags.configure("h100x8", "fsdp", environ=env)
+    flags.configure(target="h100x8", workload="fsdp", environ=env)
   assert env["XLA_FLAGS"].endswith("=false")  # nothing changed on refusal
-  flags.configure("h100x8", "fsdp", environ=env, on_conflict="keep")
+  flags.configure(target="h100x8", workload="fsdp", environ=env, on_conflict="keep")
   parsed, _ = flags.parse_xla_flags(env["XLA_FLAGS"])
   assert parsed["xla_dump_to"] == "/tmp/x"
   assert parsed["xla_gpu_enable_latency_hiding_scheduler"] == "false"
   assert parsed["xla_gpu_enable_pipelined_all_gather"] == "true"
   env2 = {"XLA_FLAGS": "--xla_gpu_enable_async_all_gather=true"}
   with pytest.raises(ConfigError, match="already holds flags XLA would abort on"):
-    flags.configure("h100x8", "fsdp", environ=env2)
+    flags.configure(target="h100x8", workload="fsdp", environ=env2)
   env5 = {"XLA_FLAGS": "--xla_dump_to"}  # XLA aborts on it; '=true' would dump to ./true
   with pytest.raises(ConfigError, match="--xla_dump_to has no value"):
-    flags.configure("h100x8", "fsdp", environ=env5)
+    flags.configure(target="h100x8", workload="fsdp", environ=env5)
   assert env5["XLA_FLAGS"] == "--xla_dump_to"
   env3 = {"XLA_FLAGS": "oops"}
   with pytest.raises(ConfigError, match="malformed token"):
-    flags.configure("h100x8", "fsdp", environ=env3)
+    flags.configure(target="h100x8", workload="fsdp", environ=env3)
   env4: dict = {}
-  applied = flags.configure("a40x8", "fsdp", environ=env4)
+  applied = flags.configure(target="a40x8", workload="fsdp", environ=env4)
   assert env4["NCCL_MAX_CTAS"] == "4" and applied["NCCL_MAX_CTAS"] == "4"
 
 
@@ -329,7 +333,7 @@ def test_sharded_step_for_h100_has_async_collective_pairs():
     ws,
     x,
     target="h100x8",
-    xla_options=flags.as_compiler_options("h100x8"),
+    xla_options=flags.as_compiler_options(target="h100x8"),
   )
   hlo = step.hlo_text
   assert hlo.count("all-gather-start(") >= 2

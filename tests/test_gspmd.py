@@ -11,7 +11,7 @@ import jax_overlap
 from jax_overlap._src.transform import gspmd
 from jax_overlap.examples import fsdp_mlp
 
-BASE = jax_overlap.flags.as_compiler_options("h100x8")
+BASE = jax_overlap.flags.as_compiler_options(target="h100x8")
 
 
 @pytest.fixture(scope="module")

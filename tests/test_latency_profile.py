@@ -13,7 +13,7 @@ from jax_overlap.examples import shard_map_fsdp as S
 def analysed():
   """One compile of a small scan_layers step, shared by the tests."""
   fn, args = S.build("h100x8", layers=2, hidden=256, mlp=512, heads=4, seq=64, form="scan_layers")
-  opts = jax_overlap.flags.as_compiler_options("h100x8", "fsdp")
+  opts = jax_overlap.flags.as_compiler_options(target="h100x8", workload="fsdp")
   return fn, args, opts, jax_overlap.analyze(fn, *args, target="h100x8", xla_options=opts)
 
 

@@ -257,7 +257,7 @@ def test_gpu_benchmark_dry_run(tmp_path):
   # were generated with.
   truth = {"cta_copy_bandwidth": 26e9, "occupancy_exponent": 0.3}
   assert f"fitted cta_copy_bandwidth={truth['cta_copy_bandwidth']:.4g}" in out.stderr
-  res = sim.calibrate(records, "h100", params=tuple(truth))
+  res = sim.calibrate(records, target="h100", params=tuple(truth))
   assert res.error_before > 0.05 and res.error_after < 1e-3
   for k, v in truth.items():
     assert res.params[k] == pytest.approx(v, rel=0.02)

@@ -50,7 +50,7 @@ def _plan(report, resources):
   """The tuner's plan for the step; if the tuner finds nothing worth shaping, the plan it
   writes for the strongest setting of its search space (every group at its lowest cap)."""
   wl = sim.workload_from_report(report)
-  res = sim.tune(wl, "h100x8", progress=False)
+  res = sim.tune(wl, target="h100x8", progress=False)
   if res.plan["kernels"]:
     return res.plan, "tuned"
   groups, settings, choices = tune_mod.search_space(wl, "h100x8")

@@ -148,7 +148,7 @@ def test_scanned_fsdp_step_hides_its_loop_collectives_on_h100():
 
   fn, args = S.build("h100x8", form="scan", layers=4, hidden=1024, mlp=2816, heads=8, seq=1024)
   # Without XLA's own loop pipeliner, so the two are compared on the loop as written.
-  options = jax_overlap.flags.as_compiler_options("h100x8")
+  options = jax_overlap.flags.as_compiler_options(target="h100x8")
   options.update(
     {
       k: False

@@ -64,7 +64,7 @@ def test_gemm_config_ampere_small_tile_two_blocks_per_sm():
 
 
 def _one(kernel, target="h100x8", **kw):
-  return sim.simulate(sim.Workload((kernel,)), target, "concurrent", **kw)
+  return sim.simulate(sim.Workload((kernel,)), target=target, policy="concurrent", **kw)
 
 
 def test_waves_of_a_single_kernel():
@@ -99,7 +99,7 @@ def test_bandwidth_sharing_slows_concurrent_kernels():
   nbytes = 2e9
   a = sim.Kernel("a", grid=132 * 4, threads=256, regs=32, bytes=nbytes, stream=0)
   b = sim.Kernel("b", grid=132 * 4, threads=256, regs=32, bytes=nbytes, stream=1)
-  r = sim.simulate(sim.Workload((a, b)), "h100", "concurrent")
+  r = sim.simulate(sim.Workload((a, b)), target="h100", policy="concurrent")
   # Together they move 4 GB at the device bandwidth the roofline assumes.
   roof = cost_model.kernel_time(0.0, 2 * nbytes, H100) - cost_model.CostModel().kernel_overhead_s
   assert r.makespan_s == pytest.approx(roof, rel=0.05)
@@ -109,14 +109,14 @@ def test_stream_order_and_launch_overhead():
   const = sim.constants_for("h100")
   a = sim.Kernel("a", grid=132, threads=256, flops=132e8)
   b = sim.Kernel("b", grid=132, threads=256, flops=132e8)
-  r = sim.simulate(sim.Workload((a, b)), "h100", "concurrent")
+  r = sim.simulate(sim.Workload((a, b)), target="h100", policy="concurrent")
   assert r.timing("b").start_s == pytest.approx(r.timing("a").end_s + const.launch_overhead_s)
 
 
 def test_cross_stream_event_is_respected():
   a = sim.Kernel("a", grid=10, threads=256, flops=1e10, stream=0)
   b = sim.Kernel("b", grid=10, threads=256, flops=1e8, stream=1, after=("a",))
-  r = sim.simulate(sim.Workload((a, b)), "h100", "concurrent")
+  r = sim.simulate(sim.Workload((a, b)), target="h100", policy="concurrent")
   assert r.timing("b").start_s >= r.timing("a").end_s
 
 
@@ -124,7 +124,7 @@ def test_collective_time_alpha_beta():
   topo = targets.get("h100x8")
   const = sim.constants_for("h100")
   c = sim.Collective("ag", "all-gather", 1 << 30, group_size=8)
-  r = sim.simulate(sim.Workload((c,)), topo, "concurrent")
+  r = sim.simulate(sim.Workload((c,)), target=topo, policy="concurrent")
   bw = min(topo.gpu.link_bandwidth, const.channels * const.cta_copy_bandwidth)
   expect = 7 * topo.gpu.link_latency_s + (1 << 30) * 7 / 8 / bw
   assert r.timing("ag").duration_s == pytest.approx(expect, rel=0.02)
@@ -134,20 +134,20 @@ def test_collective_limited_by_resident_ctas():
   # Only 4 channels: the per-CTA copy bandwidth binds, not the link.
   const = sim.constants_for("h100")
   c = sim.Collective("ag", "all-gather", 1 << 30, group_size=8, channels=4)
-  r = sim.simulate(sim.Workload((c,)), "h100", "concurrent")
+  r = sim.simulate(sim.Workload((c,)), target="h100", policy="concurrent")
   assert r.timing("ag").duration_s == pytest.approx(
     (1 << 30) * 7 / 8 / (4 * const.cta_copy_bandwidth), rel=0.02
   )
 
 
 def test_all_reduce_moves_twice_the_data():
-  ag = sim.simulate(sim.Workload((sim.Collective("c", "all-gather", 1 << 30),)), "h100")
-  ar = sim.simulate(sim.Workload((sim.Collective("c", "all-reduce", 1 << 30),)), "h100")
+  ag = sim.simulate(sim.Workload((sim.Collective("c", "all-gather", 1 << 30),)), target="h100")
+  ar = sim.simulate(sim.Workload((sim.Collective("c", "all-reduce", 1 << 30),)), target="h100")
   assert ar.makespan_s == pytest.approx(2 * ag.makespan_s, rel=0.02)
 
 
 def test_record_occupancy():
-  r = sim.simulate(sim.tail_effect(), "h100", "concurrent", record=True)
+  r = sim.simulate(sim.tail_effect(), target="h100", policy="concurrent", record=True)
   assert r.occupancy.shape == (len(r.occupancy_times), 132)
   assert r.occupancy.max() <= 1.0
   first = r.occupancy[r.occupancy_times >= r.timing("gemm").start_s][0]
@@ -160,8 +160,8 @@ def test_record_occupancy():
 
 def test_anchor_h100_tail_effect():
   """A 132-block GEMM beside a 24-CTA all-gather spills into a second wave: ~2x."""
-  seq = sim.simulate(sim.tail_effect(), "h100x8", "sequential")
-  con = sim.simulate(sim.tail_effect(), "h100x8", "concurrent")
+  seq = sim.simulate(sim.tail_effect(), target="h100x8", policy="sequential")
+  con = sim.simulate(sim.tail_effect(), target="h100x8", policy="concurrent")
   ratio = con.timing("gemm").duration_s / seq.timing("gemm").duration_s
   # "nearly doubles": the second wave is a whole block time; bandwidth sharing may add a bit.
   assert 1.8 <= ratio <= 2.2
@@ -171,15 +171,15 @@ def test_anchor_h100_tail_effect():
 def test_anchor_compute_slowdown_under_concurrency(gpu):
   """A multi-wave GEMM beside a collective slows by 10-40% (arXiv 2507.03114: 18.9% avg)."""
   wl = sim.synthetic([(16384, 16384, 8192)], [("all-gather", 4 << 30)])
-  r = sim.simulate(wl, gpu, "concurrent")
+  r = sim.simulate(wl, target=gpu, policy="concurrent")
   assert 0.10 <= r.compute_slowdown <= 0.40
 
 
 def test_anchor_sequential_slower_than_overlapped():
   """Sequential execution is slower than overlapped (arXiv 2507.03114: 10.2% avg, max 26.6%)."""
   wl = sim.transformer_step(2, d=8192, tokens=4096)
-  seq = sim.simulate(wl, "h100", "sequential", baseline=False).makespan_s
-  con = sim.simulate(wl, "h100", "concurrent", baseline=False).makespan_s
+  seq = sim.simulate(wl, target="h100", policy="sequential", baseline=False).makespan_s
+  con = sim.simulate(wl, target="h100", policy="concurrent", baseline=False).makespan_s
   assert 0.05 <= seq / con - 1 <= 0.30
 
 
@@ -193,8 +193,8 @@ def test_priority_lets_collective_in_before_pending_blocks():
   late = sim.Collective("c1", "all-gather", 1 << 28, stream=1)
   first = sim.Collective("c0", "all-gather", 64 << 20, stream=1)
   wl = sim.Workload((sim.Kernel("warm", grid=132, threads=256, flops=1e6), first, gemm, late))
-  fifo = sim.simulate(wl, "h100", "concurrent")
-  prio = sim.simulate(wl, "h100", "priority")
+  fifo = sim.simulate(wl, target="h100", policy="concurrent")
+  prio = sim.simulate(wl, target="h100", policy="priority")
   assert prio.timing("c1").start_s < 0.2 * fifo.timing("c1").start_s
   assert prio.timing("c1").end_s < fifo.timing("c1").end_s
 
@@ -221,22 +221,22 @@ def test_drain_needs_priority_and_a_cap_without_room():
       sim.Collective("c1", "all-gather", 1 << 28),
     )
   )
-  assert sim.no_room(wl, "a100") == {"gemm": ("registers",)}
-  assert sim.default_shaping(wl, "a100") == {}
-  t = {p: sim.simulate(wl, "a100", p).timing("c1").start_s for p in sim.POLICIES}
+  assert sim.no_room(wl, target="a100") == {"gemm": ("registers",)}
+  assert sim.default_shaping(wl, target="a100") == {}
+  t = {p: sim.simulate(wl, target="a100", policy=p).timing("c1").start_s for p in sim.POLICIES}
   assert t["priority"] == pytest.approx(t["concurrent"], rel=0.05)
   assert t["shaping"] == t["concurrent"] and t["priority+shaping"] == t["priority"]
   drain = sim.Policy("drain", priority=True, shaping={"gemm": 1})
-  assert sim.simulate(wl, "a100", drain).timing("c1").start_s < 0.2 * t["concurrent"]
+  assert sim.simulate(wl, target="a100", policy=drain).timing("c1").start_s < 0.2 * t["concurrent"]
   no_priority = sim.Policy("cap only", shaping={"gemm": 1})
-  assert sim.simulate(wl, "a100", no_priority).timing("c1").start_s == pytest.approx(
+  assert sim.simulate(wl, target="a100", policy=no_priority).timing("c1").start_s == pytest.approx(
     t["concurrent"], rel=0.05
   )
 
 
 def test_sequential_serialises_everything():
   wl = sim.synthetic([(4096, 4096, 4096)] * 2, [("all-gather", 1 << 28)])
-  r = sim.simulate(wl, "h100", "sequential")
+  r = sim.simulate(wl, target="h100", policy="sequential")
   ts = sorted(r.timings, key=lambda t: t.start_s)
   for a, b in zip(ts, ts[1:]):
     assert b.start_s >= a.end_s
@@ -245,7 +245,7 @@ def test_sequential_serialises_everything():
 def test_policy_objects_and_explicit_shaping():
   wl = sim.synthetic([(4096, 4096, 4096)], [("all-gather", 1 << 28)])
   pol = sim.Policy("mine", priority=True, shaping={"gemm.0": {"padding_bytes": 1024}})
-  r = sim.simulate(wl, "a100", pol)
+  r = sim.simulate(wl, target="a100", policy=pol)
   assert r.policy == "mine"
   assert (
     r.timing("gemm.0").smem > sim.gemm_config(targets.get_gpu("a100"), 4096, 4096, 4096)["smem"]
@@ -300,15 +300,15 @@ def test_error_wrong_types():
   with pytest.raises(TypeError, match=r"grid must be an int, got float"):
     sim.Kernel("t", grid=1.5, threads=32)
   with pytest.raises(TypeError, match=r"workload must be a sim.Workload"):
-    sim.simulate([sim.Kernel("t", grid=1, threads=32)], "h100")
+    sim.simulate([sim.Kernel("t", grid=1, threads=32)], target="h100")
 
 
 def test_error_unknown_target_and_policy_and_kind():
   wl = sim.Workload((sim.Kernel("t", grid=1, threads=32),))
   with pytest.raises(ValueError, match=r"jax_overlap.sim: target: unknown target 'b300x8'"):
-    sim.simulate(wl, "b300x8")
+    sim.simulate(wl, target="b300x8")
   with pytest.raises(ValueError, match=r"unknown policy 'fast'"):
-    sim.simulate(wl, "h100", "fast")
+    sim.simulate(wl, target="h100", policy="fast")
   with pytest.raises(ValueError, match=r"kind must be one of"):
     sim.Collective("c", "broadcast", 10)
 
@@ -317,15 +317,15 @@ def test_error_plan_names_missing_kernel():
   wl = sim.Workload((sim.Kernel("t", grid=1, threads=32),))
   pol = sim.Policy("p", shaping={"nope": 1})
   with pytest.raises(ValueError, match=r"shapes kernel\(s\) \['nope'\] that are not in workload"):
-    sim.simulate(wl, "h100", pol)
+    sim.simulate(wl, target="h100", policy=pol)
 
 
 def test_error_bad_shaping_values():
   wl = sim.Workload((sim.Kernel("t", grid=1, threads=32),))
   with pytest.raises(ValueError, match=r"shaping\['t'\].blocks_per_sm must be an int >= 1, got 0"):
-    sim.simulate(wl, "h100", sim.Policy("p", shaping={"t": 0}))
+    sim.simulate(wl, target="h100", policy=sim.Policy("p", shaping={"t": 0}))
   with pytest.raises(ValueError, match=r"shaping\['t'\] has unknown key"):
-    sim.simulate(wl, "h100", sim.Policy("p", shaping={"t": {"bps": 1}}))
+    sim.simulate(wl, target="h100", policy=sim.Policy("p", shaping={"t": {"bps": 1}}))
 
 
 def test_error_duplicate_and_forward_references():
@@ -354,7 +354,7 @@ def test_error_duplicate_and_forward_references():
 )
 def test_random_workloads_terminate_and_keep_invariants(seed, target, policy):
   wl = sim.random_workload(seed, n_items=7, max_grid=300)
-  r = sim.simulate(wl, target, policy, check=True, baseline=False)
+  r = sim.simulate(wl, target=target, policy=policy, check=True, baseline=False)
   assert math.isfinite(r.makespan_s) and r.makespan_s > 0
   by_name = {t.name: t for t in r.timings}
   # Every block runs exactly once.
@@ -390,7 +390,7 @@ def test_priority_never_preempts():
   tick = sim.Kernel("tick", grid=1, threads=32, flops=1e3, stream=1)
   comm = sim.Collective("c", "all-gather", 1 << 26, stream=1)
   wl = sim.Workload((fill, tick, comm))
-  r = sim.simulate(wl, "h100", "priority", check=True, baseline=False)
+  r = sim.simulate(wl, target="h100", policy="priority", check=True, baseline=False)
   c = r.timing("c")
   first_end = min(t1 for k, _, _, _, _, t1 in r.batches if k == 0)
   assert c.ready_s < first_end  # it was ready while every SM was busy ...
@@ -402,26 +402,26 @@ def test_priority_never_preempts():
 def test_loop_guard_names_the_workload(monkeypatch):
   wl = sim.synthetic([(4096, 4096, 4096)], [("all-gather", 1 << 28)])
   monkeypatch.setattr(engine, "_EPS", -1.0)  # no batch ever counts as finished by tolerance
-  r = sim.simulate(wl, "h100")  # still terminates: the earliest batch always finishes
+  r = sim.simulate(wl, target="h100")  # still terminates: the earliest batch always finishes
   assert r.makespan_s > 0
 
 
 def test_error_shaping_a_collective_and_bad_constants():
   wl = sim.synthetic([(1024, 1024, 1024)], [("all-gather", 1 << 20)])
   with pytest.raises(ValueError, match=r"shaping\['all-gather.0'\] names a collective"):
-    sim.simulate(wl, "h100", sim.Policy("p", shaping={"all-gather.0": 1}))
+    sim.simulate(wl, target="h100", policy=sim.Policy("p", shaping={"all-gather.0": 1}))
   with pytest.raises(ValueError, match=r"sim.Constants: gemm_efficiency must be positive, got 0"):
     sim.Constants(gemm_efficiency=0)
   with pytest.raises(ValueError, match=r"unknown constant\(s\) \['speed'\]"):
     sim.constants_for("h100", {"speed": 1.0})
   with pytest.raises(TypeError, match=r"constants must be a sim.Constants or a dict"):
-    sim.simulate(wl, "h100", constants=3)
+    sim.simulate(wl, target="h100", constants=3)
 
 
 def test_overrides_change_the_prediction():
   wl = sim.Workload((sim.Collective("c", "all-gather", 1 << 30, channels=4),))
-  slow = sim.simulate(wl, "h100", constants={"cta_copy_bandwidth": 5e9}).makespan_s
-  fast = sim.simulate(wl, "h100", constants={"cta_copy_bandwidth": 10e9}).makespan_s
+  slow = sim.simulate(wl, target="h100", constants={"cta_copy_bandwidth": 5e9}).makespan_s
+  fast = sim.simulate(wl, target="h100", constants={"cta_copy_bandwidth": 10e9}).makespan_s
   assert slow == pytest.approx(2 * fast, rel=0.02)
 
 
@@ -433,11 +433,13 @@ def test_dram_is_shared_only_among_memory_bound_blocks():
   def compute(nbytes):
     return sim.Kernel("c", grid=132, threads=256, flops=132 * 4e8, bytes=nbytes, kind="fusion")
 
-  light = sim.simulate(sim.Workload((compute(1e6), mem)), "h100", "concurrent")
-  none = sim.simulate(sim.Workload((compute(0.0), mem)), "h100", "concurrent")
+  light = sim.simulate(sim.Workload((compute(1e6), mem)), target="h100", policy="concurrent")
+  none = sim.simulate(sim.Workload((compute(0.0), mem)), target="h100", policy="concurrent")
   assert light.timing("c").duration_s == pytest.approx(none.timing("c").duration_s, rel=1e-3)
   # The copy alone is DRAM-bound; beside the compute kernel it is not faster.
-  alone = sim.simulate(sim.Workload((dataclasses.replace(mem, stream=0),)), "h100", "concurrent")
+  alone = sim.simulate(
+    sim.Workload((dataclasses.replace(mem, stream=0),)), target="h100", policy="concurrent"
+  )
   assert light.timing("mem").duration_s >= alone.timing("mem").duration_s * (1 - 1e-6)
 
 
@@ -446,7 +448,9 @@ def test_communication_ctas_take_sm_throughput_from_compute_blocks():
   # GEMM; the slowdown grows with comm_sm_share and is zero without it.
   wl = sim.synthetic([(16384, 16384, 8192)], [("all-gather", 4 << 30)])
   slow = [
-    sim.simulate(wl, "mi250x", "concurrent", constants={"comm_sm_share": s}).compute_slowdown
+    sim.simulate(
+      wl, target="mi250x", policy="concurrent", constants={"comm_sm_share": s}
+    ).compute_slowdown
     for s in (0.0, 0.1, 0.3)
   ]
   assert slow[0] == pytest.approx(0.0, abs=1e-9)

@@ -32,7 +32,7 @@ def _synthetic(true):
 
 def test_recovers_known_constants():
   true = sim.constants_for("h100").replace(cta_copy_bandwidth=14e9, gemm_efficiency=0.66)
-  res = sim.calibrate(_synthetic(true), "h100")
+  res = sim.calibrate(_synthetic(true), target="h100")
   assert res.params["cta_copy_bandwidth"] == pytest.approx(14e9, rel=0.02)
   assert res.params["gemm_efficiency"] == pytest.approx(0.66, rel=0.02)
   assert res.error_after < 1e-3 < res.error_before
@@ -41,7 +41,7 @@ def test_recovers_known_constants():
 def test_numpy_fallback_recovers_constants(monkeypatch):
   monkeypatch.setitem(sys.modules, "scipy.optimize", None)
   true = sim.constants_for("h100").replace(cta_copy_bandwidth=16e9, gemm_efficiency=0.68)
-  res = sim.calibrate(_synthetic(true)[:6], "h100")
+  res = sim.calibrate(_synthetic(true)[:6], target="h100")
   assert res.method == "numpy"
   assert res.params["cta_copy_bandwidth"] == pytest.approx(16e9, rel=0.03)
   assert res.params["gemm_efficiency"] == pytest.approx(0.68, rel=0.03)
@@ -49,7 +49,7 @@ def test_numpy_fallback_recovers_constants(monkeypatch):
 
 @pytest.mark.parametrize("gpu", ["h100", "a100"])
 def test_published_figures(gpu):
-  res = sim.calibrate(sim.published_measurements(gpu), gpu)
+  res = sim.calibrate(sim.published_measurements(gpu), target=gpu)
   assert res.error_after <= res.error_before
   # Per-channel NCCL bandwidth implied by ~230-360 GB/s bus bandwidth: 10-25 GB/s.
   assert 10e9 <= res.params["cta_copy_bandwidth"] <= 25e9
@@ -72,13 +72,13 @@ def test_file_format_round_trip(tmp_path):
     "proxy_bytes": 1 << 26,
     "gemm_slowdown": 0.1,
   }
-  res = sim.calibrate(str(p), "h100")
-  assert res.table and sim.calibrate([flat], "h100").table[0]["ctas"] == 8
+  res = sim.calibrate(str(p), target="h100")
+  assert res.table and sim.calibrate([flat], target="h100").table[0]["ctas"] == 8
 
 
 def test_calibrate_errors():
   with pytest.raises(ValueError, match=r"sim.calibrate: measurements is empty"):
-    sim.calibrate([], "h100")
+    sim.calibrate([], target="h100")
   bad = {
     "gpu": "h100",
     "gemm": {"m": 0, "n": 1, "k": 1},
@@ -86,15 +86,15 @@ def test_calibrate_errors():
     "makespan_s": 1.0,
   }
   with pytest.raises(ValueError, match=r"measurements\[0\]: m must be a positive number, got 0"):
-    sim.calibrate([bad], "h100")
+    sim.calibrate([bad], target="h100")
   none = {"gemm": {"m": 1, "n": 1, "k": 1}, "proxy": {"ctas": 1, "bytes": 1}}
   with pytest.raises(ValueError, match=r"has none of"):
-    sim.calibrate([none], "h100")
+    sim.calibrate([none], target="h100")
   other = dict(none, gpu="a40", makespan_s=1.0)
   with pytest.raises(ValueError, match=r"is for gpu 'a40', not the target 'h100'"):
-    sim.calibrate([other], "h100")
+    sim.calibrate([other], target="h100")
   with pytest.raises(ValueError, match=r"params must name Constants fields"):
-    sim.calibrate([dict(none, makespan_s=1.0)], "h100", params=["warp_speed"])
+    sim.calibrate([dict(none, makespan_s=1.0)], target="h100", params=["warp_speed"])
   with pytest.raises(ValueError, match=r"no published figures for 'a40'"):
     sim.published_measurements("a40")
 
@@ -103,7 +103,7 @@ def test_calibration_says_what_the_data_can_identify():
   params = ("cta_copy_bandwidth", "gemm_efficiency", "occupancy_exponent", "event_latency_s")
   # Three published figures: one all-gather latency and two GEMM slowdowns beside a
   # collective. They pin down the per-CTA copy bandwidth and nothing else.
-  res = sim.calibrate(sim.published_measurements("h100"), "h100", params=params)
+  res = sim.calibrate(sim.published_measurements("h100"), target="h100", params=params)
   assert res.identified == 1
   assert set(res.insensitive) == {"gemm_efficiency", "occupancy_exponent", "event_latency_s"}
   # Shaped non-GEMM records (the GPU sweep's kinds, here as the model predicts them) also
@@ -144,6 +144,6 @@ def test_calibration_says_what_the_data_can_identify():
       proxy_latency_s=pred["proxy_latency_s"],
       compute_slowdown=pred["compute_slowdown"],
     )
-  res = sim.calibrate(records, "h100", params=("cta_copy_bandwidth", "occupancy_exponent"))
+  res = sim.calibrate(records, target="h100", params=("cta_copy_bandwidth", "occupancy_exponent"))
   assert res.identified == 2 and res.insensitive == ()
   assert res.params["occupancy_exponent"] == pytest.approx(0.3, rel=0.02)

@@ -80,7 +80,7 @@ def test_paper_table_against_the_paper(table):
 
 
 def test_plot_writes_png(tmp_path):
-  r = sim.simulate(sim.tail_effect(), "h100", "concurrent", record=True)
+  r = sim.simulate(sim.tail_effect(), target="h100", policy="concurrent", record=True)
   out = r.plot(str(tmp_path / "t.png"))
   with open(out, "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
@@ -90,7 +90,7 @@ def test_plot_without_matplotlib(monkeypatch, tmp_path):
   import sys
 
   monkeypatch.setitem(sys.modules, "matplotlib", None)
-  r = sim.simulate(sim.tail_effect(), "h100", "concurrent")
+  r = sim.simulate(sim.tail_effect(), target="h100", policy="concurrent")
   with pytest.raises(ImportError, match=r"pip install 'jax_overlap\[plot\]'"):
     sim.plot(r, str(tmp_path / "t.png"))
 

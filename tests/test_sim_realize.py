@@ -92,7 +92,7 @@ def test_conversion_rebuilds_gemms_and_wires_events():
   assert "all-gather-start.1" in wl.items[names.index("gemm_fusion_dot.2")].after
   g = wl.items[names.index("gemm_fusion_dot.0")]
   assert g.grid is None and g.gemm_mnk == (8192, 8192, 8192)  # rebuilt by shape
-  r = sim.simulate(wl, "h100x8", "concurrent", baseline=False)
+  r = sim.simulate(wl, target="h100x8", policy="concurrent", baseline=False)
   assert r.timing("gemm_fusion_dot.0").blocks == 64 * 32  # 128x256 tiles, not 32768
   assert r.timing("gemm_fusion_dot.2").start_s >= r.timing("all-gather-start.1").end_s
 
@@ -100,7 +100,7 @@ def test_conversion_rebuilds_gemms_and_wires_events():
 def test_synchronous_collectives_run_in_place():
   wl = sim.workload_from_report(_report(sync=True))
   assert all(c.stream == 0 for c in wl.collectives)
-  r = sim.simulate(wl, "h100x8", "concurrent", baseline=False)
+  r = sim.simulate(wl, target="h100x8", policy="concurrent", baseline=False)
   ts = sorted(r.timings, key=lambda t: t.start_s)
   for a, b in zip(ts, ts[1:]):
     assert b.start_s >= a.end_s
@@ -207,11 +207,11 @@ def test_realize_a_real_deviceless_report():
   for policy in ("concurrent", "priority+shaping"):
     # Contention can only add time to the uncontended critical path.
     assert res.results[policy].makespan_s >= res.ideal_s * (1 - 1e-9)
-  tuned = sim.tune(wl, "h100x8", progress=False, max_evals=32)
+  tuned = sim.tune(wl, target="h100x8", progress=False, max_evals=32)
   # The tuned plan, simulated on its own, takes the time the tuner reports.
-  assert sim.simulate(wl, "h100x8", tuned.policy, baseline=False).makespan_s == pytest.approx(
-    tuned.makespan_s
-  )
+  assert sim.simulate(
+    wl, target="h100x8", policy=tuned.policy, baseline=False
+  ).makespan_s == pytest.approx(tuned.makespan_s)
   assert tuned.plan["version"] == 1 and tuned.plan["target"] == "h100"
 
 
@@ -227,12 +227,14 @@ def test_each_item_alone_takes_the_analysis_time():
   want.update({c.name: c.time_s for c in rep.collectives})
   for it in wl.items:
     alone = dataclasses.replace(it, stream=0, after=())
-    got = sim.simulate(sim.Workload((alone,)), "h100x8", "concurrent", baseline=False)
+    got = sim.simulate(sim.Workload((alone,)), target="h100x8", policy="concurrent", baseline=False)
     assert got.timings[0].duration_s == pytest.approx(want[it.name], rel=2e-3), it.name
   # A perturbed analysis time moves the simulated one with it.
   rep.kernels[1].time_s *= 3
   slow = sim.workload_from_report(rep).item("loop_fusion.0")
-  got = sim.simulate(sim.Workload((dataclasses.replace(slow, after=()),)), "h100x8", "concurrent")
+  got = sim.simulate(
+    sim.Workload((dataclasses.replace(slow, after=()),)), target="h100x8", policy="concurrent"
+  )
   assert got.timings[0].duration_s == pytest.approx(rep.kernels[1].time_s - launch, rel=2e-3)
 
 

@@ -16,8 +16,10 @@ def _small(gpu_tokens=2048, n=3):
 @pytest.mark.parametrize("target", ["a100", "h100", "a40"])
 def test_coordinate_search_within_one_percent_of_exhaustive(target):
   wl = _small()
-  ex = sim.tune(wl, target, groups="kernel", method="exhaustive", max_evals=10**6, progress=False)
-  co = sim.tune(wl, target, groups="kernel", method="coordinate", progress=False)
+  ex = sim.tune(
+    wl, target=target, groups="kernel", method="exhaustive", max_evals=10**6, progress=False
+  )
+  co = sim.tune(wl, target=target, groups="kernel", method="coordinate", progress=False)
   assert ex.method == "exhaustive" and co.method == "coordinate"
   assert co.makespan_s <= ex.makespan_s * 1.01
 
@@ -50,8 +52,8 @@ def test_exhaustive_search_finds_the_brute_force_optimum():
   best = min(
     sim.simulate(
       wl,
-      "h100",
-      sim.Policy("x", priority=p, shaping={k.name: c for k, c in zip(kernels, caps) if c}),
+      target="h100",
+      policy=sim.Policy("x", priority=p, shaping={k.name: c for k, c in zip(kernels, caps) if c}),
       baseline=False,
     ).makespan_s
     for p in (False, True)
@@ -59,7 +61,7 @@ def test_exhaustive_search_finds_the_brute_force_optimum():
   )
   ex = sim.tune(
     wl,
-    "h100",
+    target="h100",
     groups="kernel",
     method="exhaustive",
     max_evals=10**6,
@@ -71,14 +73,14 @@ def test_exhaustive_search_finds_the_brute_force_optimum():
 
 def test_tuned_plan_reproduces_its_makespan_and_format():
   wl = _small()
-  res = sim.tune(wl, "h100", progress=False)
+  res = sim.tune(wl, target="h100", progress=False)
   plan = res.plan
   assert plan["version"] == 1 and plan["target"] == "h100"
   assert plan["streams"]["priority"] in ("highest", "default")
   names = {it.name for it in wl.items}
   for k in plan["kernels"]:
     assert k["match"] in names and k["blocks_per_sm"] >= 1
-  again = sim.simulate(wl, "h100", res.policy, baseline=False).makespan_s
+  again = sim.simulate(wl, target="h100", policy=res.policy, baseline=False).makespan_s
   assert again == pytest.approx(res.makespan_s, rel=1e-12)
   assert res.gain == pytest.approx(1 - res.makespan_s / res.baseline_s)
   assert "makespan (ms)" in res.format_table()
@@ -88,7 +90,7 @@ def test_tuner_plans_no_cap_that_cannot_make_room():
   # Attention blocks beside an NCCL channel: no cap leaves room (registers), so the
   # tuner caps nothing and says why; the runtime library would leave them alone too.
   wl = sim.tp_chain(4, 8192, 4096, lag=2, kernel=lambda i: sim.attention("a", 4096, 4096, 2048))
-  res = sim.tune(wl, "h100", progress=False)
+  res = sim.tune(wl, target="h100", progress=False)
   assert res.plan["kernels"] == [] and not res.policy.shaping
   assert set(res.no_room) == {f"a.{i}" for i in (1, 2, 3)}  # a.0 overlaps no collective
   assert all("registers" in why for why in res.no_room.values())
@@ -96,7 +98,7 @@ def test_tuner_plans_no_cap_that_cannot_make_room():
   # Searching caps that cannot make room finds the drain plan (cap 1 + priority): the
   # SM empties after each attention block and the waiting channel lands there. Its plan
   # turns the library's room rule off so the caps apply as written.
-  drain = sim.tune(wl, "h100", progress=False, make_room=False)
+  drain = sim.tune(wl, target="h100", progress=False, make_room=False)
   assert drain.policy.priority and drain.policy.shaping
   assert drain.gain > 0.03 and drain.makespan_s < res.makespan_s
   assert drain.plan["comm_block"] is None
@@ -146,11 +148,11 @@ def test_shaping_matches_runtime_arithmetic():
 def test_tune_errors():
   wl = _small()
   with pytest.raises(ValueError, match=r"sim.tune: groups must be 'window' or 'kernel', got 'x'"):
-    sim.tune(wl, "h100", groups="x", progress=False)
+    sim.tune(wl, target="h100", groups="x", progress=False)
   with pytest.raises(ValueError, match=r"sim.tune: method must be"):
-    sim.tune(wl, "h100", method="annealing", progress=False)
+    sim.tune(wl, target="h100", method="annealing", progress=False)
   with pytest.raises(ValueError, match=r"unknown target"):
-    sim.tune(wl, "z900", progress=False)
+    sim.tune(wl, target="z900", progress=False)
 
 
 def test_progress_prints_without_tqdm(monkeypatch, capsys):
@@ -176,8 +178,8 @@ def test_progress_prints_without_tqdm(monkeypatch, capsys):
 
 def test_simulate_a_runtime_plan():
   wl = _small()
-  res = sim.tune(wl, "h100", progress=False)
-  again = sim.simulate(wl, "h100", res.plan, baseline=False)
+  res = sim.tune(wl, target="h100", progress=False)
+  again = sim.simulate(wl, target="h100", policy=res.plan, baseline=False)
   assert again.makespan_s == pytest.approx(res.makespan_s, rel=1e-12)
   assert again.policy == "plan"
   glob = {
@@ -193,7 +195,7 @@ def test_plan_naming_missing_kernels():
   wl = _small()
   bad = {"version": 1, "kernels": [{"match": "attention_*", "blocks_per_sm": 1}]}
   with pytest.raises(ValueError, match=r"plan kernels\[0\] \('attention_\*'\) names no kernel"):
-    sim.simulate(wl, "h100", bad)
+    sim.simulate(wl, target="h100", policy=bad)
   with pytest.raises(ValueError, match=r"exactly one of 'match' or 'regex'"):
     sim.policy_from_plan({"kernels": [{"blocks_per_sm": 1}]}, wl)
 
@@ -216,7 +218,7 @@ def test_plan_rules_use_launch_names_and_one_setting_per_function():
     groups, _, _ = tune_mod.search_space(wl2, "h100", groups=mode)
     # One function, one setting: all instances in one group; the library call in none.
     assert [set(g) for g in groups] == [{k.name for k in kernels[:-1]}]
-  res = sim.tune(wl2, "h100", progress=False)
+  res = sim.tune(wl2, target="h100", progress=False)
   assert res.unnamed == (kernels[-1].name,)
   assert kernels[-1].name not in res.policy.shaping
   assert {k["match"] for k in res.plan["kernels"]} <= {"attention_fusion_3"}
@@ -249,24 +251,32 @@ def test_simulator_comm_block_is_the_runtime_librarys_nccl_channel():
 
 def test_gain_is_against_xlas_own_priority_and_every_kept_rule_pays():
   wl = sim.tp_chain(4, 8192, 4096, lag=2, kernel=lambda i: sim.attention("a", 4096, 4096, 2048))
-  res = sim.tune(wl, "h100", progress=False, make_room=False)
+  res = sim.tune(wl, target="h100", progress=False, make_room=False)
   # The baseline is what XLA already does: its collective streams at the highest priority.
   assert res.baseline == "priority"
-  assert res.baseline_s == sim.simulate(wl, "h100", "priority", baseline=False).makespan_s
-  conc = sim.tune(wl, "h100", progress=False, make_room=False, baseline="concurrent")
-  assert conc.baseline_s == sim.simulate(wl, "h100", "concurrent", baseline=False).makespan_s
+  assert (
+    res.baseline_s == sim.simulate(wl, target="h100", policy="priority", baseline=False).makespan_s
+  )
+  conc = sim.tune(wl, target="h100", progress=False, make_room=False, baseline="concurrent")
+  assert (
+    conc.baseline_s
+    == sim.simulate(wl, target="h100", policy="concurrent", baseline=False).makespan_s
+  )
   # Every rule left in the plan costs at least 0.5% when taken out, checked by simulating
   # the plan without it; rules that did not were dropped and are reported.
   shaping = dict(res.policy.shaping)
   assert shaping, res.table[:3]
-  t = sim.simulate(wl, "h100", res.policy, baseline=False).makespan_s
+  t = sim.simulate(wl, target="h100", policy=res.policy, baseline=False).makespan_s
   assert t == pytest.approx(res.makespan_s)
   for cap in set(shaping.values()):
     rest = {k: v for k, v in shaping.items() if v != cap}
     t_without = sim.simulate(
-      wl, "h100", sim.Policy("without", priority=res.policy.priority, shaping=rest), baseline=False
+      wl,
+      target="h100",
+      policy=sim.Policy("without", priority=res.policy.priority, shaping=rest),
+      baseline=False,
     ).makespan_s
     assert t_without > t * 1.005
   assert not set(res.pruned) & set(shaping)
   with pytest.raises(ValueError, match="baseline must be 'priority' or 'concurrent'"):
-    sim.tune(wl, "h100", progress=False, baseline="xla")
+    sim.tune(wl, target="h100", progress=False, baseline="xla")

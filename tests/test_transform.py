@@ -150,7 +150,7 @@ def test_cost_model_choice_is_never_worse_than_the_flags_alone():
     jax_overlap.overlap(fn, schedule_from_estimates="yes")
   chosen = jax_overlap.analyze(ov, *args, target="h100x8")
   flags_only = jax_overlap.analyze(
-    fn, *args, target="h100x8", xla_options=jax_overlap.flags.as_compiler_options("h100x8")
+    fn, *args, target="h100x8", xla_options=jax_overlap.flags.as_compiler_options(target="h100x8")
   )
   assert chosen.step_time_s <= flags_only.step_time_s * (1 + 1e-9)
   # The decorated step, compiled anew, is the variant the selection reported choosing.

@@ -146,7 +146,7 @@ def dry_run(path: str, gpu: str) -> int:
 def calibrate(path: str, gpu: str) -> int:
   from jax_overlap import sim
 
-  res = sim.calibrate(path, gpu, params=FIT_PARAMS)
+  res = sim.calibrate(path, target=gpu, params=FIT_PARAMS)
   print(
     f"records.py: calibrate on {gpu}: RMS error {res.error_before:.3f} -> {res.error_after:.3f} "
     f"({res.method}); fitted {', '.join(f'{k}={v:.4g}' for k, v in res.params.items())}"

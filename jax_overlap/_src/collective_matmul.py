@@ -66,6 +66,7 @@ import numpy as np
 from jax import lax
 
 from jax_overlap._src import cost_model as _cost
+from jax_overlap._src import deprecations
 from jax_overlap._src import targets as _targets
 
 __all__ = [
@@ -78,6 +79,8 @@ __all__ = [
 ]
 
 AxisName = str | tuple[str, ...]
+# The simulator's short dtype names (glossary: `dtype`).
+_DTYPE_NAMES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "f64": "float64"}
 
 
 # ---------------------------------------------------------------------------
@@ -635,14 +638,15 @@ class GainEstimate:
   worthwhile: bool
 
 
+@deprecations.keyword_only("dtype", "target", api="jax_overlap.collective_matmul.estimate_gain")
 def estimate_gain(
   m: int,
   n: int,
   k: int,
   axis_size: int,
+  *,
   dtype: Any = "bfloat16",
   target: Any = "h100x8",
-  *,
   kind: str = "all_gather",
   bidirectional: bool = True,
   chunks: int | None = None,
@@ -679,7 +683,7 @@ def estimate_gain(
     ValueError: for non-positive sizes, an unknown ``kind`` or target.
 
   Example:
-    >>> est = estimate_gain(8192, 8192, 8192, 8, "bfloat16", "h100x8")
+    >>> est = estimate_gain(8192, 8192, 8192, 8, dtype="bfloat16", target="h100x8")
     >>> est.speedup > 1.0
     True
   """
@@ -694,15 +698,16 @@ def estimate_gain(
     model = dataclasses.replace(model, kernel_overhead_s=launch_overhead_s)
   topo = _targets.get(target)
   gpu = topo.gpu
-  itemsize = jnp.dtype(dtype).itemsize
-  dname = jnp.dtype(dtype).name
+  np_dtype = jnp.dtype(_DTYPE_NAMES.get(dtype, dtype) if isinstance(dtype, str) else dtype)
+  itemsize = np_dtype.itemsize
+  dname = np_dtype.name
   short = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "float64": "f64"}
   dt = short.get(dname, dname)
   big_n = int(axis_size)
   pieces = chunks if chunks is not None else (2 if bidirectional else 1)
 
   def gemm(flops, nbytes):
-    return _cost.kernel_time(flops, nbytes, gpu, dtype=dt, is_dot=True, model=model)
+    return _cost.kernel_time(flops, nbytes, gpu, dtype=dt, is_dot=True, cost_model=model)
 
   flops = 2.0 * m * n * k / big_n
   if kind == "all_gather":  # reads the gathered x, its w columns; writes its y columns
@@ -712,14 +717,16 @@ def estimate_gain(
   compute = gemm(flops, gemm_bytes)
   block = (m * k if kind == "all_gather" else m * n) / big_n * itemsize
   coll = "all-gather" if kind == "all_gather" else "reduce-scatter"
-  comm = _cost.collective_time(coll, block * big_n, big_n, topo, model=model)
+  comm = _cost.collective_time(coll, block * big_n, big_n, topo, cost_model=model)
   baseline = compute + comm
   if big_n == 1:
     overlapped = compute
   else:
     step = pieces * gemm(flops / big_n / pieces, gemm_bytes / big_n / pieces)
     half = 2.0 if bidirectional else 1.0
-    exchange = _cost.collective_time("collective-permute", block / half, big_n, topo, model=model)
+    exchange = _cost.collective_time(
+      "collective-permute", block / half, big_n, topo, cost_model=model
+    )
     overlapped = step + (big_n - 1) * max(step, exchange)
   speedup = baseline / overlapped
   return GainEstimate(

@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from jax_overlap._src import deprecations
 from jax_overlap._src import targets as targets_lib
 
 __all__ = ["CostModel", "HOST_CPU", "collective_time", "kernel_time"]
@@ -83,6 +84,7 @@ _DEFAULT = CostModel()
 _LOW_PRECISION = ("bf16", "f16", "f8", "s8", "u8", "s4", "u4")
 
 
+@deprecations.renamed({"model": "cost_model"}, api="jax_overlap.analysis.kernel_time")
 def kernel_time(
   flops: float,
   bytes_accessed: float,
@@ -90,10 +92,10 @@ def kernel_time(
   *,
   dtype: str = "f32",
   is_dot: bool = False,
-  model: CostModel | None = None,
+  cost_model: CostModel | None = None,
 ) -> float:
   """Roofline time of one kernel on ``gpu`` (a targets.Gpu or HOST_CPU)."""
-  model = model or _DEFAULT
+  model = cost_model or _DEFAULT
   if is_dot:
     peak = gpu.peak_bf16_flops
     if not str(dtype).startswith(_LOW_PRECISION):
@@ -105,16 +107,17 @@ def kernel_time(
   return max(t_compute, t_memory) + model.kernel_overhead_s
 
 
+@deprecations.renamed({"model": "cost_model"}, api="jax_overlap.analysis.collective_time")
 def collective_time(
   kind: str,
   nbytes: float,
   group_size: int,
   topology,
   *,
-  model: CostModel | None = None,
+  cost_model: CostModel | None = None,
 ) -> float:
   """Alpha-beta time of one collective; see the module docstring for the formulas."""
-  model = model or _DEFAULT
+  model = cost_model or _DEFAULT
   p = int(group_size)
   if p <= 1 or nbytes <= 0:
     return 0.0

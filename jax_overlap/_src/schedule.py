@@ -347,7 +347,7 @@ def build_schedule(
       flops=flops,
       bytes_accessed=float(nbytes),
       time_s=cm.kernel_time(
-        flops, nbytes, gpu, dtype=dtype, is_dot=kind in ("gemm", "convolution"), model=model
+        flops, nbytes, gpu, dtype=dtype, is_dot=kind in ("gemm", "convolution"), cost_model=model
       ),
       gemm_mnk=module.gemm_mnk(instr) if kind == "gemm" else None,
       dtype=dtype,
@@ -375,7 +375,7 @@ def build_schedule(
       group_size=p,
       start_index=len(kernels),
       done_index=len(kernels),
-      time_s=cm.collective_time(kind, nbytes, p, topology, model=model),
+      time_s=cm.collective_time(kind, nbytes, p, topology, cost_model=model),
       synchronous=synchronous,
       stream=-1 if synchronous else stream_of_start.get(f"{comp.name}/{instr.name}", 0),
       op_name=instr.metadata.get("op_name", ""),

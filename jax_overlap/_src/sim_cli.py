@@ -96,7 +96,7 @@ def main(argv: list[str]) -> int:
     pols = policies.POLICIES if args.policy == "all" else (args.policy,)
     results = {}
     for p in pols:
-      results[p] = policies.simulate(wl, args.target, p, record=bool(args.plot))
+      results[p] = policies.simulate(wl, target=args.target, policy=p, record=bool(args.plot))
   except ValueError as e:
     print(f"jax-overlap simulate: {e}", file=sys.stderr)
     return 2
@@ -113,7 +113,7 @@ def main(argv: list[str]) -> int:
     "results": {p: r.to_dict() for p, r in results.items()},
   }
   if args.tune:
-    t = tune.tune(wl, args.target, progress=progress)
+    t = tune.tune(wl, target=args.target, progress=progress)
     print(
       f"{'tuned':>18}: {t.makespan_s * 1e3:10.4f} ms  ({t.gain:+.1%} vs {t.baseline}, "
       f"{t.evaluations} simulations, {t.method})"

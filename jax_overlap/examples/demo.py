@@ -152,7 +152,7 @@ def main(argv) -> None:
     *args,
     target=target,
     name="recommended flags",
-    xla_options=jax_overlap.flags.as_compiler_options(target, "hybrid"),
+    xla_options=jax_overlap.flags.as_compiler_options(target=target, workload="hybrid"),
   )
   ov_gpu = jax_overlap.overlap(fn, target=target, workload="hybrid")
   reports["@overlap"] = jax_overlap.analyze(ov_gpu, *args, target=target, name="@overlap")
@@ -174,7 +174,7 @@ def main(argv) -> None:
     real = jax_overlap.sim.realize(best)
     print(real.table() if hasattr(real, "table") else real)
     workload = jax_overlap.sim.workload_from_report(best)
-    res = jax_overlap.sim.tune(workload, target, progress=False)
+    res = jax_overlap.sim.tune(workload, target=target, progress=False)
     plan_path = os.path.join(FLAGS.out, "plan.json")
     with open(plan_path, "w") as fh:
       json.dump(res.plan, fh, indent=1)
@@ -206,7 +206,7 @@ def main(argv) -> None:
       "rules_matching_nothing": list(check.unmatched),
     }
     try:
-      sim_res = jax_overlap.sim.simulate(workload, target, res.policy, record=True)
+      sim_res = jax_overlap.sim.simulate(workload, target=target, policy=res.policy, record=True)
       jax_overlap.sim.plot(sim_res, os.path.join(FLAGS.out, "sm_occupancy.png"))
     except Exception as e:  # noqa: BLE001 - a picture must not fail the demo
       print(f"(simulator plot skipped: {e})")

@@ -42,7 +42,7 @@ from typing import Any
 import jax
 from absl import logging
 
-from jax_overlap._src import errors
+from jax_overlap._src import deprecations, errors
 
 __all__ = [
   "CATEGORIES",
@@ -362,13 +362,16 @@ def _read_dump(directory: str, suffix: str) -> str:
 # ----------------------------------------------------------------------------- breakdown
 
 
+@deprecations.renamed(
+  {"compiler_options": "xla_options"}, api="jax_overlap.budget.memory.breakdown"
+)
 def breakdown(
   fn: Callable[..., Any],
   *args: Any,
   target: str | None = None,
   arg_kinds: Sequence[str | None] | None = None,
   donate_argnums: int | Sequence[int] = (),
-  compiler_options: dict[str, Any] | None = None,
+  xla_options: dict[str, Any] | None = None,
 ) -> Breakdown:
   """Per-device memory of one step by category, summing exactly to XLA's total.
 
@@ -386,7 +389,7 @@ def breakdown(
       leaves whose path names optimizer state (``opt``, ``mu``, ``nu``,
       ``momentum``...) are optimizer state; the rest are inputs.
     donate_argnums: donated arguments, for a plain ``fn``.
-    compiler_options: extra XLA options for this compile.
+    xla_options: extra XLA options for this compile.
 
   Returns:
     A :class:`Breakdown` whose categories sum to ``total_bytes``.
@@ -416,7 +419,7 @@ def breakdown(
   jitted = (
     fn if hasattr(fn, "lower") else jax.jit(fn, donate_argnums=donate_argnums, keep_unused=True)
   )
-  options = dict(compiler_options or {})
+  options = dict(xla_options or {})
   with tempfile.TemporaryDirectory(prefix="jax_overlap_mem_") as tmp:
     options["xla_dump_to"] = tmp
     traced = errors.trace_user_fn(
@@ -677,11 +680,12 @@ class _LogProgress:
       yield item
 
 
+@deprecations.keyword_only("target", api="jax_overlap.budget.memory.plan")
 def plan(
   step_builder: Callable[..., Any],
   budget_bytes: int,
-  target: str = "h100x8",
   *,
+  target: str = "h100x8",
   remat_policies: Sequence[str] = ("nothing", "dots", "everything"),
   shard_opt_state: Sequence[bool] = (False, True),
   prefetch: Sequence[int] = (0, 1, 2),

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Mapping
 from typing import Any, Literal
 
+from jax_overlap._src import deprecations
 from jax_overlap._src import targets as targets_lib
 from jax_overlap._src.errors import ConfigError
 from jax_overlap._src.flags import probe as probe_lib
@@ -104,8 +106,9 @@ def _translate_for_installed(opts: dict[str, Any]) -> dict[str, Any]:
   return out
 
 
+@deprecations.keyword_only("target", "workload", api="jax_overlap.flags.recommended")
 def recommended(
-  target: str = "h100x8", workload: str = "fsdp", *, check_installed: bool = True
+  *, target: str = "h100x8", workload: str = "fsdp", check_installed: bool = True
 ) -> dict[str, Any]:
   """Overlap options for a GPU target and a workload.
 
@@ -124,7 +127,7 @@ def recommended(
     ValueError: for an unknown target or workload.
 
   Example:
-    >>> recommended("h100x8", "fsdp")["xla_gpu_enable_latency_hiding_scheduler"]  # doctest: +SKIP
+    >>> recommended(target="h100x8")["xla_gpu_enable_latency_hiding_scheduler"]  # doctest: +SKIP
     True
   """
   check_workload(workload)
@@ -135,17 +138,35 @@ def recommended(
   return opts
 
 
+@deprecations.keyword_only("target", "workload", api="jax_overlap.flags.as_compiler_options")
 def as_compiler_options(
-  target: str = "h100x8", workload: str = "fsdp", **overrides: Any
+  *,
+  target: str = "h100x8",
+  workload: str = "fsdp",
+  xla_options: Mapping[str, Any] | None = None,
+  **overrides: Any,
 ) -> dict[str, Any]:
   """The XLA part of :func:`recommended`, for ``jax.jit(..., compiler_options=...)``.
 
   Environment variables (NCCL, CUDA) are left out: they cannot be set per compile.
 
+  Args:
+    target: topology name.
+    workload: see :data:`WORKLOADS`.
+    xla_options: XLA options to set instead of (or besides) the recommended ones.
+    **overrides: the same, the earlier spelling (deprecated).
+
   Raises:
-    ConfigError: if an override is rejected by the installed jaxlib.
+    ConfigError: if an option is rejected by the installed jaxlib.
   """
-  opts = {k: v for k, v in recommended(target, workload).items() if REGISTRY[k].kind == "xla"}
+  overrides = deprecations.merged_overrides(
+    "jax_overlap.flags.as_compiler_options", xla_options, overrides
+  )
+  opts = {
+    k: v
+    for k, v in recommended(target=target, workload=workload).items()
+    if REGISTRY[k].kind == "xla"
+  }
   if overrides:
     errors = [p for p in validate(overrides) if p.severity == "error"]
     if errors:
@@ -160,10 +181,11 @@ def as_compiler_options(
   return opts
 
 
+@deprecations.keyword_only("target", "workload", api="jax_overlap.flags.configure")
 def configure(
+  *,
   target: str = "h100x8",
   workload: str = "fsdp",
-  *,
   on_conflict: Literal["error", "keep", "replace"] = "error",
   environ: dict[str, str] | None = None,
   **overrides: Any,
@@ -202,7 +224,7 @@ def configure(
       "JAX computation (or jax.devices()), or pass the options per compile with "
       "jax.jit(f, compiler_options=jax_overlap.flags.as_compiler_options(...))."
     )
-  wanted = recommended(target, workload)
+  wanted = recommended(target=target, workload=workload)
   unknown = [k for k in overrides if k not in REGISTRY and not k.startswith("xla_")]
   if unknown:
     raise ConfigError(

@@ -54,7 +54,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from jax_overlap._src import targets
+from jax_overlap._src import deprecations, targets
 from jax_overlap._src.sim import engine
 from jax_overlap._src.sim.model import (
   COMPUTE_KINDS,
@@ -228,7 +228,7 @@ def _policy(r: dict) -> Policy | str:
 def predict(record: Mapping, target, constants: Constants) -> dict:
   """Simulated makespan_s, proxy_latency_s and compute_slowdown of one measurement record."""
   r = _normalise(record, 0) if "measured" not in record else record
-  res = simulate(_workload(r), target, _policy(r), constants=constants)
+  res = simulate(_workload(r), target=target, policy=_policy(r), constants=constants)
   g = res.timing("compute")
   p = res.timing("proxy")
   iso = res.isolated_s["compute"]
@@ -268,10 +268,11 @@ class CalibrationResult:
   insensitive: tuple[str, ...] = ()
 
 
+@deprecations.keyword_only("target", api="jax_overlap.sim.calibrate")
 def calibrate(
   measurements: Sequence[Mapping] | str,
-  target,
   *,
+  target,
   params: Sequence[str] = ("cta_copy_bandwidth", "gemm_efficiency"),
   start: Constants | None = None,
   max_iter: int = 30,
@@ -292,7 +293,7 @@ def calibrate(
     ValueError: empty or malformed measurements, unknown parameter names.
 
   Example:
-    >>> res = calibrate(published_measurements("h100"), "h100")  # doctest: +SKIP
+    >>> res = calibrate(published_measurements("h100"), target="h100")  # doctest: +SKIP
     >>> res.error_after <= res.error_before                        # doctest: +SKIP
     True
   """

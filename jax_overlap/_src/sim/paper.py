@@ -201,10 +201,16 @@ def paper_table(
     free = const.replace(occupancy_exponent=0.0)
     for name, wl in mixes.items():
       ms = {
-        p: simulate(wl, g, p, constants=const, baseline=False).makespan_s * 1e3 for p in POLICIES
+        p: simulate(wl, target=g, policy=p, constants=const, baseline=False).makespan_s * 1e3
+        for p in POLICIES
       }
-      free_ms = simulate(wl, g, "priority+shaping", constants=free, baseline=False).makespan_s * 1e3
-      tuned = _tune(wl, g, constants=const, progress=progress, max_evals=32) if tune else None
+      free_ms = (
+        simulate(wl, target=g, policy="priority+shaping", constants=free, baseline=False).makespan_s
+        * 1e3
+      )
+      tuned = (
+        _tune(wl, target=g, constants=const, progress=progress, max_evals=32) if tune else None
+      )
       controls = {p: ms[p] for p in ("priority", "shaping", "priority+shaping")}
       if tuned is not None:
         controls["tuned"] = tuned.makespan_s * 1e3

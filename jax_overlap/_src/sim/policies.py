@@ -26,7 +26,7 @@ import json
 import re
 from collections.abc import Mapping
 
-from jax_overlap._src import targets
+from jax_overlap._src import deprecations, targets
 from jax_overlap._src.sim import engine
 from jax_overlap._src.sim.model import (
   Collective,
@@ -225,7 +225,8 @@ def _room(wl: Workload, target, constants: Constants | None):
   return caps, blocked
 
 
-def default_shaping(wl: Workload, target, constants: Constants | None = None) -> dict[str, int]:
+@deprecations.keyword_only("target", "constants", api="jax_overlap.sim.default_shaping")
+def default_shaping(wl: Workload, *, target, constants: Constants | None = None) -> dict[str, int]:
   """Default per-kernel blocks-per-SM for kernels in a collective's overlap window.
 
   Kernels for which no cap leaves room for a communication CTA are left out (see
@@ -234,13 +235,16 @@ def default_shaping(wl: Workload, target, constants: Constants | None = None) ->
   return _room(wl, target, constants)[0]
 
 
-def no_room(wl: Workload, target, constants: Constants | None = None) -> dict[str, tuple[str, ...]]:
+@deprecations.keyword_only("target", "constants", api="jax_overlap.sim.no_room")
+def no_room(
+  wl: Workload, *, target, constants: Constants | None = None
+) -> dict[str, tuple[str, ...]]:
   """Kernels beside a collective that no cap can make room beside, with the limits in the way.
 
   Example:
     >>> from jax_overlap import sim
     >>> wl = sim.synthetic([(8192, 8192, 8192)], [("all-gather", 256 << 20)])
-    >>> sim.no_room(wl, "h100x8")
+    >>> sim.no_room(wl, target="h100x8")
     {'gemm.0': ('registers', 'shared_memory')}
   """
   return _room(wl, target, constants)[1]
@@ -255,7 +259,7 @@ def apply(policy, wl: Workload, target, constants: Constants | None = None):
     return Workload(items, wl.name), {}, {}
   priorities = {s: 1 for s in _comm_streams(wl)} if pol.priority else {}
   if pol.shaping is True:
-    shaping = default_shaping(wl, topo, constants)
+    shaping = default_shaping(wl, target=topo, constants=constants)
   elif isinstance(pol.shaping, Mapping):
     shaping = dict(pol.shaping)
   elif pol.shaping in (None, False):
@@ -267,11 +271,12 @@ def apply(policy, wl: Workload, target, constants: Constants | None = None):
   return wl, priorities, shaping
 
 
+@deprecations.keyword_only("target", "policy", api="jax_overlap.sim.simulate")
 def simulate(
   workload: Workload,
+  *,
   target: str | targets.Topology | targets.Gpu = "h100x8",
   policy: str | Policy | Mapping = "concurrent",
-  *,
   constants: Constants | Mapping[str, float] | None = None,
   record: bool = False,
   check: bool = False,
@@ -298,7 +303,7 @@ def simulate(
   Example:
     >>> from jax_overlap import sim
     >>> wl = sim.synthetic([(4096, 4096, 4096)], [("all-gather", 64 << 20)])
-    >>> r = sim.simulate(wl, "h100x8", "priority+shaping")
+    >>> r = sim.simulate(wl, target="h100x8", policy="priority+shaping")
     >>> r.makespan_s > 0
     True
   """
@@ -336,6 +341,9 @@ def _constants(constants, topo) -> Constants:
   )
 
 
-def compare(workload: Workload, target="h100x8", policies=POLICIES, **kwargs) -> dict:
+@deprecations.keyword_only("target", "policies", api="jax_overlap.sim.compare")
+def compare(workload: Workload, *, target="h100x8", policies=POLICIES, **kwargs) -> dict:
   """Makespan of ``workload`` under each policy: {policy: SimResult}."""
-  return {get_policy(p).name: simulate(workload, target, p, **kwargs) for p in policies}
+  return {
+    get_policy(p).name: simulate(workload, target=target, policy=p, **kwargs) for p in policies
+  }

@@ -356,6 +356,6 @@ def realize(
   results = {}
   for p in pols:
     pol = get_policy(p)
-    results[pol.name] = simulate(wl, topo, pol, constants=const)
+    results[pol.name] = simulate(wl, target=topo, policy=pol, constants=const)
   iso = ideal_durations(wl, next(iter(results.values())), topo, const)
   return RealizeResult(analysis_step_time(report), critical_path(wl, iso), results, wl)

@@ -30,6 +30,7 @@ import sys
 import time
 from collections.abc import Mapping
 
+from jax_overlap._src import deprecations
 from jax_overlap._src import plan as plan_lib
 from jax_overlap._src.sim import engine
 from jax_overlap._src.sim.model import Constants, Kernel, Workload
@@ -286,10 +287,11 @@ class _Progress:
     self.on = False
 
 
+@deprecations.keyword_only("target", api="jax_overlap.sim.tune")
 def tune(
   workload: Workload,
-  target="h100x8",
   *,
+  target="h100x8",
   groups: str = "window",
   method: str = "auto",
   max_evals: int = 256,
@@ -338,7 +340,7 @@ def tune(
   Example:
     >>> from jax_overlap import sim
     >>> wl = sim.synthetic([(4096, 4096, 4096)] * 2, [("all-gather", 64 << 20)])
-    >>> res = sim.tune(wl, "a100x8", progress=False)
+    >>> res = sim.tune(wl, target="a100x8", progress=False)
     >>> res.plan["streams"]["priority"] in ("highest", "default")
     True
   """
@@ -367,7 +369,7 @@ def tune(
     key = (prio, tuple(sorted(shaping.items())))
     if key not in cache:
       pol = Policy("tuned", priority=prio, shaping=shaping)
-      t = simulate(workload, topo, pol, constants=const, baseline=False).makespan_s
+      t = simulate(workload, target=topo, policy=pol, constants=const, baseline=False).makespan_s
       cache[key] = t
       table.append({"priority": prio, "shaping": shaping, "makespan_s": t})
       best[0] = min(best[0], t)
@@ -379,7 +381,7 @@ def tune(
       cands = [(evaluate(p, s), p, s) for p in prios for s in itertools.product(*settings)]
       t_best, p_best, s_best = min(cands, key=lambda c: c[0])
     else:
-      default = default_shaping(workload, topo, const)
+      default = default_shaping(workload, target=topo, constants=const)
       start = tuple(min((default[n] for n in g if n in default), default=None) for g in gs)
       starts = [(p, s) for p in prios for s in {tuple([None] * len(gs)), start}]
       t_best, p_best, s_best = min(((evaluate(p, s), p, s) for p, s in starts), key=lambda c: c[0])
@@ -412,12 +414,20 @@ def tune(
       pruned.update({n: s_best[gi] for n in gs[gi] if s_best[gi] in choices[n][1:]})
       s_best, t_best = list(without), t
   shaping = _shaping_for(gs, tuple(s_best), choices)
-  base = simulate(workload, topo, baseline, constants=const, baseline=False).makespan_s
-  seq = simulate(workload, topo, "sequential", constants=const, baseline=False).makespan_s
+  base = simulate(
+    workload, target=topo, policy=baseline, constants=const, baseline=False
+  ).makespan_s
+  seq = simulate(
+    workload, target=topo, policy="sequential", constants=const, baseline=False
+  ).makespan_s
   if t_best > base * (1 - min_gain):  # not worth turning the controls on
     p_best, shaping = baseline == "priority" if priority is None else bool(priority), {}
     t_best = simulate(
-      workload, topo, Policy("tuned", priority=p_best), constants=const, baseline=False
+      workload,
+      target=topo,
+      policy=Policy("tuned", priority=p_best),
+      constants=const,
+      baseline=False,
     ).makespan_s
   blocks = {cb for bs in comm_blocks(workload, const).values() for cb in bs}
   comm = max(blocks, key=lambda cb: (cb.regs_per_thread * cb.threads, cb.smem_bytes), default=None)
@@ -435,7 +445,7 @@ def tune(
     method=method,
     table=table,
     unnamed=unnamed_kernels(workload),
-    no_room=no_room(workload, topo, const),
+    no_room=no_room(workload, target=topo, constants=const),
     baseline=baseline,
     pruned=pruned,
   )

@@ -352,7 +352,7 @@ class Overlapped:
   def _candidates(self, cfg: _Config, stats: dict) -> list[tuple[str, _Config, dict[str, Any]]]:
     base: dict[str, Any] = {}
     if self.target is not None:
-      base.update(flags_lib.as_compiler_options(self.target, self.workload))
+      base.update(flags_lib.as_compiler_options(target=self.target, workload=self.workload))
     p = max(stats.get("axis_size", 1), 1)
     per_layer = dict(base)
     if stats.get("max_group_gather_bytes"):
@@ -568,7 +568,10 @@ class Overlapped:
     from jax_overlap._src import analysis
 
     as_written = cfg.as_written()
-    base = {**flags_lib.as_compiler_options(self.target, self.workload), **self.extra_options}
+    base = {
+      **flags_lib.as_compiler_options(target=self.target, workload=self.workload),
+      **self.extra_options,
+    }
     name = "as written, recommended flags"
     report = analysis.analyze(
       make(as_written, base), *args, target=self.target, name=name, xla_options=base, **kwargs

@@ -610,7 +610,7 @@ def _plan_collective_matmuls(
     # The estimate is for the ring that runs: both link directions only when the block
     # splits in two.
     est = cm_lib.estimate_gain(
-      m, n, k, p, dtype, target or "h100x8", kind=kind, bidirectional=bidirectional
+      m, n, k, p, dtype=dtype, target=target or "h100x8", kind=kind, bidirectional=bidirectional
     )
     if mode == "on" and not est.worthwhile:
       est = dataclasses.replace(est, worthwhile=True)

@@ -1,0 +1,144 @@
+"""The public API speaks one vocabulary (docs/glossary.md), and the earlier spellings still
+work for one release with a warning that names the current one."""
+
+import inspect
+import warnings
+
+import pytest
+
+import jax_overlap
+from jax_overlap._src.deprecations import JaxOverlapDeprecationWarning
+
+# Names no public signature uses any more (the glossary's word on the right).
+RETIRED = {"compiler_options": "xla_options", "model": "cost_model", "gpu_name": "target"}
+# Functions of jax_overlap.targets are about a target: it is their subject, not a setting.
+# So is plan_dict (the runtime plan for a target, built from the simulator's choices).
+SUBJECT_TARGET = {
+  "compile_only_devices",
+  "compile_only_mesh",
+  "gpu_target_config",
+  "get",
+  "get_gpu",
+  "plan_dict",
+}
+
+
+def _public(module, seen):
+  for name in getattr(module, "__all__", []):
+    obj = getattr(module, name, None)
+    if inspect.ismodule(obj):
+      if obj.__name__.startswith("jax_overlap") and obj.__name__ not in seen:
+        seen.add(obj.__name__)
+        yield from _public(obj, seen)
+    elif inspect.isfunction(obj) or (callable(obj) and not inspect.isclass(obj)):
+      yield f"{module.__name__}.{name}", obj
+
+
+def _functions():
+  out = dict(_public(jax_overlap, {"jax_overlap"}))
+  assert len(out) > 40  # the walk reached the sub-packages
+  return out
+
+
+def test_public_signatures_use_the_glossary_names():
+  problems = []
+  for full, fn in sorted(_functions().items()):
+    try:
+      params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+      continue
+    for p in params:
+      if p.name in RETIRED:
+        problems.append(f"{full}: {p.name}= (use {RETIRED[p.name]}=)")
+      if (
+        p.name == "target"
+        and p.kind is not p.KEYWORD_ONLY
+        and full.rsplit(".", 1)[-1] not in SUBJECT_TARGET
+      ):
+        problems.append(f"{full}: target is not keyword-only")
+  assert problems == []
+
+
+def test_glossary_lists_every_public_setting_name():
+  import pathlib
+
+  glossary = (pathlib.Path(__file__).parents[1] / "docs" / "glossary.md").read_text()
+  for word in ("target", "xla_options", "cost_model", "constants", "workload", "policy"):
+    assert f"`{word}`" in glossary
+
+
+@pytest.mark.parametrize(
+  "old, new, match",
+  [
+    (
+      lambda: jax_overlap.flags.as_compiler_options("a100x8", "fsdp"),
+      lambda: jax_overlap.flags.as_compiler_options(target="a100x8", workload="fsdp"),
+      "target=, workload=",
+    ),
+    (
+      lambda: jax_overlap.flags.as_compiler_options(
+        target="h100x8", xla_gpu_enable_triton_gemm=False
+      ),
+      lambda: jax_overlap.flags.as_compiler_options(
+        target="h100x8", xla_options={"xla_gpu_enable_triton_gemm": False}
+      ),
+      "xla_options=",
+    ),
+    (
+      lambda: jax_overlap.flags.recommended("h100x8"),
+      lambda: jax_overlap.flags.recommended(target="h100x8"),
+      "target=",
+    ),
+    (
+      lambda: jax_overlap.collective_matmul.estimate_gain(
+        4096, 4096, 4096, 8, "bfloat16", "a100x8"
+      ),
+      lambda: jax_overlap.collective_matmul.estimate_gain(
+        4096, 4096, 4096, 8, dtype="bfloat16", target="a100x8"
+      ),
+      "dtype=, target=",
+    ),
+    (
+      lambda: (
+        jax_overlap.sim.simulate(jax_overlap.sim.tail_effect(), "a100", "priority").makespan_s
+      ),
+      lambda: (
+        jax_overlap.sim.simulate(
+          jax_overlap.sim.tail_effect(), target="a100", policy="priority"
+        ).makespan_s
+      ),
+      "target=, policy=",
+    ),
+    (
+      lambda: jax_overlap.analysis.kernel_time(
+        1e12, 1e9, jax_overlap.targets.get_gpu("h100"), model=jax_overlap.analysis.CostModel()
+      ),
+      lambda: jax_overlap.analysis.kernel_time(
+        1e12, 1e9, jax_overlap.targets.get_gpu("h100"), cost_model=jax_overlap.analysis.CostModel()
+      ),
+      "use cost_model=",
+    ),
+  ],
+)
+def test_earlier_spellings_still_work_and_name_the_current_one(old, new, match):
+  with pytest.warns(JaxOverlapDeprecationWarning, match=match) as record:
+    value = old()
+  # The warning points at the caller's line, not at jax_overlap's.
+  assert record[0].filename == __file__
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", JaxOverlapDeprecationWarning)
+    assert new() == value
+
+
+def test_a_setting_given_twice_is_refused():
+  with pytest.raises(TypeError, match="both"):
+    jax_overlap.flags.as_compiler_options("h100x8", target="h100x8")
+  with pytest.raises(TypeError, match="positional"):
+    jax_overlap.flags.as_compiler_options("h100x8", "fsdp", "extra")
+
+
+def test_short_dtype_names_are_the_same_dtype():
+  gain = jax_overlap.collective_matmul.estimate_gain
+  assert gain(4096, 4096, 4096, 8, dtype="bf16", target="h100x8") == gain(
+    4096, 4096, 4096, 8, dtype="bfloat16", target="h100x8"
+  )
