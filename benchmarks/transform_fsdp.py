@@ -3,7 +3,9 @@
 Deviceless part: 8 layers, bf16, hidden 4096, MLP 11008, sequence 2048, one
 sequence per GPU, written with shard_map (jax_overlap.examples.shard_map_fsdp)
 in four forms (unrolled, lax.scan, lax.scan under jax.checkpoint,
-jax_overlap.fsdp.scan_layers), compiled
+jax_overlap.fsdp.scan_layers) and as plain jax.jit over sharded arrays (GSPMD:
+jax_overlap.examples.fsdp_transformer, unrolled and lax.scan under
+jax.checkpoint, the partitioner inserting the collectives), compiled
 for h100x8 and a100x8 under XLA defaults, the recommended flags, and
 @jax_overlap.overlap;
 see transform_overhead.py for the decorator's CPU costs.
@@ -30,13 +32,26 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
 
 import jax_overlap  # noqa: E402
+from jax_overlap.examples import fsdp_transformer as G  # noqa: E402
 from jax_overlap.examples import shard_map_fsdp as S  # noqa: E402
 
 FLAGS = absl_flags.FLAGS
 absl_flags.DEFINE_list("targets", ["h100x8", "a100x8"], "Targets.")
 absl_flags.DEFINE_list(
-  "forms", ["unrolled", "scan", "scan_remat", "scan_layers"], "Layer loop forms."
+  "forms",
+  ["unrolled", "scan", "scan_remat", "scan_layers", "gspmd", "gspmd_scan_remat"],
+  "Layer loop forms (gspmd*: plain jax.jit over sharded arrays, no shard_map).",
 )
+
+
+def _build(target: str, form: str, cfg: dict):
+  if form == "gspmd":
+    return G.build(target, **cfg)
+  if form == "gspmd_scan_remat":
+    return G.build(target, scan=True, remat=True, **cfg)
+  return S.build(target, form=form, **cfg)
+
+
 absl_flags.DEFINE_integer("layers", 8, "Layers.")
 
 
@@ -44,7 +59,7 @@ def deviceless(rows, tables):
   cfg = dict(layers=FLAGS.layers, hidden=4096, mlp=11008, heads=32, seq=2048, batch_per_device=1)
   for target in FLAGS.targets:
     for form in FLAGS.forms:
-      fn, args = S.build(target, form=form, **cfg)
+      fn, args = _build(target, form, cfg)
       reports = {
         "XLA defaults": jax_overlap.analyze(fn, *args, target=target, name="XLA defaults"),
         "recommended flags": jax_overlap.analyze(
@@ -108,7 +123,8 @@ def main(argv):
   md = (
     "# @jax_overlap.overlap on a Llama-style FSDP step\n\n"
     f"8 layers, bf16, hidden 4096, MLP 11008, 32 heads, sequence 2048, one sequence per GPU; "
-    f"shard_map with explicit gathers. Machine: {payload['machine']}.\n\n"
+    f"shard_map with explicit gathers, and GSPMD (gspmd*: sharded arrays under jax.jit). "
+    f"Machine: {payload['machine']}.\n\n"
     "Estimates from jax_overlap.analyze (deviceless compile for the target, roofline and "
     "alpha-beta costs placed on XLA's schedule). CPU costs of the decorator: "
     "transform_overhead.md.\n\n" + "\n".join(tables)

@@ -22,6 +22,7 @@ counts are what the analysis uses for GPU targets; tests check them against
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -484,67 +485,24 @@ def _param_index(fused: Computation, name: str) -> int | None:
 # are needed (elementwise, layout and reduction ops: a reduce needs whole rows of its
 # input for the rows of its result it computes). Any other op (dots, sorts, scatters,
 # windows) reads all of its operands as soon as any of its result is needed.
-_SAME_SHARE = frozenset(
-  _PASS_THROUGH
-  + (
-    "broadcast",
-    "convert",
-    "transpose",
-    "reduce",
-    "concatenate",
-    "pad",
-    "select",
-    "clamp",
-    "compare",
-    "add",
-    "subtract",
-    "multiply",
-    "divide",
-    "maximum",
-    "minimum",
-    "power",
-    "remainder",
-    "and",
-    "or",
-    "xor",
-    "not",
-    "negate",
-    "abs",
-    "sign",
-    "exponential",
-    "exponential-minus-one",
-    "log",
-    "log-plus-one",
-    "tanh",
-    "logistic",
-    "sqrt",
-    "rsqrt",
-    "cbrt",
-    "sine",
-    "cosine",
-    "tan",
-    "atan2",
-    "floor",
-    "ceil",
-    "round-nearest-afz",
-    "round-nearest-even",
-    "is-finite",
-    "shift-left",
-    "shift-right-logical",
-    "shift-right-arithmetic",
-    "popcnt",
-    "clz",
-    "real",
-    "imag",
-    "complex",
-    "erf",
-    "bitcast-convert",
-    "reduce-precision",
-    "iota",
-    "constant",
-    "parameter",
+@functools.cache
+def _same_share() -> frozenset:
+  return (
+    frozenset(_PASS_THROUGH)
+    | _ELEMENTWISE
+    | _TRANSCENDENTAL
+    | {
+      "broadcast",
+      "transpose",
+      "reduce",
+      "concatenate",
+      "pad",
+      "bitcast-convert",
+      "iota",
+      "constant",
+      "parameter",
+    }
   )
-)
 
 
 def _parameter_reads(fused: Computation) -> dict[int, float]:
@@ -561,6 +519,7 @@ def _parameter_reads(fused: Computation) -> dict[int, float]:
   several users add up, at most 1: a read of the same element twice is served
   from cache. Only parameters read below their full size are returned.
   """
+  same_share = _same_share()
   roots = {r.name for r in _roots_of(fused)}
   share: dict[str, float] = dict.fromkeys(roots, 1.0)
   for i in reversed(fused.instructions):
@@ -578,7 +537,7 @@ def _parameter_reads(fused: Computation) -> dict[int, float]:
       covered = shape_elements(ops[1].shape) / max(shape_elements(i.shape), 1)
       rest = 0.0 if i.name in roots else u * max(1.0 - covered, 0.0)
       amounts = [rest] + [u] * (len(ops) - 1)
-    elif i.opcode in _SAME_SHARE:
+    elif i.opcode in same_share:
       amounts = [u] * len(ops)
     else:
       amounts = [1.0] * len(ops)

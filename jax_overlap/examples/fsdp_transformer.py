@@ -4,7 +4,8 @@ Parameters are sharded along the ``fsdp`` mesh axis (ZeRO-3 style); each layer
 gathers its weights right before use through sharding constraints and XLA
 (GSPMD) inserts the all-gathers and gradient reduce-scatters. Layers are either
 unrolled (a Python loop) or stacked and scanned with ``lax.scan`` (MaxText's
-layout). The same module gives real arrays for CPU training and abstract
+layout), optionally rematerialized (``remat=True``: ``jax.checkpoint`` around the
+scanned layer). The same module gives real arrays for CPU training and abstract
 ``ShapeDtypeStruct`` arguments for deviceless analysis.
 
 ``build()`` is a ``jax-overlap analyze`` builder::
@@ -47,6 +48,7 @@ class Config:
   vocab: int = 0  # 0: no embedding (inputs are activations), as in layer-stack benchmarks
   dtype: str = "bfloat16"
   scan: bool = False
+  remat: bool = False  # with scan: jax.checkpoint around the scanned layer (save nothing)
   learning_rate: float = 1e-3
   fsdp_axis: str = "fsdp"
   tensor_axis: str | None = None  # e.g. "tensor" for a 2-D mesh
@@ -195,6 +197,8 @@ def loss_fn(cfg: Config, mesh: Mesh | None, params: Any, batch: dict) -> jax.Arr
     def body(x, p):
       return layer_fn(cfg, mesh, p, x), None
 
+    if cfg.remat:
+      body = jax.checkpoint(body)
     x, _ = jax.lax.scan(body, x, params["layers"])
   else:
     for p in params["layers"]:

@@ -1,0 +1,92 @@
+"""How long @jax_overlap.overlap's variant selection takes for a deep model, and a restart.
+
+The Llama-style FSDP step of ``transform_fsdp`` (bf16, hidden 4096, MLP 11008, sequence
+2048, one sequence per GPU) at 32 layers, in the forms users write (by default the
+rematerialized ``lax.scan`` and the unrolled layers), compiled deviceless for h100x8.
+Per form: the first selection (every variant compiled and analysed, a fresh selection
+cache) and the same step decorated again by a new ``overlap`` (a restarted job: the
+trace plus reading the remembered choice). Wall-clock on this machine, one run each.
+
+Writes benchmarks/results/transform_selection_time.{json,md}.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+  ).strip()
+
+from absl import app  # noqa: E402
+from absl import flags as absl_flags  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402
+
+import jax_overlap  # noqa: E402
+from jax_overlap.examples import shard_map_fsdp as S  # noqa: E402
+
+FLAGS = absl_flags.FLAGS
+absl_flags.DEFINE_integer("layers", 32, "Layers.")
+absl_flags.DEFINE_string("target", "h100x8", "Target.")
+absl_flags.DEFINE_list("forms", ["scan_remat", "unrolled"], "Program forms (shard_map_fsdp).")
+
+
+def main(argv):
+  del argv
+  cfg = dict(layers=FLAGS.layers, hidden=4096, mlp=11008, heads=32, seq=2048, batch_per_device=1)
+  rows = []
+  for form in FLAGS.forms:
+    fn, args = S.build(FLAGS.target, form=form, **cfg)
+    with tempfile.TemporaryDirectory() as cache_dir:
+      os.environ["JAX_OVERLAP_CACHE_DIR"] = cache_dir
+      t0 = time.perf_counter()
+      explanation = jax_overlap.overlap(fn, target=FLAGS.target).explain(*args)
+      first = time.perf_counter() - t0
+      t0 = time.perf_counter()
+      again = jax_overlap.overlap(fn, target=FLAGS.target).explain(*args)
+      recalled = time.perf_counter() - t0
+    os.environ.pop("JAX_OVERLAP_CACHE_DIR", None)
+    row = {
+      "form": form,
+      "layers": FLAGS.layers,
+      "target": FLAGS.target,
+      "variants": len(explanation.candidates),
+      "chosen": explanation.chosen,
+      "chosen_again": again.chosen,
+      "selection_s": first,
+      "restart_s": recalled,
+    }
+    rows.append(row)
+    print(row, flush=True)
+  lines = [
+    "# @overlap's variant selection on a 32-layer FSDP step",
+    "",
+    f"shard_map_fsdp {cfg}, deviceless for {FLAGS.target}, one run each on this machine "
+    "(wall clock). First: every variant compiled and analysed, a fresh selection cache. "
+    "Restart: a new decorator on the same step (trace + the remembered choice).",
+    "",
+    "| form | layers | variants compiled | first selection s | restart s | chosen |",
+    "|---|---:|---:|---:|---:|---|",
+  ]
+  for r in rows:
+    lines.append(
+      f"| {r['form']} | {r['layers']} | {r['variants']} | {r['selection_s']:.1f} | "
+      f"{r['restart_s']:.2f} | {r['chosen']} |"
+    )
+  lines += ["", f"Machine: {_common.machine()}"]
+  _common.write(
+    "transform_selection_time",
+    {"machine": _common.machine(), "rows": rows},
+    "\n".join(lines) + "\n",
+  )
+
+
+if __name__ == "__main__":
+  app.run(main)
