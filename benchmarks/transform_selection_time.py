@@ -4,8 +4,9 @@ The Llama-style FSDP step of ``transform_fsdp`` (bf16, hidden 4096, MLP 11008, s
 2048, one sequence per GPU) at 32 layers, in the forms users write (by default the
 rematerialized ``lax.scan`` and the unrolled layers), compiled deviceless for h100x8.
 Per form: the first selection (every variant compiled and analysed, a fresh selection
-cache) and the same step decorated again by a new ``overlap`` (a restarted job: the
-trace plus reading the remembered choice). Wall-clock on this machine, one run each.
+cache) and the same step decorated again by a new ``overlap`` in the same process (the
+remembered choice read back; JAX's trace cache is warm, so a restarted job also pays
+one trace of the step). Wall-clock on this machine, one run each.
 
 Writes benchmarks/results/transform_selection_time.{json,md}.
 """
@@ -70,9 +71,10 @@ def main(argv):
     "",
     f"shard_map_fsdp {cfg}, deviceless for {FLAGS.target}, one run each on this machine "
     "(wall clock). First: every variant compiled and analysed, a fresh selection cache. "
-    "Restart: a new decorator on the same step (trace + the remembered choice).",
+    "Again: a new decorator on the same step in the same process (the remembered choice; "
+    "JAX's trace cache is warm, a restarted job also traces the step once).",
     "",
-    "| form | layers | variants compiled | first selection s | restart s | chosen |",
+    "| form | layers | variants compiled | first selection s | again s | chosen |",
     "|---|---:|---:|---:|---:|---|",
   ]
   for r in rows:
