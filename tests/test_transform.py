@@ -424,3 +424,23 @@ def test_latency_profiles_go_to_the_fastest_then_the_least_compute():
   assert decorator._worth_profiling(times, reports) == [4, 2, 0]
   assert decorator._worth_profiling([5.0, 6.0], [r(5.0), r(6.0)]) == []
   assert decorator._worth_profiling([float("inf")], [None]) == []
+
+
+def test_a_jitted_step_keeps_its_donation():
+  # @overlap re-jits the (rewritten) program: the user's donated arguments stay donated
+  # (buffers reused in place), unless donation is given to overlap itself.
+  def step(p, x):
+    return jax.tree.map(lambda a: a - 0.1 * a.mean(), p), x.sum()
+
+  p = {"w": jnp.ones((64, 64))}
+  x = jnp.ones((8, 64))
+
+  def donated(f):
+    return [a.donated for a in jax.tree.leaves(f.lower(p, x).args_info)]
+
+  assert donated(jax_overlap.overlap(jax.jit(step, donate_argnums=0))) == [True, False]
+  assert donated(jax_overlap.overlap(jax.jit(step, donate_argnums=0), donate_argnums=1)) == [
+    False,
+    True,
+  ]
+  assert donated(jax_overlap.overlap(step)) == [False, False]

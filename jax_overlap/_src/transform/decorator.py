@@ -297,12 +297,22 @@ class Overlapped:
         "annotations) needs shard_map or jax_overlap.fsdp.scan_layers"
       )
 
-    def make(cfg_: _Config, options_: dict[str, Any]):
+    # The user's jit settings that the variants keep: donation (of a jitted step, unless
+    # given to overlap itself).
+    jit_kwargs = dict(self.jit_kwargs)
+    donated = tuple(getattr(traced, "donate_argnums", ()) or ())
+    if donated and not {"donate_argnums", "donate_argnames"} & set(jit_kwargs):
+      jit_kwargs["donate_argnums"] = donated
+
+    def evaluate(cfg_: _Config):
       def rewritten(*a, **kw):
         out = _evaluate(closed, jax.tree.leaves((a, kw)), cfg_)
         return jax.tree.unflatten(out_tree, out)
 
       return rewritten
+
+    def make(cfg_: _Config, options_: dict[str, Any]):
+      return jax.jit(evaluate(cfg_), **jit_kwargs)
 
     known: dict[int, Any] = {}
     if counter[0] == 0 and self.target is not None and self.select == "cost_model":
@@ -343,8 +353,8 @@ class Overlapped:
     for k, v in options.items():
       actions.append(Action("compiler_option", "compile", f"{k}={flags_lib.format_value(v)}"))
     explanation = Explanation(actions, options, notes, estimates, name)
-    python_fn = make(cfg_c, options)
-    jitted = jax.jit(python_fn, compiler_options=options or None, **self.jit_kwargs)
+    python_fn = evaluate(cfg_c)
+    jitted = jax.jit(python_fn, compiler_options=options or None, **jit_kwargs)
     entry = (jitted, explanation, python_fn)
     self._cache[key] = entry
     return entry
@@ -677,7 +687,8 @@ def overlap(
       depends only on parameters are prefetched; those of other inputs (a
       sequence-parallel batch) and of values computed in the step (activations) are
       not, and ``explain()`` says which is which.
-    **jit_kwargs: passed to ``jax.jit`` (e.g. ``donate_argnums``).
+    **jit_kwargs: passed to ``jax.jit`` (e.g. ``donate_argnums``). A jitted ``fn`` keeps its
+      own donation unless ``donate_argnums``/``donate_argnames`` is given here.
 
   Returns:
     An :class:`Overlapped` callable with the same signature and outputs.
