@@ -10,6 +10,31 @@ import platform
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
+def use_cpu_devices(count: int = 8) -> None:
+  """CPU platform (unless set) with ``count`` virtual devices; call before JAX starts."""
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+      os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={count}"
+    ).strip()
+
+
+def baseline_reports(fn, args, target: str, workload: str = "fsdp") -> dict:
+  """The step analysed as written under XLA's defaults and under the recommended flags."""
+  import jax_overlap
+
+  return {
+    "XLA defaults": jax_overlap.analyze(fn, *args, target=target, name="XLA defaults"),
+    "recommended flags": jax_overlap.analyze(
+      fn,
+      *args,
+      target=target,
+      name="recommended flags",
+      xla_options=jax_overlap.flags.as_compiler_options(target=target, workload=workload),
+    ),
+  }
+
+
 def machine() -> dict:
   import jax
   import jaxlib

@@ -18,17 +18,13 @@ import sys
 import tempfile
 import time
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-  ).strip()
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402
+
+_common.use_cpu_devices(8)  # before JAX starts
 
 from absl import app  # noqa: E402
 from absl import flags as absl_flags  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common  # noqa: E402
 
 import jax_overlap  # noqa: E402
 from jax_overlap.examples import shard_map_fsdp as S  # noqa: E402

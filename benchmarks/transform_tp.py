@@ -19,17 +19,13 @@ import os
 import sys
 import time
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-  ).strip()
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402
+
+_common.use_cpu_devices(8)  # before JAX starts
 
 from absl import app  # noqa: E402
 from absl import flags as absl_flags  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common  # noqa: E402
 
 import jax_overlap  # noqa: E402
 from jax_overlap.examples import tp_sp  # noqa: E402
@@ -68,16 +64,7 @@ def _simulated(report, target) -> dict:
 def run(target: str, form: str, size: str, rows: list, lines: list, notes: list) -> None:
   cfg = dict(layers=FLAGS.layers, **SIZES[size])
   fn, args = BUILD[form](target, **cfg)
-  reports = {
-    "XLA defaults": jax_overlap.analyze(fn, *args, target=target, name="XLA defaults"),
-    "recommended flags": jax_overlap.analyze(
-      fn,
-      *args,
-      target=target,
-      name="recommended flags",
-      xla_options=jax_overlap.flags.as_compiler_options(target=target, workload="fsdp"),
-    ),
-  }
+  reports = _common.baseline_reports(fn, args, target)
   ov = jax_overlap.overlap(fn, target=target, cache=False)  # time the selection itself
   t0 = time.perf_counter()
   expl = ov.explain(*args)

@@ -182,8 +182,8 @@ def _ag_ring(x, w, axis, n, dirs, precision, preferred, collect):
       held.append(pc)
     pieces = nxt
   order, inverse = _ring_order(n, d, dirs)
-  y = _take_chunks(jnp.concatenate(parts, axis=0), order, inverse, 0)
-  xf = _take_chunks(jnp.concatenate(held, axis=0), order, inverse, 0) if collect else None
+  y = _in_gathered_order(parts, order, inverse, 0)
+  xf = _in_gathered_order(held, order, inverse, 0) if collect else None
   return y, xf
 
 
@@ -228,6 +228,11 @@ def _ring_order(n: int, d, dirs) -> tuple[jax.Array, jax.Array]:
 def _chunks(x, count: int, axis: int):
   shape = x.shape
   return x.reshape(shape[:axis] + (count, shape[axis] // count) + shape[axis + 1 :])
+
+
+def _in_gathered_order(chunks: list, order, inverse, axis: int):
+  """A ring's chunks (in ring order) as one array in the gathered order."""
+  return _take_chunks(jnp.concatenate(chunks, axis=axis), order, inverse, axis)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -331,14 +336,8 @@ def all_gather_dot_generals(
         held.append(piece)
     pieces = nxt
   order, inverse = _ring_order(n, d, dirs)
-  outs = [
-    _take_chunks(jnp.concatenate(ps, axis=od), order, inverse, od) for ps, od in zip(parts, pos)
-  ]
-  full = (
-    _take_chunks(jnp.concatenate(held, axis=gather_dim), order, inverse, gather_dim)
-    if collect
-    else None
-  )
+  outs = [_in_gathered_order(ps, order, inverse, od) for ps, od in zip(parts, pos)]
+  full = _in_gathered_order(held, order, inverse, gather_dim) if collect else None
   return outs, full
 
 
@@ -701,7 +700,7 @@ def estimate_gain(
   np_dtype = jnp.dtype(_DTYPE_NAMES.get(dtype, dtype) if isinstance(dtype, str) else dtype)
   itemsize = np_dtype.itemsize
   dname = np_dtype.name
-  short = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "float64": "f64"}
+  short = {v: k for k, v in _DTYPE_NAMES.items()}
   dt = short.get(dname, dname)
   big_n = int(axis_size)
   pieces = chunks if chunks is not None else (2 if bidirectional else 1)

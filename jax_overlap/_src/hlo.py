@@ -22,7 +22,6 @@ counts are what the analysis uses for GPU targets; tests check them against
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 import re
@@ -481,30 +480,6 @@ def _param_index(fused: Computation, name: str) -> int | None:
   return None
 
 
-# Ops whose operand elements are read in the same share as their result's elements
-# are needed (elementwise, layout and reduction ops: a reduce needs whole rows of its
-# input for the rows of its result it computes). Any other op (dots, sorts, scatters,
-# windows) reads all of its operands as soon as any of its result is needed.
-@functools.cache
-def _same_share() -> frozenset:
-  return (
-    frozenset(_PASS_THROUGH)
-    | _ELEMENTWISE
-    | _TRANSCENDENTAL
-    | {
-      "broadcast",
-      "transpose",
-      "reduce",
-      "concatenate",
-      "pad",
-      "bitcast-convert",
-      "iota",
-      "constant",
-      "parameter",
-    }
-  )
-
-
 def _parameter_reads(fused: Computation) -> dict[int, float]:
   """Share (0..1) of each fusion parameter that the fused kernel reads.
 
@@ -519,7 +494,6 @@ def _parameter_reads(fused: Computation) -> dict[int, float]:
   several users add up, at most 1: a read of the same element twice is served
   from cache. Only parameters read below their full size are returned.
   """
-  same_share = _same_share()
   roots = {r.name for r in _roots_of(fused)}
   share: dict[str, float] = dict.fromkeys(roots, 1.0)
   for i in reversed(fused.instructions):
@@ -537,7 +511,7 @@ def _parameter_reads(fused: Computation) -> dict[int, float]:
       covered = shape_elements(ops[1].shape) / max(shape_elements(i.shape), 1)
       rest = 0.0 if i.name in roots else u * max(1.0 - covered, 0.0)
       amounts = [rest] + [u] * (len(ops) - 1)
-    elif i.opcode in same_share:
+    elif i.opcode in _SAME_SHARE:
       amounts = [u] * len(ops)
     else:
       amounts = [1.0] * len(ops)
@@ -657,6 +631,28 @@ _ELEMENTWISE = frozenset(
     "count-leading-zeros",
     "stochastic-convert",
     "reduce-precision",
+  }
+)
+
+
+# Ops whose operand elements are read in the same share as their result's elements
+# are needed (elementwise, layout and reduction ops: a reduce needs whole rows of its
+# input for the rows of its result it computes). Any other op (dots, sorts, scatters,
+# windows) reads all of its operands as soon as any of its result is needed.
+_SAME_SHARE = (
+  frozenset(_PASS_THROUGH)
+  | _ELEMENTWISE
+  | _TRANSCENDENTAL
+  | {
+    "broadcast",
+    "transpose",
+    "reduce",
+    "concatenate",
+    "pad",
+    "bitcast-convert",
+    "iota",
+    "constant",
+    "parameter",
   }
 )
 
