@@ -417,3 +417,24 @@ def test_cublas_gemms_are_counted_like_xla_emits_them():
     cm.kernel_time(k.flops, k.bytes_accessed, targets.get_gpu("h100"), dtype="bf16", is_dot=True),
     rel=1e-9,
   )
+
+
+def test_send_recv_collectives_run_on_nccl_p2p_channels():
+  # A collective-permute is NCCL send/recv: on 8 H100s a 16 MiB step gets 4 of the 24
+  # channels an all-gather uses, each at the rate a collective's channel moves.
+  h100 = targets.get("h100x8")
+  link, alpha = 0.8 * h100.gpu.link_bandwidth, h100.gpu.link_latency_s
+  s = 16 << 20
+  permute = cm.collective_time("collective-permute", s, 8, h100)
+  assert permute == pytest.approx(alpha + s / (link * 4 / 24))
+  # At 1 GiB NCCL splits it over all 32 p2p channels: the link binds again.
+  big = cm.collective_time("collective-permute", 1 << 30, 8, h100)
+  assert big == pytest.approx(alpha + (1 << 30) / link)
+  # An all-to-all's peers each get their own channels (7 x 4 of 32): the link binds.
+  a2a = cm.collective_time("all-to-all", s, 8, h100)
+  assert a2a == pytest.approx(7 * alpha + 7 / 8 * s / link)
+  # RCCL (MI250X) keeps the link-rate time.
+  mi = targets.get("mi250x")
+  assert cm.collective_time("collective-permute", s, 8, mi) == pytest.approx(
+    mi.gpu.link_latency_s + s / (0.8 * mi.gpu.link_bandwidth)
+  )

@@ -10,6 +10,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_overlap._src import nccl, targets
 from jax_overlap.collective_matmul import (
   GainEstimate,
   all_gather_matmul,
@@ -344,11 +345,22 @@ def test_schedule_h100_permutes_interleave_with_dots(bidirectional):
 _PEAK, _HBM, _LINK, _ALPHA = 989.4e12, 3.352e12, 450e9, 2.5e-6
 
 
-def test_estimate_gain_large_matmul_is_worthwhile():
-  est = estimate_gain(8192, 8192, 8192, 8, dtype="bfloat16", target="h100x8")
+def test_estimate_gain_large_matmul_is_worthwhile_in_pieces_not_as_a_ring():
+  est = estimate_gain(8192, 8192, 8192, 8, dtype="bfloat16", target="h100x8", method="pieces")
   assert isinstance(est, GainEstimate)
-  assert est.worthwhile and est.speedup > 1.1
+  assert est.worthwhile and est.speedup > 1.05
   assert est.overlapped_s < est.baseline_s
+  # 8 pieces: the first 16 MiB all-gather exposed, then each piece's dots beside the next.
+  piece_comm = 7 * _ALPHA + 7 / 8 * 8192 * 8192 * 2 / 8 / (0.8 * _LINK)
+  piece_dots = 2 * 8192**3 / 8 / 8 / (0.75 * _PEAK) + 1e-6
+  assert est.overlapped_s == pytest.approx(
+    piece_comm + piece_dots + 7 * max(piece_comm, piece_dots), rel=1e-3
+  )
+  # The ring's 8 MiB half-block exchanges are NCCL send/recvs on 4 of the 24 channels:
+  # far slower than the dots beside them.
+  ring = estimate_gain(8192, 8192, 8192, 8, dtype="bfloat16", target="h100x8")
+  assert not ring.worthwhile and ring.speedup < 1.0
+  assert ring.baseline_s == est.baseline_s
   assert est.baseline_s == pytest.approx(est.compute_s + est.comm_s)
   # Compute-bound: 2 m n k / N FLOPs at 75% of the bf16 peak, plus the launch.
   assert est.compute_s == pytest.approx(2 * 8192**3 / 8 / (0.75 * _PEAK) + 1e-6)
@@ -376,8 +388,13 @@ def test_estimate_gain_bidirectional_halves_the_exchange():
     nbytes = (m * k + (k * n + m * n) / 8) * 2 / 8 / pieces
     return pieces * (max(flops / (0.75 * _PEAK), nbytes / (0.85 * _HBM)) + 1e-6)
 
+  topo = targets.get("h100x8")
   for est, halves, pieces in ((uni, 1, 1), (bidi, 2, 2)):
-    exchange = _ALPHA + block / halves / (0.8 * _LINK)
+    # A send/recv runs on NCCL's p2p channels for its size, each at the rate one of the 24
+    # collective channels moves when they share the link.
+    ctas = nccl.p2p_channels(block / halves, 8, topo, 24)
+    assert ctas == 4
+    exchange = _ALPHA + block / halves / (0.8 * _LINK * ctas / 24)
     assert exchange > step(pieces)
     assert est.overlapped_s == pytest.approx(step(pieces) + 7 * exchange)
   assert bidi.overlapped_s < uni.overlapped_s

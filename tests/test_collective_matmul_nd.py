@@ -40,9 +40,11 @@ def _close(a, b):
   batched=st.booleans(),
   keep=st.booleans(),
   bidi=st.booleans(),
+  method=st.sampled_from(["ring", "pieces"]),
+  pieces=st.integers(1, 4),
 )
 def test_ring_equals_gather_then_dots_forward_and_backward(
-  p, batch, seq_block, hidden, outs, batched, keep, bidi
+  p, batch, seq_block, hidden, outs, batched, keep, bidi, method, pieces
 ):
   mesh = _mesh(p)
   seq_block *= 2 if bidi else 1  # a bidirectional ring splits each block in two
@@ -73,7 +75,14 @@ def test_ring_equals_gather_then_dots_forward_and_backward(
     ]
     dots = [(w, True, dn, None, None, s.shape, s.dtype) for w, s in zip(ws, shapes)]
     ys, full = cm.all_gather_dot_generals(
-      x, dots, axis="tensor", gather_dim=1, collect=keep, bidirectional=bidi
+      x,
+      dots,
+      axis="tensor",
+      gather_dim=1,
+      collect=keep,
+      bidirectional=bidi,
+      method=method,
+      pieces=pieces,
     )
     return ys, (full * 2.0 if keep else None)
 
@@ -112,9 +121,11 @@ def test_ring_equals_gather_then_dots_forward_and_backward(
   out=st.sampled_from([3, 8]),
   batched=st.booleans(),
   bidi=st.booleans(),
+  method=st.sampled_from(["ring", "pieces"]),
+  pieces=st.integers(1, 4),
 )
 def test_reduce_scatter_ring_equals_dot_then_psum_scatter(
-  p, batch, seq_block, k_local, out, batched, bidi
+  p, batch, seq_block, k_local, out, batched, bidi, method, pieces
 ):
   mesh = _mesh(p)
   seq_block *= 2 if bidi else 1
@@ -136,7 +147,14 @@ def test_reduce_scatter_ring_equals_dot_then_psum_scatter(
 
   def ring(h, w):
     return cm.dot_general_reduce_scatter(
-      h, w, dimension_numbers=dn, axis="tensor", scatter_dim=1, bidirectional=bidi
+      h,
+      w,
+      dimension_numbers=dn,
+      axis="tensor",
+      scatter_dim=1,
+      bidirectional=bidi,
+      method=method,
+      pieces=pieces,
     )
 
   def loss(fn):
@@ -205,7 +223,7 @@ def _tp_sp_step(p, n_layers, qkv_separate):
 @pytest.mark.parametrize("qkv_separate", [False, True])
 def test_transform_rings_tensor_sequence_parallel_steps(p, qkv_separate):
   f, params, x = _tp_sp_step(p, 2, qkv_separate)
-  ov = jax_overlap.overlap(f, collective_matmul="on")
+  ov = jax_overlap.overlap(f, collective_matmul="ring")
   _close(f(params, x), ov(params, x))
   rings = [a.detail for a in ov.explain(params, x).of_kind("collective_matmul")]
   # Every sequence gather feeding matmuls, forward and backward, became a ring; the forward
@@ -254,12 +272,12 @@ def test_rings_assemble_their_outputs_with_one_gather_each_and_try_cublas():
 
   fn, args = tp_sp.build("h100x8", layers=1, hidden=512, mlp=1024, heads=8, seq=1024)
   chosen = jax_overlap.overlap(
-    fn, target="h100x8", collective_matmul="on", schedule_from_estimates=False, cache=False
+    fn, target="h100x8", collective_matmul="ring", schedule_from_estimates=False, cache=False
   )
   names = [n for n, _ in chosen.explain(*args).candidates]
   assert "rewritten, one layer per collective, cuBLAS GEMMs (XLA's Triton GEMMs off)" in names
   rewritten = jax_overlap.overlap(
-    fn, target="h100x8", collective_matmul="on", select="rewrite", cache=False
+    fn, target="h100x8", collective_matmul="ring", select="rewrite", cache=False
   )
   rings = rewritten.explain(*args).of_kind("collective_matmul")
   assert rings
@@ -270,3 +288,50 @@ def test_rings_assemble_their_outputs_with_one_gather_each_and_try_cublas():
   fed = [re.search(r"feeding (\d+) matmul", a.detail) for a in rings]
   outputs = sum(int(f.group(1)) for f in fed if f) + sum("also kept" in a.detail for a in rings)
   assert outputs > 0 and ops.count("gather") >= outputs
+
+
+@pytest.mark.parametrize("p", [2, 8])
+def test_transform_pieces_tensor_sequence_parallel_steps(p):
+  # The same steps with every decomposition in pieces: chained all-gathers and
+  # reduce-scatters (NCCL collectives), no send/recv; numerics as written, both passes.
+  f, params, x = _tp_sp_step(p, 2, True)
+  ov = jax_overlap.overlap(f, collective_matmul="pieces")
+  _close(f(params, x), ov(params, x))
+  done = [a.detail for a in ov.explain(params, x).of_kind("collective_matmul")]
+  assert len(done) >= 2 * 2 and all("chained" in d for d in done), done
+  assert any("feeding 3 matmul(s)" in d and "also kept" in d for d in done)
+  jaxpr = str(jax.make_jaxpr(lambda a, b: ov(a, b))(params, x))
+  assert "ppermute" not in jaxpr
+  assert jaxpr.count("all_gather") > 4 and jaxpr.count("reduce_scatter") > 2
+
+
+def test_pieces_compile_to_nccl_collectives_for_h100():
+  # Deviceless for h100x8 as XLA compiles it: the pieces stay separate all-gathers and
+  # reduce-scatters (the data dependence between them keeps XLA's combiners off).
+  from jax_overlap._src import hlo
+  from jax_overlap.examples import tp_sp
+
+  fn, args = tp_sp.build("h100x8", layers=1, hidden=1024, mlp=4096, heads=8, seq=4096)
+  ov = jax_overlap.overlap(fn, target="h100x8", collective_matmul="pieces", select="rewrite")
+  done = ov.explain(*args).of_kind("collective_matmul")
+  pieces = [int(m) for a in done for m in re.findall(r"issued as (\d+) chained", a.detail)]
+  assert pieces and min(pieces) >= 2
+  report = jax_overlap.analyze(ov, *args, target="h100x8")
+  ops = [
+    i.opcode
+    for c in hlo.parse_module(report.hlo_text).computations.values()
+    for i in c.instructions
+  ]
+  starts = sum(o in ("all-gather-start", "all-gather") for o in ops)
+  assert "collective-permute-start" not in ops and "collective-permute" not in ops
+  assert starts >= sum(pieces) // 2
+  # XLA's schedule runs each piece after the first beside the dots of the piece before (the
+  # barriers that tie a piece to those dots keep its scheduler from issuing every piece
+  # first): a GEMM lies between the start and the done of at least half the gathers (at
+  # this size the pieces are 2 per gather).
+  gathers = [c for c in report.collectives if c.kind == "all-gather"]
+  beside = [
+    any(report.kernels[i].kind == "gemm" for i in range(c.start_index, c.done_index))
+    for c in gathers
+  ]
+  assert sum(beside) >= len(gathers) // 2, beside

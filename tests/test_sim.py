@@ -457,3 +457,60 @@ def test_communication_ctas_take_sm_throughput_from_compute_blocks():
   assert 0 < slow[1] < slow[2]
   with pytest.raises(ValueError, match=r"comm_sm_share must be in \[0, 1\]"):
     sim.Constants(comm_sm_share=1.5)
+
+
+# --- point-to-point collectives: NCCL's send/recv channels ------------------------------
+
+
+def test_p2p_channels_follow_nccl_rule():
+  from jax_overlap._src.sim import collectives
+
+  h100, a100 = targets.get("h100x8"), targets.get("a100x8")
+  ch, ca = sim.constants_for("h100"), sim.constants_for("a100")
+  # 32 p2p channels and 32 per peer on an H100 node (NCCL's INFO line on DGX H100); an
+  # 8-rank communicator starts each send/recv on 32 / 8 = 4 of them, and doubles only
+  # while a part exceeds 16 MiB.
+  assert collectives.nccl_p2p_channels(16 << 20, 8, h100, ch) == 4
+  assert collectives.nccl_p2p_channels(64 << 20, 8, h100, ch) == 4
+  assert collectives.nccl_p2p_channels(128 << 20, 8, h100, ch) == 8
+  assert collectives.nccl_p2p_channels(1 << 30, 8, h100, ch) == 32
+  # Small messages: parts of at least 64 KiB.
+  assert collectives.nccl_p2p_channels(100 << 10, 8, h100, ch) == 2
+  # Two ranks: 16 channels each; A100's 16 collective channels leave 2 per op for 8 ranks.
+  assert collectives.nccl_p2p_channels(16 << 20, 2, h100, ch) == 16
+  assert collectives.nccl_p2p_channels(16 << 20, 8, a100, ca) == 2
+  # Across hosts: 2 channels per network peer whatever the size ("8 p2p channels, 2 p2p
+  # channels per peer" in NCCL's INFO line for 2 hosts x 2 GPUs with 8 channels).
+  two_hosts = targets.Topology("h100_2x2", targets.get_gpu("h100"), 2, 2)
+  assert collectives.nccl_p2p_channels(1 << 30, 4, two_hosts, ch.replace(channels=8)) == 2
+
+
+def test_permute_runs_on_few_wide_ctas_and_slows_a_gemm_less_than_an_all_gather():
+  from jax_overlap._src.sim import collectives
+
+  topo, const = targets.get("h100x8"), sim.constants_for("h100")
+  cw = collectives.channel_work(sim.Collective("p", "collective-permute", 16 << 20), topo, const)
+  assert (cw["channels"], cw["threads"]) == (4, 640)
+  assert cw["bytes"] == (16 << 20) / 4
+  a2a = collectives.channel_work(sim.Collective("a", "all-to-all", 16 << 20), topo, const)
+  assert a2a["channels"] == 7 * collectives.nccl_p2p_channels((16 << 20) / 8, 8, topo, const)
+  # An explicit channel count still wins; AMD keeps the collective channel count.
+  assert (
+    collectives.channel_work(
+      sim.Collective("p", "collective-permute", 16 << 20, channels=24), topo, const
+    )["channels"]
+    == 24
+  )
+  mi = targets.get("mi250x")
+  cm = sim.constants_for("mi250x")
+  assert (
+    collectives.channel_work(sim.Collective("p", "collective-permute", 16 << 20), mi, cm)[
+      "channels"
+    ]
+    == cm.channels
+  )
+  slow = {}
+  for kind in ("collective-permute", "all-gather"):
+    wl = sim.synthetic([(8192, 8192, 8192)], [(kind, 256 << 20)])
+    slow[kind] = sim.simulate(wl, target="h100", policy="concurrent").compute_slowdown
+  assert 0 <= slow["collective-permute"] < slow["all-gather"]

@@ -1,5 +1,7 @@
 """Tests for @jax_overlap.overlap: same numbers, real rewrites, annotations in the GPU HLO."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -273,17 +275,26 @@ def _tp_step():
   return f, (x, w1, w2)
 
 
-def test_collective_matmul_decomposition():
+@pytest.mark.parametrize("method", ["ring", "pieces"])
+def test_collective_matmul_decomposition(method):
   f, args = _tp_step()
-  ov = jax_overlap.overlap(f, collective_matmul="on")
+  ov = jax_overlap.overlap(f, collective_matmul=method)
   e = ov.explain(*args)
   kinds = [a.detail for a in e.of_kind("collective_matmul")]
   assert any("all-gather -> matmul (64x32 @ 32x16)" in d for d in kinds)
-  assert any("-> reduce-scatter decomposed" in d for d in kinds)
+  how = "decomposed into a" if method == "ring" else "issued as "
+  assert sum(how in d for d in kinds) == 2, kinds
+  assert any("-> reduce-scatter " + how in d for d in kinds)
+  counts = [int(m) for d in kinds for m in re.findall(r"issued as (\d+) chained", d)]
   np.testing.assert_allclose(
     np.asarray(ov(*args)), np.asarray(jax.jit(f)(*args)), rtol=1e-6, atol=1e-6
   )
-  assert "collective_permute" in ov.lower(*args).as_text()
+  text = ov.lower(*args).as_text()
+  if method == "ring":
+    assert "collective_permute" in text
+  else:  # the pieces' all-gathers and reduce-scatters, no send/recv
+    assert "collective_permute" not in text and len(counts) == 2 and min(counts) >= 2
+    assert text.count("all_gather") >= counts[0] and text.count("reduce_scatter") >= counts[1]
   # Gradients through the rings match too.
   loss = lambda *a: jnp.sum(f(*a) ** 2)
   g1 = jax.jit(jax.grad(loss, argnums=(1, 2)))(*args)

@@ -48,7 +48,15 @@ bandwidth, a launch overhead per kernel), for ``y = x @ w`` with global shapes
 * baseline (no overlap) ``T_c + T_x``; ring ``t + (N - 1) max(t, e)`` with
   ``t = p kernel_time(2 m k n / N^2 / p, B / N / p)`` the step's ``p`` partial dots and
   ``e = collective_time(collective-permute, s / d, N)`` the neighbour exchange, ``d = 2``
-  for the bidirectional ring (each half travels on its own link direction).
+  for the bidirectional ring (each half travels on its own link direction);
+* in pieces (``method="pieces"``): ``t + e + (c - 1) max(t, e)`` with ``t`` the dots of
+  one of the ``c`` pieces and ``e`` the collective of one piece (``N s / c`` bytes): the
+  first gather (or the last reduce-scatter) is exposed, the rest hide behind dots.
+
+The exchange of a ring step is an NCCL send/recv, which NCCL runs on a few of its
+channels (4 of 24 for a 16 MiB step on 8 H100s, ``nccl.py``), so at the analysis's
+per-channel rate a large step travels well below the link's bandwidth; a piece is an NCCL
+all-gather or reduce-scatter on all of them. Where steps are large the pieces win.
 
 The link numbers come from :mod:`jax_overlap.targets` (the catalogue cites
 NVIDIA/AMD datasheets and NCCL's tuning defaults).
@@ -275,7 +283,15 @@ def _out_dim(ndim_x: int, ndim_w: int, x_is_lhs: bool, dn, gather_dim: int) -> i
 
 
 def all_gather_dot_generals(
-  x, dots, *, axis: str, gather_dim: int, collect: bool = False, bidirectional: bool = False
+  x,
+  dots,
+  *,
+  axis: str,
+  gather_dim: int,
+  collect: bool = False,
+  bidirectional: bool = False,
+  method: str = "ring",
+  pieces: int | None = None,
 ):
   """``all_gather(x, axis, axis=gather_dim, tiled=True)`` fed to several ``dot_general``s, as
   one ppermute ring: each step sends this device's current block on and computes every
@@ -298,10 +314,21 @@ def all_gather_dot_generals(
     collect: also return the gathered value.
     bidirectional: split the block in halves sent in opposite directions (both link
       directions); the block's size along ``gather_dim`` must be even.
+    method: ``"ring"`` (neighbour exchanges, NCCL send/recv) or ``"pieces"``: the
+      all-gather issued as ``pieces`` all-gathers of a slice of every block each, one
+      after the other, each piece's dots running while the next piece travels. A piece
+      is an NCCL all-gather, on all of the collective's channels, where a ring step is a
+      send/recv on a few (see ``nccl.py``).
+    pieces: all-gathers of the ``"pieces"`` method (default: the axis size); must divide
+      the block along ``gather_dim``.
 
   Returns:
     (list of the dots' outputs, the gathered value or None).
   """
+  if method == "pieces":
+    return _ag_pieces(x, dots, axis, gather_dim, collect, pieces)
+  if method != "ring":
+    raise ValueError(f"all_gather_dot_generals: method must be 'ring' or 'pieces', got {method!r}")
   n = int(lax.axis_size(axis))
   d = lax.axis_index(axis)
   m = x.shape[gather_dim]
@@ -352,6 +379,8 @@ def dot_general_reduce_scatter(
   preferred_element_type=None,
   out_dtype=None,
   bidirectional: bool = False,
+  method: str = "ring",
+  pieces: int | None = None,
 ):
   """``psum_scatter(dot_general(lhs, rhs), axis, scatter_dimension=scatter_dim, tiled=True)``
   as a ppermute ring of partial dots, for N-D operands.
@@ -363,11 +392,18 @@ def dot_general_reduce_scatter(
   partial sums travel round the ring, each step adding the block this device contributes.
   Differentiated by JAX: the transpose is a gather ring. ``bidirectional`` splits each
   block in halves whose partial sums travel in opposite directions (the block must be
-  even).
+  even). ``method="pieces"`` issues the reduce-scatter instead as ``pieces`` (default:
+  the axis size) reduce-scatters of a slice of every device's block each, one after the
+  other, each running while the next slice's dot computes (NCCL collectives on all their
+  channels rather than send/recv on a few).
 
   Returns:
     This device's block of the summed output.
   """
+  if method not in ("ring", "pieces"):
+    raise ValueError(
+      f"dot_general_reduce_scatter: method must be 'ring' or 'pieces', got {method!r}"
+    )
   n = int(lax.axis_size(axis))
   d = lax.axis_index(axis)
   (lc, rc), (lb, rb) = dimension_numbers
@@ -387,6 +423,22 @@ def dot_general_reduce_scatter(
       f"size of axis {axis!r} ({n})"
     )
   block = size // n
+  if method == "pieces":
+    return _rs_pieces(
+      lhs,
+      rhs,
+      dimension_numbers,
+      axis,
+      scatter_dim,
+      slice_lhs,
+      op_dim,
+      n,
+      block,
+      pieces,
+      precision,
+      preferred_element_type,
+      out_dtype,
+    )
   dirs = (1, -1) if bidirectional else (1,)
   if block % len(dirs):
     raise ValueError(
@@ -416,6 +468,110 @@ def dot_general_reduce_scatter(
       for j, (a, dj) in enumerate(zip(accs, dirs))
     ]
   return accs[0] if len(accs) == 1 else jnp.concatenate(accs, axis=scatter_dim)
+
+
+def _piece_count(api: str, pieces, n: int, block: int, what: str) -> int:
+  c = n if pieces is None else pieces
+  if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or c < 1:
+    raise ValueError(f"{api}: pieces must be a positive int, got {pieces!r}")
+  c = min(int(c), block)
+  while block % c:  # the largest count up to the one asked for that divides the block
+    c -= 1
+  return c
+
+
+def _ag_pieces(x, dots, axis, gather_dim, collect, pieces):
+  """``all_gather_dot_generals`` as ``c`` chained all-gathers of a slice of every block."""
+  n = int(lax.axis_size(axis))
+  m = x.shape[gather_dim]
+  c = _piece_count("all_gather_dot_generals", pieces, n, m, "block")
+  pos = [_out_dim(x.ndim, w.ndim, lhs, dn, gather_dim) for (w, lhs, dn, *_) in dots]
+  slices = lax.split(x, [m // c] * c, axis=gather_dim)
+
+  def gather(piece):
+    return lax.all_gather(piece, axis, axis=gather_dim, tiled=True)
+
+  gathered = [gather(slices[0])] + [None] * (c - 1)
+  parts: list[list] = [[None] * c for _ in dots]
+  for j in range(c):
+    if j + 1 < c:
+      # Piece j + 1 travels while piece j's dots run: its gather waits for gather j (one
+      # collective after the other, which also keeps XLA's combiner from joining them)
+      # and for piece j - 1's dots (at most one piece gathered ahead). The barrier's
+      # outputs are what the rest uses, so XLA keeps it.
+      ahead = [parts[i][j - 1] for i in range(len(dots))] if j >= 1 else []
+      nxt, gathered[j], *ahead = lax.optimization_barrier((slices[j + 1], gathered[j], *ahead))
+      for i, a in enumerate(ahead):
+        parts[i][j - 1] = a
+      gathered[j + 1] = gather(nxt)
+    if j >= 1:
+      # Piece j - 1's dots and gather j meet before piece j's dots: XLA's scheduler then
+      # waits for gather j after those dots rather than before them.
+      done = [parts[i][j - 1] for i in range(len(dots))]
+      gathered[j], *done = lax.optimization_barrier((gathered[j], *done))
+      for i, d in enumerate(done):
+        parts[i][j - 1] = d
+    for i, (w, lhs, dn, precision, preferred, _, dtype) in enumerate(dots):
+      a, b = lax.optimization_barrier((gathered[j], w))  # one dot per piece (see _step_dot)
+      part = lax.dot_general(
+        a if lhs else b, b if lhs else a, dn, precision=precision, preferred_element_type=preferred
+      )
+      parts[i][j] = part.astype(dtype)
+  outs = [_pieces_in_order(ps, od, n) for ps, od in zip(parts, pos)]
+  full = _pieces_in_order(gathered, gather_dim, n) if collect else None
+  return outs, full
+
+
+def _pieces_in_order(parts: list, dim: int, n: int):
+  """Piece-major results (piece j holds slice j of every device's block, device-major)
+  put in device order along ``dim``: one transpose."""
+  c = len(parts)
+  y = jnp.stack(parts, axis=dim)  # [..., c, n * q, ...]
+  shape = y.shape
+  q = shape[dim + 1] // n
+  y = y.reshape(shape[:dim] + (c, n, q) + shape[dim + 2 :])
+  y = jnp.swapaxes(y, dim, dim + 1)  # [..., n, c, q, ...]
+  return y.reshape(shape[:dim] + (n * c * q,) + shape[dim + 2 :])
+
+
+def _rs_pieces(
+  lhs,
+  rhs,
+  dn,
+  axis,
+  scatter_dim,
+  slice_lhs,
+  op_dim,
+  n,
+  block,
+  pieces,
+  precision,
+  preferred,
+  out_dtype,
+):
+  """``dot_general_reduce_scatter`` as ``c`` chained reduce-scatters of a slice of every
+  device's block."""
+  c = _piece_count("dot_general_reduce_scatter", pieces, n, block, "block")
+  q = block // c
+  op = lhs if slice_lhs else rhs
+  shape = op.shape
+  grouped = op.reshape(shape[:op_dim] + (n, c, q) + shape[op_dim + 1 :])
+  # lax.split's transpose is a concatenation: the backward assembles, it does not pad.
+  slices = lax.split(grouped, [1] * c, axis=op_dim + 1)
+  outs: list = []
+  for sl in slices:
+    sl = sl.reshape(shape[:op_dim] + (n * q,) + shape[op_dim + 1 :])
+    a, b = (sl, rhs) if slice_lhs else (lhs, sl)
+    a, b = lax.optimization_barrier((a, b))  # one dot per piece (see _step_dot)
+    y = lax.dot_general(a, b, dn, precision=precision, preferred_element_type=preferred)
+    if out_dtype is not None:
+      y = y.astype(out_dtype)
+    if outs:
+      # One reduce-scatter after the other (and none combined with another by XLA); the
+      # dot itself does not wait. The barrier's outputs are what the rest uses.
+      y, outs[-1] = lax.optimization_barrier((y, outs[-1]))
+    outs.append(lax.psum_scatter(y, axis, scatter_dimension=scatter_dim, tiled=True))
+  return outs[0] if c == 1 else jnp.concatenate(outs, axis=scatter_dim)
 
 
 def _vma(v) -> frozenset:
@@ -652,6 +808,7 @@ def estimate_gain(
   launch_overhead_s: float | None = None,
   min_speedup: float = 1.05,
   cost_model: _cost.CostModel | None = None,
+  method: str = "ring",
 ) -> GainEstimate:
   """Predicts the gain of a collective matmul over a collective followed by a GEMM.
 
@@ -674,6 +831,10 @@ def estimate_gain(
       ``kernel_overhead_s``).
     min_speedup: the speedup at which ``worthwhile`` becomes true.
     cost_model: efficiencies (None: the analysis's defaults).
+    method: ``"ring"`` (neighbour exchanges: NCCL send/recv on a few channels) or
+      ``"pieces"`` (the collective issued as ``chunks`` collectives of a slice of every
+      block, default ``axis_size``, each on all of NCCL's channels; the first gather or
+      the last reduce-scatter is not hidden).
 
   Returns:
     A :class:`GainEstimate`.
@@ -692,6 +853,8 @@ def estimate_gain(
       raise ValueError(f"{api}: {name} must be a positive int, got {v!r}")
   if kind not in ("all_gather", "reduce_scatter"):
     raise ValueError(f"{api}: kind must be 'all_gather' or 'reduce_scatter', got {kind!r}")
+  if method not in ("ring", "pieces"):
+    raise ValueError(f"{api}: method must be 'ring' or 'pieces', got {method!r}")
   model = cost_model or _cost.CostModel()
   if launch_overhead_s is not None:
     model = dataclasses.replace(model, kernel_overhead_s=launch_overhead_s)
@@ -720,6 +883,11 @@ def estimate_gain(
   baseline = compute + comm
   if big_n == 1:
     overlapped = compute
+  elif method == "pieces":
+    c = chunks if chunks is not None else big_n
+    t = gemm(flops / c, gemm_bytes / c)
+    e = _cost.collective_time(coll, block * big_n / c, big_n, topo, cost_model=model)
+    overlapped = t + e + (c - 1) * max(t, e)
   else:
     step = pieces * gemm(flops / big_n / pieces, gemm_bytes / big_n / pieces)
     half = 2.0 if bidirectional else 1.0

@@ -21,7 +21,16 @@ spans hosts)::
     all-reduce (ring):                      t = 2 (p - 1) * alpha + 2 (p - 1) / p * n / (eta_l * beta)
     all-reduce (tree):                      t = 2 log2(p) * alpha + 2 n / (eta_l * beta)
     all-reduce:                             t = min(ring, tree)
-    collective-permute:                     t = alpha + n / (eta_l * beta)
+    collective-permute:                     t = alpha + n / (eta_l * beta * c_p2p / c)
+
+On NVIDIA GPUs a collective-permute and an all-to-all are NCCL send/recv operations, and
+NCCL runs each send/recv on fewer channels (CTAs) than its collectives use: ``c_p2p`` of
+the ``c`` collective channels (4 of 24 for a 16 MiB message among 8 H100s; the rule is in
+``nccl.py``). Each channel moves at most the rate the collective channels reach together,
+``eta_l * beta / c``, so a permute that uses few channels does not reach the link
+(``c_p2p / c`` is capped at 1; an all-to-all's channels are those of all its peers). This
+is an assumption: a send/recv CTA might copy faster than a collective's channel, which
+would make permutes faster than stated here.
 
 A group of one device costs nothing. These are the standard alpha-beta costs of
 ring collectives (Thakur, Rabenseifner and Gropp, "Optimization of Collective
@@ -39,7 +48,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jax_overlap._src import deprecations
+from jax_overlap._src import deprecations, nccl
 from jax_overlap._src import targets as targets_lib
 
 __all__ = ["CostModel", "HOST_CPU", "collective_time", "kernel_time"]
@@ -126,6 +135,10 @@ def collective_time(
   else:
     beta, alpha = topology.link_bandwidth, topology.link_latency_s
   beta = beta * model.link_efficiency
+  gpu = topology.gpu if isinstance(topology, targets_lib.Topology) else topology
+  if kind in nccl.P2P_KINDS and getattr(gpu, "vendor", "nvidia") == "nvidia":
+    c = nccl.collective_channels(gpu)
+    beta = beta * min(1.0, nccl.p2p_ctas(kind, nbytes, p, topology, c) / c)
   if kind in ("all-gather", "reduce-scatter", "all-to-all"):
     return (p - 1) * alpha + (p - 1) / p * nbytes / beta
   if kind == "all-reduce":

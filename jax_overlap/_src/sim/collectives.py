@@ -27,14 +27,29 @@ collectives share the link), so the collective's throughput is
 ``steps * link_latency + bytes_per_channel / bw_channel`` (the alpha-beta model). Moved
 bytes also load DRAM (``comm_hbm_factor`` bytes per link byte), so collectives and memory-
 bound kernels slow each other.
+
+Point-to-point collectives (collective-permute, all-to-all; XLA runs them as grouped
+``ncclSend``/``ncclRecv``) do not use the collective channel count on NVIDIA GPUs. NCCL
+splits each send/recv over a few channels chosen from the communicator size and the
+message size (:func:`nccl_p2p_channels`, following NCCL's ``ncclTopoComputeP2pChannels``
+in src/graph/paths.cc and ``addP2pToPlan`` in src/enqueue.cc, 2.19-2.27), and runs them in
+its p2p kernel of ``NCCL_MAX_NTHREADS`` (640) threads per CTA. On an 8-GPU H100 node a
+16 MiB ring step uses 4 CTAs where an all-gather uses 24.
 """
 
 from __future__ import annotations
 
-from jax_overlap._src import targets
+from jax_overlap._src import nccl, targets
 from jax_overlap._src.sim.model import Collective, Constants
 
-__all__ = ["link_bytes_and_steps", "channel_work"]
+__all__ = ["link_bytes_and_steps", "channel_work", "nccl_p2p_channels"]
+
+nccl_p2p_channels = nccl.p2p_channels
+
+
+def _p2p_ctas(c: Collective, topo: targets.Topology, const: Constants) -> int:
+  """CTAs of NCCL's p2p kernel for a collective-permute or all-to-all ``c``."""
+  return nccl.p2p_ctas(c.kind, c.bytes, c.group_size, topo, int(const.channels), c.spans_hosts)
 
 
 def link_bytes_and_steps(kind: str, payload: float, group_size: int) -> tuple[float, int]:
@@ -60,7 +75,14 @@ def channel_work(c: Collective, topo: targets.Topology, const: Constants) -> dic
     dict: channels, threads, regs, smem, bytes (link bytes per channel), latency_s
     (fixed per-channel time), link_bandwidth, cta_bandwidth.
   """
-  channels = c.channels or const.channels
+  threads = c.threads or const.comm_threads
+  if c.channels:
+    channels = c.channels
+  elif c.kind in nccl.P2P_KINDS and topo.gpu.vendor == "nvidia":
+    channels = _p2p_ctas(c, topo, const)
+    threads = c.threads or max(const.comm_threads, nccl.P2P_THREADS)
+  else:
+    channels = const.channels
   if c.kind == "copy":
     link_bw, lat = topo.gpu.memory_bandwidth / const.comm_hbm_factor, 0.0
   else:
@@ -68,7 +90,7 @@ def channel_work(c: Collective, topo: targets.Topology, const: Constants) -> dic
   moved, steps = link_bytes_and_steps(c.kind, c.bytes, c.group_size)
   return {
     "channels": channels,
-    "threads": c.threads or const.comm_threads,
+    "threads": threads,
     "regs": c.regs or const.comm_regs,
     "smem": const.comm_smem if c.smem is None else c.smem,
     "bytes": moved / channels,

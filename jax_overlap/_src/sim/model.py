@@ -37,7 +37,7 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
-from jax_overlap._src import cost_model, targets
+from jax_overlap._src import cost_model, nccl, targets
 
 __all__ = [
   "COLLECTIVE_KINDS",
@@ -228,17 +228,22 @@ def provenance_markdown() -> str:
 
 _CONSTANTS = {
   "a40": Constants(
-    gemm_efficiency=0.75, cta_copy_bandwidth=16e9, channels=2, saturating_threads=768
+    gemm_efficiency=0.75,
+    cta_copy_bandwidth=16e9,
+    channels=nccl.CHANNELS["a40"],
+    saturating_threads=768,
   ),
-  "a100": Constants(gemm_efficiency=0.85, cta_copy_bandwidth=15e9, channels=16),
-  "a100-40": Constants(gemm_efficiency=0.85, cta_copy_bandwidth=15e9, channels=16),
-  "h100": Constants(gemm_efficiency=0.72, cta_copy_bandwidth=20e9, channels=24),
-  "h200": Constants(gemm_efficiency=0.74, cta_copy_bandwidth=20e9, channels=24),
+  "a100": Constants(gemm_efficiency=0.85, cta_copy_bandwidth=15e9, channels=nccl.CHANNELS["a100"]),
+  "a100-40": Constants(
+    gemm_efficiency=0.85, cta_copy_bandwidth=15e9, channels=nccl.CHANNELS["a100-40"]
+  ),
+  "h100": Constants(gemm_efficiency=0.72, cta_copy_bandwidth=20e9, channels=nccl.CHANNELS["h100"]),
+  "h200": Constants(gemm_efficiency=0.74, cta_copy_bandwidth=20e9, channels=nccl.CHANNELS["h200"]),
   # RCCL on MI250X: 256-thread CTAs; register use is an assumption (128 VGPRs/lane).
   "mi250x": Constants(
     gemm_efficiency=0.62,
     cta_copy_bandwidth=12e9,
-    channels=16,
+    channels=nccl.CHANNELS["mi250x"],
     launch_overhead_s=3e-6,
     event_latency_s=8e-6,
     comm_threads=256,

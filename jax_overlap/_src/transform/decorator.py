@@ -653,10 +653,13 @@ def overlap(
     reduce_scatter: "per_layer" (issue each gradient reduce-scatter as soon as
       its input exists, and keep them separate) or "as_written".
     collective_matmul: "auto" decomposes an activation all-gather feeding a
-      matmul (and a matmul feeding a reduce-scatter) into a ppermute ring of
-      partial matmuls (``jax_overlap.collective_matmul``) where the cost model
-      for ``target`` (default h100x8) predicts a gain; "on" wherever the
-      pattern matches; "off" never.
+      matmul (and a matmul feeding a reduce-scatter) into partial matmuls
+      (``jax_overlap.collective_matmul``) where the cost model for ``target``
+      (default h100x8) predicts a gain, as the better of a ppermute ring (NCCL
+      send/recv) and the collective issued in pieces (chained all-gathers or
+      reduce-scatters, each on all of NCCL's channels); "on" wherever the
+      pattern matches (the better of the two); "ring" or "pieces" wherever it
+      matches, that way only; "off" never.
     annotate: attach frontend attributes for the runtime controls and the
       analysis (True/False); "auto" attaches them when the step compiles for
       a GPU (a ``target`` is given or the arguments live on GPU devices) and
@@ -708,9 +711,10 @@ def overlap(
     )
   if select not in ("cost_model", "rewrite"):
     raise ValueError(f"overlap: select must be 'cost_model' or 'rewrite', got {select!r}")
-  if collective_matmul not in ("auto", "on", "off"):
+  if collective_matmul not in ("auto", "on", "ring", "pieces", "off"):
     raise ValueError(
-      f"overlap: collective_matmul must be 'auto', 'on' or 'off', got {collective_matmul!r}"
+      "overlap: collective_matmul must be 'auto', 'on', 'ring', 'pieces' or 'off', got "
+      f"{collective_matmul!r}"
     )
   if target is not None:
     targets_lib.get(target)

@@ -55,7 +55,7 @@ def _run_ring(ring, env, read) -> bool:
   """Runs an N-D gather -> dots ring; False (and the plain gather) if a weight is not ready."""
   from jax_overlap._src import collective_matmul as cm_lib
 
-  x, gather, dots, collect, bidi = ring
+  x, gather, dots, collect, opts = ring
   eqns_w = []
   for d in dots:
     lhs = d.invars[0] is gather.outvars[0]
@@ -83,7 +83,7 @@ def _run_ring(ring, env, read) -> bool:
     axis=axis,
     gather_dim=gather.params["all_gather_dimension"],
     collect=collect,
-    bidirectional=bidi,
+    **opts,
   )
   for d, o in zip(dots, outs):
     env[d.outvars[0]] = o
@@ -113,6 +113,20 @@ def _run(jaxpr, consts, args, plan: _BodyPlan | None):
       kind, lhs, rhs, kw = plan.fused[i]
       from jax_overlap._src import collective_matmul as cm_lib
 
+      if kind == "all_gather_nd":  # a 2-D all-gather -> dot, in pieces
+        kw = dict(kw)
+        dot = (
+          read(rhs),
+          True,
+          kw.pop("dimension_numbers"),
+          kw.pop("precision"),
+          kw.pop("preferred_element_type"),
+          tuple(eqn.outvars[0].aval.shape),
+          kw.pop("out_dtype"),
+        )
+        (out,), _ = cm_lib.all_gather_dot_generals(read(lhs), [dot], **kw)
+        env[eqn.outvars[0]] = out
+        continue
       fn = {
         "all_gather": cm_lib.all_gather_matmul,
         "reduce_scatter": cm_lib.matmul_reduce_scatter,

@@ -584,7 +584,7 @@ def _plan_collective_matmuls(
   eqns, outvars: set, mode: str, target: str | None, where: str, actions: list
 ):
   """Finds all_gather -> dot and dot -> reduce_scatter pairs worth decomposing."""
-  if mode not in ("auto", "on"):
+  if mode not in ("auto", "on", "ring", "pieces"):
     return {}, set(), {}, {}
   from jax_overlap._src import collective_matmul as cm_lib
 
@@ -606,15 +606,47 @@ def _plan_collective_matmuls(
       and all(getattr(v.aval, "ndim", 0) == 2 for v in d.invars)
     )
 
-  def worth(m, n, k, p, dtype, kind, bidirectional):
-    # The estimate is for the ring that runs: both link directions only when the block
-    # splits in two.
-    est = cm_lib.estimate_gain(
-      m, n, k, p, dtype=dtype, target=target or "h100x8", kind=kind, bidirectional=bidirectional
-    )
-    if mode == "on" and not est.worthwhile:
+  def worth(m, n, k, p, dtype, kind, bidirectional, block=None):
+    """The best decomposition by the cost model among those ``mode`` allows: the ring
+    (both link directions only when the block splits in two), or the collective in 2, 4
+    ... p pieces that divide ``block``. Returns (estimate, method, pieces); the estimate is
+    not worthwhile when no decomposition applies."""
+    tgt = target or "h100x8"
+    options = []
+    if mode in ("auto", "on", "ring"):
+      options.append(("ring", None))
+    c = 2
+    while mode in ("auto", "on", "pieces") and block is not None and c <= p:
+      if block % c == 0:
+        options.append(("pieces", c))
+      c *= 2
+    best = None
+    for method, pieces in options:
+      est = cm_lib.estimate_gain(
+        m,
+        n,
+        k,
+        p,
+        dtype=dtype,
+        target=tgt,
+        kind=kind,
+        bidirectional=bidirectional and method == "ring",
+        method=method,
+        chunks=pieces,
+      )
+      if best is None or est.speedup > best[0].speedup:
+        best = (est, method, pieces)
+    if best is None:
+      return cm_lib.GainEstimate(0.0, 0.0, 0.0, 0.0, 0.0, False), "ring", None
+    est, method, pieces = best
+    if mode != "auto" and not est.worthwhile:
       est = dataclasses.replace(est, worthwhile=True)
-    return est
+    return est, method, pieces
+
+  def how(bidi, method, pieces, coll="all-gather"):
+    if method == "pieces":
+      return f"issued as {pieces} chained {coll}s of a slice of every block (NCCL collectives, not send/recv)"
+    return f"decomposed into a {'bidirectional' if bidi else 'unidirectional'} ppermute ring"
 
   for i, e in enumerate(eqns):
     name = e.primitive.name
@@ -622,7 +654,6 @@ def _plan_collective_matmuls(
     axis = axes[0] if isinstance(axes, tuple) and len(axes) == 1 else axes
     if not isinstance(axis, str) or e.params.get("axis_index_groups") is not None:
       continue
-    kw_extra = {}
     if (
       name == _GATHER
       and e.params.get("tiled")
@@ -633,13 +664,21 @@ def _plan_collective_matmuls(
         continue
       dots, collect = ring
       m, n, k = _ring_mnk(e, eqns, dots)
-      bidi = e.invars[0].aval.shape[e.params["all_gather_dimension"]] % 2 == 0
-      est = worth(
-        m, n, k, int(e.params.get("axis_size", 1)), e.outvars[0].aval.dtype, "all_gather", bidi
+      n *= int(e.params.get("axis_size", 1))  # estimate_gain takes the global weight
+      blk = e.invars[0].aval.shape[e.params["all_gather_dimension"]]
+      bidi = blk % 2 == 0
+      est, method, pieces = worth(
+        m, n, k, int(e.params.get("axis_size", 1)), e.outvars[0].aval.dtype, "all_gather", bidi, blk
       )
       if not est.worthwhile:
         continue
-      rings[i] = (e.invars[0], e, dots, collect, bidi)
+      rings[i] = (
+        e.invars[0],
+        e,
+        dots,
+        collect,
+        {"bidirectional": bidi, "method": method, "pieces": pieces},
+      )
       for u in users.get(e.outvars[0], []):
         ring_of[u] = i
       skipped.add(i)
@@ -649,7 +688,7 @@ def _plan_collective_matmuls(
           where,
           f"all-gather of {tuple(e.invars[0].aval.shape)} along dim {e.params['all_gather_dimension']} "
           f"feeding {len(dots)} matmul(s){' (the gathered value is also kept)' if collect else ''} "
-          f"decomposed into a {'bidirectional' if bidi else 'unidirectional'} ppermute ring; estimated {est.speedup:.2f}x",
+          f"{how(bidi, method, pieces)}; estimated {est.speedup:.2f}x",
         )
       )
       continue
@@ -662,19 +701,24 @@ def _plan_collective_matmuls(
       if not plain_dot(d) or d.invars[0] is not out or d.invars[1] is out:
         continue
       (m, k), n = out.aval.shape, d.invars[1].aval.shape[1]
-      bidi = e.invars[0].aval.shape[0] % 2 == 0
-      est = worth(m, n, k, int(e.params.get("axis_size", 1)), out.aval.dtype, "all_gather", bidi)
+      blk = e.invars[0].aval.shape[0]
+      bidi = blk % 2 == 0
+      est, method, pieces = worth(
+        m, n, k, int(e.params.get("axis_size", 1)), out.aval.dtype, "all_gather", bidi, blk
+      )
       if not est.worthwhile:
         continue
-      kw_extra = _ring_kwargs(axis, d, bidi)
-      fused[us[0]] = ("all_gather", e.invars[0], d.invars[1], kw_extra)
+      if method == "pieces":
+        fused[us[0]] = ("all_gather_nd", e.invars[0], d.invars[1], _nd_kwargs(axis, d, pieces))
+      else:
+        fused[us[0]] = ("all_gather", e.invars[0], d.invars[1], _ring_kwargs(axis, d, bidi))
       skipped.add(i)
       actions.append(
         Action(
           "collective_matmul",
           where,
           f"all-gather -> matmul ({m}x{k} @ {k}x{n}) "
-          f"decomposed into a {'bidirectional' if bidi else 'unidirectional'} ppermute ring; estimated {est.speedup:.2f}x",
+          f"{how(bidi, method, pieces)}; estimated {est.speedup:.2f}x",
         )
       )
     elif name == _SCATTER and e.params.get("tiled") and len(e.invars) == 1 and _is_var(e.invars[0]):
@@ -691,9 +735,18 @@ def _plan_collective_matmuls(
         if nd is None:
           continue
         m, n, k = nd
-        bidi = e.outvars[0].aval.shape[sd] % 2 == 0
-        est = worth(
-          m, n, k, int(e.params.get("axis_size", 1)), d.invars[0].aval.dtype, "reduce_scatter", bidi
+        k *= int(e.params.get("axis_size", 1))  # the global contraction, as estimate_gain takes it
+        blk = e.outvars[0].aval.shape[sd]
+        bidi = blk % 2 == 0
+        est, method, pieces = worth(
+          m,
+          n,
+          k,
+          int(e.params.get("axis_size", 1)),
+          d.invars[0].aval.dtype,
+          "reduce_scatter",
+          bidi,
+          blk,
         )
         if not est.worthwhile:
           continue
@@ -709,6 +762,8 @@ def _plan_collective_matmuls(
             "preferred_element_type": d.params.get("preferred_element_type"),
             "out_dtype": d.outvars[0].aval.dtype,
             "bidirectional": bidi,
+            "method": method,
+            "pieces": pieces,
           },
         )
         skipped.add(prod)
@@ -718,7 +773,7 @@ def _plan_collective_matmuls(
             where,
             f"matmul {tuple(d.invars[0].aval.shape)} x "
             f"{tuple(d.invars[1].aval.shape)} -> reduce-scatter along dim {sd} "
-            f"decomposed into a {'bidirectional' if bidi else 'unidirectional'} ppermute ring; estimated {est.speedup:.2f}x",
+            f"{how(bidi, method, pieces, 'reduce-scatter')}; estimated {est.speedup:.2f}x",
           )
         )
         continue
@@ -728,18 +783,29 @@ def _plan_collective_matmuls(
       if m % p:
         continue
       bidi = (m // p) % 2 == 0
-      est = worth(m, n, k * p, p, d.invars[0].aval.dtype, "reduce_scatter", bidi)
+      est, method, pieces = worth(
+        m, n, k * p, p, d.invars[0].aval.dtype, "reduce_scatter", bidi, m // p
+      )
       if not est.worthwhile:
         continue
-      kw_extra = _ring_kwargs(axis, d, bidi)
-      fused[i] = ("reduce_scatter", d.invars[0], d.invars[1], kw_extra)
+      if method == "pieces":
+        kw_nd = _nd_kwargs(axis, d, pieces)
+        del kw_nd["gather_dim"]
+        fused[i] = (
+          "reduce_scatter_nd",
+          d.invars[0],
+          d.invars[1],
+          {**kw_nd, "scatter_dim": 0, "bidirectional": False},
+        )
+      else:
+        fused[i] = ("reduce_scatter", d.invars[0], d.invars[1], _ring_kwargs(axis, d, bidi))
       skipped.add(prod)
       actions.append(
         Action(
           "collective_matmul",
           where,
           f"matmul ({m}x{k} @ {k}x{n}) -> "
-          f"reduce-scatter decomposed into a {'bidirectional' if bidi else 'unidirectional'} ppermute ring; estimated {est.speedup:.2f}x",
+          f"reduce-scatter {how(bidi, method, pieces, 'reduce-scatter')}; estimated {est.speedup:.2f}x",
         )
       )
   return fused, skipped, rings, ring_of
@@ -752,6 +818,20 @@ def _ring_kwargs(axis, dot, bidi: bool) -> dict:
     "precision": dot.params.get("precision"),
     "preferred_element_type": dot.params.get("preferred_element_type"),
     "bidirectional": bidi,
+  }
+
+
+def _nd_kwargs(axis, dot, pieces) -> dict:
+  """Keyword arguments of the N-D collective matmul that replaces a 2-D ``dot`` in pieces."""
+  return {
+    "axis": axis,
+    "gather_dim": 0,
+    "dimension_numbers": dot.params["dimension_numbers"],
+    "precision": dot.params.get("precision"),
+    "preferred_element_type": dot.params.get("preferred_element_type"),
+    "out_dtype": dot.outvars[0].aval.dtype,
+    "method": "pieces",
+    "pieces": pieces,
   }
 
 
