@@ -335,3 +335,25 @@ def test_pieces_compile_to_nccl_collectives_for_h100():
     for c in gathers
   ]
   assert sum(beside) >= len(gathers) // 2, beside
+
+
+def test_the_planner_asks_the_cost_model_about_the_global_matmul(monkeypatch):
+  # estimate_gain takes the global GEMM (m, n, k) of y = all_gather(x) @ w and of
+  # psum_scatter(x @ w): on a TP step with hidden h, MLP f over 8 devices, the up
+  # projection's gather is (seq, f, h) and the down projection's reduce-scatter (seq, h, f),
+  # not the per-device slices.
+  from jax_overlap.examples import tp_sp
+
+  seen = []
+  real = cm.estimate_gain
+
+  def spy(m, n, k, p, **kw):
+    seen.append((kw.get("kind"), m, n, k, p))
+    return real(m, n, k, p, **kw)
+
+  monkeypatch.setattr(cm, "estimate_gain", spy)
+  h, f, s = 512, 2048, 1024
+  fn, args = tp_sp.build("h100x8", layers=1, hidden=h, mlp=f, heads=8, seq=s)
+  jax_overlap.overlap(fn, target="h100x8", select="rewrite", cache=False).explain(*args)
+  assert ("all_gather", s, f, h, 8) in seen
+  assert ("reduce_scatter", s, h, f, 8) in seen

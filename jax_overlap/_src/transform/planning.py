@@ -735,7 +735,6 @@ def _plan_collective_matmuls(
         if nd is None:
           continue
         m, n, k = nd
-        k *= int(e.params.get("axis_size", 1))  # the global contraction, as estimate_gain takes it
         blk = e.outvars[0].aval.shape[sd]
         bidi = blk % 2 == 0
         est, method, pieces = worth(
