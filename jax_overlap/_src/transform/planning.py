@@ -254,15 +254,22 @@ def _plan_body(
         sp = scan_pipeline.plan(e, gathers=prefetch > 0, scatters=reduce_scatter == "per_layer")
         loop = f"{where + ', ' if where else ''}lax.scan at equation {i} ({e.params.get('length', '?')} iterations)"
         if sp:
+          length = int(e.params.get("length", 1))
+          depth = max(1, min(prefetch, length - 1))
+          sp = dataclasses.replace(sp, depth=depth)
           scans[i] = sp
           if sp.gathers:
+            early = (
+              "one iteration early (the first before the loop), one gathered layer carried"
+              if depth == 1
+              else f"{depth} iterations early (the first {depth} before the loop), {depth} "
+              "gathered layers carried"
+            )
             actions.append(
               Action(
                 "prefetch",
                 loop,
-                f"{len(sp.gathers)} all-gather(s) of each iteration's layer "
-                "issued one iteration early (the first before the loop), one gathered layer "
-                "carried",
+                f"{len(sp.gathers)} all-gather(s) of each iteration's layer issued {early}",
               )
             )
           if sp.scatters:

@@ -14,7 +14,8 @@ body:
 
 and :func:`run` evaluates the scan with the gathers one iteration early (the first layer
 is gathered before the loop, iteration i gathers layer i+1 and carries it to iteration
-i+1) and the reduce-scatters one iteration late (iteration i scatters iteration i-1's
+i+1; with ``prefetch`` = d, d iterations early, d gathered layers carried) and the
+reduce-scatters one iteration late (iteration i scatters iteration i-1's
 gradient, carried unscattered; the last one is scattered after the loop). Every layer
 still runs inside the loop, as the scan it replaces compiled it, so results are
 bit-identical. The cost: one gathered layer and one unscattered gradient carried between
@@ -51,6 +52,8 @@ class ScanPlan:
     outputs: reduce-scatter -> position of its result among the body's outputs.
     tails: reduce-scatter -> the pure equations between it and that output (in order).
     reason: why nothing was moved (empty when something was).
+    depth: how many iterations early the gathers go (``prefetch``): the first ``depth``
+      layers are gathered before the loop and ``depth`` gathered layers are carried.
   """
 
   gathers: tuple[int, ...] = ()
@@ -59,6 +62,7 @@ class ScanPlan:
   outputs: dict = dataclasses.field(default_factory=dict)
   tails: dict = dataclasses.field(default_factory=dict)
   reason: str = ""
+  depth: int = 1
 
   def __bool__(self) -> bool:
     return bool(self.gathers or self.scatters)
@@ -284,31 +288,35 @@ def run(eqn, invals: list, p: ScanPlan, eval_eqn: Callable) -> list:
   def slice_at(k: int) -> list:
     return [x[k] for x in xs]
 
-  # The first layer is gathered before the loop; iteration i gathers layer i+1 (the last
-  # one gathers the first again, unused) and scatters iteration i-1's gradient (the first
-  # one scatters zeros, unused); the last gradient is scattered after the loop. Every layer
-  # runs inside the loop, as the scan it replaces compiled it, so results are bit-identical.
-  gathered = gather(slice_at(idx(0)))
+  # The first `depth` layers are gathered before the loop; iteration i gathers layer
+  # i+depth (the last `depth` ones gather the first layers again, unused) and scatters
+  # iteration i-1's gradient (the first one scatters zeros, unused); the last gradient is
+  # scattered after the loop. Every layer runs inside the loop, as the scan it replaces
+  # compiled it, so results are bit-identical.
+  depth = max(1, min(int(p.depth), length - 1)) if length > 1 else 1
+  ahead = [gather(slice_at(idx(j))) for j in range(depth)]
   pending = [_zeros(eqns[s], eqns[s].invars[0]) for s in p.scatters]
   step = -1 if reverse else 1
   # The scattered gradients go straight into their stacked outputs (updated in place).
   stacks = [_zeros(eqns[s], _final(s), (length,)) for s in p.scatters]
 
   def body(state, k):
-    carry, gathered, pending, stacks = state
+    carry, ahead, pending, stacks = state
     step_xs = [jax.lax.dynamic_index_in_dim(x, k, keepdims=False) for x in xs]
-    nxt_xs = [jax.lax.dynamic_index_in_dim(x, (k + step) % length, keepdims=False) for x in xs]
+    nxt = (k + depth * step) % length
+    nxt_xs = [jax.lax.dynamic_index_in_dim(x, nxt, keepdims=False) for x in xs]
     following = gather(nxt_xs)  # nothing in this layer waits for it
     prev = (k - step) % length  # the first iteration's is unused and overwritten later
     stacks = [
       jax.lax.dynamic_update_index_in_dim(st, r, prev, 0) for st, r in zip(stacks, scatter(pending))
     ]
-    new_carry, ys, new_pending = layer(list(carry), step_xs, list(gathered))
-    return (new_carry, following, new_pending, stacks), [y for y in ys if y is not None]
+    new_carry, ys, new_pending = layer(list(carry), step_xs, list(ahead[0]))
+    ahead = [*ahead[1:], following]
+    return (new_carry, ahead, new_pending, stacks), [y for y in ys if y is not None]
 
   (carry, _, pending, stacks), ys_all = jax.lax.scan(
     body,
-    (list(carry0), gathered, pending, stacks),
+    (list(carry0), ahead, pending, stacks),
     jnp.arange(length),
     reverse=reverse,
     unroll=eqn.params.get("unroll", 1),
