@@ -243,3 +243,61 @@ def test_flax_nn_scan_with_remat_is_pipelined_and_bit_identical():
   assert l_ref == l_ov
   for a, b in zip(jax.tree.leaves(p_ref), jax.tree.leaves(p_ov)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_flax_nnx_scan_with_remat_is_pipelined_and_bit_identical():
+  # A Flax NNX model: blocks stacked by nnx.vmap, run by nnx.scan over nnx.remat, each
+  # block gathering its own FSDP-sharded weights, under shard_map on the split state.
+  from flax import nnx
+
+  layers, hidden = 3, 32
+  mesh = _mesh((8,))
+
+  class Block(nnx.Module):
+    def __init__(self, rngs):
+      init = nnx.initializers.lecun_normal()
+      self.w1 = nnx.Param(init(rngs.params(), (hidden, hidden)))
+      self.w2 = nnx.Param(init(rngs.params(), (hidden, hidden)))
+
+    def __call__(self, x):
+      w1 = jax.lax.all_gather(self.w1[...], "fsdp", axis=0, tiled=True)
+      w2 = jax.lax.all_gather(self.w2[...], "fsdp", axis=0, tiled=True)
+      return x + jnp.tanh(x @ w1) @ w2
+
+  @nnx.split_rngs(splits=layers)
+  @nnx.vmap(in_axes=(0,), out_axes=0)
+  def make(rngs):
+    return Block(rngs)
+
+  graphdef, state = nnx.split(make(nnx.Rngs(0)))
+  state = jax.tree.map(lambda p: jax.device_put(p, NamedSharding(mesh, P(None, "fsdp"))), state)
+  x = jax.device_put(
+    jax.random.normal(jax.random.key(1), (16, hidden)), NamedSharding(mesh, P("fsdp"))
+  )
+
+  def forward(state, x):
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    def run(x, block):
+      return nnx.remat(lambda b, x: b(x))(block, x)
+
+    return run(x, nnx.merge(graphdef, state))
+
+  def loss(state, x):
+    def body(state, x):
+      return jax.lax.psum(jnp.mean(forward(state, x) ** 2), "fsdp") / 8
+
+    spec = jax.tree.map(lambda _: P(None, "fsdp"), state)
+    return jax.shard_map(body, mesh=mesh, in_specs=(spec, P("fsdp")), out_specs=P())(state, x)
+
+  def step(state, x):
+    v, g = jax.value_and_grad(loss)(state, x)
+    return jax.tree.map(lambda p, g: p - 0.1 * g, state, g), v
+
+  ov = jax_overlap.overlap(step)
+  e = ov.explain(state, x)
+  assert len(e.of_kind("prefetch")) == 2 and len(e.of_kind("reduce_scatter")) == 1, str(e)
+  p_ref, l_ref = _steps(jax.jit(step), state, x)
+  p_ov, l_ov = _steps(ov, state, x)
+  assert l_ref == l_ov
+  for a, b in zip(jax.tree.leaves(p_ref), jax.tree.leaves(p_ov)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
