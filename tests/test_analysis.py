@@ -438,3 +438,38 @@ def test_send_recv_collectives_run_on_nccl_p2p_channels():
   assert cm.collective_time("collective-permute", s, 8, mi) == pytest.approx(
     mi.gpu.link_latency_s + s / (0.8 * mi.gpu.link_bandwidth)
   )
+
+
+def test_deviceless_compiles_are_remembered_in_the_process(monkeypatch):
+  # The same program, options and target compiled again reuse XLA's result; other options,
+  # another program or a kept dump compile anew.
+  from jax_overlap._src import compile as compile_lib
+
+  compile_lib.clear_memo()
+  mesh = targets.compile_only_mesh("h100x8", ("fsdp",))
+  x = jax.ShapeDtypeStruct((64, 64), jnp.float32, sharding=NamedSharding(mesh, P("fsdp")))
+
+  def f(x):
+    return jnp.tanh(x @ x.T).sum()
+
+  calls = []
+  real = jax.stages.Lowered.compile
+
+  def counting(self, *a, **k):
+    calls.append(1)
+    return real(self, *a, **k)
+
+  monkeypatch.setattr(jax.stages.Lowered, "compile", counting)
+  a = compile_lib.compile_for_target(f, x, target="h100x8")
+  b = compile_lib.compile_for_target(f, x, target="h100x8")
+  assert len(calls) == 1 and a.hlo_text == b.hlo_text and b.notes is not a.notes
+  compile_lib.compile_for_target(
+    f, x, target="h100x8", xla_options={"xla_gpu_enable_triton_gemm": False}
+  )
+  compile_lib.compile_for_target(lambda x: jnp.sin(x).sum(), x, target="h100x8")
+  assert len(calls) == 3
+  kept = compile_lib.compile_for_target(f, x, target="h100x8", keep_dump=True)
+  assert len(calls) == 4 and kept.dump_dir
+  import shutil
+
+  shutil.rmtree(kept.dump_dir, ignore_errors=True)

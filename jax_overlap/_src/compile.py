@@ -15,9 +15,11 @@ the target mesh with the same axis names, and the result is compiled.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import glob
+import hashlib
 import math
 import os
 import shutil
@@ -237,6 +239,34 @@ def _unwrap(fn):
   return getattr(fn, "__wrapped__", None) if hasattr(fn, "lower") else None
 
 
+# Deviceless compiles of this process, by (program, options, target): the same program
+# compiled again with the same options (a variant selection run twice, its chosen variant
+# analysed, a report of the same step) reuses XLA's result instead of compiling anew. XLA's
+# compile is deterministic for the same module, options and target; option values that
+# name files (latency profiles) are named by their content. Only GPU targets, whose
+# compile-only executables cannot run, and only compiles whose dump is not kept.
+_MEMO: collections.OrderedDict = collections.OrderedDict()
+_MEMO_SIZE = 48
+
+
+def _memo_key(lowered, options: Mapping[str, Any], topo) -> str | None:
+  if topo is None:
+    return None
+  try:
+    text = lowered.as_text()
+  except Exception:  # noqa: BLE001 - a lowering that cannot print is compiled every time
+    return None
+  opts = sorted((k, repr(v)) for k, v in options.items() if k != "xla_dump_to")
+  h = hashlib.sha256(text.encode())
+  h.update(repr((opts, topo.name, jax.__version__)).encode())
+  return h.hexdigest()
+
+
+def clear_memo() -> None:
+  """Forgets the deviceless compiles this process remembers."""
+  _MEMO.clear()
+
+
 def compile_for_target(
   fn: Callable,
   *args,
@@ -306,6 +336,11 @@ def compile_for_target(
       lower = functools.partial(target_fn.lower, *lower_args, **lower_kwargs)
     try:
       lowered = lower()
+      memo_key = _memo_key(lowered, options, topo) if own_dir and not keep_dump else None
+      hit = _MEMO.get(memo_key) if memo_key is not None else None
+      if hit is not None:
+        _MEMO.move_to_end(memo_key)
+        return dataclasses.replace(hit, notes=list(hit.notes))
       try:
         compiled = lowered.compile(options)
       except Exception as first:  # noqa: BLE001 - XLA raises JaxRuntimeError and others
@@ -335,7 +370,7 @@ def compile_for_target(
     thunks = _read(os.path.join(dump_dir, "*thunk_sequence.txt"))
     dbg = _parse_debug_options(_read(os.path.join(dump_dir, "*.debug_options")))
     platform = "cuda" if topo is not None else jax.devices()[0].platform
-    return CompiledStep(
+    step = CompiledStep(
       compiled=compiled,
       target=topo,
       platform=platform,
@@ -348,6 +383,11 @@ def compile_for_target(
       notes=notes,
       fallback_options=fallback or {},
     )
+    if memo_key is not None:
+      _MEMO[memo_key] = dataclasses.replace(step, notes=list(notes))
+      while len(_MEMO) > _MEMO_SIZE:
+        _MEMO.popitem(last=False)
+    return step
   finally:
     if own_dir and not keep_dump:
       shutil.rmtree(dump_dir, ignore_errors=True)
