@@ -196,6 +196,19 @@ def test_budget_memory_counts_the_carried_layers():
   assert 0.9 <= grown[2] - grown[1] <= 2, grown
 
 
+def _check_pipelined_and_bit_identical(step, params, x):
+  """The forward and rematerialized loops prefetch, the backward loop reduce-scatters late,
+  and three decorated steps give the undecorated step's losses and parameters exactly."""
+  ov = jax_overlap.overlap(step)
+  e = ov.explain(params, x)
+  assert len(e.of_kind("prefetch")) == 2 and len(e.of_kind("reduce_scatter")) == 1, str(e)
+  p_ref, l_ref = _steps(jax.jit(step), params, x)
+  p_ov, l_ov = _steps(ov, params, x)
+  assert l_ref == l_ov
+  for a, b in zip(jax.tree.leaves(p_ref), jax.tree.leaves(p_ov)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_flax_nn_scan_with_remat_is_pipelined_and_bit_identical():
   # A Flax Linen model as FSDP users write it under shard_map: nn.scan over nn.remat of a
   # block whose parameters nn.map_variables gathers on the way in.
@@ -235,14 +248,7 @@ def test_flax_nn_scan_with_remat_is_pipelined_and_bit_identical():
     v, g = jax.value_and_grad(loss)(params, x)
     return jax.tree.map(lambda p, g: p - 0.1 * g, params, g), v
 
-  ov = jax_overlap.overlap(step)
-  e = ov.explain(params, x)
-  assert len(e.of_kind("prefetch")) == 2 and len(e.of_kind("reduce_scatter")) == 1, str(e)
-  p_ref, l_ref = _steps(jax.jit(step), params, x)
-  p_ov, l_ov = _steps(ov, params, x)
-  assert l_ref == l_ov
-  for a, b in zip(jax.tree.leaves(p_ref), jax.tree.leaves(p_ov)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  _check_pipelined_and_bit_identical(step, params, x)
 
 
 def test_flax_nnx_scan_with_remat_is_pipelined_and_bit_identical():
@@ -293,11 +299,4 @@ def test_flax_nnx_scan_with_remat_is_pipelined_and_bit_identical():
     v, g = jax.value_and_grad(loss)(state, x)
     return jax.tree.map(lambda p, g: p - 0.1 * g, state, g), v
 
-  ov = jax_overlap.overlap(step)
-  e = ov.explain(state, x)
-  assert len(e.of_kind("prefetch")) == 2 and len(e.of_kind("reduce_scatter")) == 1, str(e)
-  p_ref, l_ref = _steps(jax.jit(step), state, x)
-  p_ov, l_ov = _steps(ov, state, x)
-  assert l_ref == l_ov
-  for a, b in zip(jax.tree.leaves(p_ref), jax.tree.leaves(p_ov)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  _check_pipelined_and_bit_identical(step, state, x)
