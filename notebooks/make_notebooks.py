@@ -61,7 +61,7 @@ assert all(np.array_equal(u, v) for u, v in zip(jax.tree.leaves(a), jax.tree.lea
 reports = {
     "XLA defaults": jax_overlap.analyze(fn, *args, target="h100x8"),
     "recommended flags": jax_overlap.analyze(fn, *args, target="h100x8",
-                                             xla_options=jax_overlap.flags.as_compiler_options("h100x8")),
+                                             xla_options=jax_overlap.flags.as_compiler_options(target="h100x8")),
     "@overlap": jax_overlap.analyze(jax_overlap.overlap(fn, target="h100x8"), *args, target="h100x8"),
 }
 print(jax_overlap.compare(reports))"""
@@ -83,7 +83,7 @@ print(jax_overlap.compare(reports))"""
 reports = {}
 for target in ("h100x8", "a100x8"):
     fn, args = fsdp_transformer.build_small(target)
-    for name, opts in (("defaults", None), ("recommended", jax_overlap.flags.as_compiler_options(target, "fsdp"))):
+    for name, opts in (("defaults", None), ("recommended", jax_overlap.flags.as_compiler_options(target=target, workload="fsdp"))):
         reports[f"{target} {name}"] = jax_overlap.analyze(fn, *args, target=target, xla_options=opts)
 print(jax_overlap.compare(reports))"""
         ),
@@ -135,13 +135,13 @@ print(jax_overlap.profile.measure(d))"""
             """sim = jax_overlap.sim
 wl = sim.tail_effect()
 for policy in ("sequential", "concurrent", "priority"):
-    res = sim.simulate(wl, "h100", policy)
+    res = sim.simulate(wl, target="h100", policy=policy)
     print(f"{policy:12s} makespan {res.makespan_s*1e3:7.3f} ms")"""
         ),
         new_markdown_cell("A tensor-parallel chain of GEMMs and all-gathers, and the tuner's plan for the runtime library:"),
         new_code_cell(
             """wl = sim.tp_chain(n=4)
-tuned = sim.tune(wl, "h100", progress=False)
+tuned = sim.tune(wl, target="h100", progress=False)
 print(f"concurrent {tuned.baseline_s*1e3:.3f} ms -> tuned {tuned.makespan_s*1e3:.3f} ms ({tuned.gain*100:.1f}%)")
 print(tuned.plan)
 print(tuned.format_table(5))"""
@@ -151,7 +151,7 @@ print(tuned.format_table(5))"""
 print(table)"""
         ),
         new_code_cell(
-            """res = sim.simulate(wl, "h100", tuned.policy, record=True)
+            """res = sim.simulate(wl, target="h100", policy=tuned.policy, record=True)
 path = sim.plot(res, "tp_chain.png")
 from IPython.display import Image
 Image(path)"""
