@@ -49,10 +49,22 @@ def _build(target: str, form: str, cfg: dict):
 
 
 absl_flags.DEFINE_integer("layers", 8, "Layers.")
+absl_flags.DEFINE_integer(
+  "batch_per_device",
+  1,
+  "Sequences per GPU; other than 1 the results go to transform_fsdp_b<N>.{json,md}.",
+)
 
 
 def deviceless(rows, tables):
-  cfg = dict(layers=FLAGS.layers, hidden=4096, mlp=11008, heads=32, seq=2048, batch_per_device=1)
+  cfg = dict(
+    layers=FLAGS.layers,
+    hidden=4096,
+    mlp=11008,
+    heads=32,
+    seq=2048,
+    batch_per_device=FLAGS.batch_per_device,
+  )
   for target in FLAGS.targets:
     for form in FLAGS.forms:
       fn, args = _build(target, form, cfg)
@@ -106,17 +118,24 @@ def main(argv):
   del argv
   rows, tables = [], []
   deviceless(rows, tables)
-  payload = {"machine": _common.machine(), "rows": rows, "layers": FLAGS.layers}
+  b = FLAGS.batch_per_device
+  payload = {
+    "machine": _common.machine(),
+    "rows": rows,
+    "layers": FLAGS.layers,
+    "batch_per_device": b,
+  }
+  per_gpu = "one sequence per GPU" if b == 1 else f"{b} sequences per GPU"
   md = (
     "# @jax_overlap.overlap on a Llama-style FSDP step\n\n"
-    f"8 layers, bf16, hidden 4096, MLP 11008, 32 heads, sequence 2048, one sequence per GPU; "
+    f"{FLAGS.layers} layers, bf16, hidden 4096, MLP 11008, 32 heads, sequence 2048, {per_gpu}; "
     f"shard_map with explicit gathers, and GSPMD (gspmd*: sharded arrays under jax.jit). "
     f"Machine: {payload['machine']}.\n\n"
     "Estimates from jax_overlap.analyze (deviceless compile for the target, roofline and "
     "alpha-beta costs placed on XLA's schedule). CPU costs of the decorator: "
     "transform_overhead.md.\n\n" + "\n".join(tables)
   )
-  print("wrote", _common.write("transform_fsdp", payload, md))
+  print("wrote", _common.write("transform_fsdp" if b == 1 else f"transform_fsdp_b{b}", payload, md))
 
 
 if __name__ == "__main__":

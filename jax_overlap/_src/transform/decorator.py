@@ -408,8 +408,9 @@ class Overlapped:
         )
       )
       if stats.get("rings") and flags_lib.accepted_by_jaxlib("xla_gpu_enable_triton_gemm", False):
-        # The rings' partial GEMMs through cuBLAS: the running sum of a reduce-scatter
-        # ring is added in the GEMM's epilogue, and no partial GEMM is split along K.
+        # The collective matmuls' partial GEMMs through cuBLAS: the running sum of a
+        # reduce-scatter ring is added in the GEMM's epilogue, and no partial GEMM is split
+        # along K.
         out.append(
           (
             "rewritten, one layer per collective, cuBLAS GEMMs (XLA's Triton GEMMs off)",
