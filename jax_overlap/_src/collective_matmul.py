@@ -470,7 +470,7 @@ def dot_general_reduce_scatter(
   return accs[0] if len(accs) == 1 else jnp.concatenate(accs, axis=scatter_dim)
 
 
-def _piece_count(api: str, pieces, n: int, block: int, what: str) -> int:
+def _piece_count(api: str, pieces, n: int, block: int) -> int:
   c = n if pieces is None else pieces
   if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or c < 1:
     raise ValueError(f"{api}: pieces must be a positive int, got {pieces!r}")
@@ -484,7 +484,7 @@ def _ag_pieces(x, dots, axis, gather_dim, collect, pieces):
   """``all_gather_dot_generals`` as ``c`` chained all-gathers of a slice of every block."""
   n = int(lax.axis_size(axis))
   m = x.shape[gather_dim]
-  c = _piece_count("all_gather_dot_generals", pieces, n, m, "block")
+  c = _piece_count("all_gather_dot_generals", pieces, n, m)
   pos = [_out_dim(x.ndim, w.ndim, lhs, dn, gather_dim) for (w, lhs, dn, *_) in dots]
   slices = lax.split(x, [m // c] * c, axis=gather_dim)
 
@@ -551,7 +551,7 @@ def _rs_pieces(
 ):
   """``dot_general_reduce_scatter`` as ``c`` chained reduce-scatters of a slice of every
   device's block."""
-  c = _piece_count("dot_general_reduce_scatter", pieces, n, block, "block")
+  c = _piece_count("dot_general_reduce_scatter", pieces, n, block)
   q = block // c
   op = lhs if slice_lhs else rhs
   shape = op.shape

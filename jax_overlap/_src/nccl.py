@@ -82,8 +82,6 @@ def p2p_channels(
   exceeds 32 chunks (16 MiB at the 512 KiB NVLink chunk; one chunk across hosts). Parts
   are at least 1/8 chunk (half a chunk across hosts).
   """
-  if hasattr(channels, "channels"):  # a sim.Constants
-    channels = channels.channels
   p = max(int(group_size), 1)
   spans = _spans(topo, p, spans_hosts)
   gpu = topo.gpu if isinstance(topo, targets.Topology) else topo

@@ -44,12 +44,16 @@ from jax_overlap._src.sim.model import Collective, Constants
 
 __all__ = ["link_bytes_and_steps", "channel_work", "nccl_p2p_channels"]
 
-nccl_p2p_channels = nccl.p2p_channels
 
-
-def _p2p_ctas(c: Collective, topo: targets.Topology, const: Constants) -> int:
-  """CTAs of NCCL's p2p kernel for a collective-permute or all-to-all ``c``."""
-  return nccl.p2p_ctas(c.kind, c.bytes, c.group_size, topo, int(const.channels), c.spans_hosts)
+def nccl_p2p_channels(
+  peer_bytes: float,
+  group_size: int,
+  topo: targets.Topology,
+  const: Constants,
+  spans_hosts: bool | None = None,
+) -> int:
+  """:func:`jax_overlap._src.nccl.p2p_channels` with the collective channels of ``const``."""
+  return nccl.p2p_channels(peer_bytes, group_size, topo, int(const.channels), spans_hosts)
 
 
 def link_bytes_and_steps(kind: str, payload: float, group_size: int) -> tuple[float, int]:
@@ -79,7 +83,9 @@ def channel_work(c: Collective, topo: targets.Topology, const: Constants) -> dic
   if c.channels:
     channels = c.channels
   elif c.kind in nccl.P2P_KINDS and topo.gpu.vendor == "nvidia":
-    channels = _p2p_ctas(c, topo, const)
+    channels = nccl.p2p_ctas(
+      c.kind, c.bytes, c.group_size, topo, int(const.channels), c.spans_hosts
+    )
     threads = c.threads or max(const.comm_threads, nccl.P2P_THREADS)
   else:
     channels = const.channels

@@ -716,7 +716,12 @@ def _plan_collective_matmuls(
       if not est.worthwhile:
         continue
       if method == "pieces":
-        fused[us[0]] = ("all_gather_nd", e.invars[0], d.invars[1], _nd_kwargs(axis, d, pieces))
+        fused[us[0]] = (
+          "all_gather_nd",
+          e.invars[0],
+          d.invars[1],
+          {**_nd_kwargs(axis, d, pieces), "gather_dim": 0},
+        )
       else:
         fused[us[0]] = ("all_gather", e.invars[0], d.invars[1], _ring_kwargs(axis, d, bidi))
       skipped.add(i)
@@ -795,13 +800,11 @@ def _plan_collective_matmuls(
       if not est.worthwhile:
         continue
       if method == "pieces":
-        kw_nd = _nd_kwargs(axis, d, pieces)
-        del kw_nd["gather_dim"]
         fused[i] = (
           "reduce_scatter_nd",
           d.invars[0],
           d.invars[1],
-          {**kw_nd, "scatter_dim": 0, "bidirectional": False},
+          {**_nd_kwargs(axis, d, pieces), "scatter_dim": 0},
         )
       else:
         fused[i] = ("reduce_scatter", d.invars[0], d.invars[1], _ring_kwargs(axis, d, bidi))
@@ -828,10 +831,10 @@ def _ring_kwargs(axis, dot, bidi: bool) -> dict:
 
 
 def _nd_kwargs(axis, dot, pieces) -> dict:
-  """Keyword arguments of the N-D collective matmul that replaces a 2-D ``dot`` in pieces."""
+  """Keyword arguments of the N-D collective matmul that replaces a 2-D ``dot`` in pieces
+  (the gathered or scattered dimension added by the caller)."""
   return {
     "axis": axis,
-    "gather_dim": 0,
     "dimension_numbers": dot.params["dimension_numbers"],
     "precision": dot.params.get("precision"),
     "preferred_element_type": dot.params.get("preferred_element_type"),

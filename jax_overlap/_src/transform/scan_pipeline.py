@@ -293,7 +293,7 @@ def run(eqn, invals: list, p: ScanPlan, eval_eqn: Callable) -> list:
   # iteration i-1's gradient (the first one scatters zeros, unused); the last gradient is
   # scattered after the loop. Every layer runs inside the loop, as the scan it replaces
   # compiled it, so results are bit-identical.
-  depth = max(1, min(int(p.depth), length - 1)) if length > 1 else 1
+  depth = p.depth  # 1 <= depth < length, as the planner sets it
   ahead = [gather(slice_at(idx(j))) for j in range(depth)]
   pending = [_zeros(eqns[s], eqns[s].invars[0]) for s in p.scatters]
   step = -1 if reverse else 1
