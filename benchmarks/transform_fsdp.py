@@ -15,6 +15,7 @@ Writes benchmarks/results/transform_fsdp.{json,md}.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -33,9 +34,10 @@ from jax_overlap.examples import shard_map_fsdp as S  # noqa: E402
 
 FLAGS = absl_flags.FLAGS
 absl_flags.DEFINE_list("targets", ["h100x8", "a100x8"], "Targets.")
+FORMS = ["unrolled", "scan", "scan_remat", "scan_layers", "gspmd", "gspmd_scan_remat"]
 absl_flags.DEFINE_list(
   "forms",
-  ["unrolled", "scan", "scan_remat", "scan_layers", "gspmd", "gspmd_scan_remat"],
+  FORMS,
   "Layer loop forms (gspmd*: plain jax.jit over sharded arrays, no shard_map).",
 )
 
@@ -114,11 +116,36 @@ def deviceless(rows, tables):
       print(f"\n{target} {form}\n{table}\n{choice}")
 
 
+def _merged(name: str, rows: list, tables: list) -> tuple[list, list]:
+  """This run's rows and sections with those of the earlier results for the targets and
+  forms not rerun (a run over some forms updates only their sections)."""
+  path = os.path.join(_common.RESULTS, name)
+  done = {(r["target"], r["form"]) for r in rows if "target" in r}
+  try:
+    with open(path + ".json") as f:
+      old_rows = json.load(f)["rows"]
+    with open(path + ".md") as f:
+      old_sections = f.read().split("\n### ")[1:]
+  except (OSError, KeyError, ValueError):
+    return rows, tables
+  kept_rows = [r for r in old_rows if (r.get("target"), r.get("form")) not in done]
+  new_keys = {t.split("\n", 1)[0] for t in tables}
+  kept = [
+    "### " + t.rstrip("\n") + "\n" for t in old_sections if t.split("\n", 1)[0] not in new_keys
+  ]
+  order = {f"{t}, {f}": (i, j) for i, t in enumerate(["h100x8", "a100x8", *FLAGS.targets])
+           for j, f in enumerate(FORMS)}  # fmt: skip
+  sections = sorted(kept + tables, key=lambda t: order.get(t[4:].split("\n", 1)[0], (99, 99)))
+  return kept_rows + rows, sections
+
+
 def main(argv):
   del argv
   rows, tables = [], []
   deviceless(rows, tables)
   b = FLAGS.batch_per_device
+  name = "transform_fsdp" if b == 1 else f"transform_fsdp_b{b}"
+  rows, tables = _merged(name, rows, tables)
   payload = {
     "machine": _common.machine(),
     "rows": rows,
@@ -129,13 +156,15 @@ def main(argv):
   md = (
     "# @jax_overlap.overlap on a Llama-style FSDP step\n\n"
     f"{FLAGS.layers} layers, bf16, hidden 4096, MLP 11008, 32 heads, sequence 2048, {per_gpu}; "
-    f"shard_map with explicit gathers, and GSPMD (gspmd*: sharded arrays under jax.jit). "
-    f"Machine: {payload['machine']}.\n\n"
+    f"shard_map with explicit gathers, and GSPMD (gspmd*: sharded arrays under jax.jit; "
+    f"@overlap also tries their shard_map form, variants named 'shard_map form'). "
+    f"Machine of the latest run: {payload['machine']} (each section's selection time is "
+    "from its own run).\n\n"
     "Estimates from jax_overlap.analyze (deviceless compile for the target, roofline and "
     "alpha-beta costs placed on XLA's schedule). CPU costs of the decorator: "
     "transform_overhead.md.\n\n" + "\n".join(tables)
   )
-  print("wrote", _common.write("transform_fsdp" if b == 1 else f"transform_fsdp_b{b}", payload, md))
+  print("wrote", _common.write(name, payload, md))
 
 
 if __name__ == "__main__":

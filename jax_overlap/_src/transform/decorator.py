@@ -16,7 +16,7 @@ import numpy as np
 from jax_overlap._src import errors, latency_profile, selection_cache
 from jax_overlap._src import flags as flags_lib
 from jax_overlap._src import targets as targets_lib
-from jax_overlap._src.transform import gspmd
+from jax_overlap._src.transform import gspmd, to_shard_map
 from jax_overlap._src.transform.evaluate import _collect, _Config, _evaluate
 from jax_overlap._src.transform.explain import Action, Explanation
 from jax_overlap._src.transform.planning import parameter_avals, parameter_inputs
@@ -30,6 +30,8 @@ _DOT_MERGER = ("xla_gpu_dot_merger_threshold_mb",)
 # Latency-profiled recompiles tried per step (the fastest variants by estimate).
 _PROFILED_VARIANTS = 3
 _PROFILED_SUFFIX = ", scheduled by the cost model's estimates"
+# Names of the variants of a GSPMD step's shard_map form begin with this.
+_CONVERTED_PREFIX = "shard_map form, "
 
 
 def _pipeliner_off(options: dict[str, Any]) -> dict[str, Any]:
@@ -223,8 +225,10 @@ class Overlapped:
     schedule_from_estimates=True,
     cache=True,
     params_argnums=(0,),
+    gspmd="auto",
   ):
     self.params_argnums = params_argnums
+    self.gspmd = gspmd
     self.select = select
     self.cache = cache
     self.schedule_from_estimates = schedule_from_estimates
@@ -257,7 +261,7 @@ class Overlapped:
   def _build(self, args, kwargs):
     _check_args(args, kwargs, self.mesh)
     key = _signature(args, kwargs)
-    hit = self._cache.get(key)
+    hit = self._cache.get(key) or self._traced_hit(key, args, kwargs)
     if hit is not None:
       return hit
     base = self.fn if hasattr(self.fn, "trace") else jax.jit(self.fn)
@@ -290,12 +294,18 @@ class Overlapped:
         f"overlap: prefetch must be between 0 and the number of layers ({groups}), got {self.prefetch}"
       )
     notes = []
+    programs = {"traced": closed}
+    converted = None
     if counter[0] == 0:
       notes.append(
         "no shard_map in this program: its collectives are inserted by the SPMD partitioner, so "
         "only compiler options apply; the full rewrite (prefetch, per-layer reduce-scatter, "
         "annotations) needs shard_map or jax_overlap.fsdp.scan_layers"
       )
+      if self._converts():
+        converted = self._convert(traced, closed, args, kwargs, cfg, notes)
+    if converted is not None:
+      programs["shard_map"], cfg_sm, actions_sm, stats_sm = converted
 
     # The user's jit settings that the variants keep: donation (of a jitted step, unless
     # given to overlap itself).
@@ -306,7 +316,7 @@ class Overlapped:
 
     def evaluate(cfg_: _Config):
       def rewritten(*a, **kw):
-        out = _evaluate(closed, jax.tree.leaves((a, kw)), cfg_)
+        out = _evaluate(programs[cfg_.program], jax.tree.leaves((a, kw)), cfg_)
         return jax.tree.unflatten(out_tree, out)
 
       return rewritten
@@ -317,6 +327,12 @@ class Overlapped:
     known: dict[int, Any] = {}
     if counter[0] == 0 and self.target is not None and self.select == "cost_model":
       candidates = self._gspmd_candidates(cfg, make, args, kwargs, notes, known)
+      if converted is not None:
+        candidates += [
+          (_CONVERTED_PREFIX + n, c, o) for n, c, o in self._candidates(cfg_sm, stats_sm)
+        ]
+    elif converted is not None:
+      candidates = [(_CONVERTED_PREFIX + n, c, o) for n, c, o in self._candidates(cfg_sm, stats_sm)]
     else:
       candidates = self._candidates(cfg, stats)
     chosen = 0
@@ -347,8 +363,10 @@ class Overlapped:
       notes.extend(f"variant not compiled: {f}" for f in failed)
       notes.extend(judged)
     name, cfg_c, options = candidates[chosen]
-    if cfg_c != cfg:
-      actions = [a for a in actions if a.kind == "left_alone"]
+    if cfg_c.program == "shard_map":
+      cfg, actions = cfg_sm, actions_sm
+    if cfg_c == cfg.as_written() and cfg_c != cfg:
+      actions = [a for a in actions if a.kind in ("left_alone", "convert")]
       actions.append(Action("left_alone", "program", f"kept as written: {name} estimated faster"))
     for k, v in options.items():
       actions.append(Action("compiler_option", "compile", f"{k}={flags_lib.format_value(v)}"))
@@ -358,6 +376,64 @@ class Overlapped:
     entry = (jitted, explanation, python_fn)
     self._cache[key] = entry
     return entry
+
+  def _traced_hit(self, key, args, kwargs):
+    """Under an outer trace (``analyze``, an enclosing ``jax.jit``), the arguments are
+    tracers whose shardings are unknown: the step built for concrete arguments of the
+    same shapes and dtypes, the latest one, if any."""
+    if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((args, kwargs))):
+      return None
+    tree, sig = key
+    shapes = [s[:2] for s in sig]
+    for (tree_, sig_), entry in reversed(self._cache.items()):
+      if tree_ == tree and [s[:2] for s in sig_] == shapes:
+        return entry
+    return None
+
+  def _converts(self) -> bool:
+    """Whether a GSPMD step is also tried in its shard_map form."""
+    if self.gspmd == "auto":
+      return self.target is not None and self.select == "cost_model"
+    return self.gspmd == "convert"
+
+  def _convert(self, traced, closed, args, kwargs, cfg, notes):
+    """The step's shard_map form planned like a shard_map program: (its jaxpr, config,
+    actions, stats), or None with a note saying why it was not converted."""
+    leaves = jax.tree.leaves((args, kwargs))
+    if len(leaves) != len(closed.jaxpr.invars):
+      notes.append("not converted to shard_map: the traced program does not take the "
+                   "arguments leaf for leaf")  # fmt: skip
+      return None
+    starts = np.cumsum([0, *[len(jax.tree.leaves(a)) for a in args]])
+    params = [
+      j for i in self.params_argnums if i < len(args) for j in range(starts[i], starts[i + 1])
+    ]
+    out_shardings = getattr(traced, "_params", {}).get("out_shardings")
+    try:
+      conv = to_shard_map.convert(closed, leaves, out_shardings, params_leaves=params)
+      avals = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+               for x in leaves]  # fmt: skip
+      smap = jax.make_jaxpr(conv.fn)(*avals)
+    except to_shard_map.Refused as e:
+      notes.append(f"not converted to shard_map: {e}")
+      return None
+    param_inputs = self._param_inputs(smap, args, kwargs)
+    cfg_sm = dataclasses.replace(
+      cfg,
+      program="shard_map",
+      param_inputs=param_inputs,
+      param_avals=None if param_inputs is None else parameter_avals(smap.jaxpr, param_inputs),
+    )
+    actions: list[Action] = [
+      Action("convert", "program", f"GSPMD step in its shard_map form: {conv.summary()}")
+    ]
+    stats: dict = {}
+    _collect(smap.jaxpr, cfg_sm, actions, stats, [0])
+    notes.append(
+      "converted to shard_map (the variants named 'shard_map form'): each equation's layout "
+      f"followed as the partitioner would, {conv.summary()}"
+    )
+    return smap, cfg_sm, actions, stats
 
   def _candidates(self, cfg: _Config, stats: dict) -> list[tuple[str, _Config, dict[str, Any]]]:
     base: dict[str, Any] = {}
@@ -477,6 +553,7 @@ class Overlapped:
       "schedule_from_estimates": self.schedule_from_estimates,
       "xla_options": self.extra_options,
       "jit_kwargs": sorted(self.jit_kwargs),
+      "gspmd": self.gspmd,
     }
 
   def _recall(
@@ -588,11 +665,19 @@ class Overlapped:
       make(as_written, base), *args, target=self.target, name=name, xla_options=base, **kwargs
     )
     found = gspmd.found(report)
-    notes[-1] = (
+    i = next(i for i, n in enumerate(notes) if n.startswith("no shard_map in this program"))
+    converted = any(n.startswith("converted to shard_map") for n in notes)
+    notes[i] = (
       f"no shard_map in this program: the SPMD partitioner inserts its collectives; compiled "
-      f"for {self.target} they are {found.summary()}. The variants below are compiler options "
-      "for those collectives; the full rewrite (prefetch, per-layer reduce-scatter, "
-      "annotations) needs shard_map or jax_overlap.fsdp.scan_layers"
+      f"for {self.target} they are {found.summary()}. The variants named 'as written' are "
+      "compiler options for those collectives"
+      + (
+        "; those named 'shard_map form' are the full rewrite (prefetch, per-layer "
+        "reduce-scatter, annotations) of the step converted to shard_map"
+        if converted
+        else "; the full rewrite (prefetch, per-layer reduce-scatter, annotations) needs "
+        "shard_map, jax_overlap.fsdp.scan_layers or a step the conversion to shard_map accepts"
+      )
     )
     known[0] = report
     return [
@@ -640,6 +725,7 @@ def overlap(
   schedule_from_estimates: bool = True,
   cache: bool = True,
   params_argnums: int | tuple[int, ...] = 0,
+  gspmd: str = "auto",
   **jit_kwargs,
 ):
   """Rewrites a sharded step so its collectives overlap compute.
@@ -691,6 +777,13 @@ def overlap(
       depends only on parameters are prefetched; those of other inputs (a
       sequence-parallel batch) and of values computed in the step (activations) are
       not, and ``explain()`` says which is which.
+    gspmd: for a step without ``shard_map`` (GSPMD), "auto" also tries its shard_map
+      form when a ``target`` is given and ``select="cost_model"``: the step converted
+      equation by equation (``jax_overlap._src.transform.to_shard_map``: parameters
+      gathered at use, gradients reduce-scattered where autodiff makes them) and then
+      rewritten like a shard_map step, beside the compiler-option variants of the step
+      as written; "convert" always uses the shard_map form (and says in ``explain()``
+      why not where it cannot be converted); "as_written" never converts.
     **jit_kwargs: passed to ``jax.jit`` (e.g. ``donate_argnums``). A jitted ``fn`` keeps its
       own donation unless ``donate_argnums``/``donate_argnames`` is given here.
 
@@ -717,6 +810,8 @@ def overlap(
       "overlap: collective_matmul must be 'auto', 'on', 'ring', 'pieces' or 'off', got "
       f"{collective_matmul!r}"
     )
+  if gspmd not in ("auto", "convert", "as_written"):
+    raise ValueError(f"overlap: gspmd must be 'auto', 'convert' or 'as_written', got {gspmd!r}")
   if target is not None:
     targets_lib.get(target)
   flags_lib.check_workload(workload)
@@ -759,6 +854,7 @@ def overlap(
       schedule_from_estimates=schedule_from_estimates,
       cache=cache,
       params_argnums=argnums,
+      gspmd=gspmd,
     )
 
   return wrap if fn is None else wrap(fn)

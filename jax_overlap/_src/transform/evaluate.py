@@ -161,6 +161,9 @@ class _Config:
   # id(shard_map body) -> positions of its inputs that carry parameters (parameter_inputs)
   param_inputs: dict | None = None
   param_avals: frozenset | None = None  # parameter_avals
+  # Which program the variant evaluates: the step as traced, or its shard_map form
+  # (a GSPMD step converted by to_shard_map).
+  program: str = "traced"
 
   def as_written(self) -> _Config:
     """The same program evaluated as written (nothing moved, no rings)."""

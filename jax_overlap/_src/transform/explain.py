@@ -10,7 +10,7 @@ from typing import Any
 class Action:
   """One thing the transform did (or left alone, with the reason)."""
 
-  kind: str  # "classify", "prefetch", "reduce_scatter", "collective_matmul", "annotate", "compiler_option", "left_alone"
+  kind: str  # "convert", "classify", "prefetch", "reduce_scatter", "collective_matmul", "annotate", "compiler_option", "left_alone"
   where: str
   detail: str
 
@@ -31,6 +31,7 @@ class Explanation:
   def __str__(self) -> str:
     lines = ["jax_overlap.overlap:"]
     for kind in (
+      "convert",
       "classify",
       "prefetch",
       "reduce_scatter",

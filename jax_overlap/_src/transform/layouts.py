@@ -1,0 +1,570 @@
+"""Layouts of values over a mesh and the per-primitive rules that propagate them.
+
+Used by :mod:`.to_shard_map`, which runs a GSPMD step's jaxpr on per-device values. A
+rule takes the interpreter (mesh axis sizes, which values hold only parameters, the
+layouts later uses asked for), an equation and its inputs' layouts, and returns the
+layouts it wants its inputs in, the layouts of its outputs, the equation's parameters
+for per-device shapes (None: unchanged) and a function applied to its per-device
+results (None: nothing); or None when it has no rule for this case (the equation then
+runs on whole values on every device).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+
+import numpy as np
+from jax import lax
+from jax.extend import core as jcore
+from jax.sharding import PartitionSpec as P
+
+__all__ = ["Axes", "Layout", "Refused", "RULES", "ELEMENTWISE", "elementwise", "is_literal"]
+
+Axes = tuple[str, ...]
+
+
+class Refused(ValueError):
+  """The program cannot be converted; the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """How one value is laid out over the mesh.
+
+  Attributes:
+    dims: per dimension, the mesh axes it is split over (major first), () if whole.
+    partial: mesh axes over which each device holds an addend of the value.
+  """
+
+  dims: tuple[Axes, ...]
+  partial: frozenset = frozenset()
+
+  @staticmethod
+  def whole(ndim: int) -> Layout:
+    return Layout(((),) * ndim)
+
+  def axes(self) -> set[str]:
+    return {a for d in self.dims for a in d} | set(self.partial)
+
+  def spec(self) -> P:
+    return P(*[None if not d else d[0] if len(d) == 1 else d for d in self.dims])
+
+  def describe(self) -> str:
+    s = str(self.spec())
+    return s + (f" + unreduced over {sorted(self.partial)}" if self.partial else "")
+
+
+# Elementwise primitives linear in all their operands (sums pass through them).
+_LINEAR_ALL = {
+  "add",
+  "sub",
+  "add_any",
+  "neg",
+  "convert_element_type",
+  "reduce_precision",
+  "copy",
+  "copy_p",
+  "stop_gradient",
+  "real",
+  "imag",
+  "conj",
+}
+# Linear in one operand at a time (the others must be whole sums).
+_LINEAR_ONE = {"mul"}
+_LINEAR_FIRST = {"div"}
+ELEMENTWISE = (
+  _LINEAR_ALL
+  | _LINEAR_ONE
+  | _LINEAR_FIRST
+  | set(
+    "abs acos acosh and asin asinh atan atan2 atanh cbrt ceil clamp cos cosh eq erf erf_inv "
+    "erfc exp exp2 expm1 floor ge gt integer_pow is_finite le lgamma digamma log log1p "
+    "logistic lt max min ne nextafter not or pow rem round rsqrt select_n shift_left "
+    "shift_right_arithmetic shift_right_logical sign sin sinh sqrt square tan tanh xor "
+    "population_count clz bitcast_convert_type".split()
+  )
+)
+
+
+def is_literal(v) -> bool:
+  return isinstance(v, jcore.Literal)
+
+
+# ---------------------------------------------------------------------------
+# Rules: (interp, eqn, input layouts) -> (wanted input layouts, output layouts,
+# bind params or None for the eqn's, post-processing or None); None: no rule applies.
+# ---------------------------------------------------------------------------
+
+
+def elementwise(it, eqn, lays):
+  name = eqn.primitive.name
+  nd = len(eqn.outvars[0].aval.shape)
+  order = sorted(
+    range(len(lays)),
+    key=lambda i: (is_literal(eqn.invars[i]) or eqn.invars[i] in it.params_only, i),
+  )
+  dims: list[Axes] = [()] * nd
+  used: set[str] = set()
+  hint = it.hints.get(eqn.outvars[0])
+  if hint is not None and len(hint.dims) == nd:
+    # Every use wants the result laid out so: compute it so.
+    dims = list(hint.dims)
+    used = {a for d in dims for a in d}
+    order = []
+  for i in order:
+    lay = lays[i]
+    if len(lay.dims) != nd:
+      continue
+    for d, ax in enumerate(lay.dims):
+      if ax and not dims[d] and not set(ax) & used:  # a split dim has the full size
+        dims[d] = ax
+        used |= set(ax)
+  # Which operands may stay unreduced sums: all of an add (a whole operand is made a sum
+  # by zeroing it on all devices but one), one factor of a product, a quotient's
+  # numerator; none of a nonlinear function.
+  parts = [frozenset(lay.partial) - used for lay in lays]
+  if name in _LINEAR_ALL or name == "select_n":
+    first = 1 if name == "select_n" else 0
+    partial = frozenset().union(*parts[first:])
+    keep = {i: partial for i in range(first, len(lays))}
+  elif name in _LINEAR_ONE | _LINEAR_FIRST:
+    cands = [0] if name in _LINEAR_FIRST else range(len(lays))
+    i = next((i for i in cands if parts[i]), None)
+    partial = parts[i] if i is not None else frozenset()
+    keep = {i: partial} if i is not None else {}
+  else:
+    partial, keep = frozenset(), {}
+  out_shape = eqn.outvars[0].aval.shape
+  wants = []
+  for i, lay in enumerate(lays):
+    part = keep.get(i, frozenset())
+    if len(lay.dims) != nd:
+      wants.append(Layout(lay.dims, part))
+      continue
+    # Operands may broadcast along size-1 dims (rank-equal broadcasting).
+    shape = getattr(eqn.invars[i].aval, "shape", ())
+    wants.append(
+      Layout(tuple(ax if shape[d] == out_shape[d] else () for d, ax in enumerate(dims)), part)
+    )
+  params = None
+  if eqn.params.get("sharding") is not None:
+    params = dict(eqn.params, sharding=None)
+  return wants, [Layout(tuple(dims), partial) for _ in eqn.outvars], params, None
+
+
+def _broadcast_in_dim(it, eqn, lays):
+  if len(lays) > 1:
+    return None  # dynamic shapes
+  (lay,) = lays
+  shape = tuple(eqn.params["shape"])
+  bd = eqn.params["broadcast_dimensions"]
+  in_shape = eqn.invars[0].aval.shape
+  dims: list[Axes] = [()] * len(shape)
+  want = list(lay.dims)
+  for i, d in enumerate(bd):
+    if lay.dims[i] and in_shape[i] == shape[d]:
+      dims[d] = lay.dims[i]
+    else:
+      want[i] = ()
+  out = Layout(tuple(dims), lay.partial)
+  params = dict(eqn.params, shape=it.local_shape(shape, out))
+  if "sharding" in params:
+    params["sharding"] = None
+  return [Layout(tuple(want), lay.partial)], [out], params, None
+
+
+def _reshape(it, eqn, lays):
+  (lay,) = lays
+  if eqn.params.get("dimensions") is not None:
+    return None
+  src = tuple(eqn.invars[0].aval.shape)
+  dst = tuple(eqn.params["new_sizes"])
+  dims: list[Axes] = [()] * len(dst)
+  want = list(lay.dims)
+  for d, ax in enumerate(lay.dims):
+    if not ax:
+      continue
+    n = it.n(ax)
+    placed = None
+    pre = math.prod(src[:d])
+    for e in range(len(dst)):
+      if math.prod(dst[:e]) != pre or dst[e] == 1 or dst[e] % n:
+        continue
+      if dst[e] >= src[d]:
+        # Merged with the dims after d (which must be whole), d the major one.
+        k, prod = d, 1
+        while k < len(src) and prod < dst[e]:
+          prod *= src[k]
+          k += 1
+        if prod == dst[e] and all(not lay.dims[j] for j in range(d + 1, k)):
+          placed = e
+      else:
+        k, prod = e, 1
+        while k < len(dst) and prod < src[d]:
+          prod *= dst[k]
+          k += 1
+        if prod == src[d]:
+          placed = e
+      if placed is not None:
+        break
+    if placed is None or dims[placed]:
+      want[d] = ()
+    else:
+      dims[placed] = ax
+  out = Layout(tuple(dims), lay.partial)
+  params = dict(eqn.params, new_sizes=it.local_shape(dst, out))
+  if "sharding" in params:
+    params["sharding"] = None
+  return [Layout(tuple(want), lay.partial)], [out], params, None
+
+
+def _transpose(it, eqn, lays):
+  (lay,) = lays
+  perm = eqn.params["permutation"]
+  return [lay], [Layout(tuple(lay.dims[p] for p in perm), lay.partial)], None, None
+
+
+def _squeeze(it, eqn, lays):
+  (lay,) = lays
+  gone = set(eqn.params["dimensions"])
+  return (
+    [lay],
+    [Layout(tuple(d for i, d in enumerate(lay.dims) if i not in gone), lay.partial)],
+    None,
+    None,
+  )
+
+
+def _reduce(it, eqn, lays):
+  (lay,) = lays
+  name = eqn.primitive.name
+  axes = set(eqn.params["axes"])
+  split = [a for d in sorted(axes) for a in lay.dims[d]]
+  kept = tuple(d for i, d in enumerate(lay.dims) if i not in axes)
+  params = dict(eqn.params)
+  if "out_sharding" in params:
+    params["out_sharding"] = None
+  if name == "reduce_sum":
+    if set(split) & set(lay.partial):
+      return None
+    return [lay], [Layout(kept, lay.partial | frozenset(split))], params, None
+  if name in ("reduce_max", "reduce_min") and split:
+    whole = Layout(lay.dims)  # unreduced sums reduced first
+    red = tuple(a for a in it.sizes if a in split)
+    op = lax.pmax if name == "reduce_max" else lax.pmin
+    return [whole], [Layout(kept)], params, lambda outs: [op(o, red) for o in outs]
+  want = Layout(tuple(() if i in axes else d for i, d in enumerate(lay.dims)))
+  return [want], [Layout(kept)], params, None
+
+
+def _argreduce(it, eqn, lays):
+  (lay,) = lays
+  axes = set(eqn.params["axes"])
+  want = Layout(tuple(() if i in axes else d for i, d in enumerate(lay.dims)))
+  kept = tuple(d for i, d in enumerate(want.dims) if i not in axes)
+  return [want], [Layout(kept)], None, None
+
+
+def _cumulative(it, eqn, lays):
+  (lay,) = lays
+  ax = eqn.params["axis"]
+  linear = eqn.primitive.name == "cumsum"
+  want = Layout(
+    tuple(() if i == ax else d for i, d in enumerate(lay.dims)),
+    lay.partial if linear else frozenset(),
+  )
+  return [want], [want], None, None
+
+
+def _dot_general(it, eqn, lays):
+  (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+  lhs, rhs = lays
+  lv, rv = eqn.invars
+  L, R = list(lhs.dims), list(rhs.dims)
+  l_params = is_literal(lv) or lv in it.params_only
+  r_params = is_literal(rv) or rv in it.params_only
+  for a, b in zip(lb, rb):
+    if L[a] != R[b]:
+      if L[a] and not R[b]:
+        R[b] = L[a]
+      elif R[b] and not L[a]:
+        L[a] = R[b]
+      else:
+        R[b] = L[a]
+  partial: set[str] = set()
+  for a, b in zip(lc, rc):
+    if L[a] == R[b]:
+      partial |= set(L[a])
+      continue
+    if L[a] and R[b]:
+      L[a] = R[b] = ()
+      continue
+    # One side split: gather it if it holds parameters (FSDP), else the cheaper of
+    # gathering it and slicing the other side into an unreduced sum.
+    side, other = ("L", "R") if L[a] else ("R", "L")
+    ax = L[a] or R[b]
+    sharded_params = l_params if side == "L" else r_params
+    sharded_aval = (lv if side == "L" else rv).aval
+    gather = sharded_params or _bytes(sharded_aval) <= 2 * _bytes(eqn.outvars[0].aval)
+    if gather:
+      if side == "L":
+        L[a] = ()
+      else:
+        R[b] = ()
+    else:
+      if side == "L":
+        R[b] = ax
+      else:
+        L[a] = ax
+      partial |= set(ax)
+  l_part, r_part = set(lhs.partial), set(rhs.partial)
+  if l_part and r_part:
+    r_part = set()
+  # Resolve axes used twice in the output: gather free dims (parameters first).
+  for _ in range(8):
+    lf = [d for d in range(len(L)) if d not in lc and d not in lb]
+    rf = [d for d in range(len(R)) if d not in rc and d not in rb]
+    out_dims = [L[a] for a in lb] + [L[d] for d in lf] + [R[d] for d in rf]
+    seen: collections.Counter = collections.Counter(a for d in out_dims for a in d)
+    for a in partial | l_part | r_part:
+      seen[a] += 1
+    dup = [a for a, c in seen.items() if c > 1]
+    if not dup:
+      break
+    a = dup[0]
+    if a in l_part:
+      l_part.discard(a)
+    elif a in r_part:
+      r_part.discard(a)
+    else:
+      cands = [("R", d) for d in rf if a in R[d]] + [("L", d) for d in lf if a in L[d]]
+      if not cands:
+        return None
+      cands.sort(key=lambda c: not (r_params if c[0] == "R" else l_params))
+      side, d = cands[0]
+      if side == "R":
+        R[d] = ()
+      else:
+        L[d] = ()
+  else:
+    return None
+  out = Layout(tuple(out_dims), frozenset(partial | l_part | r_part))
+  params = dict(eqn.params)
+  if "out_sharding" in params:
+    params["out_sharding"] = None
+  return (
+    [Layout(tuple(L), frozenset(l_part)), Layout(tuple(R), frozenset(r_part))],
+    [out],
+    params,
+    None,
+  )
+
+
+def _bytes(aval) -> int:
+  return math.prod(aval.shape) * aval.dtype.itemsize
+
+
+def _iota(it, eqn, lays):
+  params = dict(eqn.params, sharding=None) if eqn.params.get("sharding") is not None else None
+  return [], [Layout.whole(len(eqn.params["shape"]))], params, None
+
+
+def _slice(it, eqn, lays):
+  (lay,) = lays
+  shape = eqn.invars[0].aval.shape
+  start, limit = eqn.params["start_indices"], eqn.params["limit_indices"]
+  strides = eqn.params.get("strides") or (1,) * len(shape)
+  dims = []
+  for d, ax in enumerate(lay.dims):
+    full = start[d] == 0 and limit[d] == shape[d] and strides[d] == 1
+    dims.append(ax if full else ())
+  out = Layout(tuple(dims), lay.partial)
+  local_limit = tuple(lim // it.n(ax) if ax else lim for lim, ax in zip(limit, dims))
+  return [out], [out], dict(eqn.params, limit_indices=local_limit), None
+
+
+def _dynamic_slice(it, eqn, lays):
+  lay = lays[0]
+  shape = eqn.invars[0].aval.shape
+  sizes = eqn.params["slice_sizes"]
+  dims = tuple(ax if sizes[d] == shape[d] else () for d, ax in enumerate(lay.dims))
+  out = Layout(dims, lay.partial)
+  params = dict(eqn.params, slice_sizes=it.local_shape(sizes, out))
+  return [out] + [Layout(()) for _ in lays[1:]], [out], params, None
+
+
+def _dynamic_update_slice(it, eqn, lays):
+  op, up = lays[:2]
+  shape = eqn.invars[0].aval.shape
+  ushape = eqn.invars[1].aval.shape
+  dims = tuple(
+    op.dims[d] if op.dims[d] == up.dims[d] and ushape[d] == shape[d] else ()
+    for d in range(len(shape))
+  )
+  part = op.partial | up.partial
+  out = Layout(dims, part)
+  return [out, out] + [Layout(()) for _ in lays[2:]], [out], None, None
+
+
+def _concatenate(it, eqn, lays):
+  dim = eqn.params["dimension"]
+  nd = len(lays[0].dims)
+  dims: list[Axes] = [()] * nd
+  for lay in lays:
+    for d, ax in enumerate(lay.dims):
+      if d != dim and ax and not dims[d]:
+        dims[d] = ax
+  part = frozenset().union(*[lay.partial for lay in lays])
+  out = Layout(tuple(dims), part)
+  return [out] * len(lays), [out], None, None
+
+
+def _rev(it, eqn, lays):
+  (lay,) = lays
+  gone = set(eqn.params["dimensions"])
+  out = Layout(tuple(() if d in gone else ax for d, ax in enumerate(lay.dims)), lay.partial)
+  return [out], [out], None, None
+
+
+def _pad(it, eqn, lays):
+  lay = lays[0]
+  cfg = eqn.params["padding_config"]
+  dims = tuple(ax if tuple(c) == (0, 0, 0) else () for ax, c in zip(lay.dims, cfg))
+  # Padding with zeros is linear (the transpose of a slice): a sum stays a sum.
+  pad = eqn.invars[1]
+  zero = is_literal(pad) and not np.any(np.asarray(pad.val))
+  out = Layout(dims, lay.partial if zero else frozenset())
+  return [out, Layout(())], [out], None, None
+
+
+def _sort(it, eqn, lays):
+  dim = eqn.params["dimension"]
+  nd = len(lays[0].dims)
+  dims = [()] * nd
+  for lay in lays:
+    for d, ax in enumerate(lay.dims):
+      if d != dim and ax and not dims[d]:
+        dims[d] = ax
+  out = Layout(tuple(dims))
+  return [out] * len(lays), [out] * len(eqn.outvars), None, None
+
+
+def _gather(it, eqn, lays):
+  op, idx = lays
+  dn = eqn.params["dimension_numbers"]
+  oshape = eqn.invars[0].aval.shape
+  ishape = eqn.invars[1].aval.shape
+  sizes = eqn.params["slice_sizes"]
+  out_nd = len(eqn.outvars[0].aval.shape)
+  offset = list(dn.offset_dims)
+  ob = tuple(getattr(dn, "operand_batching_dims", ()))
+  ib = tuple(getattr(dn, "start_indices_batching_dims", ()))
+  out_dims: list[Axes] = [()] * out_nd
+  # The indices' batch dims keep their split (the batch), paired operand batching dims
+  # split alike; then operand dims taken whole by every slice keep theirs where no axis
+  # repeats (else the table is gathered).
+  batch_out = [d for d in range(out_nd) if d not in offset]
+  batch_in = [d for d in range(len(ishape)) if d != len(ishape) - 1]
+  op_want: list[Axes] = [()] * len(oshape)
+  idx_want: list[Axes] = [()] * len(ishape)
+  used: set[str] = set()
+  for bi, bo in zip(batch_in, batch_out):
+    pair = ob[ib.index(bi)] if bi in ib else None
+    ax = idx.dims[bi] or (op.dims[pair] if pair is not None else ())
+    if ax and not set(ax) & used:
+      out_dims[bo] = idx_want[bi] = ax
+      if pair is not None:
+        op_want[pair] = ax
+      used |= set(ax)
+  window = [d for d in range(len(oshape)) if d not in dn.collapsed_slice_dims and d not in ob]
+  local_sizes = list(sizes)
+  for k, d in enumerate(window):
+    ax = op.dims[d]
+    if ax and sizes[d] == oshape[d] and d not in dn.start_index_map and not set(ax) & used:
+      out_dims[offset[k]] = op_want[d] = ax
+      local_sizes[d] = sizes[d] // it.n(ax)
+      used |= set(ax)
+  if used & set(op.partial):
+    return None
+  op_l = Layout(tuple(op_want), op.partial)
+  out = Layout(tuple(out_dims), op.partial)
+  params = dict(eqn.params, slice_sizes=tuple(local_sizes))
+  return [op_l, Layout(tuple(idx_want))], [out], params, None
+
+
+def _scatter_add(it, eqn, lays):
+  op, idx, up = lays
+  dn = eqn.params["dimension_numbers"]
+  ob = tuple(getattr(dn, "operand_batching_dims", ()))
+  ib = tuple(getattr(dn, "scatter_indices_batching_dims", ()))
+  ushape = eqn.invars[2].aval.shape
+  ishape = eqn.invars[1].aval.shape
+  scatter_u = [d for d in range(len(ushape)) if d not in dn.update_window_dims]
+  batch_in = [d for d in range(len(ishape)) if d != len(ishape) - 1]
+  u_of = dict(zip(batch_in, scatter_u))
+  op_dims: list[Axes] = [()] * len(op.dims)
+  up_want: list[Axes] = [()] * len(ushape)
+  idx_want: list[Axes] = [()] * len(ishape)
+  taken = set(op.partial) | set(up.partial)
+  # Batching dims split alike in operand, indices and updates: the result is split.
+  for o, i in zip(ob, ib):
+    ax = op.dims[o] or idx.dims[i] or up.dims[u_of[i]]
+    if ax and not set(ax) & taken:
+      op_dims[o] = idx_want[i] = up_want[u_of[i]] = ax
+      taken |= set(ax)
+  # Other scatter dims split: each device adds its updates; the result is a sum.
+  split: set[str] = set()
+  for i in batch_in:
+    if i in ib:
+      continue
+    ax = up.dims[u_of[i]] or idx.dims[i]
+    if ax and not set(ax) & taken:
+      up_want[u_of[i]] = idx_want[i] = ax
+      split |= set(ax)
+      taken |= set(ax)
+  part = frozenset(split) | op.partial | up.partial
+  out = Layout(tuple(op_dims), part)
+  return [out, Layout(tuple(idx_want)), Layout(tuple(up_want), part - split)], [out], None, None
+
+
+def _split(it, eqn, lays):
+  (lay,) = lays
+  ax = eqn.params["axis"]
+  out = Layout(tuple(() if i == ax else d for i, d in enumerate(lay.dims)), lay.partial)
+  return [out], [out] * len(eqn.outvars), None, None
+
+
+RULES = {
+  "broadcast_in_dim": _broadcast_in_dim,
+  "reshape": _reshape,
+  "transpose": _transpose,
+  "squeeze": _squeeze,
+  "reduce_sum": _reduce,
+  "reduce_max": _reduce,
+  "reduce_min": _reduce,
+  "reduce_prod": _reduce,
+  "reduce_and": _reduce,
+  "reduce_or": _reduce,
+  "argmax": _argreduce,
+  "argmin": _argreduce,
+  "cumsum": _cumulative,
+  "cumprod": _cumulative,
+  "cummax": _cumulative,
+  "cummin": _cumulative,
+  "cumlogsumexp": _cumulative,
+  "dot_general": _dot_general,
+  "iota": _iota,
+  "slice": _slice,
+  "dynamic_slice": _dynamic_slice,
+  "dynamic_update_slice": _dynamic_update_slice,
+  "concatenate": _concatenate,
+  "rev": _rev,
+  "pad": _pad,
+  "sort": _sort,
+  "gather": _gather,
+  "scatter-add": _scatter_add,
+  "scatter_add": _scatter_add,
+  "split": _split,
+}

@@ -1,0 +1,609 @@
+"""A GSPMD step in its shard_map form, converted equation by equation.
+
+A program written for ``jax.jit`` over sharded arrays has no collectives in its jaxpr:
+XLA's SPMD partitioner inserts them while compiling, where ``@overlap`` cannot move
+them. :func:`convert` writes the same program as one ``shard_map`` over the arguments'
+mesh. It follows each value's *layout* through the jaxpr, as the partitioner does:
+
+- which mesh axes split each dimension (a :class:`Layout`'s ``dims``), and
+- over which axes the value is an unreduced sum (``partial``: each device holds an
+  addend, as after a matmul that contracts a dimension split across devices).
+
+Every equation gets the layouts its rule needs, by exact conversions:
+
+- an all-gather where a split dimension must be whole (a parameter at its use, the
+  FSDP gather);
+- a local slice where a whole dimension may be split (free);
+- a reduce-scatter where an unreduced sum meets a split value (the gradient at the
+  optimizer update, the FSDP reduce-scatter), an all-reduce where it must be whole;
+- a zero on all but one device where a whole value joins a sum.
+
+Gradients are reduce-scattered where autodiff computed them, not where they are used:
+a first pass records which layout each unreduced sum is wanted in, and the conversion
+runs right after the equation that made it (inside the loop body for a scanned layer's
+gradient, so that the scan pipeliner finds one reduce-scatter per iteration).
+
+Each rule is exact, so the converted program computes the original's values (up to the
+order of floating-point sums, which the partitioner also splits). A primitive without a
+rule runs on whole values on every device (its inputs gathered, correct but redundant),
+and :attr:`Converted.replicated` names it. What cannot be converted (effects, arguments
+on several meshes or with other shardings, a layout the FSDP pattern does not have) is
+refused with :class:`Refused`, whose message says why; the caller then keeps the
+program as written.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.extend import core as jcore
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_overlap._src.transform.layouts import (
+  ELEMENTWISE,
+  RULES,
+  Axes,
+  Layout,
+  Refused,
+  elementwise,
+  is_literal,
+)
+
+__all__ = ["Layout", "Converted", "Refused", "convert", "input_layouts"]
+
+
+@dataclasses.dataclass
+class Converted:
+  """A converted step.
+
+  Attributes:
+    fn: the step as ``shard_map`` over ``mesh``, taking and returning the original's
+      flattened arguments and outputs (global arrays).
+    in_specs / out_specs: the PartitionSpecs of its inputs and outputs.
+    collectives: kind -> count of the collectives the conversion inserted (loop bodies
+      counted once).
+    replicated: primitives computed whole on every device because no rule splits them.
+  """
+
+  fn: Any
+  in_specs: tuple
+  out_specs: tuple
+  collectives: dict[str, int]
+  replicated: list[str]
+
+  def summary(self) -> str:
+    parts = [f"{n} {k}{'s' if n > 1 else ''}" for k, n in sorted(self.collectives.items()) if n]
+    text = "inserted " + (", ".join(parts) if parts else "no collectives")
+    if self.replicated:
+      text += "; computed whole on every device: " + ", ".join(sorted(set(self.replicated)))
+    return text
+
+
+_INLINE = {"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
+           "custom_vjp_call_jaxpr"}  # fmt: skip
+_REMAT = {"remat2", "checkpoint", "remat"}
+
+
+def _sub_closed(eqn):
+  """The jaxpr an inlined call runs, as (jaxpr, consts)."""
+  p = eqn.params
+  for k in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+    if k in p:
+      j = p[k]
+      if hasattr(j, "jaxpr") and hasattr(j, "consts"):
+        return j.jaxpr, list(j.consts)
+      return j, []
+  raise Refused(f"{eqn.primitive.name}: no jaxpr to inline")
+
+
+# ---------------------------------------------------------------------------
+# The interpreter.
+# ---------------------------------------------------------------------------
+
+
+class _Interp:
+  """Runs a jaxpr on per-device values (``abstract``: on layouts only)."""
+
+  def __init__(self, sizes: dict[str, int], params_only: set, hints: dict, abstract: bool):
+    self.sizes = sizes
+    self.params_only = params_only  # vars that depend only on parameters
+    self.hints = hints  # var -> Layout it is converted to right after it is made
+    self.abstract = abstract
+    self.demands: dict = collections.defaultdict(list)  # root var -> wanted layouts
+    self.uses: dict = {}  # other var -> (its layout, the layouts its uses want)
+    self.counts: collections.Counter = collections.Counter()
+    self.replicated: list[str] = []
+    self.root: dict = {}  # var holding a sum -> the var the sum was made in
+    self.in_loop = False  # running a loop body
+    self._memo: list[dict] = []  # per jaxpr being run: (var, layout) -> converted value
+
+  # -- layout helpers --------------------------------------------------------
+
+  def n(self, axes: Sequence[str]) -> int:
+    return math.prod(self.sizes[a] for a in axes)
+
+  def local_shape(self, shape, lay: Layout) -> tuple[int, ...]:
+    return tuple(s // self.n(d) for s, d in zip(shape, lay.dims))
+
+  def _index(self, axes: Sequence[str]):
+    idx = 0
+    for a in axes:
+      idx = idx * self.sizes[a] + lax.axis_index(a)
+    return idx
+
+  def convert(self, var, x, src: Layout, dst: Layout):
+    """``x`` (laid out ``src``) laid out ``dst``; records the demand in abstract mode."""
+    if var is not None and not is_literal(var):
+      if src.partial:
+        self.demands[self.root.get(var, var)].append(dst)
+      else:
+        self.uses[var] = (src, self.uses.get(var, (src, []))[1] + [dst])
+    if src == dst:
+      return x
+    memo = self._memo[-1] if self._memo and var is not None and not is_literal(var) else None
+    if memo is not None and (var, dst) in memo:
+      return memo[var, dst]  # gathered once per scope (a parameter's forward and backward uses)
+    if self.abstract:
+      self._count(src, dst)
+      if memo is not None:
+        memo[var, dst] = None
+      return None
+    x = self._converted(x, src, dst)
+    if memo is not None:
+      memo[var, dst] = x
+    return x
+
+  def _converted(self, x, src: Layout, dst: Layout):
+    dims = list(src.dims)
+    red = set(src.partial) - set(dst.partial)
+    if red:
+      scattered = False
+      for d, ax in enumerate(dst.dims):
+        if ax and set(ax) == red and not dims[d]:
+          x = lax.psum_scatter(x, ax, scatter_dimension=d, tiled=True)
+          dims[d] = ax
+          scattered = True
+          break
+      if not scattered:
+        x = lax.psum(x, tuple(a for a in self.sizes if a in red))
+    for d in range(len(dims)):
+      a, b = dims[d], dst.dims[d]
+      if a == b:
+        continue
+      if a:
+        x = lax.all_gather(x, a, axis=d, tiled=True)
+      if b:
+        size = x.shape[d] // self.n(b)
+        x = lax.dynamic_slice_in_dim(x, self._index(b) * size, size, axis=d)
+    add = set(dst.partial) - set(src.partial)
+    if add:
+      axes = tuple(a for a in self.sizes if a in add)
+      x = jnp.where(self._index(axes) == 0, x, jnp.zeros_like(x))
+    return x
+
+  def _count(self, src: Layout, dst: Layout) -> None:
+    red = set(src.partial) - set(dst.partial)
+    if red:
+      scatter = any(ax and set(ax) == red and not s for s, ax in zip(src.dims, dst.dims))
+      self.counts["reduce-scatter" if scatter else "all-reduce"] += 1
+    for a, b in zip(src.dims, dst.dims):
+      if a and a != b:
+        self.counts["all-gather"] += 1
+
+  # -- running a jaxpr -------------------------------------------------------
+
+  def run(self, jaxpr, consts, vals, lays, out_wants=None):
+    """Per-device outputs and layouts of ``jaxpr`` given its inputs' values and layouts."""
+    self._memo.append({})
+    try:
+      return self._run(jaxpr, consts, vals, lays, out_wants)
+    finally:
+      self._memo.pop()
+
+  def _run(self, jaxpr, consts, vals, lays, out_wants):
+    env: dict = {}
+    for v, c in zip(jaxpr.constvars, consts):
+      env[v] = (c, Layout.whole(len(getattr(c, "shape", ()))))
+    for v, x, lay in zip(jaxpr.invars, vals, lays):
+      env[v] = (x, lay)
+
+    def read(v):
+      if is_literal(v):
+        return v.val, Layout.whole(len(getattr(v.aval, "shape", ())))
+      return env[v]
+
+    for eqn in jaxpr.eqns:
+      if eqn.effects and any(
+        type(e).__name__ not in ("NamedAxisEffect", "InternalMutableArrayEffect")
+        for e in eqn.effects
+      ):
+        raise Refused(f"{eqn.primitive.name} has side effects ({eqn.effects})")
+      ins = [read(v) for v in eqn.invars]
+      if all(not is_literal(v) and v in self.params_only for v in eqn.invars if not is_literal(v)):
+        for o in eqn.outvars:
+          self.params_only.add(o)
+      outs = self.eqn(eqn, ins)
+      for v, (x, lay) in zip(eqn.outvars, outs):
+        if isinstance(v, jcore.DropVar):
+          continue
+        want = self.hints.get(v)
+        if want is not None and want != lay:
+          x = self.convert(v, x, lay, want)
+          lay = want
+        env[v] = (x, lay)
+    outs = [read(v) for v in jaxpr.outvars]
+    if out_wants is not None:
+      outs = [
+        (self.convert(v, x, lay, w), w) for v, (x, lay), w in zip(jaxpr.outvars, outs, out_wants)
+      ]
+    return outs
+
+  def eqn(self, eqn, ins):
+    name = eqn.primitive.name
+    if name in _INLINE:
+      jaxpr, consts = _sub_closed(eqn)
+      if len(jaxpr.invars) != len(ins):
+        raise Refused(f"{name}: its jaxpr takes {len(jaxpr.invars)} inputs, given {len(ins)}")
+      self._mark(jaxpr.invars, eqn.invars)
+      return self.run(jaxpr, consts, [x for x, _ in ins], [lay for _, lay in ins])
+    if name in _REMAT:
+      return self._remat(eqn, ins)
+    if name == "scan":
+      return self._scan(eqn, ins)
+    if name == "while":
+      return self._while(eqn, ins)
+    if name == "cond":
+      return self._cond(eqn, ins)
+    if name in ("sharding_constraint", "reshard"):
+      return self._constraint(eqn, ins)
+    if name in ("shard_map", "axis_index", "psum", "all_gather", "ppermute"):
+      raise Refused(f"{name} already names mesh axes; the program is not a GSPMD program")
+    rule = RULES.get(name)
+    if rule is None and name in ELEMENTWISE:
+      rule = elementwise
+    planned = rule(self, eqn, [lay for _, lay in ins]) if rule is not None else None
+    if planned is None:
+      return self._replicated(eqn, ins)
+    wants, out_lays, params, post = planned
+    return self._bind(eqn, ins, wants, out_lays, params, post)
+
+  def _mark(self, inner, outer) -> None:
+    """Marks the inputs of a called jaxpr that hold parameters."""
+    for v, u in zip(inner, outer):
+      if is_literal(u) or u in self.params_only:
+        self.params_only.add(v)
+
+  def _bind(self, eqn, ins, wants, out_lays, params=None, post=None):
+    vals = [self.convert(v, x, lay, w) for v, (x, lay), w in zip(eqn.invars, ins, wants)]
+    if not self.abstract:
+      outs = eqn.primitive.bind(*vals, **(params if params is not None else eqn.params))
+      outs = outs if eqn.primitive.multiple_results else [outs]
+      if post is not None:
+        outs = post(outs)
+    else:
+      outs = [None] * len(eqn.outvars)
+      if post is not None:
+        self.counts["all-reduce"] += 1
+    # A sum made here is its own root; one passed through a linear op keeps its root.
+    for v, lay in zip(eqn.outvars, out_lays):
+      if lay.partial:
+        src = [
+          u
+          for u, (_, l_in), w in zip(eqn.invars, ins, wants)
+          if not is_literal(u) and w.partial and l_in.partial
+        ]
+        same = len(src) == 1 and tuple(src[0].aval.shape) == tuple(v.aval.shape)
+        self.root[v] = self.root.get(src[0], src[0]) if same else v
+    return list(zip(outs, out_lays))
+
+  def _replicated(self, eqn, ins):
+    """A primitive without a rule: whole inputs, whole outputs on every device."""
+    wants = [Layout.whole(len(getattr(v.aval, "shape", ()))) for v in eqn.invars]
+    if any(lay != w for (_, lay), w in zip(ins, wants)):
+      self.replicated.append(eqn.primitive.name)
+    outs = [Layout.whole(len(getattr(v.aval, "shape", ()))) for v in eqn.outvars]
+    return self._bind(eqn, ins, wants, outs)
+
+  # -- structured primitives ---------------------------------------------------
+
+  def _constraint(self, eqn, ins):
+    (x, lay), (v,) = ins[0], eqn.invars[:1]
+    sharding = eqn.params.get("sharding", eqn.params.get("dst_sharding"))
+    want = _layout_of(sharding, len(v.aval.shape), self.sizes, f"{eqn.primitive.name}")
+    if want is None:
+      return [(x, lay)]
+    if lay.partial:
+      # A constraint on an unreduced sum (the cotangent of a gathered parameter) is
+      # left to the sum's use: reduce-scattered to the parameter's layout where GSPMD
+      # would all-reduce and slice (which XLA then rewrites into the same reduce-scatter).
+      return [(x, lay)]
+    free = eqn.params.get("unconstrained_dims") or ()
+    dims = tuple(lay.dims[d] if d in free else want.dims[d] for d in range(len(want.dims)))
+    want = Layout(dims)
+    return [(self.convert(v, x, lay, want), want)]
+
+  def _remat(self, eqn, ins):
+    p = eqn.params
+    jaxpr = p["jaxpr"]
+    jaxpr, consts = (jaxpr.jaxpr, list(jaxpr.consts)) if hasattr(jaxpr, "consts") else (jaxpr, [])
+    vals = [x for x, _ in ins]
+    self._mark(jaxpr.invars, eqn.invars)
+    if not self.abstract and not self.in_loop and p.get("differentiated") and p.get("prevent_cse"):
+      # What the remat lowering does: keep XLA from merging the recomputation with the
+      # forward pass. In a loop body (a scanned layer's backward) there is no forward
+      # pass to merge with, and the scan pipeliner finds the gathers without a barrier.
+      cse = p["prevent_cse"]
+      cse = (cse,) * len(vals) if isinstance(cse, bool) else tuple(cse)
+      idx = [i for i, c in enumerate(cse) if c]
+      held = lax.optimization_barrier([vals[i] for i in idx])
+      for i, h in zip(idx, held):
+        vals[i] = h
+    return self.run(jaxpr, consts, vals, [lay for _, lay in ins])
+
+  def _loop_carry(self, body, consts, const_lays, carry_lays, rest_lays, n_out):
+    """A fixed point of the carry's layouts through ``body`` (abstract runs)."""
+    carry = list(carry_lays)
+    for _ in range(6):
+      sub = _Interp(self.sizes, set(self.params_only), self.hints, abstract=True)
+      outs = sub.run(body, consts, [None] * len(body.invars), const_lays + carry + rest_lays)
+      new = [lay for _, lay in outs[:n_out]]
+      if new == carry:
+        return carry, [lay for _, lay in outs]
+      carry = new
+    carry = [Layout.whole(len(c.dims)) for c in carry]
+    sub = _Interp(self.sizes, set(self.params_only), self.hints, abstract=True)
+    outs = sub.run(body, consts, [None] * len(body.invars), const_lays + carry + rest_lays)
+    return carry, [lay for _, lay in outs]
+
+  def _scan(self, eqn, ins):
+    p = eqn.params
+    nc, nk = p["num_consts"], p["num_carry"]
+    body, bconsts = p["jaxpr"].jaxpr, list(p["jaxpr"].consts)
+    lays = [lay for _, lay in ins]
+    xs_want = [Layout(((),) + lay.dims[1:], lay.partial) for lay in lays[nc + nk :]]
+    xs_body = [Layout(lay.dims[1:], lay.partial) for lay in xs_want]
+    self._mark(body.invars[:nc], eqn.invars[:nc])
+    self._mark(body.invars[nc + nk :], eqn.invars[nc + nk :])
+    carry, outs = self._loop_carry(body, bconsts, lays[:nc], lays[nc : nc + nk], xs_body, nk)
+    ys = [lay for lay in outs[nk:]]
+    for i, v in enumerate(eqn.outvars[nk:]):
+      hint = self.hints.get(v)
+      if hint is not None and not hint.dims[0]:
+        ys[i] = Layout(hint.dims[1:], hint.partial)
+    out_lays = carry + [Layout(((),) + y.dims, y.partial) for y in ys]
+    wants = lays[:nc] + carry + xs_want
+    vals = [self.convert(v, x, lay, w) for v, (x, lay), w in zip(eqn.invars, ins, wants)]
+    for v, lay in zip(eqn.outvars[nk:], out_lays[nk:]):
+      if lay.partial:
+        self.root[v] = v
+    inner = self
+    if self.abstract:
+      self.run(body, bconsts, [None] * len(body.invars), lays[:nc] + carry + xs_body, carry + ys)
+      return [(None, lay) for lay in out_lays]
+    consts_v = vals[:nc]
+
+    def step(c, xs):
+      outer, inner.in_loop = inner.in_loop, True
+      outs = inner.run(body, bconsts, [*consts_v, *c, *xs], lays[:nc] + carry + xs_body, carry + ys)
+      inner.in_loop = outer
+      return [x for x, _ in outs[:nk]], [x for x, _ in outs[nk:]]
+
+    kw = {}
+    if "_split_transpose" in p:
+      kw["_split_transpose"] = p["_split_transpose"]
+    c, y = lax.scan(
+      step,
+      vals[nc : nc + nk],
+      vals[nc + nk :],
+      length=p["length"],
+      reverse=p["reverse"],
+      unroll=p["unroll"],
+      **kw,
+    )
+    return list(zip([*c, *y], out_lays))
+
+  def _while(self, eqn, ins):
+    p = eqn.params
+    cn, bn = p["cond_nconsts"], p["body_nconsts"]
+    cond, body = p["cond_jaxpr"], p["body_jaxpr"]
+    lays = [lay for _, lay in ins]
+    carry, _ = self._loop_carry(
+      body.jaxpr, list(body.consts), lays[cn : cn + bn], lays[cn + bn :], [], len(lays) - cn - bn
+    )
+    wants = lays[: cn + bn] + carry
+    vals = [self.convert(v, x, lay, w) for v, (x, lay), w in zip(eqn.invars, ins, wants)]
+    if self.abstract:
+      self.run(body.jaxpr, list(body.consts), [None] * len(body.jaxpr.invars), wants[cn:], carry)
+      return [(None, lay) for lay in carry]
+    cvals, bvals = vals[:cn], vals[cn : cn + bn]
+    inner = self
+
+    def cond_fn(c):
+      ((x, lay),) = inner.run(
+        cond.jaxpr, list(cond.consts), [*cvals, *c], lays[:cn] + carry, [Layout(())]
+      )
+      return x
+
+    def body_fn(c):
+      outer, inner.in_loop = inner.in_loop, True
+      outs = inner.run(body.jaxpr, list(body.consts), [*bvals, *c], wants[cn:], carry)
+      inner.in_loop = outer
+      return [x for x, _ in outs]
+
+    out = lax.while_loop(cond_fn, body_fn, vals[cn + bn :])
+    return list(zip(out, carry))
+
+  def _cond(self, eqn, ins):
+    branches = eqn.params["branches"]
+    lays = [Layout.whole(0)] + [lay for _, lay in ins[1:]]
+    per = []
+    for br in branches:
+      sub = _Interp(self.sizes, set(self.params_only), self.hints, abstract=True)
+      per.append(
+        [
+          lay
+          for _, lay in sub.run(br.jaxpr, list(br.consts), [None] * len(br.jaxpr.invars), lays[1:])
+        ]
+      )
+    out_lays = [
+      ls[0] if all(x == ls[0] for x in ls) else Layout.whole(len(ls[0].dims)) for ls in zip(*per)
+    ]
+    vals = [self.convert(v, x, lay, w) for v, (x, lay), w in zip(eqn.invars, ins, lays)]
+    if self.abstract:
+      for br in branches:
+        self.run(br.jaxpr, list(br.consts), [None] * len(br.jaxpr.invars), lays[1:], out_lays)
+      return [(None, lay) for lay in out_lays]
+    fns = [functools.partial(self._branch, br, lays[1:], out_lays) for br in branches]
+    out = lax.switch(vals[0], fns, *vals[1:])
+    return list(zip(out, out_lays))
+
+  def _branch(self, br, lays, out_lays, *args):
+    return [x for x, _ in self.run(br.jaxpr, list(br.consts), list(args), lays, out_lays)]
+
+
+# ---------------------------------------------------------------------------
+# Entry points.
+# ---------------------------------------------------------------------------
+
+
+def _layout_of(sharding, ndim: int, sizes: dict[str, int], where: str) -> Layout | None:
+  """The layout a NamedSharding asks for (None: not a NamedSharding, nothing asked)."""
+  if not isinstance(sharding, NamedSharding):
+    if sharding is None or type(sharding).__name__ in ("UnspecifiedValue", "AUTO"):
+      return None
+    if getattr(sharding, "is_fully_replicated", False):
+      return Layout.whole(ndim)
+    raise Refused(f"{where} has a {type(sharding).__name__}, not a NamedSharding")
+  mesh = sharding.mesh
+  if dict(mesh.shape) != sizes:
+    raise Refused(
+      f"{where} is laid out on mesh {dict(mesh.shape)}, not the arguments' mesh {sizes}"
+    )
+  dims: list[Axes] = []
+  spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+  for entry in spec[:ndim]:
+    if entry is None or entry is P.UNCONSTRAINED:
+      dims.append(())
+    else:
+      dims.append(tuple(entry) if isinstance(entry, tuple) else (entry,))
+  if getattr(sharding, "_partial", None) or getattr(sharding.spec, "unreduced", None):
+    raise Refused(f"{where} is unreduced")
+  return Layout(tuple(dims))
+
+
+def input_layouts(leaves) -> tuple[Any, list[Layout]]:
+  """The mesh of the arguments and each leaf's layout on it.
+
+  Raises:
+    Refused: no argument is laid out over a mesh, or they use different meshes, or an
+      argument has a sharding other than a NamedSharding.
+  """
+  mesh = None
+  for x in leaves:
+    s = getattr(x, "sharding", None)
+    if isinstance(s, NamedSharding) and math.prod(s.mesh.shape.values()) > 1:
+      if mesh is None:
+        mesh = s.mesh
+      elif dict(s.mesh.shape) != dict(mesh.shape) or s.mesh.axis_names != mesh.axis_names:
+        raise Refused(f"arguments lie on two meshes: {dict(mesh.shape)} and {dict(s.mesh.shape)}")
+  if mesh is None:
+    raise Refused("no argument is laid out over a mesh of more than one device")
+  sizes = dict(mesh.shape)
+  lays = []
+  for i, x in enumerate(leaves):
+    nd = len(getattr(x, "shape", ()))
+    s = getattr(x, "sharding", None)
+    lay = _layout_of(s, nd, sizes, f"argument leaf {i}") if s is not None else None
+    if lay is None or not isinstance(s, NamedSharding):
+      lay = Layout.whole(nd)
+    lays.append(lay)
+  return mesh, lays
+
+
+def _check_fsdp_pattern(lays: list[Layout]) -> None:
+  for i, lay in enumerate(lays):
+    split = [d for d, ax in enumerate(lay.dims) if ax]
+    if len(split) > 1:
+      raise Refused(
+        f"argument leaf {i} is split along dimensions {split} ({lay.describe()}): the "
+        "conversion handles the FSDP pattern, each argument split along at most one dimension"
+      )
+
+
+def convert(
+  closed,
+  leaves,
+  out_shardings=None,
+  params_leaves: Sequence[int] = (),
+) -> Converted:
+  """The step ``closed`` (a ClosedJaxpr over the flattened ``leaves``) as a shard_map.
+
+  Args:
+    closed: the step's jaxpr, traced over global shapes.
+    leaves: the flattened arguments (arrays or ShapeDtypeStructs with NamedShardings).
+    out_shardings: the step's requested output shardings, flattened (None entries or
+      None: the layouts the conversion arrives at, unreduced sums reduced).
+    params_leaves: positions of the leaves holding parameters (gathered at use where a
+      layout conflict needs one side whole).
+
+  Raises:
+    Refused: the program cannot be converted; the message says why.
+  """
+  mesh, in_lays = input_layouts(leaves)
+  _check_fsdp_pattern(in_lays)
+  sizes = dict(mesh.shape)
+  jaxpr, consts = closed.jaxpr, list(closed.consts)
+  n_out = len(jaxpr.outvars)
+  asked: list[Layout | None] = [None] * n_out
+  if out_shardings is not None:
+    for i, (s, v) in enumerate(zip(out_shardings, jaxpr.outvars)):
+      asked[i] = _layout_of(s, len(v.aval.shape), sizes, f"output {i}")
+  params = {jaxpr.invars[i] for i in params_leaves}
+
+  def outs_wanted(got: list[Layout]) -> list[Layout]:
+    return [a if a is not None else Layout(g.dims) for a, g in zip(asked, got)]
+
+  hints: dict = {}
+  for _ in range(8):
+    it = _Interp(sizes, set(params), hints, abstract=True)
+    got = [lay for _, lay in it.run(jaxpr, consts, [None] * len(in_lays), in_lays)]
+    it = _Interp(sizes, set(params), hints, abstract=True)
+    it.run(jaxpr, consts, [None] * len(in_lays), in_lays, outs_wanted(got))
+    new: dict = {}
+    # A sum goes, right where it is made, to the most split layout its uses want (a
+    # gradient reduce-scattered, not all-reduced, where one use is a split parameter's).
+    for root, wanted in it.demands.items():
+      best = max(wanted, key=lambda w: (sum(bool(d) for d in w.dims), -len(w.partial)))
+      new[root] = best
+    # Another value goes to the layout all its uses want, when they agree (an optimizer's
+    # elementwise update runs on the shards its state lives on).
+    for var, (lay, wanted) in it.uses.items():
+      if len(set(wanted)) == 1 and wanted[0] != lay and not wanted[0].partial:
+        new[var] = wanted[0]
+    if new == hints:
+      break
+    hints = new
+  out_lays = outs_wanted(got)
+  counts, replicated = dict(it.counts), list(it.replicated)
+
+  def body(*local):
+    run = _Interp(sizes, set(params), hints, abstract=False)
+    outs = run.run(jaxpr, consts, list(local), in_lays, out_lays)
+    return tuple(x for x, _ in outs)
+
+  in_specs = tuple(lay.spec() for lay in in_lays)
+  out_specs = tuple(lay.spec() for lay in out_lays)
+  try:
+    fn = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+  except TypeError:  # pragma: no cover - older jax
+    fn = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+  return Converted(fn, in_specs, out_specs, counts, replicated)

@@ -1,0 +1,295 @@
+"""GSPMD steps converted to their shard_map form: the same values, FSDP collectives."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_overlap
+from jax_overlap._src.transform import to_shard_map
+from jax_overlap.examples import fsdp_transformer as G
+
+
+def _mesh(shape, names):
+  n = int(np.prod(shape))
+  return Mesh(np.array(jax.devices()[:n]).reshape(shape), names)
+
+
+def _convert(fn, args, params_argnums=(0,)):
+  traced = fn.trace(*args)
+  leaves = jax.tree.leaves(args)
+  starts = np.cumsum([0, *[len(jax.tree.leaves(a)) for a in args]])
+  params = [j for i in params_argnums for j in range(starts[i], starts[i + 1])]
+  conv = to_shard_map.convert(
+    traced.jaxpr, leaves, traced._params["out_shardings"], params_leaves=params
+  )
+  return conv, leaves
+
+
+def _collectives(fn, leaves) -> dict[str, int]:
+  text = str(jax.make_jaxpr(fn)(*leaves))
+  return {k: text.count(k + "[") for k in ("all_gather", "reduce_scatter", "psum")}
+
+
+def _assert_same(got, want, rtol=2e-5, atol=2e-6):
+  got, want = jax.tree.leaves(got), jax.tree.leaves(want)
+  assert len(got) == len(want)
+  for g, w in zip(got, want):
+    assert g.shape == w.shape and g.dtype == w.dtype
+    assert g.sharding.is_equivalent_to(w.sharding, g.ndim), (g.sharding, w.sharding)
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=rtol, atol=atol)
+
+
+def _transformer(mesh, **cfg):
+  cfg = dict(hidden=32, mlp=64, heads=4, seq=8, dtype="float32", **cfg)
+  fn, args = G.build(mesh=mesh, **cfg)
+  c = G.Config(**cfg)
+  params = G.init_params(c, mesh, jax.random.key(0))
+  batch = {}
+  for k, a in args[1].items():
+    if a.dtype == jnp.int32:
+      x = jax.random.randint(jax.random.key(1), a.shape, 0, c.vocab)
+    else:
+      x = jax.random.normal(jax.random.key(1), a.shape, a.dtype)
+    batch[k] = jax.device_put(x, a.sharding)
+  # The step donates its parameters: a fresh copy per call.
+  fresh = lambda: jax.tree.map(lambda x: jax.device_put(jnp.array(x), x.sharding), params)  # noqa: E731
+  return fn, fresh, batch
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+  layers=st.integers(1, 3),
+  form=st.sampled_from(["unrolled", "scan", "scan_remat", "vocab"]),
+  devices=st.sampled_from([2, 4, 8]),
+  batch_per_device=st.integers(1, 2),
+)
+def test_transformer_forms_compute_the_original(layers, form, devices, batch_per_device):
+  mesh = _mesh((devices,), ("fsdp",))
+  extra = {
+    "unrolled": {},
+    "scan": {"scan": True},
+    "scan_remat": {"scan": True, "remat": True},
+    "vocab": {"vocab": 64},
+  }[form]
+  fn, fresh, batch = _transformer(mesh, layers=layers, batch_per_device=batch_per_device, **extra)
+  conv, leaves = _convert(fn, (fresh(), batch))
+  got = jax.jit(conv.fn)(*leaves)
+  want = jax.tree.leaves(fn(fresh(), batch))
+  _assert_same(got, want)
+  # FSDP: every split matrix is gathered at use and its gradient reduce-scattered; only
+  # replicated parameters (norm scales) and the loss are all-reduced.
+  n = _collectives(conv.fn, leaves)
+  assert n["all_gather"] >= 7 * (1 if extra.get("scan") else layers)
+  assert n["reduce_scatter"] >= 7 * (1 if extra.get("scan") else layers)
+  assert not conv.replicated
+
+
+def test_scanned_gradients_are_reduce_scattered_inside_the_loop():
+  mesh = _mesh((8,), ("fsdp",))
+  fn, fresh, batch = _transformer(mesh, layers=3, scan=True, remat=True)
+  conv, leaves = _convert(fn, (fresh(), batch))
+  smap = jax.make_jaxpr(conv.fn)(*leaves)
+  (body,) = [e for e in smap.jaxpr.eqns if e.primitive.name == "shard_map"]
+  scans = [e for e in body.params["jaxpr"].eqns if e.primitive.name == "scan"]
+  assert len(scans) == 2
+  forward, backward = sorted(scans, key=lambda e: e.params["reverse"])
+  # The backward loop reduce-scatters each layer's gradients into its stacked outputs
+  # (one per split matrix), so the scan pipeliner can issue them one iteration late.
+  assert str(backward.params["jaxpr"]).count("reduce_scatter[") == 7
+  assert str(forward.params["jaxpr"]).count("all_gather[") == 7
+  assert conv.collectives["reduce-scatter"] == 7
+
+
+def _adamw_step(mesh, batch_spec, dtype=jnp.float32):
+  """A hand-written GSPMD step: embedding, two MLP blocks, optax.adamw, no constraints."""
+  h, f, v = 32, 64, 48
+  keys = jax.random.split(jax.random.key(0), 6)
+  shapes = {
+    "embed": ((v, h), P(None, "fsdp")),
+    "w_in": ((2, h, f), P(None, "fsdp", None)),
+    "w_out": ((2, f, h), P(None, None, "fsdp")),
+    "scale": ((h,), P()),
+    "head": ((h, v), P("fsdp", None)),
+  }
+  params = {
+    k: jax.device_put(
+      jax.random.normal(key, shape, dtype) / np.sqrt(shape[-2] if len(shape) > 1 else 1),
+      NamedSharding(mesh, spec),
+    )
+    for key, (k, (shape, spec)) in zip(keys, shapes.items())
+  }
+  opt = optax.adamw(1e-2)
+  # AdamW's moments laid out like their parameters (the step counter replicated).
+  like = {x.shape: x.sharding for x in jax.tree.leaves(params)}
+  state = jax.tree.map(
+    lambda x: jax.device_put(x, like.get(x.shape, NamedSharding(mesh, P()))),
+    jax.jit(opt.init)(params),
+  )
+  tokens = jax.random.randint(keys[5], (16, 4), 0, v)
+  tokens = jax.device_put(tokens, NamedSharding(mesh, batch_spec))
+
+  def loss_fn(p, tokens):
+    x = p["embed"][tokens]
+    for i in range(2):
+      y = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * p["scale"]
+      x = x + jax.nn.gelu(y @ p["w_in"][i]) @ p["w_out"][i]
+    logits = x @ p["head"]
+    logp = jax.nn.log_softmax(logits)
+    labels = jnp.roll(tokens, 1, axis=1)
+    return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
+
+  def step(p, s, tokens):
+    loss, g = jax.value_and_grad(loss_fn)(p, tokens)
+    updates, s = opt.update(g, s, p)
+    return optax.apply_updates(p, updates), s, loss
+
+  shardings = jax.tree.map(lambda x: x.sharding, (params, state))
+  fn = jax.jit(step, out_shardings=(*shardings, NamedSharding(mesh, P())))
+  return fn, (params, state, tokens)
+
+
+@pytest.mark.parametrize(
+  "shape,names,batch_spec",
+  [((8,), ("fsdp",), P("fsdp")), ((2, 4), ("data", "fsdp"), P(("data", "fsdp")))],
+)
+def test_optax_step_without_constraints(shape, names, batch_spec):
+  # Parameters split along dims 0, 1 or 2, no sharding constraints in the model, the
+  # batch over the same or two mesh axes, AdamW's state laid out like the parameters.
+  mesh = _mesh(shape, names)
+  fn, args = _adamw_step(mesh, batch_spec)
+  conv, leaves = _convert(fn, args, params_argnums=(0, 1))
+  got = jax.jit(conv.fn)(*leaves)
+  _assert_same(got, fn(*args), rtol=1e-4, atol=1e-5)
+  n = _collectives(conv.fn, leaves)
+  assert n["reduce_scatter"] >= 4  # embed, w_in, w_out, head gradients
+  assert n["all_gather"] >= 4
+
+
+def test_flax_nn_scan_remat_step():
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+      y = nn.LayerNorm()(x)
+      y = nn.Dense(64)(y)
+      return x + nn.Dense(32)(nn.relu(y)), None
+
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      stack = nn.scan(
+        nn.remat(Block, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
+        variable_axes={"params": 0},
+        split_rngs={"params": True},
+        length=3,
+      )
+      x, _ = stack()(x, None)
+      return jnp.mean(x**2)
+
+  mesh = _mesh((8,), ("fsdp",))
+  model = Model()
+  x = jax.device_put(jax.random.normal(jax.random.key(1), (16, 32)), NamedSharding(mesh, P("fsdp")))
+  params = model.init(jax.random.key(0), x)
+
+  def spec(a):  # the largest dim divisible by the mesh, MaxText's FSDP rule
+    dims = [d for d in np.argsort(a.shape)[::-1] if a.shape[d] % 8 == 0 and a.shape[d] > 8]
+    s = [None] * a.ndim
+    if dims:
+      s[dims[0]] = "fsdp"
+    return NamedSharding(mesh, P(*s))
+
+  params = jax.tree.map(lambda a: jax.device_put(a, spec(a)), params)
+
+  def step(p, x):
+    loss, g = jax.value_and_grad(lambda p: model.apply(p, x))(p)
+    return jax.tree.map(lambda w, g: w - 0.1 * g, p, g), loss
+
+  fn = jax.jit(step, out_shardings=(jax.tree.map(lambda a: a.sharding, params), None))
+  conv, leaves = _convert(fn, (params, x))
+  _assert_same(jax.jit(conv.fn)(*leaves), fn(params, x))
+  assert _collectives(conv.fn, leaves)["reduce_scatter"] >= 2
+
+
+def test_refusals_name_the_reason():
+  mesh = _mesh((2, 4), ("data", "fsdp"))
+  w = jax.device_put(jnp.ones((8, 8)), NamedSharding(mesh, P("data", "fsdp")))
+  fn = jax.jit(lambda w: w * 2)
+  with pytest.raises(to_shard_map.Refused, match=r"split along dimensions \[0, 1\]"):
+    _convert(fn, (w,))
+  plain = jnp.ones((8, 8))
+  with pytest.raises(to_shard_map.Refused, match="no argument is laid out over a mesh"):
+    _convert(fn, (plain,))
+  v = jax.device_put(jnp.ones((8,)), NamedSharding(mesh, P("fsdp")))
+
+  def printed(v):
+    jax.debug.print("{}", v.sum())
+    return v * 2
+
+  with pytest.raises(to_shard_map.Refused, match="side effects"):
+    _convert(jax.jit(printed), (v,))
+  # @overlap says why and runs the step as written.
+  ov = jax_overlap.overlap(printed, gspmd="convert", cache=False)
+  (note,) = [n for n in ov.explain(v).notes if n.startswith("not converted to shard_map")]
+  assert "side effects" in note
+  np.testing.assert_array_equal(np.asarray(ov(v)), np.asarray(v) * 2)
+
+
+def test_layout_conversions_are_exact():
+  # Every conversion the rules use, on a value split, summed or whole, against its
+  # global meaning.
+  mesh = _mesh((2, 4), ("data", "fsdp"))
+  x = jax.random.normal(jax.random.key(0), (8, 12))
+  it = to_shard_map._Interp(dict(mesh.shape), set(), {}, abstract=False)
+  L = to_shard_map.Layout
+  cases = [
+    (L(((), ())), L((("fsdp",), ()))),
+    (L((("fsdp",), ())), L(((), ()))),
+    (L((("data", "fsdp"), ())), L(((), ("data",)))),
+    (L(((), ()), frozenset({"fsdp"})), L((("fsdp",), ()))),
+    (L(((), ()), frozenset({"fsdp", "data"})), L(((), ()))),
+    (L(((), ())), L(((), ()), frozenset({"data"}))),
+  ]
+  for src, dst in cases:
+    # Per-device input laid out `src` (a sum: device 0 of each group holds x, the rest 0).
+    def f(x, src=src, dst=dst):
+      local = it.convert(None, x, L(((), ())), src) if not src.partial else x
+      if src.partial:
+        local = it.convert(None, x, L(((), ())), L(((), ()), src.partial))
+        local = it.convert(None, local, L(((), ()), src.partial), src)
+      out = it.convert(None, local, src, dst)
+      if dst.partial:
+        out = jax.lax.psum(out, tuple(sorted(dst.partial)))
+        dst = L(dst.dims)
+      return jax.lax.all_gather(
+        it.convert(None, out, dst, L(((), ()))), ("data", "fsdp"), tiled=False
+      )
+
+    got = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))(x)
+    for g in np.asarray(got).reshape(-1, *x.shape):
+      np.testing.assert_allclose(g, np.asarray(x), rtol=1e-6, atol=1e-6)
+
+
+def test_overlap_chooses_among_both_forms(tmp_path):
+  # A scanned, rematerialized GSPMD step on h100x8: the selection compiles the step as
+  # written under compiler options and its shard_map form rewritten, deviceless.
+  fn, args = G.build("h100x8", layers=3, hidden=1024, mlp=2816, heads=8, seq=1024, scan=True,
+                     remat=True)  # fmt: skip
+  ov = jax_overlap.overlap(fn, target="h100x8", cache=False)
+  e = ov.explain(*args)
+  names = [n for n, _ in e.candidates]
+  assert any(n.startswith("shard_map form, rewritten") for n in names)
+  assert "as written, recommended flags" in names
+  assert any(n.startswith("converted to shard_map") for n in e.notes)
+  est = dict(e.candidates)
+  assert est[e.chosen] == min(est.values())
+  if e.chosen.startswith("shard_map form"):
+    (conv,) = e.of_kind("convert")
+    assert "reduce-scatter" in conv.detail
+  if e.chosen.startswith("shard_map form, rewritten"):
+    assert e.of_kind("prefetch")
