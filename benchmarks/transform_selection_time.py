@@ -2,7 +2,9 @@
 
 The Llama-style FSDP step of ``transform_fsdp`` (bf16, hidden 4096, MLP 11008, sequence
 2048, one sequence per GPU) at 32 layers, in the forms users write (by default the
-rematerialized ``lax.scan`` and the unrolled layers), compiled deviceless for h100x8.
+rematerialized ``lax.scan`` and the unrolled layers, in shard_map and as plain ``jax.jit``
+over sharded arrays, GSPMD, whose selection also compiles the step's shard_map form),
+compiled deviceless for h100x8.
 Per form: the first selection (every variant compiled and analysed, a fresh selection
 cache) and the same step decorated again by a new ``overlap`` in the same process (the
 remembered choice read back; JAX's trace cache is warm, so a restarted job also pays
@@ -13,6 +15,7 @@ Writes benchmarks/results/transform_selection_time.{json,md}.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import tempfile
@@ -27,12 +30,26 @@ from absl import app  # noqa: E402
 from absl import flags as absl_flags  # noqa: E402
 
 import jax_overlap  # noqa: E402
+from jax_overlap.examples import fsdp_transformer as G  # noqa: E402
 from jax_overlap.examples import shard_map_fsdp as S  # noqa: E402
 
 FLAGS = absl_flags.FLAGS
 absl_flags.DEFINE_integer("layers", 32, "Layers.")
 absl_flags.DEFINE_string("target", "h100x8", "Target.")
-absl_flags.DEFINE_list("forms", ["scan_remat", "unrolled"], "Program forms (shard_map_fsdp).")
+absl_flags.DEFINE_list(
+  "forms",
+  ["scan_remat", "unrolled", "gspmd_scan_remat", "gspmd"],
+  "Program forms: shard_map_fsdp's, and gspmd* (fsdp_transformer, plain jax.jit; the "
+  "selection also compiles their shard_map form).",
+)
+
+
+def _build(form: str, cfg: dict):
+  if form == "gspmd":
+    return G.build(FLAGS.target, **cfg)
+  if form == "gspmd_scan_remat":
+    return G.build(FLAGS.target, scan=True, remat=True, **cfg)
+  return S.build(FLAGS.target, form=form, **cfg)
 
 
 def main(argv):
@@ -40,7 +57,7 @@ def main(argv):
   cfg = dict(layers=FLAGS.layers, hidden=4096, mlp=11008, heads=32, seq=2048, batch_per_device=1)
   rows = []
   for form in FLAGS.forms:
-    fn, args = S.build(FLAGS.target, form=form, **cfg)
+    fn, args = _build(form, cfg)
     with tempfile.TemporaryDirectory() as cache_dir:
       os.environ["JAX_OVERLAP_CACHE_DIR"] = cache_dir
       t0 = time.perf_counter()
@@ -62,13 +79,22 @@ def main(argv):
     }
     rows.append(row)
     print(row, flush=True)
+  # Rows of the forms not rerun are kept from the earlier results.
+  try:
+    with open(os.path.join(_common.RESULTS, "transform_selection_time.json")) as f:
+      earlier = json.load(f)["rows"]
+  except (OSError, KeyError, ValueError):
+    earlier = []
+  rerun = {r["form"] for r in rows}
+  rows = [r for r in earlier if r.get("form") not in rerun] + rows
   lines = [
     "# @overlap's variant selection on a 32-layer FSDP step",
     "",
-    f"shard_map_fsdp {cfg}, deviceless for {FLAGS.target}, one run each on this machine "
+    f"shard_map_fsdp and (gspmd*) fsdp_transformer {cfg}, deviceless for {FLAGS.target}, one run each on this machine "
     "(wall clock). First: every variant compiled and analysed, a fresh selection cache. "
     "Again: a new decorator on the same step in the same process (the remembered choice; "
-    "JAX's trace cache is warm, a restarted job also traces the step once).",
+    "JAX's trace cache is warm, a restarted job also traces the step once). Each row's "
+    "times are from its own run.",
     "",
     "| form | layers | variants compiled | first selection s | again s | chosen |",
     "|---|---:|---:|---:|---:|---|",

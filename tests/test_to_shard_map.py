@@ -278,9 +278,9 @@ def test_layout_conversions_are_exact():
 def test_overlap_chooses_among_both_forms(tmp_path):
   # A scanned, rematerialized GSPMD step on h100x8: the selection compiles the step as
   # written under compiler options and its shard_map form rewritten, deviceless.
-  fn, args = G.build("h100x8", layers=3, hidden=1024, mlp=2816, heads=8, seq=1024, scan=True,
+  fn, args = G.build("h100x8", layers=2, hidden=512, mlp=1408, heads=4, seq=512, scan=True,
                      remat=True)  # fmt: skip
-  ov = jax_overlap.overlap(fn, target="h100x8", cache=False)
+  ov = jax_overlap.overlap(fn, target="h100x8", cache=False, schedule_from_estimates=False)
   e = ov.explain(*args)
   names = [n for n, _ in e.candidates]
   assert any(n.startswith("shard_map form, rewritten") for n in names)
@@ -293,3 +293,41 @@ def test_overlap_chooses_among_both_forms(tmp_path):
     assert "reduce-scatter" in conv.detail
   if e.chosen.startswith("shard_map form, rewritten"):
     assert e.of_kind("prefetch")
+
+
+def test_while_and_cond_bodies_are_converted():
+  # A loop applying a split weight repeatedly, a cond on the batch's mean, a while loop
+  # in the update: loop carries keep their split, the branches agree on their outputs.
+  mesh = _mesh((4,), ("fsdp",))
+  w = jax.device_put(
+    jax.random.normal(jax.random.key(0), (16, 16)) / 4, NamedSharding(mesh, P("fsdp"))
+  )
+  x = jax.device_put(jax.random.normal(jax.random.key(1), (8, 16)), NamedSharding(mesh, P("fsdp")))
+
+  def loss(w, x):
+    y = jax.lax.fori_loop(0, 3, lambda i, y: jnp.tanh(y @ w) + i, x)
+    y = jax.lax.cond(jnp.mean(y) > 0, lambda y: y * 2.0, lambda y: y - 1.0, y)
+    return jnp.mean(y**2)
+
+  def step(w, x):
+    value, g = jax.value_and_grad(loss)(w, x)
+    # A while loop outside autodiff (a differentiated fori_loop becomes a scan).
+    _, new = jax.lax.while_loop(
+      lambda c: c[0] < 2, lambda c: (c[0] + 1, 0.5 * (c[1] + w)), (0, w - 0.1 * g)
+    )
+    return new, value
+
+  fn = jax.jit(step, out_shardings=(w.sharding, NamedSharding(mesh, P())))
+  conv, leaves = _convert(fn, (w, x))
+  _assert_same(jax.jit(conv.fn)(*leaves), fn(w, x))
+  text = str(jax.make_jaxpr(conv.fn)(*leaves))
+  assert "while[" in text and "cond[" in text
+
+
+def test_explicit_axes_are_refused():
+  from jax.sharding import AxisType
+
+  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Explicit,))
+  w = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P("fsdp")))
+  with pytest.raises(to_shard_map.Refused, match="Explicit"):
+    _convert(jax.jit(lambda w: w * 2), (w,))

@@ -35,11 +35,14 @@ up to the order of floating-point accumulation:
 
 Programs without explicit collectives (GSPMD inserts them during partitioning)
 are compiled as written for the target, and the selection chooses among
-compiler options for the collectives found there (:mod:`.gspmd`).
+compiler options for the collectives found there (:mod:`.gspmd`), and among the
+variants of the same step converted to shard_map (:mod:`.to_shard_map`, whose
+per-primitive layout rules are in :mod:`.layouts`) and rewritten as above.
 
 Layout: :mod:`.planning` reads the jaxpr and plans each ``shard_map`` body,
 :mod:`.evaluate` re-evaluates the program with the plan, :mod:`.scan_pipeline`
-and :mod:`.gspmd` handle loops and partitioned programs, :mod:`.decorator` holds
+and :mod:`.gspmd` handle loops and partitioned programs, :mod:`.to_shard_map`
+converts a partitioned program to shard_map, :mod:`.decorator` holds
 ``overlap`` and the variant selection, :mod:`.explain` what it reports."""
 
 from jax_overlap._src.transform.annotations import priority as priority

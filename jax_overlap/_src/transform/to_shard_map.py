@@ -517,6 +517,14 @@ def input_layouts(leaves) -> tuple[Any, list[Layout]]:
         raise Refused(f"arguments lie on two meshes: {dict(mesh.shape)} and {dict(s.mesh.shape)}")
   if mesh is None:
     raise Refused("no argument is laid out over a mesh of more than one device")
+  explicit = [
+    a for a, t in zip(mesh.axis_names, getattr(mesh, "axis_types", ())) if "Explicit" in str(t)
+  ]
+  if explicit:
+    raise Refused(
+      f"mesh axes {explicit} are Explicit (sharding in types): the conversion follows "
+      "Auto axes, whose layouts the partitioner chooses"
+    )
   sizes = dict(mesh.shape)
   lays = []
   for i, x in enumerate(leaves):
