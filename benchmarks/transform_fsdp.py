@@ -129,7 +129,7 @@ def _merged(name: str, rows: list, tables: list) -> tuple[list, list]:
   except (OSError, KeyError, ValueError):
     return rows, tables
   kept_rows = [r for r in old_rows if (r.get("target"), r.get("form")) not in done]
-  new_keys = {t.split("\n", 1)[0] for t in tables}
+  new_keys = {t.split("\n", 1)[0].removeprefix("### ") for t in tables}
   kept = [
     "### " + t.rstrip("\n") + "\n" for t in old_sections if t.split("\n", 1)[0] not in new_keys
   ]

@@ -1,77 +1,32 @@
-"""``jax_overlap.overlap`` and its variant selection (compile each variant for the target,
-keep the one the analysis estimates fastest)."""
+"""``jax_overlap.overlap``: the decorator, what it builds per input signature (trace, plan,
+convert a GSPMD step, choose a variant with :mod:`.variants`) and how it is called."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 import math
-import os
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 
-from jax_overlap._src import errors, latency_profile, selection_cache
+from jax_overlap._src import errors, selection_cache
 from jax_overlap._src import flags as flags_lib
 from jax_overlap._src import targets as targets_lib
-from jax_overlap._src.transform import gspmd, to_shard_map
+from jax_overlap._src.transform import to_shard_map, variants
 from jax_overlap._src.transform.evaluate import _collect, _Config, _evaluate
 from jax_overlap._src.transform.explain import Action, Explanation
 from jax_overlap._src.transform.planning import parameter_avals, parameter_inputs
-
-_LOOP_PIPELINER = (
-  "xla_gpu_enable_pipelined_all_gather",
-  "xla_gpu_enable_pipelined_reduce_scatter",
-  "xla_gpu_enable_pipelined_all_reduce",
+from jax_overlap._src.transform.variants import (
+  _CONVERTED_PREFIX,
+  _PROFILED_VARIANTS,  # noqa: F401 - re-exported for jax_overlap._src.transform
+  _judged,
+  _pipeliner_off,  # noqa: F401 - re-exported for jax_overlap._src.transform
+  _windowed_notes,
+  _worth_profiling,  # noqa: F401 - re-exported for tests
 )
-_DOT_MERGER = ("xla_gpu_dot_merger_threshold_mb",)
-# Latency-profiled recompiles tried per step (the fastest variants by estimate).
-_PROFILED_VARIANTS = 3
-_PROFILED_SUFFIX = ", scheduled by the cost model's estimates"
-# Names of the variants of a GSPMD step's shard_map form begin with this.
-_CONVERTED_PREFIX = "shard_map form, "
-
-
-def _pipeliner_off(options: dict[str, Any]) -> dict[str, Any]:
-  """Options that turn off the loop pipeliner ``options`` turn on, in either spelling."""
-  off: dict[str, Any] = {}
-  for k in _LOOP_PIPELINER:
-    if options.get(k) is True:
-      off[k] = False
-    new = flags_lib.REGISTRY[k].replacement
-    if new and options.get(new) not in (None, False, "off"):
-      off[new] = "off"
-  return off
-
-
-def _worth_profiling(times: list[float], reports: list) -> list[int]:
-  """The variants to recompile with a latency profile, at most ``_PROFILED_VARIANTS``.
-
-  A schedule can at best hide all of a variant's exposed communication: a variant whose
-  compute alone takes longer than the best step so far cannot win and is not tried.
-  The fastest variant is tried first; the rest are those with the least compute (the
-  most a better schedule can reach), skipping variants whose estimates equal one
-  already picked (the same program compiled under options that changed nothing).
-  """
-  finite = [i for i in range(len(times)) if times[i] < float("inf")]
-  if not finite:
-    return []
-  best = min(times)
-  fastest = min(finite, key=lambda i: (times[i], i))
-  rest = sorted(finite, key=lambda i: (reports[i].compute_time_s, times[i], i))
-  picked, seen = [], set()
-  for i in [fastest, *rest]:
-    same = (times[i], reports[i].compute_time_s)
-    if same in seen or reports[i].compute_time_s >= best:
-      continue
-    seen.add(same)
-    picked.append(i)
-    if len(picked) == _PROFILED_VARIANTS:
-      break
-  return picked
-
 
 # ---------------------------------------------------------------------------
 # The decorator.
@@ -157,48 +112,6 @@ def _signature(args, kwargs):
     else:
       sig.append(("static", repr(x)))
   return tree, tuple(sig)
-
-
-def _windowed_notes(candidates, reports) -> list[str]:
-  """What XLA's windowed einsum decomposed, for each variant that asked for it, against the
-  same program compiled as written (the first candidate)."""
-  out = []
-  for (name, _, options), report in zip(candidates, reports):
-    if (
-      report is None
-      or reports[0] is None
-      or name.endswith(_PROFILED_SUFFIX)
-      or "xla_gpu_threshold_for_windowed_einsum_mib" not in options
-    ):
-      continue
-    change = gspmd.decomposed(gspmd.found(reports[0]), gspmd.found(report))
-    out.append(f"{name}: {change}")
-  return out
-
-
-def _judged(name: str, report) -> list[str]:
-  """Notes that judge the chosen variant a second time: the simulator's contention-aware
-  estimate beside the analysis's, and a mark where the analysis judged a schedule it
-  wrote."""
-  if report is None:
-    return []
-  from jax_overlap._src.sim import realize as realize_lib
-
-  out = []
-  try:
-    sim_s = realize_lib.realize(report, realize_lib.XLA_POLICY).results[realize_lib.XLA_POLICY]
-    out.append(
-      f"chosen variant judged twice: the analysis {report.step_time_s * 1e3:.3f} ms, "
-      f"sim.realize (SM contention, XLA's stream priority) {sim_s.makespan_s * 1e3:.3f} ms"
-    )
-  except (ValueError, TypeError, RuntimeError) as e:
-    out.append(f"chosen variant not simulated: {str(e).splitlines()[0][:200]}")
-  if name.endswith(_PROFILED_SUFFIX):
-    out.append(
-      "self-judged: the chosen schedule came from a latency profile written by the same cost "
-      "model that estimated it"
-    )
-  return out
 
 
 class Overlapped:
@@ -435,110 +348,20 @@ class Overlapped:
     )
     return smap, cfg_sm, actions, stats
 
-  def _candidates(self, cfg: _Config, stats: dict) -> list[tuple[str, _Config, dict[str, Any]]]:
-    base: dict[str, Any] = {}
-    if self.target is not None:
-      base.update(flags_lib.as_compiler_options(target=self.target, workload=self.workload))
-    p = max(stats.get("axis_size", 1), 1)
-    per_layer = dict(base)
-    if stats.get("max_group_gather_bytes"):
-      # Large enough for one layer's gathers, too small to merge two layers.
-      per_layer["xla_gpu_all_gather_combine_threshold_bytes"] = int(stats["max_group_gather_bytes"])
-      if self.reduce_scatter == "per_layer":
-        per_layer["xla_gpu_reduce_scatter_combine_threshold_bytes"] = int(
-          stats["max_group_gather_bytes"] // p
-        )
-    per_op = dict(base)
-    if stats.get("max_gather_bytes"):
-      per_op["xla_gpu_all_gather_combine_threshold_bytes"] = int(stats["max_gather_bytes"])
-    if stats.get("max_scatter_out_bytes") and self.reduce_scatter == "per_layer":
-      per_op["xla_gpu_reduce_scatter_combine_threshold_bytes"] = int(stats["max_scatter_out_bytes"])
-    out = [("rewritten, one layer per collective", cfg, {**per_layer, **self.extra_options})]
-    has_collectives = (
-      stats.get("gather_groups", 0)
-      or stats.get("max_scatter_out_bytes", 0)
-      or stats.get("loops", 0)
-    )
-    if self.target is not None and self.select == "cost_model" and has_collectives:
-      out.append(("rewritten, one tensor per collective", cfg, {**per_op, **self.extra_options}))
-      out.append(
-        (
-          "rewritten, one layer per collective, two collectives in flight",
-          cfg,
-          {
-            **per_layer,
-            "xla_gpu_experimental_parallel_collective_overlap_limit": 2,
-            **self.extra_options,
-          },
-        )
-      )
-      # Merged dots wait for all of their weights: with the first layer's gathers
-      # issued one by one, its first matmul should start on the first tensor.
-      unmerged = {k: 0 for k in _DOT_MERGER if flags_lib.accepted_by_jaxlib(k, 0)}
-      out.append(
-        (
-          "rewritten, first layer and reduce-scatters issued one by one"
-          + (", XLA's dot merger off" if unmerged else ""),
-          dataclasses.replace(cfg, chain=True),
-          {**per_layer, **unmerged, **self.extra_options},
-        )
-      )
-      if stats.get("rings") and flags_lib.accepted_by_jaxlib("xla_gpu_enable_triton_gemm", False):
-        # The collective matmuls' partial GEMMs through cuBLAS: the running sum of a
-        # reduce-scatter ring is added in the GEMM's epilogue, and no partial GEMM is split
-        # along K.
-        out.append(
-          (
-            "rewritten, one layer per collective, cuBLAS GEMMs (XLA's Triton GEMMs off)",
-            cfg,
-            {**per_layer, "xla_gpu_enable_triton_gemm": False, **self.extra_options},
-          )
-        )
-      pipeliner = _pipeliner_off(base)
-      if stats.get("loops") and pipeliner:
-        # Loops that pipeline their own collectives (scan_layers) gain nothing from
-        # XLA's pipeliner, which moves the first gather and the last reduce-scatter
-        # out of the loop where nothing hides them.
-        out.append(
-          (
-            "rewritten, one layer per collective, XLA's loop pipeliner off",
-            cfg,
-            {**per_layer, **pipeliner, **self.extra_options},
-          )
-        )
-        out.append(
-          (
-            "rewritten, one tensor per collective, XLA's loop pipeliner off",
-            cfg,
-            {**per_op, **pipeliner, **self.extra_options},
-          )
-        )
-        out.append(
-          (
-            "rewritten, one layer per collective, XLA's loop pipeliner off, two collectives "
-            "in flight",
-            cfg,
-            {
-              **per_layer,
-              **pipeliner,
-              "xla_gpu_experimental_parallel_collective_overlap_limit": 2,
-              **self.extra_options,
-            },
-          )
-        )
-      as_written = cfg.as_written()
-      if stats.get("loops") and unmerged:
-        # Loops left to XLA's own pipeliner, with its dot merger off (the loop's first
-        # matmul starts on its first weight).
-        out.append(
-          (
-            "as written, recommended flags, XLA's dot merger off",
-            as_written,
-            {**base, **unmerged, **self.extra_options},
-          )
-        )
-      out.append(("as written, recommended flags", as_written, {**base, **self.extra_options}))
-    return out
+  def _candidates(self, cfg: _Config, stats: dict):
+    return variants.candidates(self, cfg, stats)
+
+  def _gspmd_candidates(self, cfg, make, args, kwargs, notes, known):
+    return variants.gspmd_candidates(self, cfg, make, args, kwargs, notes, known)
+
+  def _select(self, candidates, make, args, kwargs, known=None):
+    return variants.select(self, candidates, make, args, kwargs, known)
+
+  def _recall(self, entry_key: str, candidates):
+    return variants.recall(self, entry_key, candidates)
+
+  def _remember(self, entry_key: str, candidates, chosen: int, estimates, failed, judged=()):
+    return variants.remember(self, entry_key, candidates, chosen, estimates, failed, judged)
 
   def _settings(self, annotate: bool) -> dict[str, Any]:
     return {
@@ -555,134 +378,6 @@ class Overlapped:
       "jit_kwargs": sorted(self.jit_kwargs),
       "gspmd": self.gspmd,
     }
-
-  def _recall(
-    self, entry_key: str, candidates
-  ) -> tuple[int, list[tuple[str, float]], list[str]] | None:
-    """The remembered choice, added to ``candidates``; None if there is none to use."""
-    entry = selection_cache.load(entry_key)
-    if entry is None:
-      return None
-    names = [c[0] for c in candidates]
-    if entry["base"] not in names:
-      return None
-    options = entry["options"]
-    profile = options.get(latency_profile.OPTION)
-    if profile is not None and not os.path.exists(str(profile)):
-      return None  # the profile file it was scheduled with is gone
-    cfg = candidates[names.index(entry["base"])][1]
-    if entry["chosen"] in names:
-      chosen = names.index(entry["chosen"])
-      candidates[chosen] = (entry["chosen"], cfg, options)
-    else:
-      candidates.append((entry["chosen"], cfg, options))
-      chosen = len(candidates) - 1
-    try:
-      estimates = [(str(n), float(t)) for n, t in entry["estimates"]]
-    except (TypeError, ValueError):
-      return None
-    judged = [str(j) for j in entry.get("judged", [])]
-    return chosen, estimates, [str(f) for f in entry["failed"]], judged
-
-  def _remember(
-    self, entry_key: str, candidates, chosen: int, estimates, failed, judged=()
-  ) -> None:
-    name, _, options = candidates[chosen]
-    base = name[: -len(_PROFILED_SUFFIX)] if name.endswith(_PROFILED_SUFFIX) else name
-    selection_cache.store(
-      entry_key,
-      {
-        "chosen": name,
-        "base": base,
-        "options": options,
-        "estimates": [[n, t] for n, t in estimates],
-        "failed": failed,
-        "judged": list(judged),
-      },
-    )
-
-  def _select(self, candidates, make, args, kwargs, known=None):
-    """Index of the fastest candidate (profiled ones appended), all estimates, failures and
-    the reports (None where a variant did not compile); ``known``: reports already made,
-    by candidate index."""
-    from jax_overlap._src import analysis
-
-    times, reports, failed = [], [], []
-    for i, (name, cfg_c, options) in enumerate(candidates):
-      if known and i in known:
-        times.append(known[i].step_time_s)
-        reports.append(known[i])
-        continue
-      try:
-        report = analysis.analyze(
-          make(cfg_c, options), *args, target=self.target, name=name, xla_options=options, **kwargs
-        )
-        times.append(report.step_time_s)
-        reports.append(report)
-      except (ValueError, RuntimeError, TypeError) as e:
-        if name == candidates[-1][0] and all(t == float("inf") for t in times):
-          raise
-        failed.append(f"{name}: {str(e).splitlines()[0][:200]}")
-        times.append(float("inf"))
-        reports.append(None)
-    # A few again, scheduled by XLA from the analysis' own costs (a latency profile)
-    # instead of XLA's estimates, unless the user gave a profile.
-    if self.schedule_from_estimates and latency_profile.OPTION not in self.extra_options:
-      for i in _worth_profiling(times, reports):
-        name, cfg_c, options = candidates[i]
-        label = name + _PROFILED_SUFFIX
-        try:
-          profiled = {**options, latency_profile.OPTION: latency_profile.write_profile(reports[i])}
-          report = analysis.analyze(
-            make(cfg_c, profiled),
-            *args,
-            target=self.target,
-            name=label,
-            xla_options=profiled,
-            **kwargs,
-          )
-        except (ValueError, RuntimeError, TypeError, OSError) as e:
-          failed.append(f"{label}: {str(e).splitlines()[0][:200]}")
-          continue
-        candidates.append((label, cfg_c, profiled))
-        times.append(report.step_time_s)
-        reports.append(report)
-    best = min(range(len(times)), key=lambda i: (times[i], i))
-    return best, [(c[0], t) for c, t in zip(candidates, times)], failed, reports
-
-  def _gspmd_candidates(self, cfg, make, args, kwargs, notes, known):
-    """Option variants for a program without shard_map, built for the collectives the
-    partitioner inserted (read from the step compiled as written for the target)."""
-    from jax_overlap._src import analysis
-
-    as_written = cfg.as_written()
-    base = {
-      **flags_lib.as_compiler_options(target=self.target, workload=self.workload),
-      **self.extra_options,
-    }
-    name = "as written, recommended flags"
-    report = analysis.analyze(
-      make(as_written, base), *args, target=self.target, name=name, xla_options=base, **kwargs
-    )
-    found = gspmd.found(report)
-    i = next(i for i, n in enumerate(notes) if n.startswith("no shard_map in this program"))
-    converted = any(n.startswith("converted to shard_map") for n in notes)
-    notes[i] = (
-      f"no shard_map in this program: the SPMD partitioner inserts its collectives; compiled "
-      f"for {self.target} they are {found.summary()}. The variants named 'as written' are "
-      "compiler options for those collectives"
-      + (
-        "; those named 'shard_map form' are the full rewrite (prefetch, per-layer "
-        "reduce-scatter, annotations) of the step converted to shard_map"
-        if converted
-        else "; the full rewrite (prefetch, per-layer reduce-scatter, annotations) needs "
-        "shard_map, jax_overlap.fsdp.scan_layers or a step the conversion to shard_map accepts"
-      )
-    )
-    known[0] = report
-    return [
-      (n, as_written, {**opts, **self.extra_options}) for n, opts in gspmd.variants(found, base)
-    ]
 
   def __call__(self, *args, **kwargs):
     fn, _, python_fn = self._build(args, kwargs)
