@@ -8,6 +8,7 @@ import pytest
 
 import jax_overlap
 from jax_overlap._src import analysis, latency_profile, selection_cache
+from jax_overlap.examples import fsdp_transformer as G
 from jax_overlap.examples import shard_map_fsdp as S
 
 
@@ -26,14 +27,22 @@ def program():
   return S.build("h100x8", layers=2, hidden=256, mlp=512, heads=4, seq=64)
 
 
+@pytest.fixture(scope="module")
+def gspmd_program():
+  return G.build("h100x8", layers=2, hidden=256, mlp=512, heads=4, seq=64)
+
+
 def _schedule(compiled) -> str:
   """The compiled HLO without source locations (which differ between call sites)."""
   text = compiled.as_text().split("\nFileNames", 1)[0]
   return re.sub(r", metadata=\{[^}]*\}", "", text)
 
 
-def test_choice_remembered_by_a_new_decorator(cache_dir, program, monkeypatch):
-  fn, args = program
+@pytest.mark.parametrize("form", ["shard_map", "gspmd"])
+def test_choice_remembered_by_a_new_decorator(cache_dir, program, gspmd_program, monkeypatch, form):
+  # A GSPMD step too: its compiler-option variants and its shard_map form's are chosen
+  # among once, and the remembered one is rebuilt without compiling the step as written.
+  fn, args = program if form == "shard_map" else gspmd_program
   chooser = jax_overlap.overlap(fn, target="h100x8")
   first = chooser.explain(*args)
   assert not any("remembered" in n for n in first.notes)

@@ -238,23 +238,38 @@ class Overlapped:
       return jax.jit(evaluate(cfg_), **jit_kwargs)
 
     known: dict[int, Any] = {}
+    entry_key = None
+    if self.cache:
+      entry_key = selection_cache.key(str(closed), key, self._settings(annotate))
+    remembered = None
+    converted_candidates = []
+    if converted is not None:
+      converted_candidates = [
+        (_CONVERTED_PREFIX + n, c, o) for n, c, o in self._candidates(cfg_sm, stats_sm)
+      ]
     if counter[0] == 0 and self.target is not None and self.select == "cost_model":
-      candidates = self._gspmd_candidates(cfg, make, args, kwargs, notes, known)
-      if converted is not None:
-        candidates += [
-          (_CONVERTED_PREFIX + n, c, o) for n, c, o in self._candidates(cfg_sm, stats_sm)
-        ]
+      # A remembered choice needs no compile: every compiler-option variant evaluates
+      # the step as written.
+      base = {
+        **flags_lib.as_compiler_options(target=self.target, workload=self.workload),
+        **self.extra_options,
+      }
+      candidates = [("as written, recommended flags", cfg.as_written(), base)]
+      candidates += converted_candidates
+      if entry_key:
+        remembered = self._recall(entry_key, candidates, fallback=cfg.as_written())
+      if remembered is None:
+        candidates = self._gspmd_candidates(cfg, make, args, kwargs, notes, known)
+        candidates += converted_candidates
     elif converted is not None:
-      candidates = [(_CONVERTED_PREFIX + n, c, o) for n, c, o in self._candidates(cfg_sm, stats_sm)]
+      candidates = converted_candidates
     else:
       candidates = self._candidates(cfg, stats)
     chosen = 0
     estimates: list[tuple[str, float]] = []
-    if len(candidates) > 1:
-      entry_key = None
-      if self.cache:
-        entry_key = selection_cache.key(str(closed), key, self._settings(annotate))
-      remembered = self._recall(entry_key, candidates) if entry_key else None
+    if len(candidates) > 1 or remembered is not None:
+      if remembered is None and entry_key:
+        remembered = self._recall(entry_key, candidates)
       if remembered is not None:
         chosen, estimates, failed, judged = remembered
       else:
@@ -357,8 +372,8 @@ class Overlapped:
   def _select(self, candidates, make, args, kwargs, known=None):
     return variants.select(self, candidates, make, args, kwargs, known)
 
-  def _recall(self, entry_key: str, candidates):
-    return variants.recall(self, entry_key, candidates)
+  def _recall(self, entry_key: str, candidates, fallback=None):
+    return variants.recall(self, entry_key, candidates, fallback)
 
   def _remember(self, entry_key: str, candidates, chosen: int, estimates, failed, judged=()):
     return variants.remember(self, entry_key, candidates, chosen, estimates, failed, judged)

@@ -217,19 +217,27 @@ def candidates(ov, cfg: _Config, stats: dict) -> list[tuple[str, _Config, dict[s
   return out
 
 
-def recall(ov, entry_key: str, candidates) -> tuple[int, list[tuple[str, float]], list[str]] | None:
-  """The remembered choice, added to ``candidates``; None if there is none to use."""
+def recall(
+  ov, entry_key: str, candidates, fallback: _Config | None = None
+) -> tuple[int, list[tuple[str, float]], list[str]] | None:
+  """The remembered choice, added to ``candidates``; None if there is none to use.
+
+  ``fallback``: the configuration of a remembered variant not among ``candidates``
+  (a GSPMD step's compiler-option variants, all the step as written), except those of
+  its shard_map form.
+  """
   entry = selection_cache.load(entry_key)
   if entry is None:
     return None
   names = [c[0] for c in candidates]
-  if entry["base"] not in names:
+  base = entry["base"]
+  if base not in names and (fallback is None or base.startswith(_CONVERTED_PREFIX)):
     return None
   options = entry["options"]
   profile = options.get(latency_profile.OPTION)
   if profile is not None and not os.path.exists(str(profile)):
     return None  # the profile file it was scheduled with is gone
-  cfg = candidates[names.index(entry["base"])][1]
+  cfg = candidates[names.index(base)][1] if base in names else fallback
   if entry["chosen"] in names:
     chosen = names.index(entry["chosen"])
     candidates[chosen] = (entry["chosen"], cfg, options)
