@@ -24,6 +24,7 @@ import math
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -247,6 +248,7 @@ def _unwrap(fn):
 # compile-only executables cannot run, and only compiles whose dump is not kept.
 _MEMO: collections.OrderedDict = collections.OrderedDict()
 _MEMO_SIZE = 48
+_MEMO_LOCK = threading.Lock()
 
 
 def _memo_key(lowered, options: Mapping[str, Any], topo) -> str | None:
@@ -264,7 +266,8 @@ def _memo_key(lowered, options: Mapping[str, Any], topo) -> str | None:
 
 def clear_memo() -> None:
   """Forgets the deviceless compiles this process remembers."""
-  _MEMO.clear()
+  with _MEMO_LOCK:
+    _MEMO.clear()
 
 
 def compile_for_target(
@@ -337,9 +340,11 @@ def compile_for_target(
     try:
       lowered = lower()
       memo_key = _memo_key(lowered, options, topo) if own_dir and not keep_dump else None
-      hit = _MEMO.get(memo_key) if memo_key is not None else None
+      with _MEMO_LOCK:  # variants are compiled from several threads
+        hit = _MEMO.get(memo_key) if memo_key is not None else None
+        if hit is not None:
+          _MEMO.move_to_end(memo_key)
       if hit is not None:
-        _MEMO.move_to_end(memo_key)
         return dataclasses.replace(hit, notes=list(hit.notes))
       try:
         compiled = lowered.compile(options)
@@ -384,9 +389,10 @@ def compile_for_target(
       fallback_options=fallback or {},
     )
     if memo_key is not None:
-      _MEMO[memo_key] = dataclasses.replace(step, notes=list(notes))
-      while len(_MEMO) > _MEMO_SIZE:
-        _MEMO.popitem(last=False)
+      with _MEMO_LOCK:
+        _MEMO[memo_key] = dataclasses.replace(step, notes=list(notes))
+        while len(_MEMO) > _MEMO_SIZE:
+          _MEMO.popitem(last=False)
     return step
   finally:
     if own_dir and not keep_dump:

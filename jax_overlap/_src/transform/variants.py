@@ -10,6 +10,7 @@ settings.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import os
 from typing import Any
@@ -268,52 +269,86 @@ def remember(ov, entry_key: str, candidates, chosen: int, estimates, failed, jud
   )
 
 
+def _workers() -> int:
+  """Variants compiled at once: XLA compiles without holding Python's lock, so a second
+  core compiles a second variant (``JAX_OVERLAP_SELECT_WORKERS`` overrides)."""
+  env = os.environ.get("JAX_OVERLAP_SELECT_WORKERS")
+  if env is not None:
+    try:
+      return max(1, int(env))
+    except ValueError:
+      raise ValueError(
+        f"JAX_OVERLAP_SELECT_WORKERS must be a positive integer, got {env!r}"
+      ) from None
+  return max(1, min(4, os.cpu_count() or 1))
+
+
+def _analyze_all(ov, jobs, make, args, kwargs, errors):
+  """Reports (or the exception) for ``jobs`` [(name, cfg, options)], in their order,
+  compiled by :func:`_workers` threads."""
+  from jax_overlap._src import analysis
+
+  def one(job):
+    name, cfg_c, options = job
+    try:
+      return analysis.analyze(
+        make(cfg_c, options), *args, target=ov.target, name=name, xla_options=options, **kwargs
+      )
+    except errors as e:
+      return e
+
+  workers = min(_workers(), len(jobs))
+  if workers <= 1:
+    return [one(j) for j in jobs]
+  with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jax_overlap") as pool:
+    return list(pool.map(one, jobs))
+
+
 def select(ov, candidates, make, args, kwargs, known=None):
   """Index of the fastest candidate (profiled ones appended), all estimates, failures and
   the reports (None where a variant did not compile); ``known``: reports already made,
   by candidate index."""
-  from jax_overlap._src import analysis
-
+  known = known or {}
+  todo = [i for i in range(len(candidates)) if i not in known]
+  done = dict(known)
+  errors = (ValueError, RuntimeError, TypeError)
+  for i, r in zip(
+    todo, _analyze_all(ov, [candidates[i] for i in todo], make, args, kwargs, errors)
+  ):
+    done[i] = r
   times, reports, failed = [], [], []
-  for i, (name, cfg_c, options) in enumerate(candidates):
-    if known and i in known:
-      times.append(known[i].step_time_s)
-      reports.append(known[i])
-      continue
-    try:
-      report = analysis.analyze(
-        make(cfg_c, options), *args, target=ov.target, name=name, xla_options=options, **kwargs
-      )
-      times.append(report.step_time_s)
-      reports.append(report)
-    except (ValueError, RuntimeError, TypeError) as e:
-      if name == candidates[-1][0] and all(t == float("inf") for t in times):
-        raise
-      failed.append(f"{name}: {str(e).splitlines()[0][:200]}")
+  for i, (name, _, _) in enumerate(candidates):
+    r = done[i]
+    if isinstance(r, Exception):
+      failed.append(f"{name}: {str(r).splitlines()[0][:200]}")
       times.append(float("inf"))
       reports.append(None)
+    else:
+      times.append(r.step_time_s)
+      reports.append(r)
+  if all(t == float("inf") for t in times):
+    raise done[len(candidates) - 1]
   # A few again, scheduled by XLA from the analysis' own costs (a latency profile)
   # instead of XLA's estimates, unless the user gave a profile.
   if ov.schedule_from_estimates and latency_profile.OPTION not in ov.extra_options:
+    jobs = []
     for i in _worth_profiling(times, reports):
       name, cfg_c, options = candidates[i]
       label = name + _PROFILED_SUFFIX
       try:
         profiled = {**options, latency_profile.OPTION: latency_profile.write_profile(reports[i])}
-        report = analysis.analyze(
-          make(cfg_c, profiled),
-          *args,
-          target=ov.target,
-          name=label,
-          xla_options=profiled,
-          **kwargs,
-        )
-      except (ValueError, RuntimeError, TypeError, OSError) as e:
+      except OSError as e:
         failed.append(f"{label}: {str(e).splitlines()[0][:200]}")
         continue
+      jobs.append((label, cfg_c, profiled))
+    results = _analyze_all(ov, jobs, make, args, kwargs, errors + (OSError,))
+    for (label, cfg_c, profiled), r in zip(jobs, results):
+      if isinstance(r, Exception):
+        failed.append(f"{label}: {str(r).splitlines()[0][:200]}")
+        continue
       candidates.append((label, cfg_c, profiled))
-      times.append(report.step_time_s)
-      reports.append(report)
+      times.append(r.step_time_s)
+      reports.append(r)
   best = min(range(len(times)), key=lambda i: (times[i], i))
   return best, [(c[0], t) for c, t in zip(candidates, times)], failed, reports
 
