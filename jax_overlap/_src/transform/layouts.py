@@ -1,5 +1,7 @@
 """Layouts of values over a mesh and the per-primitive rules that propagate them.
 
+(Over 500 lines: one short rule per primitive family, in one table, ``RULES``.)
+
 Used by :mod:`.to_shard_map`, which runs a GSPMD step's jaxpr on per-device values. A
 rule takes the interpreter (mesh axis sizes, which values hold only parameters, the
 layouts later uses asked for), an equation and its inputs' layouts, and returns the

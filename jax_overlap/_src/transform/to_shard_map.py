@@ -1,5 +1,8 @@
 """A GSPMD step in its shard_map form, converted equation by equation.
 
+(Over 500 lines: one interpreter, whose loops, branches and rematerialization must share
+its state; the per-primitive rules are in :mod:`.layouts`.)
+
 A program written for ``jax.jit`` over sharded arrays has no collectives in its jaxpr:
 XLA's SPMD partitioner inserts them while compiling, where ``@overlap`` cannot move
 them. :func:`convert` writes the same program as one ``shard_map`` over the arguments'
@@ -293,7 +296,8 @@ class _Interp:
       outs = [None] * len(eqn.outvars)
       if post is not None:
         self.counts["all-reduce"] += 1
-    # A sum made here is its own root; one passed through a linear op keeps its root.
+    # A sum made here is its own root; one passed through an elementwise linear op keeps
+    # its root (whose dimensions are the same).
     for v, lay in zip(eqn.outvars, out_lays):
       if lay.partial:
         src = [
@@ -301,7 +305,11 @@ class _Interp:
           for u, (_, l_in), w in zip(eqn.invars, ins, wants)
           if not is_literal(u) and w.partial and l_in.partial
         ]
-        same = len(src) == 1 and tuple(src[0].aval.shape) == tuple(v.aval.shape)
+        same = (
+          eqn.primitive.name in ELEMENTWISE
+          and len(src) == 1
+          and tuple(src[0].aval.shape) == tuple(v.aval.shape)
+        )
         self.root[v] = self.root.get(src[0], src[0]) if same else v
     return list(zip(outs, out_lays))
 
