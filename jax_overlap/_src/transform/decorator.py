@@ -165,11 +165,15 @@ class Overlapped:
     invars = closed.jaxpr.invars
     if n_all != len(invars):
       return None  # the jaxpr does not take the arguments leaf for leaf: no evidence
-    starts = np.cumsum([0, *leaves])
-    params = [
-      v for i in self.params_argnums if i < len(args) for v in invars[starts[i] : starts[i + 1]]
-    ]
+    params = [invars[j] for j in self._param_leaves(args)]
     return parameter_inputs(closed.jaxpr, params) if params else None
+
+  def _param_leaves(self, args) -> list[int]:
+    """Positions, among the flattened arguments, of the leaves of ``params_argnums``."""
+    starts = np.cumsum([0, *[len(jax.tree.leaves(a)) for a in args]])
+    return [
+      j for i in self.params_argnums if i < len(args) for j in range(starts[i], starts[i + 1])
+    ]
 
   def _build(self, args, kwargs):
     _check_args(args, kwargs, self.mesh)
@@ -250,11 +254,7 @@ class Overlapped:
     if counter[0] == 0 and self.target is not None and self.select == "cost_model":
       # A remembered choice needs no compile: every compiler-option variant evaluates
       # the step as written.
-      base = {
-        **flags_lib.as_compiler_options(target=self.target, workload=self.workload),
-        **self.extra_options,
-      }
-      candidates = [("as written, recommended flags", cfg.as_written(), base)]
+      candidates = [("as written, recommended flags", cfg.as_written(), variants.recommended(self))]
       candidates += converted_candidates
       if entry_key:
         remembered = self._recall(entry_key, candidates, fallback=cfg.as_written())
@@ -332,10 +332,7 @@ class Overlapped:
       notes.append("not converted to shard_map: the traced program does not take the "
                    "arguments leaf for leaf")  # fmt: skip
       return None
-    starts = np.cumsum([0, *[len(jax.tree.leaves(a)) for a in args]])
-    params = [
-      j for i in self.params_argnums if i < len(args) for j in range(starts[i], starts[i + 1])
-    ]
+    params = self._param_leaves(args)
     out_shardings = getattr(traced, "_params", {}).get("out_shardings")
     try:
       conv = to_shard_map.convert(closed, leaves, out_shardings, params_leaves=params)

@@ -22,6 +22,8 @@ from jax import lax
 from jax.extend import core as jcore
 from jax.sharding import PartitionSpec as P
 
+from jax_overlap._src.transform.planning import _nbytes
+
 __all__ = ["Axes", "Layout", "Refused", "RULES", "ELEMENTWISE", "elementwise", "is_literal"]
 
 Axes = tuple[str, ...]
@@ -100,6 +102,15 @@ def is_literal(v) -> bool:
 # ---------------------------------------------------------------------------
 
 
+def _per_device(params: dict, **changes) -> dict:
+  """``params`` with ``changes`` and no global sharding (the values are per-device)."""
+  out = dict(params, **changes)
+  for k in ("sharding", "out_sharding"):
+    if out.get(k) is not None:
+      out[k] = None
+  return out
+
+
 def elementwise(it, eqn, lays):
   name = eqn.primitive.name
   nd = len(eqn.outvars[0].aval.shape)
@@ -150,9 +161,7 @@ def elementwise(it, eqn, lays):
     wants.append(
       Layout(tuple(ax if shape[d] == out_shape[d] else () for d, ax in enumerate(dims)), part)
     )
-  params = None
-  if eqn.params.get("sharding") is not None:
-    params = dict(eqn.params, sharding=None)
+  params = _per_device(eqn.params) if eqn.params.get("sharding") is not None else None
   return wants, [Layout(tuple(dims), partial) for _ in eqn.outvars], params, None
 
 
@@ -171,9 +180,7 @@ def _broadcast_in_dim(it, eqn, lays):
     else:
       want[i] = ()
   out = Layout(tuple(dims), lay.partial)
-  params = dict(eqn.params, shape=it.local_shape(shape, out))
-  if "sharding" in params:
-    params["sharding"] = None
+  params = _per_device(eqn.params, shape=it.local_shape(shape, out))
   return [Layout(tuple(want), lay.partial)], [out], params, None
 
 
@@ -216,9 +223,7 @@ def _reshape(it, eqn, lays):
     else:
       dims[placed] = ax
   out = Layout(tuple(dims), lay.partial)
-  params = dict(eqn.params, new_sizes=it.local_shape(dst, out))
-  if "sharding" in params:
-    params["sharding"] = None
+  params = _per_device(eqn.params, new_sizes=it.local_shape(dst, out))
   return [Layout(tuple(want), lay.partial)], [out], params, None
 
 
@@ -245,9 +250,7 @@ def _reduce(it, eqn, lays):
   axes = set(eqn.params["axes"])
   split = [a for d in sorted(axes) for a in lay.dims[d]]
   kept = tuple(d for i, d in enumerate(lay.dims) if i not in axes)
-  params = dict(eqn.params)
-  if "out_sharding" in params:
-    params["out_sharding"] = None
+  params = _per_device(eqn.params)
   if name == "reduce_sum":
     if set(split) & set(lay.partial):
       return None
@@ -309,7 +312,7 @@ def _dot_general(it, eqn, lays):
     ax = L[a] or R[b]
     sharded_params = l_params if side == "L" else r_params
     sharded_aval = (lv if side == "L" else rv).aval
-    gather = sharded_params or _bytes(sharded_aval) <= 2 * _bytes(eqn.outvars[0].aval)
+    gather = sharded_params or _nbytes(sharded_aval) <= 2 * _nbytes(eqn.outvars[0].aval)
     if gather:
       if side == "L":
         L[a] = ()
@@ -353,9 +356,7 @@ def _dot_general(it, eqn, lays):
   else:
     return None
   out = Layout(tuple(out_dims), frozenset(partial | l_part | r_part))
-  params = dict(eqn.params)
-  if "out_sharding" in params:
-    params["out_sharding"] = None
+  params = _per_device(eqn.params)
   return (
     [Layout(tuple(L), frozenset(l_part)), Layout(tuple(R), frozenset(r_part))],
     [out],
@@ -364,12 +365,8 @@ def _dot_general(it, eqn, lays):
   )
 
 
-def _bytes(aval) -> int:
-  return math.prod(aval.shape) * aval.dtype.itemsize
-
-
 def _iota(it, eqn, lays):
-  params = dict(eqn.params, sharding=None) if eqn.params.get("sharding") is not None else None
+  params = _per_device(eqn.params) if eqn.params.get("sharding") is not None else None
   return [], [Layout.whole(len(eqn.params["shape"]))], params, None
 
 

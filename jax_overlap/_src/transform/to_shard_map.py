@@ -592,8 +592,8 @@ def convert(
   for _ in range(8):
     it = _Interp(sizes, set(params), hints, abstract=True)
     got = [lay for _, lay in it.run(jaxpr, consts, [None] * len(in_lays), in_lays)]
-    it = _Interp(sizes, set(params), hints, abstract=True)
-    it.run(jaxpr, consts, [None] * len(in_lays), in_lays, outs_wanted(got))
+    for v, lay, want in zip(jaxpr.outvars, got, outs_wanted(got)):
+      it.convert(v, None, lay, want)  # what the outputs ask for, recorded like any use
     new: dict = {}
     # A sum goes, right where it is made, to the most split layout its uses want (a
     # gradient reduce-scattered, not all-reduced, where one use is a split parameter's).

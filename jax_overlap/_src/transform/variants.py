@@ -353,16 +353,21 @@ def select(ov, candidates, make, args, kwargs, known=None):
   return best, [(c[0], t) for c, t in zip(candidates, times)], failed, reports
 
 
+def recommended(ov) -> dict[str, Any]:
+  """The target's recommended options for the workload, with the user's on top."""
+  return {
+    **flags_lib.as_compiler_options(target=ov.target, workload=ov.workload),
+    **ov.extra_options,
+  }
+
+
 def gspmd_candidates(ov, cfg, make, args, kwargs, notes, known):
   """Option variants for a program without shard_map, built for the collectives the
   partitioner inserted (read from the step compiled as written for the target)."""
   from jax_overlap._src import analysis
 
   as_written = cfg.as_written()
-  base = {
-    **flags_lib.as_compiler_options(target=ov.target, workload=ov.workload),
-    **ov.extra_options,
-  }
+  base = recommended(ov)
   name = "as written, recommended flags"
   report = analysis.analyze(
     make(as_written, base), *args, target=ov.target, name=name, xla_options=base, **kwargs
