@@ -22,6 +22,7 @@ Writes benchmarks/results/transform_tp.{json,md}.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 import time
@@ -94,7 +95,7 @@ def _ms(t) -> str:
   return "-" if t is None else f"{t * 1e3:.2f}"
 
 
-def run(target: str, form: str, size: str, rows: list, lines: list, notes: list) -> None:
+def run(target: str, form: str, size: str, rows: list) -> None:
   cfg = dict(layers=FLAGS.layers, **SIZES[size])
   fn, args = BUILD[form](target, **cfg)
   reports = _common.baseline_reports(fn, args, target)
@@ -123,14 +124,7 @@ def run(target: str, form: str, size: str, rows: list, lines: list, notes: list)
       **s,
     }
     rows.append(row)
-    lines.append(
-      f"| {target} | {form} | {size} | {name} | {r.step_time_s * 1e3:.2f} "
-      f"| {r.compute_time_s * 1e3:.2f} | {r.exposed_fraction:.1%} "
-      f"| {row['vs_compute_bound']:.3f} | {row['vs_written_compute_bound']:.3f} "
-      f"| {s['concurrent_s'] * 1e3:.2f} | {s['priority_s'] * 1e3:.2f} "
-      f"| {s['tuned_s'] * 1e3:.2f} | {_ms(s['p2p_link_rate_s'])} |"
-    )
-    print(lines[-1], flush=True)
+    print(_line(row), flush=True)
   rows.append(
     {
       "target": target,
@@ -143,21 +137,57 @@ def run(target: str, form: str, size: str, rows: list, lines: list, notes: list)
       "selection_s": select_s,
     }
   )
-  notes.append(
-    f'- {target} {form} {size}: chose "{expl.chosen}" in {select_s:.0f} s; '
-    f"{_decompositions(rows[-1]['collective_matmuls'])}. "
-    + " ".join(n for n in expl.notes if not n.startswith("chosen by the cost model"))
+
+
+def _line(row: dict) -> str:
+  return (
+    f"| {row['target']} | {row['form']} | {row['size']} | {row['variant']} "
+    f"| {row['step_s'] * 1e3:.2f} | {row['compute_s'] * 1e3:.2f} | {row['exposed_fraction']:.1%} "
+    f"| {row['vs_compute_bound']:.3f} | {row['vs_written_compute_bound']:.3f} "
+    f"| {row['concurrent_s'] * 1e3:.2f} | {row['priority_s'] * 1e3:.2f} "
+    f"| {row['tuned_s'] * 1e3:.2f} | {_ms(row['p2p_link_rate_s'])} |"
   )
+
+
+def _note(row: dict) -> str:
+  return (
+    f'- {row["target"]} {row["form"]} {row["size"]}: chose "{row["choice"]}" in '
+    f"{row['selection_s']:.0f} s; {_decompositions(row['collective_matmuls'])}. "
+    + " ".join(n for n in row["notes"] if not n.startswith("chosen by the cost model"))
+  )
+
+
+def _merged(rows: list) -> list:
+  """This run's rows with the earlier results' rows for the (target, form, size)s not
+  rerun, in table order."""
+  done = {(r["target"], r["form"], r["size"]) for r in rows}
+  try:
+    with open(os.path.join(_common.RESULTS, "transform_tp.json")) as f:
+      old = json.load(f)["rows"]
+  except (OSError, KeyError, ValueError):
+    old = []
+  kept = [r for r in old if (r["target"], r["form"], r["size"]) not in done]
+  targets = ["h100x8", "a100x8", *FLAGS.targets]
+  order = lambda r: (  # noqa: E731
+    targets.index(r["target"]),
+    ["shard_map", "gspmd"].index(r["form"]),
+    list(SIZES).index(r["size"]),
+  )
+  return sorted(kept + rows, key=order)  # stable: variants keep their order
 
 
 def main(argv):
   del argv
-  rows, lines, notes = [], [], []
+  rows = []
   for target in FLAGS.targets:
     for form in FLAGS.forms:
       for size in FLAGS.sizes:
-        run(target, form, size, rows, lines, notes)
-  sizes = "; ".join(f"{k}: {v}" for k, v in SIZES.items() if k in FLAGS.sizes)
+        run(target, form, size, rows)
+  rows = _merged(rows)
+  lines = [_line(r) for r in rows if "variant" in r]
+  notes = [_note(r) for r in rows if "choice" in r]
+  ran = {r["size"] for r in rows}
+  sizes = "; ".join(f"{k}: {v}" for k, v in SIZES.items() if k in ran)
   md = [
     "# @jax_overlap.overlap on a tensor + sequence parallel step",
     "",

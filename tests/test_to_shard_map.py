@@ -331,3 +331,40 @@ def test_explicit_axes_are_refused():
   w = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P("fsdp")))
   with pytest.raises(to_shard_map.Refused, match="Explicit"):
     _convert(jax.jit(lambda w: w * 2), (w,))
+
+
+@pytest.mark.parametrize("devices,heads", [(2, 4), (8, 8), (8, 4)])
+def test_tensor_parallel_step_gathers_activations_not_weights(devices, heads):
+  """Sequence-split activations, column/row-split weights and constraints on the results
+  (tp_sp.build_gspmd): each matmul gathers the activation the constraint asks for, as the
+  partitioner does, in the backward too; no weight is gathered. With fewer heads than
+  devices (a constraint the partitioner pads) the values are still the original's."""
+  from jax_overlap.examples import tp_sp
+
+  mesh = _mesh((devices,), ("tensor",))
+  layers, cfg = 2, dict(hidden=32, mlp=64, heads=heads, seq=16, dtype="float32")
+  fn, (shapes, xs) = tp_sp.build_gspmd(mesh=mesh, layers=layers, **cfg)
+  keys = iter(jax.random.split(jax.random.key(0), 64))
+  params = jax.tree.map(
+    lambda s: jax.device_put(0.2 * jax.random.normal(next(keys), s.shape, s.dtype), s.sharding),
+    shapes,
+  )
+  x = jax.device_put(jax.random.normal(next(keys), xs.shape, xs.dtype), xs.sharding)
+  conv, leaves = _convert(fn, (params, x))
+  _assert_same(jax.jit(conv.fn)(*leaves), jax.tree.leaves(fn(params, x)))
+  assert not conv.replicated
+  if heads % devices:
+    return
+  text = str(jax.make_jaxpr(conv.fn)(*leaves))
+  gathered = [
+    line.split("=")[0].split(":")[-1].strip() for line in text.splitlines() if "all_gather[" in line
+  ]
+  # Per block: the sequence before attention and before the MLP, and the two incoming
+  # cotangents in the backward (whose gathered values the weight gradients reuse).
+  assert len(gathered) == 4 * layers, gathered
+  seq_whole = f"[1,{cfg['seq']},{cfg['hidden']}]"
+  assert all(g.endswith(seq_whole) for g in gathered), gathered
+  # Per block: after the output projection and the down projection, forward and
+  # backward (the cotangents of the Q/K/V and up projections' inputs summed first).
+  assert conv.collectives["reduce-scatter"] >= 3 * layers
+  assert conv.collectives["all-reduce"] <= 1  # the loss

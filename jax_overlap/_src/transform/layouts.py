@@ -327,6 +327,9 @@ def _dot_general(it, eqn, lays):
   l_part, r_part = set(lhs.partial), set(rhs.partial)
   if l_part and r_part:
     r_part = set()
+  hint = it.hints.get(eqn.outvars[0])
+  if hint is not None and (hint.partial or len(hint.dims) != len(eqn.outvars[0].aval.shape)):
+    hint = None
   # Resolve axes used twice in the output: gather free dims (parameters first).
   for _ in range(8):
     lf = [d for d in range(len(L)) if d not in lc and d not in lb]
@@ -347,7 +350,13 @@ def _dot_general(it, eqn, lays):
       cands = [("R", d) for d in rf if a in R[d]] + [("L", d) for d in lf if a in L[d]]
       if not cands:
         return None
-      cands.sort(key=lambda c: not (r_params if c[0] == "R" else l_params))
+      # Gather first the side whose output dim the later uses do not want split over
+      # ``a`` (a sequence-split activation is gathered where the result's constraint
+      # splits the weight's dim: tensor parallelism), then parameters (FSDP).
+      pos = {("L", d): len(lb) + i for i, d in enumerate(lf)}
+      pos.update({("R", d): len(lb) + len(lf) + i for i, d in enumerate(rf)})
+      wanted_split = {c for c in cands if hint is not None and a in hint.dims[pos[c]]}
+      cands.sort(key=lambda c: (c in wanted_split, not (r_params if c[0] == "R" else l_params)))
       side, d = cands[0]
       if side == "R":
         R[d] = ()

@@ -335,7 +335,12 @@ class _Interp:
       # would all-reduce and slice (which XLA then rewrites into the same reduce-scatter).
       return [(x, lay)]
     free = eqn.params.get("unconstrained_dims") or ()
-    dims = tuple(lay.dims[d] if d in free else want.dims[d] for d in range(len(want.dims)))
+    shape = v.aval.shape
+    # A split the dim's size does not divide (the partitioner pads it) stays whole here.
+    dims = tuple(
+      lay.dims[d] if d in free else want.dims[d] if shape[d] % self.n(want.dims[d]) == 0 else ()
+      for d in range(len(want.dims))
+    )
     want = Layout(dims)
     return [(self.convert(v, x, lay, want), want)]
 
@@ -602,9 +607,12 @@ def convert(
       new[root] = best
     # Another value goes to the layout all its uses want, when they agree (an optimizer's
     # elementwise update runs on the shards its state lives on).
+    # A hint its uses still agree with stays (its value is now made in, or converted
+    # right away to, the layout they want).
     for var, (lay, wanted) in it.uses.items():
-      if len(set(wanted)) == 1 and wanted[0] != lay and not wanted[0].partial:
-        new[var] = wanted[0]
+      if len(set(wanted)) == 1 and not wanted[0].partial:
+        if wanted[0] != lay or hints.get(var) == wanted[0]:
+          new[var] = wanted[0]
     if new == hints:
       break
     hints = new
