@@ -381,9 +381,10 @@ def gspmd_candidates(ov, cfg, make, args, kwargs, notes, known):
     "compiler options for those collectives"
     + (
       "; those named 'shard_map form' are the full rewrite (prefetch, per-layer "
-      "reduce-scatter, annotations) of the step converted to shard_map"
+      "reduce-scatter, collective matmuls, annotations) of the step converted to shard_map"
       if converted
-      else "; the full rewrite (prefetch, per-layer reduce-scatter, annotations) needs "
+      else "; the full rewrite (prefetch, per-layer reduce-scatter, collective matmuls, "
+      "annotations) needs "
       "shard_map, jax_overlap.fsdp.scan_layers or a step the conversion to shard_map accepts"
     )
   )
