@@ -270,7 +270,7 @@ Total bytes used: 464
 """
 
   def test_split(self):
-    from jax_overlap._src.budget import memory as impl
+    from jax_overlap._src.budget.memory import dump as impl
 
     cats, peak, total = impl._attribute_temp(
       impl._parse_buffer_assignment(self.ASSIGNMENT),

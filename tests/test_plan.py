@@ -11,8 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jax_overlap import runtime
-from jax_overlap._src import plan as plan_lib
-from jax_overlap._src import targets
+from jax_overlap._src import residency, targets
 
 GOOD = {
   "version": 1,
@@ -305,7 +304,7 @@ def test_arithmetic_input_errors(args, exc, message):
 
 def test_arithmetic_unknown_gpu():
   with pytest.raises(ValueError, match="unknown GPU 'b200'"):
-    plan_lib.blocks_per_sm("b200", 256, 32, 0)
+    residency.blocks_per_sm("b200", 256, 32, 0)
 
 
 _names = st.text(alphabet="abcdefghijklmnopqrstuvwxyz_*0123456789", min_size=1, max_size=20)

@@ -108,7 +108,10 @@ def test_vmap():
   f = rt.occupancy(mlp, blocks_per_sm=2)
   xs = jnp.stack([X, 2 * X])
   np.testing.assert_allclose(
-    jax.vmap(f, in_axes=(0, None))(xs, W), jax.vmap(mlp, in_axes=(0, None))(xs, W), rtol=1e-6
+    jax.vmap(f, in_axes=(0, None))(xs, W),
+    jax.vmap(mlp, in_axes=(0, None))(xs, W),
+    rtol=1e-5,  # fp32: the region's boundaries change XLA's fusions, so the op order
+    atol=1e-6,
   )
 
 

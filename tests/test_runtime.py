@@ -14,7 +14,7 @@ from fake_cuda import harness
 
 from jax_overlap import runtime as public_runtime
 from jax_overlap._src import plan as plan_lib
-from jax_overlap._src import runtime, targets
+from jax_overlap._src import residency, runtime, targets
 
 MODES = ["direct", "dlopen", "procaddr", "procaddr1"]
 PATH_COUNTER = {
@@ -154,11 +154,11 @@ def test_hand_computed_residency(fake, tmp_path, device, threads, regs, static, 
   )
   assert r.launch_dyn("k") == [expected], r.log
   # The Python mirror and the residency it implies.
-  assert plan_lib.shaped_dynamic_smem(gpu, threads, regs, static, dyn, n) == expected
-  resident = plan_lib.blocks_per_sm(gpu, threads, regs, static + expected)
+  assert residency.shaped_dynamic_smem(gpu, threads, regs, static, dyn, n) == expected
+  resident = residency.blocks_per_sm(gpu, threads, regs, static + expected)
   assert resident <= n
   if expected != dyn:
-    assert plan_lib.blocks_per_sm(gpu, threads, regs, static + expected - 1) > n  # smallest
+    assert residency.blocks_per_sm(gpu, threads, regs, static + expected - 1) > n  # smallest
   assert r.counters["launches_shaped"] == (1 if expected != dyn else 0)
 
 
@@ -626,8 +626,8 @@ def test_fuzz_shaping_never_exceeds_device_limits(rt):
     else:
       assert new == dyn
     # Python mirror agrees with C.
-    assert plan_lib.shaped_dynamic_smem(gpu, threads, regs, static, dyn, n) == new
-    assert plan_lib.blocks_per_sm(gpu, threads, regs, static + new) == resident
+    assert residency.shaped_dynamic_smem(gpu, threads, regs, static, dyn, n) == new
+    assert residency.blocks_per_sm(gpu, threads, regs, static + new) == resident
     comm = plan_lib.CommBlock(
       int(rng.choice([128, 288, 544, 640])),
       int(rng.choice([0, 64, 96])),
@@ -638,7 +638,7 @@ def test_fuzz_shaping_never_exceeds_device_limits(rt):
     c_room = rt.jor_room_cap(
       ctypes.byref(lim), ctypes.byref(cc), threads, regs, static, dyn, n, ctypes.byref(reasons)
     )
-    py_room, why = plan_lib.room_cap(gpu, comm, threads, regs, static, dyn, n)
+    py_room, why = residency.room_cap(gpu, comm, threads, regs, static, dyn, n)
     assert c_room == py_room, (gpu, comm, threads, regs, static, dyn, n)
     bits = {"threads": 1, "registers": 2, "shared_memory": 4, "blocks": 8}
     assert reasons.value == sum(bits[w] for w in why)
@@ -795,11 +795,11 @@ def test_caps_make_room_for_the_communication_block(fake, tmp_path):
   assert r.counters["launches_no_room"] == 1
   # The same answers from the Python mirror.
   gpu = targets.get_gpu("h100")
-  assert plan_lib.room_cap(gpu, plan_lib.CommBlock.nccl(gpu, 544), 256, 64, 0, 0, 2) == (
+  assert residency.room_cap(gpu, plan_lib.CommBlock.nccl(gpu, 544), 256, 64, 0, 0, 2) == (
     0,
     ("registers",),
   )
-  assert plan_lib.room_cap(gpu, plan_lib.CommBlock.nccl(gpu, 288), 256, 64, 0, 0, 2) == (1, ())
+  assert residency.room_cap(gpu, plan_lib.CommBlock.nccl(gpu, 288), 256, 64, 0, 0, 2) == (1, ())
   # comm_block none: caps as written.
   r = harness.run_app(
     fake, "dlopen", actions, rules=text.replace("auto", "none"), funcs=funcs, tmp=tmp_path
@@ -848,8 +848,8 @@ def test_fuzz_room_through_the_fake_driver(fake, tmp_path):
         i = int(x["func"][1:])
         threads, regs, static, dyn, cap = part[i]
         occ, launched = int(x["occ"]), int(x["dyn"])
-        room, why = plan_lib.room_cap(gpu, comm, threads, regs, static, dyn, cap)
-        natural = plan_lib.blocks_per_sm(gpu, threads, regs, static + dyn)
+        room, why = residency.room_cap(gpu, comm, threads, regs, static, dyn, cap)
+        natural = residency.blocks_per_sm(gpu, threads, regs, static + dyn)
         if natural == 0:  # cannot run at all (registers per sub-partition): left alone
           assert launched == dyn and room == 0 and why == () and occ == 0
           continue

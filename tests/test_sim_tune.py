@@ -129,18 +129,17 @@ def test_plan_rejected_by_runtime_raises():
 
 
 def test_shaping_matches_runtime_arithmetic():
-  from jax_overlap._src import plan as plan_mod
-  from jax_overlap._src import targets
+  from jax_overlap._src import residency, targets
 
   for gpu in ("a40", "a100", "h100"):
     g = targets.get_gpu(gpu)
     for threads, regs, smem in [(256, 32, 0), (128, 200, 64 * 1024), (384, 168, 8192)]:
       for n in (1, 2, 3):
         ours = sim.shaped_smem(g, smem, n)
-        theirs = plan_mod.shaped_dynamic_smem(g, threads, regs, smem, 0, n)
-        if plan_mod.blocks_per_sm(g, threads, regs, smem) > n:
+        theirs = residency.shaped_dynamic_smem(g, threads, regs, smem, 0, n)
+        if residency.blocks_per_sm(g, threads, regs, smem) > n:
           assert ours == smem + theirs
-        assert sim.residency(g, threads, regs, smem) == plan_mod.blocks_per_sm(
+        assert sim.residency(g, threads, regs, smem) == residency.blocks_per_sm(
           g, threads, regs, smem
         )
 

@@ -1,5 +1,8 @@
 """Reading XLA's scheduled HLO text and counting its FLOPs and bytes.
 
+(Over 500 lines: the counts are methods of the parsed :class:`Module`, following XLA's
+``HloCostAnalysis`` op by op; parser and counts change together when XLA's text does.)
+
 The optimised module XLA dumps (``*after_optimizations.txt``) is printed in
 schedule order when ``is_scheduled=true``. This module parses it into
 computations of instructions, with result shapes, operands, called

@@ -1,5 +1,7 @@
 """Catalogue of the GPUs jax_overlap plans for, and compile-only meshes for them.
 
+(Over 500 lines: most of it is the catalogue's data, each number with its source.)
+
 A :class:`Gpu` holds the per-device numbers the rest of the package needs: the
 per-SM (per-CU) residency limits used by the occupancy model and the simulator,
 the peak throughputs used by the roofline cost model, and the interconnect used

@@ -60,25 +60,20 @@ from __future__ import annotations
 import dataclasses
 import functools
 import heapq
-import json
 import math
 from collections.abc import Mapping
 
 import numpy as np
 
 from jax_overlap._src import cost_model, targets
-from jax_overlap._src.sim import collectives as coll
+from jax_overlap._src.sim.dispatch_state import _Batch, _Compiled, _Group
 from jax_overlap._src.sim.model import (
-  Collective,
   Constants,
   Kernel,
   Workload,
   constants_for,
-  gemm_config,
-  regs_per_block,
-  residency_limits,
-  shaped_smem,
 )
+from jax_overlap._src.sim.results import KernelTiming, SimResult
 
 __all__ = ["KernelTiming", "SimResult", "run", "resolve_target", "isolated_time", "work_scale"]
 
@@ -100,305 +95,6 @@ def resolve_target(target) -> targets.Topology:
     return targets.get(target)
   except ValueError as e:
     raise ValueError(f"jax_overlap.sim: target: {e}") from None
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelTiming:
-  """When one kernel or collective ran in a simulation."""
-
-  name: str
-  kind: str
-  stream: int
-  priority: int
-  ready_s: float
-  start_s: float
-  end_s: float
-  blocks: int
-  blocks_per_sm: int
-  threads: int
-  smem: int
-  is_collective: bool
-
-  @property
-  def duration_s(self) -> float:
-    return self.end_s - self.start_s
-
-
-@dataclasses.dataclass
-class SimResult:
-  """Outcome of one simulation.
-
-  Attributes:
-    target: topology name.
-    policy: policy name.
-    makespan_s: end of the last block.
-    timings: one :class:`KernelTiming` per workload item, in workload order.
-    events: loop iterations the simulation took.
-    occupancy_times: event times (seconds) when recorded, else None.
-    occupancy: array [events, sm_count] of the fraction of each SM in use (max over
-      threads, registers, shared memory, blocks) from each event time on, else None.
-    isolated_s: isolated duration of each compute kernel (alone on the device, unshaped).
-    batches: with ``check=True``, one entry per finished batch of blocks: (item index,
-      blocks, blocks per SM, SM ids, start, end); else None.
-  """
-
-  target: str
-  policy: str
-  makespan_s: float
-  timings: list[KernelTiming]
-  events: int
-  occupancy_times: np.ndarray | None = None
-  occupancy: np.ndarray | None = None
-  isolated_s: dict[str, float] | None = None
-  batches: list | None = None
-
-  def timing(self, name: str) -> KernelTiming:
-    for t in self.timings:
-      if t.name == name:
-        return t
-    raise KeyError(f"SimResult.timing: no kernel named {name!r}")
-
-  @property
-  def compute_time_s(self) -> float:
-    """Sum of compute-kernel durations."""
-    return sum(t.duration_s for t in self.timings if not t.is_collective)
-
-  @property
-  def compute_slowdown(self) -> float:
-    """Sum of compute durations over the sum of their isolated durations, minus one."""
-    if not self.isolated_s:
-      return 0.0
-    base = sum(self.isolated_s.values())
-    actual = sum(t.duration_s for t in self.timings if t.name in self.isolated_s)
-    return actual / base - 1.0 if base > 0 else 0.0
-
-  @property
-  def comm_end_s(self) -> dict[str, float]:
-    """Completion time of each collective."""
-    return {t.name: t.end_s for t in self.timings if t.is_collective}
-
-  @property
-  def comm_latency_s(self) -> dict[str, float]:
-    """Ready-to-done time of each collective."""
-    return {t.name: t.end_s - t.ready_s for t in self.timings if t.is_collective}
-
-  def to_dict(self) -> dict:
-    return {
-      "target": self.target,
-      "policy": self.policy,
-      "makespan_s": self.makespan_s,
-      "compute_time_s": self.compute_time_s,
-      "compute_slowdown": self.compute_slowdown,
-      "events": self.events,
-      "kernels": [dataclasses.asdict(t) for t in self.timings],
-    }
-
-  def to_json(self, indent: int | None = 1) -> str:
-    return json.dumps(self.to_dict(), indent=indent)
-
-  def plot(self, path: str, **kwargs) -> str:
-    """Writes a PNG timeline (one lane per stream) and SM-occupancy heat map; see sim.plot."""
-    from jax_overlap._src.sim.plot import plot
-
-    return plot(self, path, **kwargs)
-
-
-class _Group:
-  __slots__ = ("sms", "thr", "regs", "smem", "blk", "batches")
-
-  def __init__(self, sms, thr=0, regs=0, smem=0, blk=0, batches=None):
-    self.sms = sms
-    self.thr = thr
-    self.regs = regs
-    self.smem = smem
-    self.blk = blk
-    self.batches = batches if batches is not None else []
-
-
-class _Batch:
-  __slots__ = ("k", "cnt", "rem", "rate", "t0")
-
-  def __init__(self, k, cnt, rem, t0):
-    self.k = k
-    self.cnt = cnt
-    self.rem = rem
-    self.rate = 0.0
-    self.t0 = t0
-
-
-def _shape_smem(gpu, name, threads, regs, smem, spec) -> int:
-  """Shared memory per block after applying a shaping spec (int or dict).
-
-  As the runtime library does: padding adds bytes; a blocks-per-SM cap leaves a kernel that
-  already fits at most that many blocks alone, and otherwise pads to the smallest size that
-  enforces the cap (see :func:`~jax_overlap._src.sim.model.shaped_smem`).
-  """
-  if spec is None:
-    return smem
-  if isinstance(spec, bool) or not isinstance(spec, (int, Mapping)):
-    raise TypeError(
-      f"jax_overlap.sim: shaping[{name!r}] must be blocks per SM (int) or a dict with "
-      f"'blocks_per_sm' or 'padding_bytes', got {spec!r}"
-    )
-  if isinstance(spec, int):
-    spec = {"blocks_per_sm": spec}
-  bad = sorted(set(spec) - {"blocks_per_sm", "padding_bytes"})
-  if bad:
-    raise ValueError(
-      f"jax_overlap.sim: shaping[{name!r}] has unknown key(s) {bad}; use 'blocks_per_sm' or "
-      "'padding_bytes'"
-    )
-  out = smem
-  if spec.get("padding_bytes") is not None:
-    pad = spec["padding_bytes"]
-    if isinstance(pad, bool) or not isinstance(pad, int) or pad < 0:
-      raise ValueError(
-        f"jax_overlap.sim: shaping[{name!r}].padding_bytes must be an int >= 0, got {pad!r}"
-      )
-    out += pad
-  if spec.get("blocks_per_sm") is not None:
-    n = spec["blocks_per_sm"]
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-      raise ValueError(
-        f"jax_overlap.sim: shaping[{name!r}].blocks_per_sm must be an int >= 1, got {n!r}"
-      )
-    if min(residency_limits(gpu, threads, regs, out).values()) > n:
-      out = shaped_smem(gpu, out, n)
-  if out > gpu.smem_per_block_optin:
-    raise ValueError(
-      f"jax_overlap.sim: shaping[{name!r}] asks for {out} bytes of shared memory per block, "
-      f"more than {gpu.name}'s opt-in limit of {gpu.smem_per_block_optin}"
-    )
-  return out
-
-
-class _Compiled:
-  """Per-item arrays the event loop reads."""
-
-  def __init__(
-    self, wl: Workload, topo: targets.Topology, const: Constants, priorities, shaping, scales=None
-  ):
-    gpu = topo.gpu
-    self.gpu = gpu
-    n = len(wl.items)
-    self.names = [it.name for it in wl.items]
-    self.grid = [0] * n
-    self.thr = [0] * n
-    self.regs = [0] * n
-    self.regs_thread = [0] * n
-    self.smem = [0] * n  # per block, incl. padding and reservation
-    self.smem_user = [0] * n
-    self.res = [0] * n
-    self.t0 = [0.0] * n
-    self.w = [1.0] * n
-    self.mem = [0.0] * n
-    self.comm = [False] * n
-    self.lat = [0.0] * n
-    self.chbytes = [0.0] * n
-    self.linkbw = [0.0] * n
-    self.ctabw = [0.0] * n
-    self.stream = [it.stream for it in wl.items]
-    self.prio = [int(priorities.get(it.stream, 0)) for it in wl.items]
-    self.kind = [it.kind for it in wl.items]
-    bw_total = gpu.memory_bandwidth
-    bw_sm = const.sm_bandwidth_factor * bw_total / gpu.sm_count
-    shaping = dict(shaping or {})
-    names = set(self.names)
-    missing = sorted(set(shaping) - names)
-    if missing:
-      raise ValueError(
-        f"jax_overlap.sim: the plan shapes kernel(s) {missing} that are not in workload {wl.name!r}"
-      )
-    for i, it in enumerate(wl.items):
-      if isinstance(it, Collective):
-        if it.name in shaping:
-          raise ValueError(
-            f"jax_overlap.sim: shaping[{it.name!r}] names a collective; only compute kernels "
-            "can be shaped"
-          )
-        cw = coll.channel_work(it, topo, const)
-        grid, threads, regs, smem = cw["channels"], cw["threads"], cw["regs"], cw["smem"]
-        self.comm[i] = True
-        self.lat[i] = cw["latency_s"] + const.block_overhead_s
-        self.chbytes[i] = cw["bytes"]
-        self.linkbw[i] = cw["link_bandwidth"]
-        self.ctabw[i] = cw["cta_bandwidth"]
-        self.mem[i] = cw["bytes"] * const.comm_hbm_factor
-      else:
-        assert isinstance(it, Kernel)
-        if it.grid is None or it.threads is None:
-          m, nn, k = it.gemm_mnk
-          cfg = gemm_config(gpu, m, nn, k, it.dtype)
-          grid, threads, regs, smem = cfg["grid"], cfg["threads"], cfg["regs"], cfg["smem"]
-          tm, tn, _ = cfg["tile"]
-          flops_b = 2.0 * tm * tn * k
-          eff = it.efficiency if it.efficiency is not None else const.gemm_efficiency
-        else:
-          grid, threads, regs, smem = it.grid, it.threads, it.regs, it.smem
-          flops_b = it.flops / grid
-          if it.efficiency is not None:
-            eff = it.efficiency
-          else:
-            eff = const.gemm_efficiency if it.kind == "gemm" else 1.0
-        bytes_b = it.bytes / grid
-        # GEMMs and fused custom kernels (attention) run on the tensor cores.
-        tensor = it.kind in ("gemm", "custom")
-        peak = gpu.peak_flops(it.dtype) if tensor else gpu.peak_fp32_flops
-        r_sm = peak / gpu.sm_count
-        self.t0[i] = const.block_overhead_s + max(flops_b / (eff * r_sm), bytes_b / bw_sm)
-        self.mem[i] = bytes_b
-      natural = min(residency_limits(gpu, threads, regs, smem).values())
-      if not self.comm[i]:
-        smem = _shape_smem(gpu, it.name, threads, regs, smem, shaping.get(it.name))
-      self._check_fits(it, threads, regs, smem)
-      lim = residency_limits(gpu, threads, regs, smem)
-      res = min(lim.values())
-      self.grid[i] = grid
-      warps = -(-threads // gpu.warp_size)
-      self.thr[i] = warps * gpu.warp_size
-      self.regs[i] = regs_per_block(gpu, threads, regs)
-      self.regs_thread[i] = regs
-      self.smem[i] = smem + gpu.smem_reserved_per_block
-      self.smem_user[i] = smem
-      self.res[i] = res
-      if not self.comm[i]:
-        sat = (
-          1 if it.kind == "gemm" else min(max(natural, 1), -(-const.saturating_threads // threads))
-        )
-        self.w[i] = 1.0 / max(sat, 1)
-      # Durations from time_s (after the checks, so errors name the item).
-      scale = _scale(it, topo, const, scales, i)
-      if self.comm[i]:
-        self.lat[i] *= scale
-        self.chbytes[i] *= scale
-      else:
-        self.t0[i] *= scale
-
-  def _check_fits(self, it, threads, regs, smem):
-    gpu = self.gpu
-    api = f"jax_overlap.sim: kernel {it.name!r}"
-    if threads > gpu.max_threads_per_block:
-      raise ValueError(
-        f"{api}: threads per block {threads} exceeds {gpu.name}'s limit of "
-        f"{gpu.max_threads_per_block}"
-      )
-    if smem > gpu.smem_per_block_optin:
-      raise ValueError(
-        f"{api}: smem per block {smem} bytes exceeds {gpu.name}'s opt-in limit of "
-        f"{gpu.smem_per_block_optin}"
-      )
-    if regs_per_block(gpu, threads, regs) > gpu.regs_per_block:
-      raise ValueError(
-        f"{api}: registers per block {threads} x {regs} exceed {gpu.name}'s limit of "
-        f"{gpu.regs_per_block}"
-      )
-    lim = residency_limits(gpu, threads, regs, smem)
-    if min(lim.values()) < 1:
-      bad = [k for k, v in lim.items() if v < 1]
-      raise ValueError(
-        f"{api}: a block ({threads} threads, {regs} registers/thread, {smem} bytes shared "
-        f"memory) cannot fit on one {gpu.name} SM at all (limited by {', '.join(bad)})"
-      )
 
 
 def run(
@@ -434,7 +130,7 @@ def run(
     raise TypeError(f"jax_overlap.sim: workload must be a sim.Workload, got {type(wl).__name__}")
   topo = resolve_target(target)
   const = constants if constants is not None else constants_for(topo.gpu)
-  cp = _Compiled(wl, topo, const, dict(priorities or {}), shaping)
+  cp = _Compiled(wl, topo, const, dict(priorities or {}), shaping, _scales(topo, const))
   out = _loop(wl, topo, const, cp, record=record, check=check)
   iso = None
   if baseline:
@@ -450,16 +146,19 @@ def _strip(k: Kernel) -> Kernel:
   return dataclasses.replace(k, name="k", stream=0, after=())
 
 
-def _scale(it, topo, const, scales, i) -> float:
-  if scales is not None:
-    return scales[i]
-  return work_scale(it, topo, const) if it.time_s is not None else 1.0
+def _scales(topo, const):
+  """Each item's work factor (computed as the item is compiled, after its checks)."""
+
+  def scale_of(i, it) -> float:
+    return work_scale(it, topo, const) if it.time_s is not None else 1.0
+
+  return scale_of
 
 
 def _alone(item, topo: targets.Topology, const: Constants, scale: float) -> float:
   """First dispatch to last block of ``item`` alone on the device, its work times ``scale``."""
   wl = Workload((item,), name="alone")
-  cp = _Compiled(wl, topo, const, {}, None, scales=(scale,))
+  cp = _Compiled(wl, topo, const, {}, None, lambda i, it: scale)
   timing = _loop(wl, topo, const, cp, record=False, check=False)[0][0]
   return timing.end_s - timing.start_s
 
@@ -495,7 +194,7 @@ def work_scale(item, topo: targets.Topology, const: Constants) -> float:
 def isolated_time(kernel: Kernel, topo: targets.Topology, const: Constants) -> float:
   """Duration of one compute kernel alone on the device, unshaped (cached)."""
   wl = Workload((_strip(kernel),), name="isolated")
-  cp = _Compiled(wl, topo, const, {}, None)
+  cp = _Compiled(wl, topo, const, {}, None, _scales(topo, const))
   timings = _loop(wl, topo, const, cp, record=False, check=False)[0]
   return timings[0].end_s - timings[0].start_s
 

@@ -1,16 +1,16 @@
 """What the simulator simulates: kernels, collectives, residency and per-target constants.
 
 Residency (blocks of one kernel that fit on one SM/CU) is the runtime library's
-arithmetic (``plan.residency_limits``, ``xla_patches/runtime/shaping.h``): the minimum over
+arithmetic (``residency.residency_limits``, ``xla_patches/runtime/shaping.h``): the minimum over
 threads, registers (allocated per warp, from one of four sub-partitions), shared memory
 (with the per-block reservation, in allocation units) and the blocks-per-SM limit, as in the
 CUDA occupancy calculator (CUDA C Programming Guide, "Occupancy Calculator" and "Technical
 Specifications per Compute Capability").
 
 Occupancy shaping pads each block's dynamic shared memory so that at most ``r`` blocks fit,
-with the smallest padded size that does so (``plan.capping_smem``; never less than the block
+with the smallest padded size that does so (``residency.capping_smem``; never less than the block
 already uses). Padding no more than that leaves the most room beside the kernel for
-communication blocks; ``plan.room_cap`` says whether that room is enough for one.
+communication blocks; ``residency.room_cap`` says whether that room is enough for one.
 
 GEMMs are modelled by shape, not by the launch configuration a deviceless compile reports
 (those are untuned defaults): :func:`gemm_config` picks a tile configuration of the kind
@@ -269,21 +269,21 @@ def constants_for(
 
 def residency_limits(gpu: targets.Gpu, threads: int, regs_per_thread: int, smem_bytes: int) -> dict:
   """Blocks per SM allowed by each limit: the runtime library's arithmetic
-  (``plan.residency_limits``), with at least one register per thread."""
-  from jax_overlap._src import plan
+  (``residency.residency_limits``), with at least one register per thread."""
+  from jax_overlap._src import residency
 
-  return plan.residency_limits(gpu, threads, max(int(regs_per_thread), 1), int(smem_bytes))
+  return residency.residency_limits(gpu, threads, max(int(regs_per_thread), 1), int(smem_bytes))
 
 
 def residency(gpu: targets.Gpu, threads: int, regs_per_thread: int, smem_bytes: int) -> int:
   """Blocks of one kernel that fit on an empty SM: the minimum over the four limits.
 
-  The runtime library's arithmetic (``plan.blocks_per_sm``); a kernel always holds
+  The runtime library's arithmetic (``residency.blocks_per_sm``); a kernel always holds
   at least one register per thread here.
   """
-  from jax_overlap._src import plan
+  from jax_overlap._src import residency
 
-  return plan.blocks_per_sm(gpu, threads, max(int(regs_per_thread), 1), int(smem_bytes))
+  return residency.blocks_per_sm(gpu, threads, max(int(regs_per_thread), 1), int(smem_bytes))
 
 
 def regs_per_block(gpu: targets.Gpu, threads: int, regs_per_thread: int) -> int:
@@ -300,9 +300,9 @@ def shaped_smem(gpu: targets.Gpu, smem_bytes: int, blocks_per_sm: int) -> int:
   """
   if blocks_per_sm < 1:
     raise ValueError(f"sim.shaped_smem: blocks_per_sm must be at least 1, got {blocks_per_sm}")
-  from jax_overlap._src import plan
+  from jax_overlap._src import residency
 
-  need = plan.capping_smem(gpu, blocks_per_sm)
+  need = residency.capping_smem(gpu, blocks_per_sm)
   return max(int(smem_bytes), min(need, gpu.smem_per_block_optin))
 
 

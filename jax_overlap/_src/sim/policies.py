@@ -12,7 +12,7 @@
 Default shaping (when no per-kernel setting is given): each GEMM or custom kernel in a
 collective's overlap window is capped at the largest blocks-per-SM ``r`` that still leaves
 room for one communication CTA beside it on an SM, by the runtime library's rule
-(``plan.room_cap``: threads, registers per sub-partition, shared memory, blocks). When no
+(``residency.room_cap``: threads, registers per sub-partition, shared memory, blocks). When no
 ``r >= 1`` does (an NCCL channel needs most of a register file and 82 KB of shared memory),
 the kernel is left alone, as the runtime library leaves it, and listed in
 :func:`no_room`.
@@ -201,7 +201,7 @@ def comm_blocks(wl: Workload, const: Constants) -> dict[str, set]:
 
 def _room(wl: Workload, target, constants: Constants | None):
   """(kernel -> cap with room, kernel -> limits when none) for kernels beside collectives."""
-  from jax_overlap._src import plan
+  from jax_overlap._src import residency
 
   topo = engine.resolve_target(target)
   gpu = topo.gpu
@@ -215,7 +215,7 @@ def _room(wl: Workload, target, constants: Constants | None):
     threads, regs, smem = _launch(k, gpu)
     nat = _residency(gpu, threads, regs, smem)
     for cb in blocks:
-      r, why = plan.room_cap(gpu, cb, threads, max(int(regs), 1), int(smem), 0, nat)
+      r, why = residency.room_cap(gpu, cb, threads, max(int(regs), 1), int(smem), 0, nat)
       if r == 0:
         blocked[name] = tuple(sorted(set(blocked.get(name, ())) | set(why)))
       else:

@@ -30,7 +30,7 @@ import sys
 import time
 from collections.abc import Mapping
 
-from jax_overlap._src import deprecations
+from jax_overlap._src import deprecations, residency
 from jax_overlap._src import plan as plan_lib
 from jax_overlap._src.sim import engine
 from jax_overlap._src.sim.model import Constants, Kernel, Workload
@@ -205,7 +205,7 @@ def search_space(
 
   A kernel's choices are its own residency and the caps below it that change it. With
   ``make_room`` only caps that leave room for the communication CTA of every collective
-  the kernel overlaps (``plan.room_cap``, the runtime library's rule) are kept: a cap the
+  the kernel overlaps (``residency.room_cap``, the runtime library's rule) are kept: a cap the
   library would lower or ignore is not searched.
   """
   topo = engine.resolve_target(target)
@@ -222,7 +222,7 @@ def search_space(
         for r in below
         if not make_room
         or all(
-          plan_lib.room_cap(topo.gpu, cb, threads, max(int(regs), 1), int(smem), 0, r)[0] == r
+          residency.room_cap(topo.gpu, cb, threads, max(int(regs), 1), int(smem), 0, r)[0] == r
           for cb in blocks.get(n, ())
         )
       ]

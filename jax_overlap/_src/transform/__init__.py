@@ -39,7 +39,9 @@ compiler options for the collectives found there (:mod:`.gspmd`), and among the
 variants of the same step converted to shard_map (:mod:`.to_shard_map`, whose
 per-primitive layout rules are in :mod:`.layouts`) and rewritten as above.
 
-Layout: :mod:`.planning` reads the jaxpr and plans each ``shard_map`` body,
+Layout: :mod:`.planning` reads the jaxpr and plans each ``shard_map`` body (its
+collective matmul sites in :mod:`.matmul_sites`, the jaxpr helpers all share in
+:mod:`.jaxprs`),
 :mod:`.evaluate` re-evaluates the program with the plan, :mod:`.scan_pipeline`
 and :mod:`.gspmd` handle loops and partitioned programs, :mod:`.to_shard_map`
 converts a partitioned program to shard_map, :mod:`.decorator` holds
@@ -62,11 +64,11 @@ from jax_overlap._src.transform.evaluate import _Config as _Config
 from jax_overlap._src.transform.evaluate import _evaluate as _evaluate
 from jax_overlap._src.transform.explain import Action as Action
 from jax_overlap._src.transform.explain import Explanation as Explanation
-from jax_overlap._src.transform.planning import (
-  _plan_body as _plan_body,
+from jax_overlap._src.transform.jaxprs import (
+  _subjaxprs as _subjaxprs,
 )
 from jax_overlap._src.transform.planning import (
-  _subjaxprs as _subjaxprs,
+  _plan_body as _plan_body,
 )
 from jax_overlap._src.transform.planning import (
   _topological as _topological,

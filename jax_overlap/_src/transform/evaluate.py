@@ -10,16 +10,11 @@ from typing import Any
 import jax
 from jax.experimental.xla_metadata import set_xla_metadata
 
-from jax_overlap._src.fsdp import _after
+from jax_overlap._src.fsdp.pipeline import _after
 from jax_overlap._src.transform import scan_pipeline
 from jax_overlap._src.transform.explain import Action
-from jax_overlap._src.transform.planning import (
-  _OPAQUE,
-  _BodyPlan,
-  _has_collectives,
-  _is_var,
-  _plan_body,
-)
+from jax_overlap._src.transform.jaxprs import _OPAQUE, _has_collectives, _is_var
+from jax_overlap._src.transform.planning import _BodyPlan, _plan_body
 
 
 def _eval_eqn(eqn, invals, metadata: dict[str, str] | None):

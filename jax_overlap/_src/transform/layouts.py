@@ -22,7 +22,7 @@ from jax import lax
 from jax.extend import core as jcore
 from jax.sharding import PartitionSpec as P
 
-from jax_overlap._src.transform.planning import _nbytes
+from jax_overlap._src.transform.jaxprs import _nbytes
 
 __all__ = ["Axes", "Layout", "Refused", "RULES", "ELEMENTWISE", "elementwise", "is_literal"]
 

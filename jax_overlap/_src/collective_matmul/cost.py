@@ -1,0 +1,175 @@
+"""Cost model (:func:`estimate_gain`), the analysis's own (:mod:`.cost_model`: roofline
+kernels with achievable fractions of peak, alpha-beta collectives at the achievable link
+bandwidth, a launch overhead per kernel), for ``y = x @ w`` with global shapes
+``x: (m, k)``, ``w: (k, n)`` on an axis of ``N`` devices:
+
+* per-device GEMM ``T_c = kernel_time(2 m k n / N, B)`` with ``B`` the bytes the
+  per-device GEMM reads and writes;
+* collective ``T_x = collective_time(all-gather or reduce-scatter, N s, N)`` with ``s``
+  the bytes of one device's block (``m k / N`` elements gathered, or ``m n / N``
+  scattered): what XLA's NCCL collective costs in the analysis;
+* baseline (no overlap) ``T_c + T_x``; ring ``t + (N - 1) max(t, e)`` with
+  ``t = p kernel_time(2 m k n / N^2 / p, B / N / p)`` the step's ``p`` partial dots and
+  ``e = collective_time(collective-permute, s / d, N)`` the neighbour exchange, ``d = 2``
+  for the bidirectional ring (each half travels on its own link direction);
+* in pieces (``method="pieces"``): ``t + e + (c - 1) max(t, e)`` with ``t`` the dots of
+  one of the ``c`` pieces and ``e`` the collective of one piece (``N s / c`` bytes): the
+  first gather (or the last reduce-scatter) is exposed, the rest hide behind dots.
+
+The exchange of a ring step is an NCCL send/recv, which NCCL runs on a few of its
+channels (4 of 24 for a 16 MiB step on 8 H100s, ``nccl.py``), so at the analysis's
+per-channel rate a large step travels well below the link's bandwidth; a piece is an NCCL
+all-gather or reduce-scatter on all of them. Where steps are large the pieces win.
+
+The link numbers come from :mod:`jax_overlap.targets` (the catalogue cites
+NVIDIA/AMD datasheets and NCCL's tuning defaults).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from jax_overlap._src import cost_model as _cost
+from jax_overlap._src import deprecations
+from jax_overlap._src import targets as _targets
+
+# The simulator's short dtype names (glossary: `dtype`).
+_DTYPE_NAMES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "f64": "float64"}
+
+
+@dataclasses.dataclass(frozen=True)
+class GainEstimate:
+  """What :func:`estimate_gain` predicts for one collective matmul.
+
+  Attributes:
+    compute_s: per-device GEMM time (roofline).
+    comm_s: time of the collective alone (ring, alpha-beta).
+    baseline_s: collective then GEMM, no overlap.
+    overlapped_s: the ring of partial dots.
+    speedup: ``baseline_s / overlapped_s``.
+    worthwhile: whether ``speedup`` reaches the ``min_speedup`` asked for.
+  """
+
+  compute_s: float
+  comm_s: float
+  baseline_s: float
+  overlapped_s: float
+  speedup: float
+  worthwhile: bool
+
+
+@deprecations.keyword_only("dtype", "target", api="jax_overlap.collective_matmul.estimate_gain")
+def estimate_gain(
+  m: int,
+  n: int,
+  k: int,
+  axis_size: int,
+  *,
+  dtype: Any = "bfloat16",
+  target: Any = "h100x8",
+  kind: str = "all_gather",
+  bidirectional: bool = True,
+  chunks: int | None = None,
+  launch_overhead_s: float | None = None,
+  min_speedup: float = 1.05,
+  cost_model: _cost.CostModel | None = None,
+  method: str = "ring",
+) -> GainEstimate:
+  """Predicts the gain of a collective matmul over a collective followed by a GEMM.
+
+  The formulas are in the module docstring: the analysis's roofline and alpha-beta costs
+  (:class:`~jax_overlap.analysis.CostModel`), and a ring of ``axis_size`` steps each
+  costing the larger of its partial dots and its neighbour exchange.
+
+  Args:
+    m: rows of the global ``x`` (e.g. batch x sequence).
+    n: columns of the global ``w``.
+    k: the contracting dimension.
+    axis_size: devices on the tensor-parallel axis.
+    dtype: element type of the operands (name or dtype).
+    target: topology name or object from :mod:`jax_overlap.targets`.
+    kind: ``"all_gather"`` (``x`` is gathered, ``m k`` elements move) or
+      ``"reduce_scatter"`` (the ``m n`` output is scattered).
+    bidirectional: whether the ring uses both link directions.
+    chunks: pieces per block (as in :func:`all_gather_matmul`).
+    launch_overhead_s: fixed cost of every kernel (None: the cost model's
+      ``kernel_overhead_s``).
+    min_speedup: the speedup at which ``worthwhile`` becomes true.
+    cost_model: efficiencies (None: the analysis's defaults).
+    method: ``"ring"`` (neighbour exchanges: NCCL send/recv on a few channels) or
+      ``"pieces"`` (the collective issued as ``chunks`` collectives of a slice of every
+      block, default ``axis_size``, each on all of NCCL's channels; the first gather or
+      the last reduce-scatter is not hidden).
+
+  Returns:
+    A :class:`GainEstimate`.
+
+  Raises:
+    ValueError: for non-positive sizes, an unknown ``kind`` or target.
+
+  Example:
+    >>> est = estimate_gain(8192, 8192, 8192, 8, dtype="bfloat16", target="h100x8")
+    >>> est.speedup > 1.0
+    True
+  """
+  api = "estimate_gain"
+  for name, v in (("m", m), ("n", n), ("k", k), ("axis_size", axis_size)):
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+      raise ValueError(f"{api}: {name} must be a positive int, got {v!r}")
+  if kind not in ("all_gather", "reduce_scatter"):
+    raise ValueError(f"{api}: kind must be 'all_gather' or 'reduce_scatter', got {kind!r}")
+  if method not in ("ring", "pieces"):
+    raise ValueError(f"{api}: method must be 'ring' or 'pieces', got {method!r}")
+  model = cost_model or _cost.CostModel()
+  if launch_overhead_s is not None:
+    model = dataclasses.replace(model, kernel_overhead_s=launch_overhead_s)
+  topo = _targets.get(target)
+  gpu = topo.gpu
+  np_dtype = jnp.dtype(_DTYPE_NAMES.get(dtype, dtype) if isinstance(dtype, str) else dtype)
+  itemsize = np_dtype.itemsize
+  dname = np_dtype.name
+  short = {v: k for k, v in _DTYPE_NAMES.items()}
+  dt = short.get(dname, dname)
+  big_n = int(axis_size)
+  pieces = chunks if chunks is not None else (2 if bidirectional else 1)
+
+  def gemm(flops, nbytes):
+    return _cost.kernel_time(flops, nbytes, gpu, dtype=dt, is_dot=True, cost_model=model)
+
+  flops = 2.0 * m * n * k / big_n
+  if kind == "all_gather":  # reads the gathered x, its w columns; writes its y columns
+    gemm_bytes = (m * k + (k * n + m * n) / big_n) * itemsize
+  else:  # reads its x columns and w rows; writes a full partial y
+    gemm_bytes = ((m * k + k * n) / big_n + m * n) * itemsize
+  compute = gemm(flops, gemm_bytes)
+  block = (m * k if kind == "all_gather" else m * n) / big_n * itemsize
+  coll = "all-gather" if kind == "all_gather" else "reduce-scatter"
+  comm = _cost.collective_time(coll, block * big_n, big_n, topo, cost_model=model)
+  baseline = compute + comm
+  if big_n == 1:
+    overlapped = compute
+  elif method == "pieces":
+    c = chunks if chunks is not None else big_n
+    t = gemm(flops / c, gemm_bytes / c)
+    e = _cost.collective_time(coll, block * big_n / c, big_n, topo, cost_model=model)
+    overlapped = t + e + (c - 1) * max(t, e)
+  else:
+    step = pieces * gemm(flops / big_n / pieces, gemm_bytes / big_n / pieces)
+    half = 2.0 if bidirectional else 1.0
+    exchange = _cost.collective_time(
+      "collective-permute", block / half, big_n, topo, cost_model=model
+    )
+    overlapped = step + (big_n - 1) * max(step, exchange)
+  speedup = baseline / overlapped
+  return GainEstimate(
+    compute_s=compute,
+    comm_s=comm,
+    baseline_s=baseline,
+    overlapped_s=overlapped,
+    speedup=speedup,
+    worthwhile=speedup >= min_speedup,
+  )

@@ -1,0 +1,204 @@
+"""The N-D collective matmuls tensor- and sequence-parallel code needs: a gather along any
+free dimension feeding several ``dot_general``s, and a ``dot_general`` reduce-scattered
+along a free dimension; as a ring or in pieces."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from jax_overlap._src.collective_matmul.pieces import _ag_pieces, _rs_pieces
+from jax_overlap._src.collective_matmul.rings import (
+  _in_gathered_order,
+  _out_dim,
+  _perm,
+  _ring_order,
+)
+
+
+def all_gather_dot_generals(
+  x,
+  dots,
+  *,
+  axis: str,
+  gather_dim: int,
+  collect: bool = False,
+  bidirectional: bool = False,
+  method: str = "ring",
+  pieces: int | None = None,
+):
+  """``all_gather(x, axis, axis=gather_dim, tiled=True)`` fed to several ``dot_general``s, as
+  one ppermute ring: each step sends this device's current block on and computes every
+  dot's slice for the block it holds.
+
+  The general form of :func:`all_gather_matmul` for what tensor- and sequence-parallel
+  code writes: N-D activations gathered along any free dimension (the sequence), dots with
+  batch dimensions, one gather feeding several matmuls (separate Q/K/V, gate/up), the
+  gathered value needed elsewhere too (``collect``). Differentiated by JAX: the
+  transpose of the ring is the reverse ring.
+
+  Args:
+    x: this device's block of the gathered value.
+    dots: one ``(w, x_is_lhs, dimension_numbers, precision, preferred_element_type,
+      out_shape, out_dtype)`` per dot, with ``dimension_numbers`` as for the gathered value
+      and ``out_shape`` the full dot output's.
+    axis: the mesh axis of the gather.
+    gather_dim: the dimension of ``x`` gathered; must be free (neither contracting nor
+      batch) in every dot.
+    collect: also return the gathered value.
+    bidirectional: split the block in halves sent in opposite directions (both link
+      directions); the block's size along ``gather_dim`` must be even.
+    method: ``"ring"`` (neighbour exchanges, NCCL send/recv) or ``"pieces"``: the
+      all-gather issued as ``pieces`` all-gathers of a slice of every block each, one
+      after the other, each piece's dots running while the next piece travels. A piece
+      is an NCCL all-gather, on all of the collective's channels, where a ring step is a
+      send/recv on a few (see ``nccl.py``).
+    pieces: all-gathers of the ``"pieces"`` method (default: the axis size); must divide
+      the block along ``gather_dim``.
+
+  Returns:
+    (list of the dots' outputs, the gathered value or None).
+  """
+  if method == "pieces":
+    return _ag_pieces(x, dots, axis, gather_dim, collect, pieces)
+  if method != "ring":
+    raise ValueError(f"all_gather_dot_generals: method must be 'ring' or 'pieces', got {method!r}")
+  n = int(lax.axis_size(axis))
+  d = lax.axis_index(axis)
+  m = x.shape[gather_dim]
+  pos = [_out_dim(x.ndim, w.ndim, lhs, dn, gather_dim) for (w, lhs, dn, *_) in dots]
+  dirs = (1, -1) if bidirectional else (1,)
+  if m % len(dirs):
+    raise ValueError(
+      f"all_gather_dot_generals: a bidirectional ring needs an even block along dimension "
+      f"{gather_dim}, got {m}"
+    )
+  p = m // len(dirs)
+  pieces = [lax.slice_in_dim(x, j * p, (j + 1) * p, axis=gather_dim) for j in range(len(dirs))]
+  # Each step's slices in ring order (step, piece); put in order once at the end.
+  parts: list[list] = [[] for _ in dots]
+  held: list = []
+  for s in range(n):
+    nxt = (
+      [lax.ppermute(pc, axis, _perm(n, dj)) for pc, dj in zip(pieces, dirs)] if s < n - 1 else None
+    )
+    for piece in pieces:
+      for j, (w, lhs, dn, precision, preferred, _, dtype) in enumerate(dots):
+        a, b = lax.optimization_barrier((piece, w))  # one dot per step (see _step_dot)
+        part = lax.dot_general(
+          a if lhs else b,
+          b if lhs else a,
+          dn,
+          precision=precision,
+          preferred_element_type=preferred,
+        )
+        parts[j].append(part.astype(dtype))
+      if collect:
+        held.append(piece)
+    pieces = nxt
+  order, inverse = _ring_order(n, d, dirs)
+  outs = [_in_gathered_order(ps, order, inverse, od) for ps, od in zip(parts, pos)]
+  full = _in_gathered_order(held, order, inverse, gather_dim) if collect else None
+  return outs, full
+
+
+def dot_general_reduce_scatter(
+  lhs,
+  rhs,
+  *,
+  dimension_numbers,
+  axis: str,
+  scatter_dim: int,
+  precision=None,
+  preferred_element_type=None,
+  out_dtype=None,
+  bidirectional: bool = False,
+  method: str = "ring",
+  pieces: int | None = None,
+):
+  """``psum_scatter(dot_general(lhs, rhs), axis, scatter_dimension=scatter_dim, tiled=True)``
+  as a ppermute ring of partial dots, for N-D operands.
+
+  The general form of :func:`matmul_reduce_scatter` (a row-parallel projection of
+  sequence-parallel activations: ``[batch, seq, hidden / N] @ [hidden / N, out]`` scattered
+  along the sequence). ``scatter_dim`` must be a free dimension of the output (not a batch
+  dimension); the operand it comes from is sliced, one block per ring step, and the
+  partial sums travel round the ring, each step adding the block this device contributes.
+  Differentiated by JAX: the transpose is a gather ring. ``bidirectional`` splits each
+  block in halves whose partial sums travel in opposite directions (the block must be
+  even). ``method="pieces"`` issues the reduce-scatter instead as ``pieces`` (default:
+  the axis size) reduce-scatters of a slice of every device's block each, one after the
+  other, each running while the next slice's dot computes (NCCL collectives on all their
+  channels rather than send/recv on a few).
+
+  Returns:
+    This device's block of the summed output.
+  """
+  if method not in ("ring", "pieces"):
+    raise ValueError(
+      f"dot_general_reduce_scatter: method must be 'ring' or 'pieces', got {method!r}"
+    )
+  n = int(lax.axis_size(axis))
+  d = lax.axis_index(axis)
+  (lc, rc), (lb, rb) = dimension_numbers
+  l_free = [i for i in range(lhs.ndim) if i not in lc and i not in lb]
+  r_free = [i for i in range(rhs.ndim) if i not in rc and i not in rb]
+  nb = len(lb)
+  if scatter_dim < nb:
+    raise ValueError("dot_general_reduce_scatter: scatter_dim is a batch dimension of the dot")
+  if scatter_dim < nb + len(l_free):
+    slice_lhs, op_dim = True, l_free[scatter_dim - nb]
+  else:
+    slice_lhs, op_dim = False, r_free[scatter_dim - nb - len(l_free)]
+  size = (lhs if slice_lhs else rhs).shape[op_dim]
+  if size % n:
+    raise ValueError(
+      f"dot_general_reduce_scatter: the scattered dimension ({size}) is not divisible by the "
+      f"size of axis {axis!r} ({n})"
+    )
+  block = size // n
+  if method == "pieces":
+    return _rs_pieces(
+      lhs,
+      rhs,
+      dimension_numbers,
+      axis,
+      scatter_dim,
+      slice_lhs,
+      op_dim,
+      n,
+      block,
+      pieces,
+      precision,
+      preferred_element_type,
+      out_dtype,
+    )
+  dirs = (1, -1) if bidirectional else (1,)
+  if block % len(dirs):
+    raise ValueError(
+      f"dot_general_reduce_scatter: a bidirectional ring needs an even block, got {block}"
+    )
+  p = block // len(dirs)
+
+  def part(step, j, dj):
+    # The partial sum passing through this device at `step` ends, after the remaining
+    # hops, on device d - dj * (1 + step): compute that device's piece j.
+    idx = ((d - dj * (1 + step)) % n) * block + j * p
+    a, b = (lhs, rhs)
+    if slice_lhs:
+      a = lax.dynamic_slice_in_dim(a, idx, p, axis=op_dim)
+    else:
+      b = lax.dynamic_slice_in_dim(b, idx, p, axis=op_dim)
+    a, b = lax.optimization_barrier((a, b))  # one dot per step (see _step_dot)
+    y = lax.dot_general(
+      a, b, dimension_numbers, precision=precision, preferred_element_type=preferred_element_type
+    )
+    return y if out_dtype is None else y.astype(out_dtype)
+
+  accs = [part(0, j, dj) for j, dj in enumerate(dirs)]
+  for s in range(1, n):
+    accs = [
+      lax.ppermute(a, axis, _perm(n, dj)) + part(s, j, dj)
+      for j, (a, dj) in enumerate(zip(accs, dirs))
+    ]
+  return accs[0] if len(accs) == 1 else jnp.concatenate(accs, axis=scatter_dim)

@@ -1,0 +1,108 @@
+"""Collective matmuls in pieces: the all-gather or reduce-scatter issued as chained NCCL
+collectives of a slice of every block, each beside the dots of the previous slice."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from jax_overlap._src.collective_matmul.rings import (
+  _out_dim,
+)
+from jax_overlap._src.collective_matmul.validate import (
+  _piece_count,
+)
+
+
+def _ag_pieces(x, dots, axis, gather_dim, collect, pieces):
+  """``all_gather_dot_generals`` as ``c`` chained all-gathers of a slice of every block."""
+  n = int(lax.axis_size(axis))
+  m = x.shape[gather_dim]
+  c = _piece_count("all_gather_dot_generals", pieces, n, m)
+  pos = [_out_dim(x.ndim, w.ndim, lhs, dn, gather_dim) for (w, lhs, dn, *_) in dots]
+  slices = lax.split(x, [m // c] * c, axis=gather_dim)
+
+  def gather(piece):
+    return lax.all_gather(piece, axis, axis=gather_dim, tiled=True)
+
+  gathered = [gather(slices[0])] + [None] * (c - 1)
+  parts: list[list] = [[None] * c for _ in dots]
+  for j in range(c):
+    if j + 1 < c:
+      # Piece j + 1 travels while piece j's dots run: its gather waits for gather j (one
+      # collective after the other, which also keeps XLA's combiner from joining them)
+      # and for piece j - 1's dots (at most one piece gathered ahead). The barrier's
+      # outputs are what the rest uses, so XLA keeps it.
+      ahead = [parts[i][j - 1] for i in range(len(dots))] if j >= 1 else []
+      nxt, gathered[j], *ahead = lax.optimization_barrier((slices[j + 1], gathered[j], *ahead))
+      for i, a in enumerate(ahead):
+        parts[i][j - 1] = a
+      gathered[j + 1] = gather(nxt)
+    if j >= 1:
+      # Piece j - 1's dots and gather j meet before piece j's dots: XLA's scheduler then
+      # waits for gather j after those dots rather than before them.
+      done = [parts[i][j - 1] for i in range(len(dots))]
+      gathered[j], *done = lax.optimization_barrier((gathered[j], *done))
+      for i, d in enumerate(done):
+        parts[i][j - 1] = d
+    for i, (w, lhs, dn, precision, preferred, _, dtype) in enumerate(dots):
+      a, b = lax.optimization_barrier((gathered[j], w))  # one dot per piece (see _step_dot)
+      part = lax.dot_general(
+        a if lhs else b, b if lhs else a, dn, precision=precision, preferred_element_type=preferred
+      )
+      parts[i][j] = part.astype(dtype)
+  outs = [_pieces_in_order(ps, od, n) for ps, od in zip(parts, pos)]
+  full = _pieces_in_order(gathered, gather_dim, n) if collect else None
+  return outs, full
+
+
+def _pieces_in_order(parts: list, dim: int, n: int):
+  """Piece-major results (piece j holds slice j of every device's block, device-major)
+  put in device order along ``dim``: one transpose."""
+  c = len(parts)
+  y = jnp.stack(parts, axis=dim)  # [..., c, n * q, ...]
+  shape = y.shape
+  q = shape[dim + 1] // n
+  y = y.reshape(shape[:dim] + (c, n, q) + shape[dim + 2 :])
+  y = jnp.swapaxes(y, dim, dim + 1)  # [..., n, c, q, ...]
+  return y.reshape(shape[:dim] + (n * c * q,) + shape[dim + 2 :])
+
+
+def _rs_pieces(
+  lhs,
+  rhs,
+  dn,
+  axis,
+  scatter_dim,
+  slice_lhs,
+  op_dim,
+  n,
+  block,
+  pieces,
+  precision,
+  preferred,
+  out_dtype,
+):
+  """``dot_general_reduce_scatter`` as ``c`` chained reduce-scatters of a slice of every
+  device's block."""
+  c = _piece_count("dot_general_reduce_scatter", pieces, n, block)
+  q = block // c
+  op = lhs if slice_lhs else rhs
+  shape = op.shape
+  grouped = op.reshape(shape[:op_dim] + (n, c, q) + shape[op_dim + 1 :])
+  # lax.split's transpose is a concatenation: the backward assembles, it does not pad.
+  slices = lax.split(grouped, [1] * c, axis=op_dim + 1)
+  outs: list = []
+  for sl in slices:
+    sl = sl.reshape(shape[:op_dim] + (n * q,) + shape[op_dim + 1 :])
+    a, b = (sl, rhs) if slice_lhs else (lhs, sl)
+    a, b = lax.optimization_barrier((a, b))  # one dot per piece (see _step_dot)
+    y = lax.dot_general(a, b, dn, precision=precision, preferred_element_type=preferred)
+    if out_dtype is not None:
+      y = y.astype(out_dtype)
+    if outs:
+      # One reduce-scatter after the other (and none combined with another by XLA); the
+      # dot itself does not wait. The barrier's outputs are what the rest uses.
+      y, outs[-1] = lax.optimization_barrier((y, outs[-1]))
+    outs.append(lax.psum_scatter(y, axis, scatter_dimension=scatter_dim, tiled=True))
+  return outs[0] if c == 1 else jnp.concatenate(outs, axis=scatter_dim)

@@ -1,0 +1,67 @@
+"""Argument checks of the collective matmuls, with errors that name the API and the fix."""
+
+from __future__ import annotations
+
+import numpy as np
+from jax import lax
+
+
+def _axis_size(api: str, axis) -> int:
+  if isinstance(axis, (tuple, list)):
+    if len(axis) != 1:
+      raise ValueError(f"{api}: axis must be a single mesh axis name for the ring, got {axis!r}")
+    axis = axis[0]
+  if not isinstance(axis, str):
+    raise TypeError(f"{api}: axis must be a mesh axis name (str), got {axis!r}")
+  try:
+    return int(lax.axis_size(axis))
+  except NameError:
+    raise ValueError(
+      f"{api}: axis {axis!r} is not bound here; call it inside a shard_map body whose mesh "
+      "has that axis"
+    ) from None
+
+
+def _check_operands(api: str, x, w, x_desc: str) -> None:
+  for name, v in (("x", x), ("w", w)):
+    if not hasattr(v, "shape") or not hasattr(v, "dtype"):
+      raise TypeError(f"{api}: {name} must be an array, got {type(v).__name__}")
+  if np.ndim(x) != 2 or np.ndim(w) != 2:
+    raise ValueError(
+      f"{api}: x and w must both be rank 2 ({x_desc} and (k, n)), got x with shape "
+      f"{tuple(x.shape)} and w with shape {tuple(w.shape)}"
+    )
+  if x.shape[1] != w.shape[0]:
+    raise ValueError(
+      f"{api}: the contracting dimensions must match: x.shape[1] ({x.shape[1]}) != "
+      f"w.shape[0] ({w.shape[0]})"
+    )
+
+
+def _directions(api: str, rows: int, what: str, bidirectional: bool, chunks) -> tuple[int, ...]:
+  if chunks is None:
+    chunks = 2 if bidirectional else 1
+  if isinstance(chunks, bool) or not isinstance(chunks, (int, np.integer)) or chunks < 1:
+    raise ValueError(f"{api}: chunks must be a positive int, got {chunks!r}")
+  if bidirectional and chunks % 2:
+    raise ValueError(
+      f"{api}: chunks must be even with bidirectional=True (half the pieces go each way), "
+      f"got {chunks}"
+    )
+  if rows % chunks:
+    raise ValueError(
+      f"{api}: {what} ({rows}) must be divisible by the number of ring pieces chunks={chunks}"
+    )
+  if bidirectional:
+    return (1,) * (chunks // 2) + (-1,) * (chunks // 2)
+  return (1,) * int(chunks)
+
+
+def _piece_count(api: str, pieces, n: int, block: int) -> int:
+  c = n if pieces is None else pieces
+  if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or c < 1:
+    raise ValueError(f"{api}: pieces must be a positive int, got {pieces!r}")
+  c = min(int(c), block)
+  while block % c:  # the largest count up to the one asked for that divides the block
+    c -= 1
+  return c

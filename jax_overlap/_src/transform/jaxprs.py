@@ -1,0 +1,64 @@
+"""Reading jaxprs: the primitive families the transform looks for, value sizes and the
+jaxprs nested in an equation's parameters. Shared by the planning, the evaluation and the
+conversion to shard_map."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+_GATHER = "all_gather"
+_SCATTER = "reduce_scatter"
+_COLLECTIVES = {
+  "all_gather",
+  "reduce_scatter",
+  "psum",
+  "psum_invariant",
+  "ppermute",
+  "all_to_all",
+  "pmax",
+  "pmin",
+}
+_OPAQUE = ("scan", "while", "cond", "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_jvp_call")
+_MATMUL = {"dot_general", "conv_general_dilated", "ragged_dot_general"}
+
+
+def _pure(eqn) -> bool:
+  """No effects other than naming a mesh axis (which every collective has)."""
+  return all(type(eff).__name__ == "NamedAxisEffect" for eff in eqn.effects)
+
+
+def _is_var(x) -> bool:
+  return not hasattr(x, "val")
+
+
+def _nbytes(aval) -> int:
+  try:
+    return int(math.prod(aval.shape) * np.dtype(aval.dtype).itemsize)
+  except (TypeError, AttributeError):
+    return 0
+
+
+# Operations after which a value counts as computed in the step (an activation).
+_COMPUTE = _MATMUL | set(_OPAQUE)
+_HEAVY = _COMPUTE | _COLLECTIVES
+
+
+def _subjaxprs(eqn):
+  from jax._src import core
+
+  for p in eqn.params.values():
+    for q in p if isinstance(p, (tuple, list)) else (p,):
+      sub = q.jaxpr if isinstance(q, core.ClosedJaxpr) else q
+      if isinstance(sub, core.Jaxpr):
+        yield sub
+
+
+def _has_collectives(eqn) -> bool:
+  """Whether a sub-jaxpr of ``eqn`` (recursively) holds a collective or a shard_map."""
+  return any(
+    e.primitive.name in _COLLECTIVES or e.primitive.name == "shard_map" or _has_collectives(e)
+    for sub in _subjaxprs(eqn)
+    for e in sub.eqns
+  )

@@ -1,0 +1,340 @@
+"""Collective matmul sites of a ``shard_map`` body: all-gather -> dot and dot ->
+reduce-scatter pairs (2-D or N-D, one gather feeding several dots, the gathered value
+also kept), each decomposed into a ring or into pieces where the cost model
+(:func:`jax_overlap.collective_matmul.estimate_gain`) says it pays."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from jax_overlap._src.transform.explain import Action
+from jax_overlap._src.transform.jaxprs import _GATHER, _SCATTER, _is_var
+
+
+def _plan_collective_matmuls(
+  eqns, outvars: set, mode: str, target: str | None, where: str, actions: list
+):
+  """Finds all_gather -> dot and dot -> reduce_scatter pairs worth decomposing."""
+  if mode not in ("auto", "on", "ring", "pieces"):
+    return {}, set(), {}, {}
+  from jax_overlap._src import collective_matmul as cm_lib
+
+  users: dict[Any, list[int]] = {}
+  for i, e in enumerate(eqns):
+    for v in e.invars:
+      if _is_var(v):
+        users.setdefault(v, []).append(i)
+  fused: dict[int, tuple] = {}
+  skipped: set[int] = set()
+  rings: dict[int, tuple] = {}
+  ring_of: dict[int, int] = {}
+
+  def plain_dot(d):
+    dn = d.params.get("dimension_numbers")
+    return (
+      d.primitive.name == "dot_general"
+      and dn == (((1,), (0,)), ((), ()))
+      and all(getattr(v.aval, "ndim", 0) == 2 for v in d.invars)
+    )
+
+  def worth(m, n, k, p, dtype, kind, bidirectional, block=None):
+    """The best decomposition by the cost model among those ``mode`` allows: the ring
+    (both link directions only when the block splits in two), or the collective in 2, 4
+    ... p pieces that divide ``block``. Returns (estimate, method, pieces); the estimate is
+    not worthwhile when no decomposition applies."""
+    tgt = target or "h100x8"
+    options = []
+    if mode in ("auto", "on", "ring"):
+      options.append(("ring", None))
+    c = 2
+    while mode in ("auto", "on", "pieces") and block is not None and c <= p:
+      if block % c == 0:
+        options.append(("pieces", c))
+      c *= 2
+    best = None
+    for method, pieces in options:
+      est = cm_lib.estimate_gain(
+        m,
+        n,
+        k,
+        p,
+        dtype=dtype,
+        target=tgt,
+        kind=kind,
+        bidirectional=bidirectional and method == "ring",
+        method=method,
+        chunks=pieces,
+      )
+      if best is None or est.speedup > best[0].speedup:
+        best = (est, method, pieces)
+    if best is None:
+      return cm_lib.GainEstimate(0.0, 0.0, 0.0, 0.0, 0.0, False), "ring", None
+    est, method, pieces = best
+    if mode != "auto" and not est.worthwhile:
+      est = dataclasses.replace(est, worthwhile=True)
+    return est, method, pieces
+
+  def how(bidi, method, pieces, coll="all-gather"):
+    if method == "pieces":
+      return f"issued as {pieces} chained {coll}s of a slice of every block (NCCL collectives, not send/recv)"
+    return f"decomposed into a {'bidirectional' if bidi else 'unidirectional'} ppermute ring"
+
+  for i, e in enumerate(eqns):
+    name = e.primitive.name
+    axes = e.params.get("axis_name")
+    axis = axes[0] if isinstance(axes, tuple) and len(axes) == 1 else axes
+    if not isinstance(axis, str) or e.params.get("axis_index_groups") is not None:
+      continue
+    if (
+      name == _GATHER
+      and e.params.get("tiled")
+      and not _simple_ag_dot(e, users, outvars, eqns, plain_dot)
+    ):
+      ring = _plan_ring(i, e, eqns, users, outvars)
+      if ring is None:
+        continue
+      dots, collect = ring
+      m, n, k = _ring_mnk(e, eqns, dots)
+      n *= int(e.params.get("axis_size", 1))  # estimate_gain takes the global weight
+      blk = e.invars[0].aval.shape[e.params["all_gather_dimension"]]
+      bidi = blk % 2 == 0
+      est, method, pieces = worth(
+        m, n, k, int(e.params.get("axis_size", 1)), e.outvars[0].aval.dtype, "all_gather", bidi, blk
+      )
+      if not est.worthwhile:
+        continue
+      rings[i] = (
+        e.invars[0],
+        e,
+        dots,
+        collect,
+        {"bidirectional": bidi, "method": method, "pieces": pieces},
+      )
+      for u in users.get(e.outvars[0], []):
+        ring_of[u] = i
+      skipped.add(i)
+      actions.append(
+        Action(
+          "collective_matmul",
+          where,
+          f"all-gather of {tuple(e.invars[0].aval.shape)} along dim {e.params['all_gather_dimension']} "
+          f"feeding {len(dots)} matmul(s){' (the gathered value is also kept)' if collect else ''} "
+          f"{how(bidi, method, pieces)}; estimated {est.speedup:.2f}x",
+        )
+      )
+      continue
+    if name == _GATHER and e.params.get("tiled") and e.params.get("all_gather_dimension") == 0:
+      out = e.outvars[0]
+      us = users.get(out, [])
+      if len(us) != 1 or out in outvars:
+        continue  # the gathered value is needed elsewhere (e.g. saved for the backward pass)
+      d = eqns[us[0]]
+      if not plain_dot(d) or d.invars[0] is not out or d.invars[1] is out:
+        continue
+      (m, k), n = out.aval.shape, d.invars[1].aval.shape[1]
+      blk = e.invars[0].aval.shape[0]
+      bidi = blk % 2 == 0
+      est, method, pieces = worth(
+        m, n, k, int(e.params.get("axis_size", 1)), out.aval.dtype, "all_gather", bidi, blk
+      )
+      if not est.worthwhile:
+        continue
+      if method == "pieces":
+        fused[us[0]] = (
+          "all_gather_nd",
+          e.invars[0],
+          d.invars[1],
+          {**_nd_kwargs(axis, d, pieces), "gather_dim": 0},
+        )
+      else:
+        fused[us[0]] = ("all_gather", e.invars[0], d.invars[1], _ring_kwargs(axis, d, bidi))
+      skipped.add(i)
+      actions.append(
+        Action(
+          "collective_matmul",
+          where,
+          f"all-gather -> matmul ({m}x{k} @ {k}x{n}) "
+          f"{how(bidi, method, pieces)}; estimated {est.speedup:.2f}x",
+        )
+      )
+    elif name == _SCATTER and e.params.get("tiled") and len(e.invars) == 1 and _is_var(e.invars[0]):
+      src = e.invars[0]
+      prod = next((j for j in range(i) if src in eqns[j].outvars), None)
+      if prod is None or len(users.get(src, [])) != 1 or src in outvars:
+        continue
+      d = eqns[prod]
+      if d.primitive.name != "dot_general":
+        continue
+      sd = e.params.get("scatter_dimension")
+      if not (plain_dot(d) and sd == 0):
+        nd = _plan_rs_nd(d, sd, int(e.params.get("axis_size", 1)))
+        if nd is None:
+          continue
+        m, n, k = nd
+        blk = e.outvars[0].aval.shape[sd]
+        bidi = blk % 2 == 0
+        est, method, pieces = worth(
+          m,
+          n,
+          k,
+          int(e.params.get("axis_size", 1)),
+          d.invars[0].aval.dtype,
+          "reduce_scatter",
+          bidi,
+          blk,
+        )
+        if not est.worthwhile:
+          continue
+        fused[i] = (
+          "reduce_scatter_nd",
+          d.invars[0],
+          d.invars[1],
+          {
+            "axis": axis,
+            "scatter_dim": sd,
+            "dimension_numbers": d.params["dimension_numbers"],
+            "precision": d.params.get("precision"),
+            "preferred_element_type": d.params.get("preferred_element_type"),
+            "out_dtype": d.outvars[0].aval.dtype,
+            "bidirectional": bidi,
+            "method": method,
+            "pieces": pieces,
+          },
+        )
+        skipped.add(prod)
+        actions.append(
+          Action(
+            "collective_matmul",
+            where,
+            f"matmul {tuple(d.invars[0].aval.shape)} x "
+            f"{tuple(d.invars[1].aval.shape)} -> reduce-scatter along dim {sd} "
+            f"{how(bidi, method, pieces, 'reduce-scatter')}; estimated {est.speedup:.2f}x",
+          )
+        )
+        continue
+      d = eqns[prod]
+      (m, k), n = d.invars[0].aval.shape, d.invars[1].aval.shape[1]
+      p = int(e.params.get("axis_size", 1))
+      if m % p:
+        continue
+      bidi = (m // p) % 2 == 0
+      est, method, pieces = worth(
+        m, n, k * p, p, d.invars[0].aval.dtype, "reduce_scatter", bidi, m // p
+      )
+      if not est.worthwhile:
+        continue
+      if method == "pieces":
+        fused[i] = (
+          "reduce_scatter_nd",
+          d.invars[0],
+          d.invars[1],
+          {**_nd_kwargs(axis, d, pieces), "scatter_dim": 0},
+        )
+      else:
+        fused[i] = ("reduce_scatter", d.invars[0], d.invars[1], _ring_kwargs(axis, d, bidi))
+      skipped.add(prod)
+      actions.append(
+        Action(
+          "collective_matmul",
+          where,
+          f"matmul ({m}x{k} @ {k}x{n}) -> "
+          f"reduce-scatter {how(bidi, method, pieces, 'reduce-scatter')}; estimated {est.speedup:.2f}x",
+        )
+      )
+  return fused, skipped, rings, ring_of
+
+
+def _ring_kwargs(axis, dot, bidi: bool) -> dict:
+  """Keyword arguments of the collective matmul that replaces ``dot``'s ring."""
+  return {
+    "axis": axis,
+    "precision": dot.params.get("precision"),
+    "preferred_element_type": dot.params.get("preferred_element_type"),
+    "bidirectional": bidi,
+  }
+
+
+def _nd_kwargs(axis, dot, pieces) -> dict:
+  """Keyword arguments of the N-D collective matmul that replaces a 2-D ``dot`` in pieces
+  (the gathered or scattered dimension added by the caller)."""
+  return {
+    "axis": axis,
+    "dimension_numbers": dot.params["dimension_numbers"],
+    "precision": dot.params.get("precision"),
+    "preferred_element_type": dot.params.get("preferred_element_type"),
+    "out_dtype": dot.outvars[0].aval.dtype,
+    "method": "pieces",
+    "pieces": pieces,
+  }
+
+
+def _plan_rs_nd(d, sd, p) -> tuple[int, int, int] | None:
+  """GEMM-equivalent (m, n, k) of an N-D dot whose output is reduce-scattered along ``sd``,
+  or None when ``sd`` is a batch dimension or not divisible by ``p``."""
+  (lc, rc), (lb, rb) = d.params["dimension_numbers"]
+  if sd is None or sd < len(lb):
+    return None
+  out = d.outvars[0].aval.shape
+  if out[sd] % max(p, 1):
+    return None
+  lhs, rhs = d.invars[0].aval.shape, d.invars[1].aval.shape
+  k = int(math.prod(lhs[a] for a in lc))
+  n = int(math.prod(rhs[a] for a in range(len(rhs)) if a not in rc and a not in rb))
+  m = int(math.prod(out)) // max(n, 1)
+  return m, n, k * p
+
+
+def _simple_ag_dot(e, users, outvars, eqns, plain_dot) -> bool:
+  """The 2-D case ``all_gather_matmul`` (with its custom VJP) handles."""
+  if e.params.get("all_gather_dimension") != 0:
+    return False
+  out = e.outvars[0]
+  us = users.get(out, [])
+  if len(us) != 1 or out in outvars:
+    return False
+  d = eqns[us[0]]
+  return plain_dot(d) and d.invars[0] is out and d.invars[1] is not out
+
+
+def _plan_ring(i, e, eqns, users, outvars):
+  """The dots an N-D gather feeds along a free dimension: (dots, collect) or None."""
+  out = e.outvars[0]
+  gd = e.params.get("all_gather_dimension")
+  dots, other = [], False
+  for u in users.get(out, []):
+    d = eqns[u]
+    if d.primitive.name != "dot_general" or (d.invars[0] is out) == (d.invars[1] is out):
+      other = True
+      continue
+    lhs = d.invars[0] is out
+    (lc, rc), (lb, rb) = d.params["dimension_numbers"]
+    xc, xb = (lc, lb) if lhs else (rc, rb)
+    if gd in xc or gd in xb:
+      other = True  # gathered along a contracted or batch dimension: not a ring of slices
+      continue
+    dots.append(u)
+  if not dots:
+    return None
+  return tuple(dots), other or out in outvars
+
+
+def _ring_mnk(e, eqns, dots) -> tuple[int, int, int]:
+  """GEMM-equivalent (m, n, k) of the dots a ring replaces, for the cost model."""
+  out = e.outvars[0]
+  shape = out.aval.shape
+  n_total, m, k = 0, 1, 1
+  for u in dots:
+    d = eqns[u]
+    lhs = d.invars[0] is out
+    (lc, rc), (lb, rb) = d.params["dimension_numbers"]
+    xc = lc if lhs else rc
+    w = d.invars[1] if lhs else d.invars[0]
+    wc, wb = (rc, rb) if lhs else (lc, lb)
+    k = int(math.prod(shape[a] for a in xc))
+    m = int(math.prod(shape)) // max(k, 1)
+    n_total += int(
+      math.prod(w.aval.shape[a] for a in range(w.aval.ndim) if a not in wc and a not in wb)
+    )
+  return m, n_total, k
