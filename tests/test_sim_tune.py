@@ -84,6 +84,14 @@ def test_tuned_plan_reproduces_its_makespan_and_format():
   assert again == pytest.approx(res.makespan_s, rel=1e-12)
   assert res.gain == pytest.approx(1 - res.makespan_s / res.baseline_s)
   assert "makespan (ms)" in res.format_table()
+  # The same plan, typed: the runtime's Plan, whose JSON is the dict's (plus the empty
+  # regions section the tuner leaves out).
+  typed = res.runtime_plan
+  assert isinstance(typed, runtime.Plan)
+  written = json.loads(typed.to_json())
+  assert written.pop("regions", {}) == {}
+  assert written == json.loads(json.dumps(plan))
+  assert typed.to_rules().startswith("version\t1")
 
 
 def test_tuner_plans_no_cap_that_cannot_make_room():

@@ -53,7 +53,8 @@ class TuneResult:
   """What :func:`tune` found.
 
   Attributes:
-    plan: the plan dict (runtime JSON format, validated by :class:`jax_overlap.runtime.Plan`).
+    plan: the plan dict (runtime JSON format, ``json.dump``-able); :attr:`runtime_plan` is
+      the same plan as a validated :class:`jax_overlap.runtime.Plan`.
     policy: the same choice as a :class:`Policy` for ``sim.simulate``.
     makespan_s: predicted makespan with the plan.
     baseline_s: predicted makespan under the baseline policy (``baseline``).
@@ -88,6 +89,12 @@ class TuneResult:
   no_room: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
   baseline: str = "priority"
   pruned: dict[str, int] = dataclasses.field(default_factory=dict)
+
+  @property
+  def runtime_plan(self) -> plan_lib.Plan:
+    """:attr:`plan` as a :class:`jax_overlap.runtime.Plan` (validated; ``.to_json()``,
+    ``.to_rules()``, ``runtime.check_plan``)."""
+    return plan_lib.Plan.from_json(self.plan)
 
   def format_table(self, top: int = 10) -> str:
     rows = sorted(self.table, key=lambda r: r["makespan_s"])[:top]
