@@ -514,3 +514,22 @@ def test_permute_runs_on_few_wide_ctas_and_slows_a_gemm_less_than_an_all_gather(
     wl = sim.synthetic([(8192, 8192, 8192)], [(kind, 256 << 20)])
     slow[kind] = sim.simulate(wl, target="h100", policy="concurrent").compute_slowdown
   assert 0 <= slow["collective-permute"] < slow["all-gather"]
+
+
+def test_kernel_dtype_spellings_simulate_alike():
+  """A dtype by its short name, NumPy's name or as a NumPy/JAX dtype: the same kernel."""
+  import jax.numpy as jnp
+  import numpy as np
+
+  def run(d):
+    k = sim.Kernel.gemm("g", 2048, 2048, 2048, dtype=d)
+    return k.dtype, sim.simulate(sim.Workload((k,), "one"), target="h100").makespan_s
+
+  bf16 = [run(d) for d in ("bf16", "BF16", "bfloat16", jnp.bfloat16, np.dtype(jnp.bfloat16))]
+  f32 = [run(d) for d in ("f32", "float32", np.float32, jnp.float32)]
+  assert {name for name, _ in bf16} == {"bf16", "bfloat16"}
+  assert {name for name, _ in f32} == {"f32", "float32"}
+  assert len({t for _, t in bf16}) == 1 and len({t for _, t in f32}) == 1
+  assert f32[0][1] > 2 * bf16[0][1]  # FP32 runs off the tensor cores
+  with pytest.raises(TypeError, match="dtype must be a name"):
+    sim.Kernel.gemm("g", 64, 64, 64, dtype=object())

@@ -92,12 +92,42 @@ _DTYPE_BYTES = {
   "pred": 1,
   "s64": 8,
   "int64": 8,
+  "u64": 8,
+  "uint64": 8,
+  "s16": 2,
+  "int16": 2,
+  "u16": 2,
+  "uint16": 2,
+  "uint8": 1,
+  "uint32": 4,
+  "bool": 1,
+  "c64": 8,
+  "complex64": 8,
+  "c128": 16,
+  "complex128": 16,
+  "float8_e4m3fn": 1,
+  "float8_e5m2": 1,
 }
 
 
-def dtype_bytes(dtype: str) -> int:
-  """Bytes per element of a dtype name ("bf16", "f32", ...); 2 when unknown."""
-  return _DTYPE_BYTES.get(str(dtype).lower(), 2)
+def dtype_name(dtype) -> str:
+  """A dtype's name as the simulator spells it: a name as given (short, "bf16", or
+  NumPy's, "bfloat16"), or a NumPy/JAX dtype's NumPy name."""
+  if isinstance(dtype, str):
+    return dtype.lower()
+  import numpy as np
+
+  try:
+    return np.dtype(dtype).name
+  except TypeError:
+    raise TypeError(
+      f"sim: dtype must be a name such as 'bf16' or 'bfloat16', or a NumPy/JAX dtype, got {dtype!r}"
+    ) from None
+
+
+def dtype_bytes(dtype) -> int:
+  """Bytes per element of a dtype ("bf16", "float32", jnp.bfloat16, ...); 2 when unknown."""
+  return _DTYPE_BYTES.get(dtype_name(dtype), 2)
 
 
 def residency_limits(gpu: targets.Gpu, threads: int, regs_per_thread: int, smem_bytes: int) -> dict:
@@ -183,7 +213,8 @@ class Kernel:
     stream: stream index; kernels of one stream run in list order.
     after: names of earlier kernels/collectives (on other streams) this one waits for.
     kind: one of ``COMPUTE_KINDS``.
-    dtype: element type of the math ("bf16", "f32", ...).
+    dtype: element type of the math: a name ("bf16", "bfloat16", "f32", ...) or a NumPy/JAX
+      dtype (stored by name).
     gemm_mnk: ``(m, n, k)`` for GEMMs.
     efficiency: fraction of peak a block reaches (None: per-target GEMM efficiency for
       GEMMs, 1.0 otherwise).
@@ -241,6 +272,7 @@ class Kernel:
     if isinstance(self.after, str) or not all(isinstance(a, str) for a in self.after):
       raise TypeError(f"{api}: after must be a tuple of kernel names, got {self.after!r}")
     object.__setattr__(self, "after", tuple(self.after))
+    object.__setattr__(self, "dtype", dtype_name(self.dtype))
 
   @classmethod
   def gemm(
