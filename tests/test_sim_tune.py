@@ -287,3 +287,17 @@ def test_gain_is_against_xlas_own_priority_and_every_kept_rule_pays():
   assert not set(res.pruned) & set(shaping)
   with pytest.raises(ValueError, match="baseline must be 'priority' or 'concurrent'"):
     sim.tune(wl, target="h100", progress=False, baseline="xla")
+
+
+def test_priority_is_spelled_as_in_a_runtime_plan():
+  from jax_overlap._src.deprecations import JaxOverlapDeprecationWarning
+
+  wl = _small()
+  for spelled, old in (("highest", True), ("default", False)):
+    res = sim.tune(wl, target="h100", progress=False, priority=spelled)
+    assert {r["priority"] for r in res.table} == {old}  # only that priority was searched
+    with pytest.warns(JaxOverlapDeprecationWarning, match=f"priority='{spelled}'"):
+      again = sim.tune(wl, target="h100", progress=False, priority=old)
+    assert again.plan == res.plan and again.makespan_s == res.makespan_s
+  with pytest.raises(ValueError, match="'highest', 'default' or None"):
+    sim.tune(wl, target="h100", progress=False, priority="high")

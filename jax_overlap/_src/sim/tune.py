@@ -29,6 +29,7 @@ import itertools
 import sys
 import time
 from collections.abc import Mapping
+from typing import Literal
 
 from jax_overlap._src import deprecations, residency
 from jax_overlap._src import plan as plan_lib
@@ -294,6 +295,22 @@ class _Progress:
     self.on = False
 
 
+def _priority_on(priority) -> bool:
+  """``sim.tune(priority=)``: the runtime plan's spelling; the earlier bool warns."""
+  if isinstance(priority, bool):
+    deprecations._warn(
+      "jax_overlap.sim.tune",
+      f"priority={priority} is spelled priority={'highest' if priority else 'default'!r} now "
+      "(as in a runtime plan's streams.priority)",
+    )
+    return priority
+  if priority not in ("highest", "default"):
+    raise ValueError(
+      f"sim.tune: priority must be 'highest', 'default' or None (search both), got {priority!r}"
+    )
+  return priority == "highest"
+
+
 @deprecations.keyword_only("target", api="jax_overlap.sim.tune")
 def tune(
   workload: Workload,
@@ -302,7 +319,7 @@ def tune(
   groups: str = "window",
   method: str = "auto",
   max_evals: int = 256,
-  priority: bool | None = None,
+  priority: Literal["highest", "default"] | None = None,
   min_gain: float = 0.002,
   constants: Constants | Mapping[str, float] | None = None,
   progress: bool | None = None,
@@ -320,7 +337,9 @@ def tune(
     method: "auto" (exhaustive if the space fits ``max_evals``), "exhaustive" or
       "coordinate".
     max_evals: the largest space searched exhaustively under "auto".
-    priority: fix communication priority on/off; None searches both.
+    priority: fix the communication streams' priority, spelled as in a runtime plan's
+      ``streams.priority``: ``"highest"`` or ``"default"``; None searches both.
+      (``True``/``False`` still work for one release and warn.)
     min_gain: a plan that beats the baseline by less than this fraction is not worth
       turning the controls on for; the baseline's plan is returned instead.
     constants: model constants or overrides.
@@ -360,7 +379,7 @@ def tune(
   topo = engine.resolve_target(target)
   const = _constants(constants, topo)
   gs, settings, choices = search_space(workload, topo, groups, const, make_room)
-  prios = [False, True] if priority is None else [bool(priority)]
+  prios = [False, True] if priority is None else [_priority_on(priority)]
   size = len(prios)
   for s in settings:
     size *= len(s)
@@ -428,7 +447,7 @@ def tune(
     workload, target=topo, policy="sequential", constants=const, baseline=False
   ).makespan_s
   if t_best > base * (1 - min_gain):  # not worth turning the controls on
-    p_best, shaping = baseline == "priority" if priority is None else bool(priority), {}
+    p_best, shaping = baseline == "priority" if priority is None else prios[0], {}
     t_best = simulate(
       workload,
       target=topo,
