@@ -50,6 +50,16 @@ def machine() -> dict:
   }
 
 
+def earlier_rows(name: str) -> list:
+  """The rows of ``results/<name>.json`` from an earlier run ([] if there is none), for a
+  run over part of a benchmark to keep the rest."""
+  try:
+    with open(os.path.join(RESULTS, f"{name}.json")) as f:
+      return json.load(f)["rows"]
+  except (OSError, KeyError, ValueError):
+    return []
+
+
 def write(name: str, payload: dict, markdown: str | None = None) -> str:
   os.makedirs(RESULTS, exist_ok=True)
   path = os.path.join(RESULTS, f"{name}.json")

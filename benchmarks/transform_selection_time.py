@@ -15,7 +15,6 @@ Writes benchmarks/results/transform_selection_time.{json,md}.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import tempfile
@@ -80,11 +79,7 @@ def main(argv):
     rows.append(row)
     print(row, flush=True)
   # Rows of the forms not rerun are kept from the earlier results.
-  try:
-    with open(os.path.join(_common.RESULTS, "transform_selection_time.json")) as f:
-      earlier = json.load(f)["rows"]
-  except (OSError, KeyError, ValueError):
-    earlier = []
+  earlier = _common.earlier_rows("transform_selection_time")
   rerun = {r["form"] for r in rows}
   rows = [r for r in earlier if r.get("form") not in rerun] + rows
   lines = [

@@ -22,7 +22,6 @@ Writes benchmarks/results/transform_tp.{json,md}.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -161,12 +160,11 @@ def _merged(rows: list) -> list:
   """This run's rows with the earlier results' rows for the (target, form, size)s not
   rerun, in table order."""
   done = {(r["target"], r["form"], r["size"]) for r in rows}
-  try:
-    with open(os.path.join(_common.RESULTS, "transform_tp.json")) as f:
-      old = json.load(f)["rows"]
-  except (OSError, KeyError, ValueError):
-    old = []
-  kept = [r for r in old if (r["target"], r["form"], r["size"]) not in done]
+  kept = [
+    r
+    for r in _common.earlier_rows("transform_tp")
+    if (r["target"], r["form"], r["size"]) not in done
+  ]
   targets = ["h100x8", "a100x8", *FLAGS.targets]
   order = lambda r: (  # noqa: E731
     targets.index(r["target"]),

@@ -23,10 +23,7 @@ AxisName = str | tuple[str, ...]
 
 
 def _vma(v) -> frozenset:
-  typeof = getattr(jax, "typeof", None)
-  if typeof is None:  # pragma: no cover - older jax
-    return frozenset()
-  aval = typeof(v)
+  aval = jax.typeof(v)
   mat = getattr(aval, "mat", None)  # jax >= 0.10: the manual axis type
   if mat is not None and hasattr(mat, "varying"):
     return frozenset(mat.varying)
@@ -47,10 +44,7 @@ def _match_primal(ct, primal, checked):
     ct = lax.psum(ct, extra)
   missing = tuple(sorted(_vma(primal) - _vma(ct)))
   if missing:
-    if hasattr(lax, "pcast"):
-      ct = lax.pcast(ct, missing, to="varying")
-    else:  # pragma: no cover - older jax
-      ct = lax.pvary(ct, missing)
+    ct = lax.pcast(ct, missing, to="varying")
   return ct
 
 

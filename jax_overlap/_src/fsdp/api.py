@@ -163,11 +163,6 @@ def scan_layers(
   return _scan_layers_local(layer_fn, stacked_params, carry, cfg)
 
 
-def _unchecked_shard_map(fn, **kw):
-  """shard_map without the varying-axes check."""
-  return jax.shard_map(fn, check_vma=False, **kw)
-
-
 def _scan_layers_mesh(layer_fn, stacked, carry, cfg: _Config, mesh, carry_spec, ys_spec):
   from jax.sharding import PartitionSpec as P
 
@@ -205,7 +200,11 @@ def _scan_layers_mesh(layer_fn, stacked, carry, cfg: _Config, mesh, carry_spec, 
   def body(p, c):
     return _scan_layers_local(layer_fn, p, c, cfg)
 
-  fn = _unchecked_shard_map(
-    body, mesh=mesh, in_specs=(param_specs, carry_spec), out_specs=(carry_spec, ys_spec)
+  fn = jax.shard_map(
+    body,
+    mesh=mesh,
+    in_specs=(param_specs, carry_spec),
+    out_specs=(carry_spec, ys_spec),
+    check_vma=False,
   )
   return fn(stacked, carry)

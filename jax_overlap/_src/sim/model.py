@@ -36,6 +36,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
+
 from jax_overlap._src import targets
 from jax_overlap._src.sim.constants import PROVENANCE as PROVENANCE
 from jax_overlap._src.sim.constants import Constants as Constants
@@ -115,8 +117,6 @@ def dtype_name(dtype) -> str:
   NumPy's, "bfloat16"), or a NumPy/JAX dtype's NumPy name."""
   if isinstance(dtype, str):
     return dtype.lower()
-  import numpy as np
-
   try:
     return np.dtype(dtype).name
   except TypeError:

@@ -331,9 +331,12 @@ def _dot_general(it, eqn, lays):
   if hint is not None and (hint.partial or len(hint.dims) != len(eqn.outvars[0].aval.shape)):
     hint = None
   # Resolve axes used twice in the output: gather free dims (parameters first).
+  lf = [d for d in range(len(L)) if d not in lc and d not in lb]
+  rf = [d for d in range(len(R)) if d not in rc and d not in rb]
+  # Each free dim's position in the output.
+  pos = {("L", d): len(lb) + i for i, d in enumerate(lf)}
+  pos.update({("R", d): len(lb) + len(lf) + i for i, d in enumerate(rf)})
   for _ in range(8):
-    lf = [d for d in range(len(L)) if d not in lc and d not in lb]
-    rf = [d for d in range(len(R)) if d not in rc and d not in rb]
     out_dims = [L[a] for a in lb] + [L[d] for d in lf] + [R[d] for d in rf]
     seen: collections.Counter = collections.Counter(a for d in out_dims for a in d)
     for a in partial | l_part | r_part:
@@ -353,8 +356,6 @@ def _dot_general(it, eqn, lays):
       # Gather first the side whose output dim the later uses do not want split over
       # ``a`` (a sequence-split activation is gathered where the result's constraint
       # splits the weight's dim: tensor parallelism), then parameters (FSDP).
-      pos = {("L", d): len(lb) + i for i, d in enumerate(lf)}
-      pos.update({("R", d): len(lb) + len(lf) + i for i, d in enumerate(rf)})
       wanted_split = {c for c in cands if hint is not None and a in hint.dims[pos[c]]}
       cands.sort(key=lambda c: (c in wanted_split, not (r_params if c[0] == "R" else l_params)))
       side, d = cands[0]
