@@ -13,11 +13,36 @@ FFI_LIBRARY = "libjax_overlap_ffi.so"
 LIBRARIES = {
   RUNTIME_LIBRARY: {
     # LD_PRELOAD launch interposer: occupancy shaping, stream priority, counters.
-    "sources": ("xla_patches/runtime/runtime.cc", "xla_patches/runtime/shaping.cc"),
-    "headers": (
-      "xla_patches/runtime/cuda_types.h",
-      "xla_patches/runtime/hooks.h",
-      "xla_patches/runtime/shaping.h",
+    "sources": tuple(
+      f"xla_patches/runtime/{name}.cc"
+      for name in (
+        "exports",
+        "rules",
+        "symbols",
+        "driver_info",
+        "regions",
+        "decide",
+        "hooks",
+        "procaddr",
+        "log",
+        "shaping",
+      )
+    ),
+    "headers": tuple(
+      f"xla_patches/runtime/{name}.h"
+      for name in (
+        "cuda_types",
+        "decide",
+        "dispatch",
+        "driver_info",
+        "hooks",
+        "init",
+        "log",
+        "regions",
+        "rules",
+        "shaping",
+        "symbols",
+      )
     ),
     "cflags": ("-std=c++17", "-O2", "-fPIC", "-fvisibility=hidden", "-Wall"),
     # The C++ runtime linked in: a preloaded library must not pull the system

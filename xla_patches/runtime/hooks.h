@@ -4,7 +4,7 @@
 // out from dlsym(libcuda handle, ...) and cuGetProcAddress(_v2). Each entry is
 //   X(name, return type, (parameters), (argument names))
 // and expands to an enum value, a name-table entry, a function-pointer type,
-// the exported definition and the per-path dispatch table in runtime.cc.
+// the exported definition and the per-path dispatch table (symbols.h, hooks.cc).
 //
 // JOR_USED_SYMBOLS: driver symbols the library only calls.
 #ifndef JAX_OVERLAP_XLA_PATCHES_RUNTIME_HOOKS_H_
