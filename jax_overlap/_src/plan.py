@@ -123,6 +123,16 @@ def region_id(name: str | int) -> int:
   return (int.from_bytes(digest, "little") & (2**62 - 1)) | 2**62
 
 
+def _exactly_one(a: str, a_value: Any, b: str, b_value: Any, note: str = "") -> tuple[str, Any]:
+  """The one of two kernel-rule fields that is set, as (name, value); ValueError otherwise."""
+  if (a_value is None) == (b_value is None):
+    raise ValueError(
+      f"{_API}: a kernel rule needs exactly one of {a!r}{note} or {b!r}, got "
+      f"{a}={a_value!r}, {b}={b_value!r}"
+    )
+  return (a, a_value) if a_value is not None else (b, b_value)
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelRule:
   """Kernels selected by name and what to do with them.
@@ -143,30 +153,17 @@ class KernelRule:
   padding_bytes: int | None = None
 
   def __post_init__(self):
-    if (self.match is None) == (self.regex is None):
-      raise ValueError(
-        f"{_API}: a kernel rule needs exactly one of 'match' (glob) or 'regex', got "
-        f"match={self.match!r}, regex={self.regex!r}"
-      )
-    if self.match is not None:
-      _check_text("kernel rule 'match'", self.match)
-    else:
-      _check_text("kernel rule 'regex'", self.regex)
+    key, pattern = _exactly_one("match", self.match, "regex", self.regex, note=" (glob)")
+    _check_text(f"kernel rule {key!r}", pattern)
+    if key == "regex":
       try:
-        re.compile(self.regex)
+        re.compile(pattern)
       except re.error as e:
-        raise ValueError(
-          f"{_API}: kernel rule 'regex' {self.regex!r} does not compile: {e}"
-        ) from None
-    if (self.blocks_per_sm is None) == (self.padding_bytes is None):
-      raise ValueError(
-        f"{_API}: a kernel rule needs exactly one of 'blocks_per_sm' or 'padding_bytes', got "
-        f"blocks_per_sm={self.blocks_per_sm!r}, padding_bytes={self.padding_bytes!r}"
-      )
-    if self.blocks_per_sm is not None:
-      _check_positive("kernel rule 'blocks_per_sm'", self.blocks_per_sm)
-    else:
-      _check_positive("kernel rule 'padding_bytes'", self.padding_bytes)
+        raise ValueError(f"{_API}: kernel rule 'regex' {pattern!r} does not compile: {e}") from None
+    key, value = _exactly_one(
+      "blocks_per_sm", self.blocks_per_sm, "padding_bytes", self.padding_bytes
+    )
+    _check_positive(f"kernel rule {key!r}", value)
 
   @property
   def pattern(self) -> str:

@@ -380,46 +380,9 @@ def load_library(path: str | os.PathLike | None = None, *, noload: bool = False)
   # global scope, so nothing in this process is interposed.
   mode = ctypes.RTLD_LOCAL | (os.RTLD_NOLOAD if noload else 0)
   lib = ctypes.CDLL(os.fspath(path), mode=mode)
-  lib.jor_counter_count.restype = ctypes.c_int
-  lib.jor_counter_name.restype = ctypes.c_char_p
-  lib.jor_counter_name.argtypes = [ctypes.c_int]
-  lib.jor_counter_value.restype = ctypes.c_uint64
-  lib.jor_counter_value.argtypes = [ctypes.c_int]
-  lib.jor_set_rules.restype = ctypes.c_int
-  lib.jor_set_rules.argtypes = [ctypes.c_char_p]
-  lib.jor_rule_count.restype = ctypes.c_int
-  lib.jor_kernel_rule_count.restype = ctypes.c_int
-  lib.jor_kernel_rule_pattern.restype = ctypes.c_char_p
-  lib.jor_kernel_rule_pattern.argtypes = [ctypes.c_int]
-  lib.jor_kernel_rule_functions.restype = ctypes.c_int64
-  lib.jor_kernel_rule_functions.argtypes = [ctypes.c_int]
-  lib.jor_region_begin.restype = ctypes.c_int
-  lib.jor_region_begin.argtypes = [ctypes.c_int64, ctypes.c_int64]
-  lib.jor_region_end.restype = ctypes.c_int
-  lib.jor_region_end.argtypes = [ctypes.c_int64]
-  lib.jor_blocks_per_sm.restype = ctypes.c_int64
-  lib.jor_blocks_per_sm.argtypes = [ctypes.POINTER(DeviceLimits)] + [ctypes.c_int64] * 3
-  lib.jor_shaped_dynamic_smem.restype = ctypes.c_int64
-  lib.jor_shaped_dynamic_smem.argtypes = (
-    [ctypes.POINTER(DeviceLimits)] + [ctypes.c_int64] * 5 + [ctypes.POINTER(ctypes.c_int)]
-  )
-  lib.jor_room_cap.restype = ctypes.c_int64
-  lib.jor_room_cap.argtypes = (
-    [ctypes.POINTER(DeviceLimits), ctypes.POINTER(CommBlock)]
-    + [ctypes.c_int64] * 5
-    + [ctypes.POINTER(ctypes.c_int)]
-  )
-  lib.jor_nccl_comm_block.restype = ctypes.c_int
-  lib.jor_nccl_comm_block.argtypes = [
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_int64,
-    ctypes.POINTER(CommBlock),
-  ]
-  lib.jor_padded_dynamic_smem.restype = ctypes.c_int64
-  lib.jor_padded_dynamic_smem.argtypes = (
-    [ctypes.POINTER(DeviceLimits)] + [ctypes.c_int64] * 3 + [ctypes.POINTER(ctypes.c_int)]
-  )
+  for name, (restype, argtypes) in _C_API.items():
+    fn = getattr(lib, name)
+    fn.restype, fn.argtypes = restype, argtypes
   return lib
 
 
@@ -466,6 +429,32 @@ class CommBlock(ctypes.Structure):
   """ctypes mirror of JorCommBlock (xla_patches/runtime/shaping.h)."""
 
   _fields_ = [(name, ctypes.c_int64) for name in ("threads", "regs_per_thread", "smem_bytes")]
+
+
+# The C API of the runtime library (exports.cc, shaping.h): name -> (restype, argtypes).
+_LIMITS, _COMM, _STATUS = (
+  ctypes.POINTER(DeviceLimits),
+  ctypes.POINTER(CommBlock),
+  ctypes.POINTER(ctypes.c_int),
+)
+_I64 = ctypes.c_int64
+_C_API = {
+  "jor_counter_count": (ctypes.c_int, []),
+  "jor_counter_name": (ctypes.c_char_p, [ctypes.c_int]),
+  "jor_counter_value": (ctypes.c_uint64, [ctypes.c_int]),
+  "jor_set_rules": (ctypes.c_int, [ctypes.c_char_p]),
+  "jor_rule_count": (ctypes.c_int, []),
+  "jor_kernel_rule_count": (ctypes.c_int, []),
+  "jor_kernel_rule_pattern": (ctypes.c_char_p, [ctypes.c_int]),
+  "jor_kernel_rule_functions": (_I64, [ctypes.c_int]),
+  "jor_region_begin": (ctypes.c_int, [_I64, _I64]),
+  "jor_region_end": (ctypes.c_int, [_I64]),
+  "jor_blocks_per_sm": (_I64, [_LIMITS, _I64, _I64, _I64]),
+  "jor_shaped_dynamic_smem": (_I64, [_LIMITS, *[_I64] * 5, _STATUS]),
+  "jor_room_cap": (_I64, [_LIMITS, _COMM, *[_I64] * 5, _STATUS]),
+  "jor_nccl_comm_block": (ctypes.c_int, [ctypes.c_int, ctypes.c_int, _I64, _COMM]),
+  "jor_padded_dynamic_smem": (_I64, [_LIMITS, *[_I64] * 3, _STATUS]),
+}
 
 
 def read_counters(lib: ctypes.CDLL) -> dict[str, int]:

@@ -26,6 +26,8 @@ from jax.sharding import PartitionSpec as P
 
 __all__ = [
   "Config",
+  "check_sizes",
+  "layer_shapes",
   "param_specs",
   "abstract_params",
   "init_params",
@@ -54,14 +56,21 @@ class Config:
   tensor_axis: str | None = None  # e.g. "tensor" for a 2-D mesh
 
   def __post_init__(self):
-    for f in ("layers", "hidden", "mlp", "heads", "seq", "batch_per_device"):
-      if getattr(self, f) < 1:
-        raise ValueError(f"Config: {f} must be >= 1, got {getattr(self, f)}")
-    if self.hidden % self.heads:
-      raise ValueError(f"Config: hidden ({self.hidden}) must be divisible by heads ({self.heads})")
+    check_sizes(self)
 
 
-def _layer_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
+def check_sizes(cfg: Any) -> None:
+  """Raises ValueError unless a layer config's sizes are positive and heads divide hidden."""
+  for f in ("layers", "hidden", "mlp", "heads", "seq", "batch_per_device"):
+    if getattr(cfg, f) < 1:
+      raise ValueError(f"Config: {f} must be >= 1, got {getattr(cfg, f)}")
+  if cfg.hidden % cfg.heads:
+    raise ValueError(f"Config: hidden ({cfg.hidden}) must be divisible by heads ({cfg.heads})")
+
+
+def layer_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
+  """One layer's parameter shapes (attention without biases, SwiGLU MLP) for ``cfg.hidden``
+  and ``cfg.mlp``."""
   h, f = cfg.hidden, cfg.mlp
   return {
     "ln1": (h,),
@@ -82,7 +91,7 @@ def param_specs(cfg: Config) -> dict[str, Any]:
   fs = cfg.fsdp_axis
   col = {"wq", "wk", "wv", "w1", "w3"}  # column-parallel under tensor parallelism
   layer = {}
-  for name, shape in _layer_shapes(cfg).items():
+  for name, shape in layer_shapes(cfg).items():
     if len(shape) == 1:
       spec = (None,)
     elif t is None:
@@ -102,7 +111,7 @@ def param_specs(cfg: Config) -> dict[str, Any]:
 
 
 def _shapes(cfg: Config) -> dict[str, Any]:
-  layer = _layer_shapes(cfg)
+  layer = layer_shapes(cfg)
   if cfg.scan:
     layers = {k: (cfg.layers, *v) for k, v in layer.items()}
   else:

@@ -13,7 +13,7 @@ gather into a gradient reduce-scatter. Four forms of the layer loop:
   gradient one iteration late).
 
 On a 2-D mesh (``fsdp`` x another axis) the batch is split over both axes and
-the weights over ``fsdp`` only.
+the weights over ``fsdp`` only. The layer is :mod:`.fsdp_transformer`'s.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from jax_overlap.examples.fsdp_transformer import check_sizes, layer_shapes
 
 __all__ = ["Config", "init_params", "abstract_params", "make_loss", "make_step", "build"]
 
@@ -49,29 +51,10 @@ class Config:
   def __post_init__(self):
     if self.form not in FORMS:
       raise ValueError(f"Config: form must be one of {', '.join(FORMS)}, got {self.form!r}")
-    for f in ("layers", "hidden", "mlp", "heads", "seq", "batch_per_device"):
-      if getattr(self, f) < 1:
-        raise ValueError(f"Config: {f} must be >= 1, got {getattr(self, f)}")
-    if self.hidden % self.heads:
-      raise ValueError(f"Config: hidden ({self.hidden}) must be divisible by heads ({self.heads})")
+    check_sizes(self)
 
 
 _MATS = ("wq", "wk", "wv", "wo", "w1", "w3", "w2")
-
-
-def _shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
-  h, f = cfg.hidden, cfg.mlp
-  return {
-    "ln1": (h,),
-    "wq": (h, h),
-    "wk": (h, h),
-    "wv": (h, h),
-    "wo": (h, h),
-    "ln2": (h,),
-    "w1": (h, f),
-    "w3": (h, f),
-    "w2": (f, h),
-  }
 
 
 def _stacked(cfg: Config) -> bool:
@@ -86,7 +69,7 @@ def _layer_spec(cfg: Config, name: str) -> P:
 
 
 def param_specs(cfg: Config):
-  layer = {k: _layer_spec(cfg, k) for k in _shapes(cfg)}
+  layer = {k: _layer_spec(cfg, k) for k in layer_shapes(cfg)}
   return layer if _stacked(cfg) else [dict(layer) for _ in range(cfg.layers)]
 
 
@@ -97,10 +80,10 @@ def abstract_params(cfg: Config, mesh: Mesh):
     shape = (cfg.layers, *shape) if _stacked(cfg) else shape
     return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, _layer_spec(cfg, name)))
 
-  layer = {k: one(k, s) for k, s in _shapes(cfg).items()}
+  layer = {k: one(k, s) for k, s in layer_shapes(cfg).items()}
   if _stacked(cfg):
     return layer
-  return [{k: one(k, s) for k, s in _shapes(cfg).items()} for _ in range(cfg.layers)]
+  return [{k: one(k, s) for k, s in layer_shapes(cfg).items()} for _ in range(cfg.layers)]
 
 
 def init_params(cfg: Config, mesh: Mesh, key: jax.Array):

@@ -32,14 +32,6 @@ from absl import logging
 
 from jax_overlap._src import errors
 
-__all__ = [
-  "ComputeGovernor",
-  "Decision",
-  "FlopCounter",
-  "keep_fraction_for_budget",
-  "step_flops",
-]
-
 PFLOP = 1e15
 
 

@@ -47,12 +47,3 @@ from jax_overlap._src.collective_matmul.nd import all_gather_dot_generals as all
 from jax_overlap._src.collective_matmul.nd import (
   dot_general_reduce_scatter as dot_general_reduce_scatter,
 )
-
-__all__ = [
-  "GainEstimate",
-  "all_gather_dot_generals",
-  "all_gather_matmul",
-  "dot_general_reduce_scatter",
-  "estimate_gain",
-  "matmul_reduce_scatter",
-]

@@ -161,17 +161,17 @@ def dot_general_reduce_scatter(
     return _rs_pieces(
       lhs,
       rhs,
-      dimension_numbers,
-      axis,
-      scatter_dim,
-      slice_lhs,
-      op_dim,
-      n,
-      block,
-      pieces,
-      precision,
-      preferred_element_type,
-      out_dtype,
+      dn=dimension_numbers,
+      axis=axis,
+      scatter_dim=scatter_dim,
+      slice_lhs=slice_lhs,
+      op_dim=op_dim,
+      n=n,
+      block=block,
+      pieces=pieces,
+      precision=precision,
+      preferred=preferred_element_type,
+      out_dtype=out_dtype,
     )
   dirs = (1, -1) if bidirectional else (1,)
   if block % len(dirs):

@@ -71,6 +71,7 @@ def _pieces_in_order(parts: list, dim: int, n: int):
 def _rs_pieces(
   lhs,
   rhs,
+  *,
   dn,
   axis,
   scatter_dim,

@@ -251,23 +251,17 @@ def configure(
     flag = REGISTRY.get(k)
     s = syntax.format_value(v)
     if flag is not None and flag.kind == "env":
-      have = env.get(k)
-      if have is not None and have != s and k not in overrides:
-        if on_conflict == "error":
-          conflicts.append(f"{k}: environment has {have}, recommended {s}")
-          continue
-        if on_conflict == "keep":
-          continue
-      env_vars[k] = s
-      continue
-    have = existing.get(k)
-    if have is not None and have.lower() != s.lower() and k not in overrides:
+      # Environment values compare exactly; XLA's booleans in any case.
+      have, same, into, where = env.get(k), env.get(k) == s, env_vars, f"{k}: environment"
+    else:
+      have, into, where = existing.get(k), merged_xla, f"--{k}: XLA_FLAGS"
+      same = have is not None and have.lower() == s.lower()
+    if have is not None and not same and k not in overrides:
       if on_conflict == "error":
-        conflicts.append(f"--{k}: XLA_FLAGS has {have}, recommended {s}")
+        conflicts.append(f"{where} has {have}, recommended {s}")
+      if on_conflict in ("error", "keep"):
         continue
-      if on_conflict == "keep":
-        continue
-    merged_xla[k] = s
+    into[k] = s
   if conflicts:
     raise ConfigError(
       "configure: XLA_FLAGS or the environment already set these differently: "

@@ -39,14 +39,3 @@ from jax_overlap._src.budget.memory.planner import Plan as Plan
 from jax_overlap._src.budget.memory.planner import PlanRow as PlanRow
 from jax_overlap._src.budget.memory.planner import plan as plan
 from jax_overlap._src.budget.memory.planner import remat_policy as remat_policy
-
-__all__ = [
-  "CATEGORIES",
-  "Breakdown",
-  "Candidate",
-  "Plan",
-  "PlanRow",
-  "breakdown",
-  "plan",
-  "remat_policy",
-]
