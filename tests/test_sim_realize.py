@@ -287,3 +287,43 @@ def test_simulator_without_contention_matches_the_analysis(which):
     c.time_s *= 2
   twice = sim.realize(report, "priority").ideal_s
   assert twice == pytest.approx(2 * res.ideal_s, rel=0.02)
+
+
+def test_channel_count_sets_a_collectives_speed_and_its_sms():
+  # 256 MiB all-gathers on h100x8: NCCL's default channels saturate NVLink; 4 channels
+  # (NCCL_MAX_NCHANNELS=4) move min(link, 4 x cta_copy_bandwidth).
+  rep = _report()
+  topo = targets.get("h100x8")
+  const = sim.constants_for("h100")
+  link, _ = topo.link_for(8, False)
+  default = {c.name: c for c in sim.workload_from_report(rep).items if c.kind == "all-gather"}
+  few = {
+    c.name: c for c in sim.workload_from_report(rep, channels=4).items if c.kind == "all-gather"
+  }
+  many = {
+    c.name: c for c in sim.workload_from_report(rep, channels=32).items if c.kind == "all-gather"
+  }
+  ag = "all-gather-start.1"
+  assert default[ag].channels is None and default[ag].time_s == pytest.approx(6e-4)
+  assert const.cta_copy_bandwidth * const.channels >= link  # the default saturates the link
+  moved = (256 << 20) * 7 / 8
+  lat = 7 * topo.link_for(8, False)[1]
+  slow = (lat + moved / (4 * const.cta_copy_bandwidth)) / (lat + moved / link)
+  assert few[ag].channels == 4 and few[ag].time_s == pytest.approx(6e-4 * slow, rel=1e-9)
+  assert slow > 4
+  assert many[ag].time_s == pytest.approx(6e-4)  # more channels: no faster than the link
+  # Simulated alone: the 4-channel gather takes its rescaled time on 4 CTAs.
+  alone = sim.simulate(
+    sim.Workload((dataclasses.replace(few[ag], after=()),)),
+    target="h100x8",
+    policy="concurrent",
+    baseline=False,
+  )
+  t = alone.timing(ag)
+  assert t.blocks == 4 and t.end_s - t.start_s == pytest.approx(few[ag].time_s, rel=0.02)
+  # In the step: fewer channels leave the GEMMs more SMs but the gathers take longer.
+  steps = {
+    c: sim.realize(rep, "concurrent", channels=c).results["concurrent"].makespan_s
+    for c in (4, None)
+  }
+  assert steps[4] > steps[None]

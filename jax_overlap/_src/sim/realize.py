@@ -90,7 +90,8 @@ def workload_from_report(
   Args:
     report: an object with ``target``, ``kernels`` and ``collectives`` (the analysis
       Report's interface).
-    channels: override the communication CTAs per collective.
+    channels: override the communication CTAs per collective; each collective's
+      ``time_s`` is rescaled from the default count's by the channel model's ratio.
     constants: the simulator constants the workload will run under (their
       ``launch_overhead_s`` is taken out of each kernel's analysis time, since the
       simulator adds it between kernels); default: the target's.
@@ -110,7 +111,8 @@ def workload_from_report(
 def _convert(report, channels, constants=None):
   kernels = list(_attr(report, "kernels", "report"))
   colls = list(_attr(report, "collectives", "report"))
-  launch = _constants(constants, _target(report)).launch_overhead_s
+  const = _constants(constants, _target(report))
+  launch = const.launch_overhead_s
   n = len(kernels)
   if n == 0 and not colls:
     raise ValueError("sim.workload_from_report: the report has no kernels and no collectives")
@@ -144,18 +146,18 @@ def _convert(report, channels, constants=None):
     cnames.add(cname)
     sync = bool(getattr(c, "synchronous", False))
     after = (names[s - 1],) if (s > 0 and not sync) else ()
-    issued[s].append(
-      Collective(
-        cname,
-        kind,
-        nbytes,
-        group_size=int(_attr(c, "group_size", where)),
-        stream=0 if sync else 1,
-        after=after,
-        channels=channels,
-        time_s=_positive(getattr(c, "time_s", None)),
-      )
+    coll = Collective(
+      cname,
+      kind,
+      nbytes,
+      group_size=int(_attr(c, "group_size", where)),
+      stream=0 if sync else 1,
+      after=after,
+      time_s=_positive(getattr(c, "time_s", None)),
     )
+    if channels is not None:
+      coll = _with_channels(coll, channels, _target(report), const)
+    issued[s].append(coll)
     times[cname] = float(getattr(c, "time_s", 0.0) or 0.0)
     if not sync and d < n:
       waits[d].append(cname)
@@ -165,6 +167,28 @@ def _convert(report, channels, constants=None):
     items.append(_kernel(k, names[i], tuple(waits[i]), launch))
   items.extend(issued[n])
   return Workload(tuple(items), name=str(getattr(report, "name", "report"))), times
+
+
+def _with_channels(c: Collective, channels: int, topo, const: Constants) -> Collective:
+  """``c`` run on ``channels`` CTAs. Its ``time_s`` (the analysis' time at NCCL's default
+  channel count) scales by the channel model's ratio of the two counts' times alone on the
+  device: fewer channels take fewer SMs and, below the link's rate, move data slower
+  (``min(link, cta_copy_bandwidth x channels)``, :mod:`.collectives`)."""
+  from jax_overlap._src.sim import collectives
+
+  if c.time_s is None:
+    return dataclasses.replace(c, channels=channels)
+
+  def alone(cw: dict) -> float:
+    rate = min(cw["link_bandwidth"], cw["cta_bandwidth"] * cw["channels"])
+    return cw["latency_s"] + cw["bytes"] * cw["channels"] / rate
+
+  before = alone(collectives.channel_work(c, topo, const))
+  shaped = dataclasses.replace(c, channels=channels)
+  after = alone(collectives.channel_work(shaped, topo, const))
+  if before <= 0:
+    return shaped
+  return dataclasses.replace(shaped, time_s=c.time_s * after / before)
 
 
 # The duration a kernel is given when the analysis has it take no longer than the launch
@@ -335,7 +359,10 @@ def realize(
     policy: one policy (returns its SimResult inside a RealizeResult with one entry), a
       list of them, or None for all five.
     constants: model constants or overrides.
-    channels: communication CTAs per collective (default: the target's).
+    channels: communication CTAs per collective (default: the target's), as
+      ``NCCL_MIN_NCHANNELS``/``NCCL_MAX_NCHANNELS`` would set them. Each collective's
+      analysis time is rescaled by the channel model: fewer channels take fewer SMs
+      and move data at ``min(link, cta_copy_bandwidth x channels)``.
 
   Returns:
     A :class:`RealizeResult`.
