@@ -50,6 +50,7 @@ SIZES = {
   "tiny": dict(hidden=512, mlp=1024, heads=8, seq=512),  # a quick check of the script
 }
 BUILD = {"shard_map": tp_sp.build, "gspmd": tp_sp.build_gspmd}
+CHANNELS = (16, 8)  # NCCL channel counts simulated besides the target's default
 
 
 def _simulated(report, target) -> dict:
@@ -70,12 +71,19 @@ def _simulated(report, target) -> dict:
       jax_overlap.sim.Workload(fast, name=wl.name), target=target, policy="priority"
     ).makespan_s
   tuned = jax_overlap.sim.tune(wl, target=target, progress=False, max_evals=FLAGS.tune_evals)
+  # Fewer NCCL channels (NCCL_MAX_NCHANNELS): fewer SMs taken beside the GEMMs, slower
+  # collectives.
+  fewer = {
+    ch: jax_overlap.sim.realize(report, "priority", channels=ch).results["priority"].makespan_s
+    for ch in CHANNELS
+  }
   return {
     "ideal_s": real.ideal_s,
     "concurrent_s": real.results["concurrent"].makespan_s,
     "priority_s": real.results["priority"].makespan_s,
     "tuned_s": tuned.makespan_s,
     "p2p_link_rate_s": p2p_s,
+    "priority_channels_s": {str(ch): s for ch, s in fewer.items()},
     "tuned_priority": tuned.plan["streams"]["priority"],
     "tuned_caps": len(tuned.plan["kernels"]),
     "tuned_no_room": len(tuned.no_room),
@@ -144,8 +152,16 @@ def _line(row: dict) -> str:
     f"| {row['step_s'] * 1e3:.2f} | {row['compute_s'] * 1e3:.2f} | {row['exposed_fraction']:.1%} "
     f"| {row['vs_compute_bound']:.3f} | {row['vs_written_compute_bound']:.3f} "
     f"| {row['concurrent_s'] * 1e3:.2f} | {row['priority_s'] * 1e3:.2f} "
-    f"| {row['tuned_s'] * 1e3:.2f} | {_ms(row['p2p_link_rate_s'])} |"
+    f"| {row['tuned_s'] * 1e3:.2f} | {_ms(row['p2p_link_rate_s'])} "
+    f"| {_channels(row.get('priority_channels_s'))} |"
   )
+
+
+def _channels(times: dict | None) -> str:
+  """'a / b' ms at CHANNELS, or '-' for a row from before the column existed."""
+  if not times:
+    return "-"
+  return " / ".join(_ms(times.get(str(ch))) for ch in CHANNELS)
 
 
 def _note(row: dict) -> str:
@@ -203,12 +219,17 @@ def main(argv):
     "is the step with ppermute rings at every site; their NCCL send/recvs are timed at NCCL's p2p channel "
     "count (4 of 24 channels for a 16 MiB step on 8 H100s), and the last column times "
     "them at the link's rate instead: what rings would give if a send/recv CTA copied "
-    "several times faster than a collective's channel (not measured here).",
+    "several times faster than a collective's channel (not measured here). The last "
+    f"column simulates XLA's priority with {' and '.join(map(str, CHANNELS))} NCCL channels "
+    "per collective (NCCL_MAX_NCHANNELS) instead of the target's default: fewer SMs taken "
+    "beside the GEMMs, each collective slower (min(link, channels x a channel's copy rate)); "
+    "'-' for rows from before the column existed.",
     "",
     "| target | form | size | variant | step ms | compute ms | exposed comm "
     "| step / its compute | step / compute as written | sim: concurrent ms "
-    "| sim: XLA priority ms | sim: tuned plan ms | sim: XLA priority, send/recv at link rate ms |",
-    "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    "| sim: XLA priority ms | sim: tuned plan ms | sim: XLA priority, send/recv at link rate ms "
+    f"| sim: XLA priority, {' / '.join(map(str, CHANNELS))} channels ms |",
+    "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     *lines,
     "",
     *notes,
