@@ -105,9 +105,8 @@ def _is_float0(x: Any) -> bool:
 def _result_type(x: Any) -> Any:
   # The operand's own type describes the result: shape, dtype and, inside
   # shard_map, how it varies over manual mesh axes.
-  typeof = getattr(jax, "typeof", None)
-  if typeof is not None and isinstance(x, jax.Array):
-    return typeof(x)
+  if isinstance(x, jax.Array):
+    return jax.typeof(x)
   return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
 
 

@@ -314,7 +314,7 @@ def select(
 
 def _take_rows(x: jax.Array, index: jax.Array, sharding: Any) -> tuple[jax.Array, bool]:
   """``x[index]`` and whether it is placed; explicit-sharding meshes need the output sharding."""
-  aval_sharding = getattr(jax.typeof(x), "sharding", None) if hasattr(jax, "typeof") else None
+  aval_sharding = getattr(jax.typeof(x), "sharding", None)
   spec = getattr(aval_sharding, "spec", None)
   if spec is None or all(a is None for a in spec):
     return jnp.take(x, index, axis=0), False
@@ -333,9 +333,9 @@ def _take_rows(x: jax.Array, index: jax.Array, sharding: Any) -> tuple[jax.Array
 
 def _gathered(scores: jax.Array) -> jax.Array:
   """The scores replicated, for a global ranking (explicit-sharding meshes need it spelled out)."""
-  aval_sharding = getattr(jax.typeof(scores), "sharding", None) if hasattr(jax, "typeof") else None
+  aval_sharding = getattr(jax.typeof(scores), "sharding", None)
   spec = getattr(aval_sharding, "spec", None)
-  if spec is not None and any(a is not None for a in spec) and hasattr(jax.sharding, "reshard"):
+  if spec is not None and any(a is not None for a in spec):
     mesh = getattr(aval_sharding, "mesh", None)
     target = (
       jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())

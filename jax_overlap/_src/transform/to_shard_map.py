@@ -626,8 +626,5 @@ def convert(
 
   in_specs = tuple(lay.spec() for lay in in_lays)
   out_specs = tuple(lay.spec() for lay in out_lays)
-  try:
-    fn = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-  except TypeError:  # pragma: no cover - older jax
-    fn = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+  fn = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
   return Converted(fn, in_specs, out_specs, counts, replicated)
