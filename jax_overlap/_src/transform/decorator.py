@@ -19,7 +19,7 @@ from jax_overlap._src import errors, selection_cache
 from jax_overlap._src import flags as flags_lib
 from jax_overlap._src import targets as targets_lib
 from jax_overlap._src.transform import to_shard_map, variants
-from jax_overlap._src.transform.evaluate import _collect, _Config, _evaluate
+from jax_overlap._src.transform.evaluate import RewriteStats, _collect, _Config, _evaluate
 from jax_overlap._src.transform.explain import Action, Explanation
 from jax_overlap._src.transform.planning import parameter_avals, parameter_inputs
 from jax_overlap._src.transform.variants import (
@@ -204,11 +204,10 @@ class Overlapped:
       param_avals=None if param_inputs is None else parameter_avals(closed.jaxpr, param_inputs),
     )
     actions: list[Action] = []
-    stats: dict = {}
-    counter = [0]
     # Plan the rewrite from the jaxpr alone (no extra tracing).
-    _collect(closed.jaxpr, cfg, actions, stats, counter)
-    groups = stats.get("gather_groups", 0)
+    counter = [0]  # shard_map bodies seen
+    stats = _collect(closed.jaxpr, cfg, actions, counter)
+    groups = stats.gather_groups
     if groups and self.prefetch > groups:
       raise ValueError(
         f"overlap: prefetch must be between 0 and the number of layers ({groups}), got {self.prefetch}"
@@ -355,15 +354,14 @@ class Overlapped:
     actions: list[Action] = [
       Action("convert", "program", f"GSPMD step in its shard_map form: {conv.summary()}")
     ]
-    stats: dict = {}
-    _collect(smap.jaxpr, cfg_sm, actions, stats, [0])
+    stats = _collect(smap.jaxpr, cfg_sm, actions, [0])
     notes.append(
       "converted to shard_map (the variants named 'shard_map form'): each equation's layout "
       f"followed as the partitioner would, {conv.summary()}"
     )
     return smap, cfg_sm, actions, stats
 
-  def _candidates(self, cfg: _Config, stats: dict):
+  def _candidates(self, cfg: _Config, stats: RewriteStats):
     return variants.candidates(self, cfg, stats)
 
   def _gspmd_candidates(self, cfg, make, args, kwargs, notes, known):

@@ -197,15 +197,51 @@ def _constrain(outs, shardings):
   return res
 
 
-def _collect(jaxpr, cfg: _Config, actions, stats, counter) -> None:
-  """Plans every shard_map body the evaluator will rewrite, in the same order."""
+@dataclasses.dataclass(frozen=True)
+class RewriteStats:
+  """What the planned rewrite found in a step's shard_map bodies; the variants' XLA
+  options (combine thresholds, which switches to try) are sized from it."""
+
+  gather_groups: int = 0  # layers of parameter gathers in the body with the most
+  max_group_gather_bytes: int = 0  # the bytes one such layer gathers, at most
+  max_gather_bytes: int = 0  # one all-gather's output bytes, at most
+  max_scatter_out_bytes: int = 0  # one reduce-scatter's output bytes, at most
+  axis_size: int = 1  # devices the collectives run over, at most
+  loops: int = 0  # loops over layers whose collectives are pipelined or kept
+  rings: int = 0  # collective matmuls planned
+
+  def including(self, plan: _BodyPlan) -> RewriteStats:
+    """These statistics and one more body's plan."""
+    return RewriteStats(
+      gather_groups=max(self.gather_groups, plan.gather_groups),
+      max_group_gather_bytes=max(self.max_group_gather_bytes, plan.max_group_gather_bytes),
+      max_gather_bytes=max(self.max_gather_bytes, plan.max_gather_bytes),
+      max_scatter_out_bytes=max(self.max_scatter_out_bytes, plan.max_scatter_out_bytes),
+      axis_size=max(self.axis_size, plan.axis_size),
+      loops=self.loops + plan.loops,
+      rings=self.rings + len(plan.rings) + len(plan.fused),
+    )
+
+  @property
+  def has_collectives(self) -> bool:
+    """Whether the rewrite found collectives whose grouping the variants can change."""
+    return bool(self.gather_groups or self.max_scatter_out_bytes or self.loops)
+
+
+def _collect(
+  jaxpr, cfg: _Config, actions: list, counter: list, stats: RewriteStats = RewriteStats()
+) -> RewriteStats:
+  """Plans every shard_map body the evaluator will rewrite, in the same order; the
+  statistics of ``stats`` and those bodies."""
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
     if name == "shard_map":
       counter[0] += 1
-      _record(_plan_for(cfg, eqn, f"shard_map #{counter[0]}"), actions, stats)
+      plan = _plan_for(cfg, eqn, f"shard_map #{counter[0]}")
+      actions.extend(plan.actions)
+      stats = stats.including(plan)
     elif name in ("pjit", "jit") and "jaxpr" in eqn.params:
-      _collect(eqn.params["jaxpr"].jaxpr, cfg, actions, stats, counter)
+      stats = _collect(eqn.params["jaxpr"].jaxpr, cfg, actions, counter, stats)
     elif name in _OPAQUE and _has_collectives(eqn):
       actions.append(
         Action(
@@ -215,6 +251,7 @@ def _collect(jaxpr, cfg: _Config, actions, stats, counter) -> None:
           "written (use jax_overlap.fsdp.scan_layers for scanned layers)",
         )
       )
+  return stats
 
 
 def _plan_for(cfg: _Config, eqn, where: str) -> _BodyPlan:
@@ -237,22 +274,6 @@ def _params_of(cfg: _Config, eqn) -> frozenset | None:
   if cfg.param_inputs is None:
     return None
   return cfg.param_inputs.get(id(eqn.params["jaxpr"]), frozenset())
-
-
-def _record(plan: _BodyPlan, actions, stats) -> None:
-  actions.extend(plan.actions)
-  stats["gather_groups"] = max(stats.get("gather_groups", 0), plan.gather_groups)
-  stats["max_group_gather_bytes"] = max(
-    stats.get("max_group_gather_bytes", 0), plan.max_group_gather_bytes
-  )
-  stats["max_scatter_bytes"] = max(stats.get("max_scatter_bytes", 0), plan.max_scatter_bytes)
-  stats["max_gather_bytes"] = max(stats.get("max_gather_bytes", 0), plan.max_gather_bytes)
-  stats["max_scatter_out_bytes"] = max(
-    stats.get("max_scatter_out_bytes", 0), plan.max_scatter_out_bytes
-  )
-  stats["axis_size"] = max(stats.get("axis_size", 1), plan.axis_size)
-  stats["loops"] = stats.get("loops", 0) + plan.loops
-  stats["rings"] = stats.get("rings", 0) + len(plan.rings) + len(plan.fused)
 
 
 def _run_shard_map(eqn, invals, cfg: _Config):

@@ -18,7 +18,7 @@ from typing import Any
 from jax_overlap._src import flags as flags_lib
 from jax_overlap._src import latency_profile, selection_cache
 from jax_overlap._src.transform import gspmd
-from jax_overlap._src.transform.evaluate import _Config
+from jax_overlap._src.transform.evaluate import RewriteStats, _Config
 
 _LOOP_PIPELINER = (
   "xla_gpu_enable_pipelined_all_gather",
@@ -114,29 +114,26 @@ def _judged(name: str, report) -> list[str]:
   return out
 
 
-def candidates(ov, cfg: _Config, stats: dict) -> list[tuple[str, _Config, dict[str, Any]]]:
+def candidates(ov, cfg: _Config, stats: RewriteStats) -> list[tuple[str, _Config, dict[str, Any]]]:
   base: dict[str, Any] = {}
   if ov.target is not None:
     base.update(flags_lib.as_compiler_options(target=ov.target, workload=ov.workload))
-  p = max(stats.get("axis_size", 1), 1)
+  p = max(stats.axis_size, 1)
   per_layer = dict(base)
-  if stats.get("max_group_gather_bytes"):
+  if stats.max_group_gather_bytes:
     # Large enough for one layer's gathers, too small to merge two layers.
-    per_layer["xla_gpu_all_gather_combine_threshold_bytes"] = int(stats["max_group_gather_bytes"])
+    per_layer["xla_gpu_all_gather_combine_threshold_bytes"] = int(stats.max_group_gather_bytes)
     if ov.reduce_scatter == "per_layer":
       per_layer["xla_gpu_reduce_scatter_combine_threshold_bytes"] = int(
-        stats["max_group_gather_bytes"] // p
+        stats.max_group_gather_bytes // p
       )
   per_op = dict(base)
-  if stats.get("max_gather_bytes"):
-    per_op["xla_gpu_all_gather_combine_threshold_bytes"] = int(stats["max_gather_bytes"])
-  if stats.get("max_scatter_out_bytes") and ov.reduce_scatter == "per_layer":
-    per_op["xla_gpu_reduce_scatter_combine_threshold_bytes"] = int(stats["max_scatter_out_bytes"])
+  if stats.max_gather_bytes:
+    per_op["xla_gpu_all_gather_combine_threshold_bytes"] = int(stats.max_gather_bytes)
+  if stats.max_scatter_out_bytes and ov.reduce_scatter == "per_layer":
+    per_op["xla_gpu_reduce_scatter_combine_threshold_bytes"] = int(stats.max_scatter_out_bytes)
   out = [("rewritten, one layer per collective", cfg, {**per_layer, **ov.extra_options})]
-  has_collectives = (
-    stats.get("gather_groups", 0) or stats.get("max_scatter_out_bytes", 0) or stats.get("loops", 0)
-  )
-  if ov.target is not None and ov.select == "cost_model" and has_collectives:
+  if ov.target is not None and ov.select == "cost_model" and stats.has_collectives:
     out.append(("rewritten, one tensor per collective", cfg, {**per_op, **ov.extra_options}))
     out.append(
       (
@@ -160,7 +157,7 @@ def candidates(ov, cfg: _Config, stats: dict) -> list[tuple[str, _Config, dict[s
         {**per_layer, **unmerged, **ov.extra_options},
       )
     )
-    if stats.get("rings") and flags_lib.accepted_by_jaxlib("xla_gpu_enable_triton_gemm", False):
+    if stats.rings and flags_lib.accepted_by_jaxlib("xla_gpu_enable_triton_gemm", False):
       # The collective matmuls' partial GEMMs through cuBLAS: the running sum of a
       # reduce-scatter ring is added in the GEMM's epilogue, and no partial GEMM is split
       # along K.
@@ -172,7 +169,7 @@ def candidates(ov, cfg: _Config, stats: dict) -> list[tuple[str, _Config, dict[s
         )
       )
     pipeliner = _pipeliner_off(base)
-    if stats.get("loops") and pipeliner:
+    if stats.loops and pipeliner:
       # Loops that pipeline their own collectives (scan_layers) gain nothing from
       # XLA's pipeliner, which moves the first gather and the last reduce-scatter
       # out of the loop where nothing hides them.
@@ -204,7 +201,7 @@ def candidates(ov, cfg: _Config, stats: dict) -> list[tuple[str, _Config, dict[s
         )
       )
     as_written = cfg.as_written()
-    if stats.get("loops") and unmerged:
+    if stats.loops and unmerged:
       # Loops left to XLA's own pipeliner, with its dot merger off (the loop's first
       # matmul starts on its first weight).
       out.append(
