@@ -285,22 +285,13 @@ CUresult StreamCreateWithPriorityHook(CUstream* ph, unsigned int flags, int prio
   return real(ph, flags, priority);
 }
 
-template <int kPath, int kId>
-CUresult ModuleUnloadHook(CUmodule hmod) {
+// cuModuleUnload / cuLibraryUnload: the unloaded kernels' handles may be reused.
+template <int kPath, int kId, typename Handle>
+CUresult UnloadHook(Handle handle) {
   EnsureInit();
-  auto real = reinterpret_cast<PFN_cuModuleUnload>(Real(kId));
+  auto real = reinterpret_cast<CUresult (*)(Handle)>(Real(kId));
   if (real == nullptr) return JOR_CUDA_ERROR_NOT_INITIALIZED;
-  CUresult r = real(hmod);
-  ForgetFunctions();
-  return r;
-}
-
-template <int kPath, int kId>
-CUresult LibraryUnloadHook(CUlibrary library) {
-  EnsureInit();
-  auto real = reinterpret_cast<PFN_cuLibraryUnload>(Real(kId));
-  if (real == nullptr) return JOR_CUDA_ERROR_NOT_INITIALIZED;
-  CUresult r = real(library);
+  CUresult r = real(handle);
   ForgetFunctions();
   return r;
 }
@@ -365,8 +356,8 @@ JOR_BIND(cuFuncSetAttribute, (FuncSetAttributeHook<kPath, kSym_cuFuncSetAttribut
 JOR_BIND(cuStreamCreate, (StreamCreateHook<kPath, kSym_cuStreamCreate>))
 JOR_BIND(cuStreamCreateWithPriority,
          (StreamCreateWithPriorityHook<kPath, kSym_cuStreamCreateWithPriority>))
-JOR_BIND(cuModuleUnload, (ModuleUnloadHook<kPath, kSym_cuModuleUnload>))
-JOR_BIND(cuLibraryUnload, (LibraryUnloadHook<kPath, kSym_cuLibraryUnload>))
+JOR_BIND(cuModuleUnload, (UnloadHook<kPath, kSym_cuModuleUnload, CUmodule>))
+JOR_BIND(cuLibraryUnload, (UnloadHook<kPath, kSym_cuLibraryUnload, CUlibrary>))
 JOR_BIND(cuGetProcAddress, (GetProcAddressHook<kPath, kSym_cuGetProcAddress>))
 JOR_BIND(cuGetProcAddress_v2, (GetProcAddressV2Hook<kPath, kSym_cuGetProcAddress_v2>))
 #undef JOR_BIND

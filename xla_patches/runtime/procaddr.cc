@@ -20,46 +20,42 @@ namespace {
 // that forwards to exactly that answer.
 std::atomic<void*> g_slot_real[kNumHooked][kExtraSlots];
 
+// Names cuGetProcAddress resolves to one of two ABI variants: the per-thread
+// default-stream variant when the flags ask for it (`since` 0), else the newer ABI
+// from CUDA version `since` on (cuda.h maps the names so: the _v2 kernel-node
+// structs and cuGetProcAddress_v2 from 12.0, cuGraphAddNode_v2's edge data from 12.3).
+struct AbiVariants {
+  const char* name;
+  int plain, variant, since;
+};
+const AbiVariants kAbiVariants[] = {
+    {"cuLaunchKernel", kSym_cuLaunchKernel, kSym_cuLaunchKernel_ptsz, 0},
+    {"cuLaunchKernelEx", kSym_cuLaunchKernelEx, kSym_cuLaunchKernelEx_ptsz, 0},
+    {"cuLaunchCooperativeKernel", kSym_cuLaunchCooperativeKernel,
+     kSym_cuLaunchCooperativeKernel_ptsz, 0},
+    {"cuGraphAddKernelNode", kSym_cuGraphAddKernelNode, kSym_cuGraphAddKernelNode_v2, 12000},
+    {"cuGraphExecKernelNodeSetParams", kSym_cuGraphExecKernelNodeSetParams,
+     kSym_cuGraphExecKernelNodeSetParams_v2, 12000},
+    {"cuGraphKernelNodeSetParams", kSym_cuGraphKernelNodeSetParams,
+     kSym_cuGraphKernelNodeSetParams_v2, 12000},
+    {"cuGraphAddNode", kSym_cuGraphAddNode, kSym_cuGraphAddNode_v2, 12030},
+    {"cuGetProcAddress", kSym_cuGetProcAddress, kSym_cuGetProcAddress_v2, 12000},
+};
+
 // The hook to hand out for a cuGetProcAddress answer, or -1 for none.
 int ProcAddrHookId(const char* symbol, int version, cuuint64_t flags, void* answer,
                    int* intended) {
   *intended = -1;
   if (symbol == nullptr) return -1;
   const bool ptsz = (flags & JOR_CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM) != 0;
-  int id = -1;
+  int id = HookedId(symbol);
   int alt = -1;  // the other variant of the same entry point
-  if (strcmp(symbol, "cuLaunchKernel") == 0) {
-    id = ptsz ? kSym_cuLaunchKernel_ptsz : kSym_cuLaunchKernel;
-    alt = ptsz ? kSym_cuLaunchKernel : kSym_cuLaunchKernel_ptsz;
-  } else if (strcmp(symbol, "cuLaunchKernelEx") == 0) {
-    id = ptsz ? kSym_cuLaunchKernelEx_ptsz : kSym_cuLaunchKernelEx;
-    alt = ptsz ? kSym_cuLaunchKernelEx : kSym_cuLaunchKernelEx_ptsz;
-  } else if (strcmp(symbol, "cuGraphAddKernelNode") == 0) {
-    // cuda.h maps the name to the _v2 ABI from CUDA 12.0.
-    id = version >= 12000 ? kSym_cuGraphAddKernelNode_v2 : kSym_cuGraphAddKernelNode;
-    alt = version >= 12000 ? kSym_cuGraphAddKernelNode : kSym_cuGraphAddKernelNode_v2;
-  } else if (strcmp(symbol, "cuGraphExecKernelNodeSetParams") == 0) {
-    id = version >= 12000 ? kSym_cuGraphExecKernelNodeSetParams_v2
-                          : kSym_cuGraphExecKernelNodeSetParams;
-    alt = version >= 12000 ? kSym_cuGraphExecKernelNodeSetParams
-                           : kSym_cuGraphExecKernelNodeSetParams_v2;
-  } else if (strcmp(symbol, "cuGraphKernelNodeSetParams") == 0) {
-    id = version >= 12000 ? kSym_cuGraphKernelNodeSetParams_v2 : kSym_cuGraphKernelNodeSetParams;
-    alt = version >= 12000 ? kSym_cuGraphKernelNodeSetParams : kSym_cuGraphKernelNodeSetParams_v2;
-  } else if (strcmp(symbol, "cuGraphAddNode") == 0) {
-    // The _v2 ABI (edge data) from CUDA 12.3.
-    id = version >= 12030 ? kSym_cuGraphAddNode_v2 : kSym_cuGraphAddNode;
-    alt = version >= 12030 ? kSym_cuGraphAddNode : kSym_cuGraphAddNode_v2;
-  } else if (strcmp(symbol, "cuLaunchCooperativeKernel") == 0) {
-    id = ptsz ? kSym_cuLaunchCooperativeKernel_ptsz : kSym_cuLaunchCooperativeKernel;
-    alt = ptsz ? kSym_cuLaunchCooperativeKernel : kSym_cuLaunchCooperativeKernel_ptsz;
-  } else if (strcmp(symbol, "cuGetProcAddress") == 0) {
-    id = version >= 12000 ? kSym_cuGetProcAddress_v2 : kSym_cuGetProcAddress;
-    alt = version >= 12000 ? kSym_cuGetProcAddress : kSym_cuGetProcAddress_v2;
-  } else {
-    for (int i = 0; i < kNumHooked; ++i) {
-      if (strcmp(symbol, kSymNames[i]) == 0) id = i;
-    }
+  for (const AbiVariants& v : kAbiVariants) {
+    if (strcmp(symbol, v.name) != 0) continue;
+    const bool use_variant = v.since == 0 ? ptsz : version >= v.since;
+    id = use_variant ? v.variant : v.plain;
+    alt = use_variant ? v.plain : v.variant;
+    break;
   }
   if (id < 0) return -1;
   *intended = id;

@@ -252,7 +252,8 @@ def configure(
     s = syntax.format_value(v)
     if flag is not None and flag.kind == "env":
       # Environment values compare exactly; XLA's booleans in any case.
-      have, same, into, where = env.get(k), env.get(k) == s, env_vars, f"{k}: environment"
+      have, into, where = env.get(k), env_vars, f"{k}: environment"
+      same = have == s
     else:
       have, into, where = existing.get(k), merged_xla, f"--{k}: XLA_FLAGS"
       same = have is not None and have.lower() == s.lower()

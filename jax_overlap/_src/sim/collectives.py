@@ -42,7 +42,7 @@ from __future__ import annotations
 from jax_overlap._src import nccl, targets
 from jax_overlap._src.sim.model import Collective, Constants
 
-__all__ = ["link_bytes_and_steps", "channel_work", "nccl_p2p_channels"]
+__all__ = ["link_bytes_and_steps", "channel_work", "alone_time", "nccl_p2p_channels"]
 
 
 def nccl_p2p_channels(
@@ -104,3 +104,11 @@ def channel_work(c: Collective, topo: targets.Topology, const: Constants) -> dic
     "link_bandwidth": link_bw,
     "cta_bandwidth": const.cta_copy_bandwidth,
   }
+
+
+def alone_time(c: Collective, topo: targets.Topology, const: Constants) -> float:
+  """The channel model's time for ``c`` alone on the device: its latency steps plus the
+  link bytes at ``min(link bandwidth, cta_copy_bandwidth x channels)``."""
+  cw = channel_work(c, topo, const)
+  rate = min(cw["link_bandwidth"], cw["cta_bandwidth"] * cw["channels"])
+  return cw["latency_s"] + cw["bytes"] * cw["channels"] / rate

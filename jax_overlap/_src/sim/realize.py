@@ -45,7 +45,7 @@ import math
 from collections.abc import Sequence
 
 from jax_overlap._src import targets
-from jax_overlap._src.sim import engine
+from jax_overlap._src.sim import collectives, engine
 from jax_overlap._src.sim.model import (
   COLLECTIVE_KINDS,
   COMPUTE_KINDS,
@@ -174,20 +174,13 @@ def _with_channels(c: Collective, channels: int, topo, const: Constants) -> Coll
   channel count) scales by the channel model's ratio of the two counts' times alone on the
   device: fewer channels take fewer SMs and, below the link's rate, move data slower
   (``min(link, cta_copy_bandwidth x channels)``, :mod:`.collectives`)."""
-  from jax_overlap._src.sim import collectives
-
-  if c.time_s is None:
-    return dataclasses.replace(c, channels=channels)
-
-  def alone(cw: dict) -> float:
-    rate = min(cw["link_bandwidth"], cw["cta_bandwidth"] * cw["channels"])
-    return cw["latency_s"] + cw["bytes"] * cw["channels"] / rate
-
-  before = alone(collectives.channel_work(c, topo, const))
   shaped = dataclasses.replace(c, channels=channels)
-  after = alone(collectives.channel_work(shaped, topo, const))
+  if c.time_s is None:
+    return shaped
+  before = collectives.alone_time(c, topo, const)
   if before <= 0:
     return shaped
+  after = collectives.alone_time(shaped, topo, const)
   return dataclasses.replace(shaped, time_s=c.time_s * after / before)
 
 
