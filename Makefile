@@ -5,6 +5,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export JAX_PLATFORMS ?= cpu
+# Test processes (pytest-xdist); each test file runs whole in one of them.
+JOBS ?= auto
 
 .PHONY: demo test lint install clean
 
@@ -25,7 +27,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m ruff check jax_overlap tests benchmarks
 	$(PY) -m ruff format --check jax_overlap tests benchmarks
-	$(PY) -m pytest -q tests --durations=15 $(ARGS)
+	$(PY) -m pytest -q tests -n $(JOBS) --dist loadfile --durations=15 $(ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check jax_overlap tests benchmarks

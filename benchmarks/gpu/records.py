@@ -148,7 +148,7 @@ def calibrate(path: str, gpu: str) -> int:
 
   res = sim.calibrate(path, target=gpu, params=FIT_PARAMS)
   print(
-    f"records.py: calibrate on {gpu}: RMS error {res.error_before:.3f} -> {res.error_after:.3f} "
+    f"records.py: calibrate on {gpu}: RMS error {res.error_before:.3g} -> {res.error_after:.3g} "
     f"({res.method}); fitted {', '.join(f'{k}={v:.4g}' for k, v in res.params.items())}"
   )
   return 0
