@@ -13,6 +13,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _cache = tempfile.mkdtemp(prefix="jax_overlap_tests_")
 os.environ["JAX_OVERLAP_CACHE_DIR"] = _cache
 atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+# XLA's deviceless compiles, though, are shared by the session's test processes
+# (pytest-xdist workers inherit the first process's folder): the same module compiled
+# with the same options gives the same artefacts whichever process asks.
+if not os.environ.get("JAX_OVERLAP_COMPILE_CACHE_DIR"):
+  os.environ["JAX_OVERLAP_COMPILE_CACHE_DIR"] = os.path.join(_cache, "compiles")
 _flags = os.environ.get("XLA_FLAGS", "")
 if "--xla_force_host_platform_device_count" not in _flags:
   os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()

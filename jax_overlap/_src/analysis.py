@@ -97,25 +97,13 @@ def analyze_compiled(
   xla_options: dict[str, Any] | None = None,
 ) -> Report:
   """Builds the Report of an already compiled step (see :func:`analyze`)."""
-  memory = {}
-  try:
-    stats = step.compiled.memory_analysis()
-    if stats is not None:
-      memory = {
-        "arguments": int(stats.argument_size_in_bytes),
-        "outputs": int(stats.output_size_in_bytes),
-        "temporaries": int(stats.temp_size_in_bytes),
-        "aliased": int(stats.alias_size_in_bytes),
-      }
-  except Exception:  # noqa: BLE001 - not every backend implements it
-    memory = {}
   report = analyze_hlo(
     step.hlo_text,
     step.thunk_text,
     target=step.target,
     name=name,
     cost_model=cost_model,
-    memory=memory,
+    memory=dict(step.memory or compile_lib.memory_stats(step.compiled)),
     xla_options={**(xla_options or {}), **step.fallback_options},
     compile_time_s=step.compile_time_s,
   )

@@ -32,10 +32,10 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from jax_overlap._src import errors
+from jax_overlap._src import compile_store, errors
 from jax_overlap._src import targets as targets_lib
 
-__all__ = ["CompiledStep", "compile_for_target", "target_mesh_like"]
+__all__ = ["CompiledStep", "compile_for_target", "memory_stats", "target_mesh_like"]
 
 
 @dataclasses.dataclass
@@ -51,8 +51,12 @@ class CompiledStep:
     debug_options: the non-default debug options the compile saw.
     mesh: the mesh the program was compiled on.
     dump_dir: where the artefacts were written (removed unless ``keep_dump``).
+    compile_time_s: the time XLA took to compile (when the step was read back from
+      the on-disk store, the time it took then).
     notes: what was changed to make the compile succeed (e.g. a fallback option).
     fallback_options: XLA options added for that, on top of the requested ones.
+    memory: XLA's memory statistics in bytes (``arguments``, ``outputs``,
+      ``temporaries``, ``aliased``); empty where the backend gives none.
   """
 
   compiled: Any
@@ -66,6 +70,54 @@ class CompiledStep:
   compile_time_s: float = 0.0
   notes: list[str] = dataclasses.field(default_factory=list)
   fallback_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+  memory: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+def memory_stats(compiled) -> dict[str, int]:
+  """XLA's memory statistics of a compiled executable in bytes; {} where it gives none."""
+  try:
+    stats = compiled.memory_analysis()
+  except Exception:  # noqa: BLE001 - not every backend implements it
+    return {}
+  if stats is None:
+    return {}
+  return {
+    "arguments": int(stats.argument_size_in_bytes),
+    "outputs": int(stats.output_size_in_bytes),
+    "temporaries": int(stats.temp_size_in_bytes),
+    "aliased": int(stats.alias_size_in_bytes),
+  }
+
+
+# What the on-disk store keeps of a step (XLA's output, not the executable).
+_STORED = ("hlo_text", "thunk_text", "debug_options", "compile_time_s", "notes")
+
+
+def _stored(step: CompiledStep) -> dict[str, Any]:
+  fields = {f: getattr(step, f) for f in _STORED}
+  fields["fallback_options"] = step.fallback_options
+  fields["memory"] = step.memory
+  return fields
+
+
+def _from_store(entry: dict[str, Any], topo, mesh) -> CompiledStep | None:
+  try:
+    return CompiledStep(
+      compiled=None,
+      target=topo,
+      platform="cuda",
+      mesh=mesh,
+      dump_dir=None,
+      hlo_text=str(entry["hlo_text"]),
+      thunk_text=str(entry["thunk_text"]),
+      debug_options={str(k): str(v) for k, v in entry["debug_options"].items()},
+      compile_time_s=float(entry["compile_time_s"]),
+      notes=[str(n) for n in entry["notes"]],
+      fallback_options=dict(entry["fallback_options"]),
+      memory={str(k): int(v) for k, v in entry["memory"].items()},
+    )
+  except (KeyError, TypeError, ValueError, AttributeError):
+    return None  # another format: compiled again
 
 
 # XLA's Triton GEMM emitter, without a GPU to autotune on, can fail to find
@@ -245,7 +297,8 @@ def _unwrap(fn):
 # analysed, a report of the same step) reuses XLA's result instead of compiling anew. XLA's
 # compile is deterministic for the same module, options and target; option values that
 # name files (latency profiles) are named by their content. Only GPU targets, whose
-# compile-only executables cannot run, and only compiles whose dump is not kept.
+# compile-only executables cannot run, and only compiles whose dump is not kept. Other
+# processes find the same results on disk (:mod:`.compile_store`).
 _MEMO: collections.OrderedDict = collections.OrderedDict()
 _MEMO_SIZE = 48
 _MEMO_LOCK = threading.Lock()
@@ -262,6 +315,13 @@ def _memo_key(lowered, options: Mapping[str, Any], topo) -> str | None:
   h = hashlib.sha256(text.encode())
   h.update(repr((opts, topo.name, jax.__version__)).encode())
   return h.hexdigest()
+
+
+def _remember(key: str, step: CompiledStep) -> None:
+  """Keeps ``step`` in the in-process memo (the caller holds ``_MEMO_LOCK``)."""
+  _MEMO[key] = step
+  while len(_MEMO) > _MEMO_SIZE:
+    _MEMO.popitem(last=False)
 
 
 def clear_memo() -> None:
@@ -344,6 +404,12 @@ def compile_for_target(
         hit = _MEMO.get(memo_key) if memo_key is not None else None
         if hit is not None:
           _MEMO.move_to_end(memo_key)
+      if hit is None and memo_key is not None:
+        stored = compile_store.load(memo_key)
+        hit = _from_store(stored, topo, tmesh) if stored is not None else None
+        if hit is not None:
+          with _MEMO_LOCK:
+            _remember(memo_key, hit)
       if hit is not None:
         return dataclasses.replace(hit, notes=list(hit.notes))
       try:
@@ -387,12 +453,12 @@ def compile_for_target(
       compile_time_s=compile_time,
       notes=notes,
       fallback_options=fallback or {},
+      memory=memory_stats(compiled),
     )
     if memo_key is not None:
       with _MEMO_LOCK:
-        _MEMO[memo_key] = dataclasses.replace(step, notes=list(notes))
-        while len(_MEMO) > _MEMO_SIZE:
-          _MEMO.popitem(last=False)
+        _remember(memo_key, dataclasses.replace(step, notes=list(notes)))
+      compile_store.save(memo_key, _stored(step))
     return step
   finally:
     if own_dir and not keep_dump:

@@ -1,0 +1,131 @@
+"""XLA's artefacts of deviceless compiles, kept on disk for other processes.
+
+A deviceless compile of a sizeable step takes XLA seconds; a notebook kernel, a CLI run,
+a second analysis of the same step tomorrow or another test process would compile the
+very same module again. What XLA produced -- the scheduled HLO, the thunk sequence, the
+debug options it saw, its memory statistics -- is kept here under the key of the
+in-process memo (the lowered module's text, the options, the target), extended with the
+versions of jax, jaxlib and the CUDA plugin and with ``XLA_FLAGS``, so that a different
+XLA, or XLA with other options, never answers for another. Only compile-only (GPU target) steps are kept, whose executables cannot run
+anyway; a step read back has no executable (``CompiledStep.compiled`` is None).
+
+Where: ``$JAX_OVERLAP_COMPILE_CACHE_DIR``, else the ``compiles`` folder of the cache
+directory (:func:`jax_overlap._src.cache.cache_dir`). ``JAX_OVERLAP_COMPILE_CACHE=0``
+turns it off. The folder keeps the ``MAX_ENTRIES`` most recently used entries. An entry
+that cannot be read is a miss; an entry that cannot be written is not kept (the compile
+itself has succeeded).
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import importlib.metadata
+import json
+import os
+import tempfile
+from typing import Any
+
+from jax_overlap._src import cache as cache_lib
+
+__all__ = ["enabled", "directory", "key_suffix", "load", "save", "MAX_ENTRIES"]
+
+MAX_ENTRIES = 256
+_SUFFIX = ".json.gz"
+_FORMAT = 1
+
+
+def enabled() -> bool:
+  return os.environ.get("JAX_OVERLAP_COMPILE_CACHE", "1").strip().lower() not in (
+    "0",
+    "false",
+    "no",
+    "off",
+  )
+
+
+def directory() -> str:
+  return os.environ.get("JAX_OVERLAP_COMPILE_CACHE_DIR") or os.path.join(
+    cache_lib.cache_dir(), "compiles"
+  )
+
+
+def _version(dist: str) -> str:
+  try:
+    return importlib.metadata.version(dist)
+  except importlib.metadata.PackageNotFoundError:
+    return "-"
+
+
+def key_suffix() -> str:
+  """The installed compiler's identity and the process's ``XLA_FLAGS`` (options XLA
+  reads from the environment, not from the compile call), appended to every key."""
+  import jax
+  import jaxlib
+
+  plugins = [_version(d) for d in ("jax-cuda13-plugin", "jax-cuda12-plugin")]
+  flags = os.environ.get("XLA_FLAGS", "")
+  return repr((_FORMAT, jax.__version__, jaxlib.__version__, plugins, flags))
+
+
+def _path(key: str) -> str:
+  digest = hashlib.sha256((key + key_suffix()).encode()).hexdigest()
+  return os.path.join(directory(), digest + _SUFFIX)
+
+
+def load(key: str) -> dict[str, Any] | None:
+  """The fields saved under ``key``, or None."""
+  if not enabled():
+    return None
+  path = _path(key)
+  try:
+    with gzip.open(path, "rt") as f:
+      entry = json.load(f)
+    os.utime(path)  # most recently used
+  except FileNotFoundError:
+    return None
+  except (OSError, ValueError, EOFError):
+    _remove(path)  # unreadable: compiled again and rewritten
+    return None
+  return entry if isinstance(entry, dict) else None
+
+
+def save(key: str, fields: dict[str, Any]) -> None:
+  """Keeps ``fields`` (JSON-serializable) under ``key``; the oldest entries go beyond
+  ``MAX_ENTRIES``."""
+  if not enabled():
+    return
+  path = _path(key)
+  folder = os.path.dirname(path)
+  try:
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+    try:
+      with os.fdopen(fd, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as f:
+        f.write(json.dumps(fields).encode())
+      os.replace(tmp, path)
+    finally:
+      _remove(tmp)
+    _prune(folder)
+  except OSError:
+    return  # a full or read-only disk: the step is simply not kept
+
+
+def _prune(folder: str) -> None:
+  entries = []
+  for name in os.listdir(folder):
+    if name.endswith(_SUFFIX):
+      p = os.path.join(folder, name)
+      try:
+        entries.append((os.path.getmtime(p), p))
+      except OSError:
+        continue
+  for _, p in sorted(entries)[: max(0, len(entries) - MAX_ENTRIES)]:
+    _remove(p)
+
+
+def _remove(path: str) -> None:
+  try:
+    os.unlink(path)
+  except OSError:
+    pass

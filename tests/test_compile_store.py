@@ -1,0 +1,109 @@
+"""Deviceless compiles kept on disk: read back in place of XLA, keyed by program, options,
+target and compiler versions; unreadable entries compiled again; bounded; off by flag."""
+
+import gzip
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_overlap
+from jax_overlap._src import analysis, compile_store
+from jax_overlap._src import compile as compile_lib
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+  monkeypatch.setenv("JAX_OVERLAP_COMPILE_CACHE_DIR", str(tmp_path / "compiles"))
+  monkeypatch.delenv("JAX_OVERLAP_COMPILE_CACHE", raising=False)
+  compile_lib.clear_memo()
+  yield tmp_path / "compiles"
+  compile_lib.clear_memo()
+
+
+def _step():
+  mesh = Mesh(np.array(jax.devices()[:8]), ("fsdp",))
+  x = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P("fsdp")))
+  w = jax.ShapeDtypeStruct((512, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P("fsdp")))
+  return (lambda x, w: jnp.tanh(x @ w).sum()), (x, w)
+
+
+def _entries(folder):
+  return sorted(p for p in os.listdir(folder) if p.endswith(".json.gz")) if folder.exists() else []
+
+
+def test_a_second_process_reads_xlas_artefacts_instead_of_compiling(store):
+  fn, args = _step()
+  first = compile_lib.compile_for_target(fn, *args, target="h100x8")
+  assert first.compiled is not None and len(_entries(store)) == 1
+  compile_lib.clear_memo()  # what another process starts with
+  again = compile_lib.compile_for_target(fn, *args, target="h100x8")
+  assert again.compiled is None  # read back, not compiled
+  assert again.hlo_text == first.hlo_text and again.thunk_text == first.thunk_text
+  assert again.debug_options == first.debug_options and again.memory == first.memory
+  assert again.memory["arguments"] > 0
+  assert again.target == first.target and again.platform == "cuda"
+  # The analysis of the stored step is the analysis of the compiled one.
+  compile_lib.clear_memo()
+  a = jax_overlap.analyze(fn, *args, target="h100x8")
+  b = analysis.analyze_compiled(first)
+  assert a.step_time_s == b.step_time_s and a.memory == b.memory
+  assert [k.name for k in a.kernels] == [k.name for k in b.kernels]
+
+
+def test_other_options_targets_and_compilers_are_other_entries(store, monkeypatch):
+  fn, args = _step()
+  compile_lib.compile_for_target(fn, *args, target="h100x8")
+  compile_lib.compile_for_target(
+    fn, *args, target="h100x8", xla_options={"xla_gpu_enable_triton_gemm": False}
+  )
+  compile_lib.compile_for_target(fn, *args, target="a100x8")
+  assert len(_entries(store)) == 3
+  compile_lib.clear_memo()
+  monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --xla_dump_hlo_as_text")
+  step = compile_lib.compile_for_target(fn, *args, target="h100x8")
+  assert step.compiled is not None and len(_entries(store)) == 4
+  compile_lib.clear_memo()
+  monkeypatch.setattr(compile_store, "key_suffix", lambda: "another jaxlib")
+  step = compile_lib.compile_for_target(fn, *args, target="h100x8")
+  assert step.compiled is not None and len(_entries(store)) == 5
+
+
+def test_an_unreadable_entry_is_compiled_again_and_rewritten(store):
+  fn, args = _step()
+  compile_lib.compile_for_target(fn, *args, target="h100x8")
+  (entry,) = _entries(store)
+  (store / entry).write_bytes(b"not gzip")
+  compile_lib.clear_memo()
+  step = compile_lib.compile_for_target(fn, *args, target="h100x8")
+  assert step.compiled is not None and step.hlo_text
+  with gzip.open(store / entry, "rt") as f:
+    assert "hlo_text" in f.read()
+  # An entry of another layout is a miss as well.
+  with gzip.open(store / entry, "wt") as f:
+    f.write('{"hlo_text": 1}')
+  compile_lib.clear_memo()
+  assert compile_lib.compile_for_target(fn, *args, target="h100x8").compiled is not None
+
+
+def test_turned_off_nothing_is_kept_and_local_compiles_never_are(store, monkeypatch):
+  fn, args = _step()
+  compile_lib.compile_for_target(fn, *args, target=None)
+  assert _entries(store) == []
+  monkeypatch.setenv("JAX_OVERLAP_COMPILE_CACHE", "0")
+  compile_lib.compile_for_target(fn, *args, target="h100x8")
+  assert _entries(store) == []
+
+
+def test_only_the_most_recently_used_entries_are_kept(store, monkeypatch):
+  monkeypatch.setattr(compile_store, "MAX_ENTRIES", 2)
+  for i in range(3):
+    compile_store.save(f"key {i}", {"i": i})
+    os.utime(compile_store._path(f"key {i}"), (i, i))  # distinct ages
+  compile_store.save("key 3", {"i": 3})
+  assert [compile_store.load(f"key {i}") for i in (2, 3)] == [{"i": 2}, {"i": 3}]
+  assert compile_store.load("key 0") is None and compile_store.load("key 1") is None
