@@ -32,6 +32,7 @@ from jax_overlap._src.sim.policies import default_shaping as default_shaping
 from jax_overlap._src.sim.policies import no_room as no_room
 from jax_overlap._src.sim.policies import policy_from_plan as policy_from_plan
 from jax_overlap._src.sim.policies import simulate as simulate
+from jax_overlap._src.sim.realize import ContentionLosses as ContentionLosses
 from jax_overlap._src.sim.realize import RealizeResult as RealizeResult
 from jax_overlap._src.sim.realize import analysis_step_time as analysis_step_time
 from jax_overlap._src.sim.realize import realize as realize
@@ -59,6 +60,7 @@ __all__ = [
   "PaperTable",
   "Policy",
   "RealizeResult",
+  "ContentionLosses",
   "SimResult",
   "TuneResult",
   "Workload",

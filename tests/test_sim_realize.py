@@ -327,3 +327,26 @@ def test_channel_count_sets_a_collectives_speed_and_its_sms():
     for c in (4, None)
   }
   assert steps[4] > steps[None]
+
+
+def test_losses_say_which_resource_the_step_waits_for():
+  # The gathers are issued beside 8192^3 GEMMs whose 2048 tiles fill every SM many times
+  # over: their CTAs wait for SMs, and the GEMMs lose what the gathers take.
+  res = sim.realize(_report(), ["concurrent", "priority"])
+  names = ("all-gather-start.1", "reduce-scatter-start.2")
+  for p in ("concurrent", "priority"):
+    loss = res.losses(p)
+    assert loss.collectives == 2
+    assert loss.collective_alone_s == pytest.approx(sum(res.alone_s[n] for n in names))
+    assert loss.collective_wait_s > 0 and loss.compute_slowdown_s > 0
+    # Every collective took its time alone plus its stretch.
+    took = sum(res.results[p].timing(n).duration_s for n in names)
+    assert took >= loss.collective_alone_s + loss.collective_stretch_s - 1e-12
+  assert "waited" in res.table() and "for SMs" in str(res.losses("priority"))
+  # Issued alone (synchronous, in place on the compute stream), nothing is lost.
+  alone = sim.realize(_report(sync=True), "priority").losses("priority")
+  assert alone.compute_slowdown_s == pytest.approx(0.0, abs=1e-9)
+  assert alone.collective_wait_s == pytest.approx(0.0, abs=1e-9)
+  assert alone.collective_stretch_s == pytest.approx(0.0, abs=1e-7)
+  with pytest.raises(KeyError, match="'sequential' was not simulated; simulated: concurrent"):
+    res.losses("sequential")

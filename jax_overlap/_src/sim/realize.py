@@ -62,6 +62,7 @@ __all__ = [
   "critical_path",
   "realize",
   "RealizeResult",
+  "ContentionLosses",
 ]
 
 
@@ -285,6 +286,40 @@ def ideal_durations(wl: Workload, result, topo, const: Constants) -> dict[str, f
 XLA_POLICY = "priority"
 
 
+@dataclasses.dataclass(frozen=True)
+class ContentionLosses:
+  """Where one simulated step spends time its items would not spend alone.
+
+  Each field is a sum over items, in seconds. The items run side by side, so the sums
+  overlap in time and do not add up to the step's difference from ``ideal_s``; they say
+  which resource the step waits for.
+
+  Attributes:
+    compute_slowdown_s: compute kernels' time beyond their time alone (SMs and DRAM
+      shared with collectives and other kernels).
+    collective_wait_s: time collectives were ready to run with none of their CTAs
+      resident (no SM had room: the kernels beside them held it).
+    collective_stretch_s: collectives' time, from their first CTA placed to their last
+      finished, beyond their time alone (CTAs placed late, DRAM and link shared).
+    collective_alone_s: the collectives' time alone, for scale.
+    collectives: how many collectives the step has.
+  """
+
+  compute_slowdown_s: float
+  collective_wait_s: float
+  collective_stretch_s: float
+  collective_alone_s: float
+  collectives: int
+
+  def __str__(self) -> str:
+    return (
+      f"compute slowed {self.compute_slowdown_s * 1e3:.3f} ms; {self.collectives} "
+      f"collectives ({self.collective_alone_s * 1e3:.3f} ms alone) waited "
+      f"{self.collective_wait_s * 1e3:.3f} ms for SMs and ran "
+      f"{self.collective_stretch_s * 1e3:.3f} ms longer than alone"
+    )
+
+
 @dataclasses.dataclass
 class RealizeResult:
   """Analysis estimate vs simulated step time under each policy.
@@ -296,12 +331,43 @@ class RealizeResult:
       without the difference between the report's roofline and the simulator's kernels.
     results: policy name -> SimResult.
     workload: the simulated workload.
+    alone_s: each item's contention-free duration in the simulator (a kernel alone plus
+      the launch gap before it, a collective alone).
   """
 
   analysis_s: float
   ideal_s: float
   results: dict
   workload: Workload
+  alone_s: dict = dataclasses.field(default_factory=dict)
+
+  def losses(self, policy: str = XLA_POLICY) -> ContentionLosses:
+    """Where ``policy``'s step loses time to contention (see :class:`ContentionLosses`).
+
+    Raises:
+      KeyError: if ``policy`` was not simulated.
+    """
+    if policy not in self.results:
+      raise KeyError(
+        f"RealizeResult.losses: policy {policy!r} was not simulated; simulated: "
+        f"{', '.join(self.results)}"
+      )
+    r = self.results[policy]
+    iso = r.isolated_s or {}
+    compute = sum(
+      max(t.duration_s - iso[t.name], 0.0)
+      for t in r.timings
+      if not t.is_collective and t.name in iso
+    )
+    colls = [t for t in r.timings if t.is_collective]
+    alone = [self.alone_s.get(t.name, t.duration_s) for t in colls]
+    return ContentionLosses(
+      compute_slowdown_s=compute,
+      collective_wait_s=sum(max(t.start_s - t.ready_s, 0.0) for t in colls),
+      collective_stretch_s=sum(max(t.duration_s - a, 0.0) for t, a in zip(colls, alone)),
+      collective_alone_s=sum(alone),
+      collectives=len(colls),
+    )
 
   def contention(self, policy: str = "concurrent") -> float:
     """Simulated over contention-free (simulator's own isolated times) step time, minus one."""
@@ -327,6 +393,8 @@ class RealizeResult:
         f"{self.contention(p):+.1%} over unlimited resources, compute slowdown "
         f"{r.compute_slowdown:.1%}){mark}"
       )
+      if self.alone_s:
+        lines.append(f"{'':>20}{self.losses(p)}")
     return "\n".join(lines)
 
 
@@ -378,4 +446,4 @@ def realize(
     pol = get_policy(p)
     results[pol.name] = simulate(wl, target=topo, policy=pol, constants=const)
   iso = ideal_durations(wl, next(iter(results.values())), topo, const)
-  return RealizeResult(analysis_step_time(report), critical_path(wl, iso), results, wl)
+  return RealizeResult(analysis_step_time(report), critical_path(wl, iso), results, wl, iso)
