@@ -10,8 +10,9 @@
   steps to shard_map, variants and their selection), ``collective_matmul/`` (rings and
   pieces, their cost), ``fsdp/`` (``scan_layers``), ``regions`` (occupancy regions as custom
   calls), ``selection_cache``, ``latency_profile``;
-* compile: ``compile`` (deviceless compiles with XLA's dumps kept), ``ptx`` (registers and
-  shared memory from ``ptxas``);
+* compile: ``retarget`` (the program moved onto a target's compile-only mesh), ``compile``
+  (deviceless compiles with XLA's dumps kept), ``compile_store`` (their artefacts on disk
+  for other processes), ``ptx`` (registers and shared memory from ``ptxas``);
 * analysis: ``hlo`` (reading the scheduled HLO, FLOPs and bytes), ``cost_model`` and
   ``nccl`` (kernel and collective times), ``schedule`` and ``timeline`` (XLA's order on
   streams), ``analysis`` and ``report`` (``analyze`` and its Report), ``profile``

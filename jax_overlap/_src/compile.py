@@ -8,9 +8,9 @@ with its launch configuration and the stream it runs on) and the debug options
 the compile actually saw can be read back.
 
 Meshes captured inside ``fn`` (``shard_map(mesh=...)``, sharding constraints,
-nested ``jit`` shardings) are re-targeted too: the function is traced to a
-jaxpr on the mesh it was written for, every concrete mesh in it is swapped for
-the target mesh with the same axis names, and the result is compiled.
+nested ``jit`` shardings) are re-targeted too (:mod:`.retarget`): the function is
+traced to a jaxpr on the mesh it was written for, every concrete mesh in it is
+swapped for the target mesh with the same axis names, and the result is compiled.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import dataclasses
 import functools
 import glob
 import hashlib
-import math
 import os
 import shutil
 import tempfile
@@ -29,13 +28,12 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
-import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
-from jax_overlap._src import compile_store, errors
+from jax_overlap._src import compile_store, errors, retarget
 from jax_overlap._src import targets as targets_lib
 
-__all__ = ["CompiledStep", "compile_for_target", "memory_stats", "target_mesh_like"]
+__all__ = ["CompiledStep", "compile_for_target", "memory_stats"]
 
 
 @dataclasses.dataclass
@@ -157,141 +155,6 @@ def _parse_debug_options(text: str) -> dict[str, str]:
   return out
 
 
-def _meshes_in(tree) -> list[Mesh]:
-  found = []
-  for leaf in jax.tree.leaves(tree):
-    sharding = getattr(leaf, "sharding", None)
-    if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh):
-      found.append(sharding.mesh)
-  return found
-
-
-def target_mesh_like(source: Mesh | Mapping[str, int] | None, target) -> Mesh:
-  """The target's compile-only mesh with ``source``'s axis names.
-
-  Axis sizes are kept when the device counts agree. Otherwise the first axis
-  whose size can absorb the difference is scaled (a 4x2 fsdp x tensor mesh
-  becomes 8x2 on 16 GPUs).
-
-  Raises:
-    ValueError: when no axis can absorb the difference.
-  """
-  topo = targets_lib.get(target)
-  if source is None:
-    return targets_lib.compile_only_mesh(topo, ("fsdp",))
-  shape = dict(source.shape) if isinstance(source, Mesh) else dict(source)
-  n = math.prod(shape.values())
-  if n == topo.num_devices:
-    return targets_lib.compile_only_mesh(topo, shape)
-  for axis, size in shape.items():
-    rest = n // size
-    if topo.num_devices % rest == 0:
-      new = dict(shape)
-      new[axis] = topo.num_devices // rest
-      return targets_lib.compile_only_mesh(topo, new)
-  raise ValueError(
-    f"cannot map mesh {shape} ({n} devices) onto {topo.name} ({topo.num_devices} devices); "
-    "pass mesh= with axis sizes that multiply to the target's device count"
-  )
-
-
-def _retarget_sharding(s, mesh: Mesh):
-  if isinstance(s, NamedSharding) and isinstance(s.mesh, Mesh):
-    missing = [a for a in _spec_axes(s.spec) if a not in mesh.axis_names]
-    if missing:
-      raise ValueError(
-        f"the sharding {s.spec} names mesh axes {missing} that the target mesh "
-        f"{dict(mesh.shape)} lacks; valid axis names: {', '.join(mesh.axis_names)}"
-      )
-    return NamedSharding(mesh, s.spec, memory_kind=s.memory_kind)
-  return s
-
-
-def _spec_axes(spec) -> list[str]:
-  out = []
-  for entry in spec:
-    if entry is None:
-      continue
-    if isinstance(entry, (tuple, list)):
-      out.extend(e for e in entry if e is not None)
-    else:
-      out.append(entry)
-  return out
-
-
-def _retarget_arg(x, mesh: Mesh | None):
-  if (
-    isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) or hasattr(x, "shape") and hasattr(x, "dtype")
-  ):
-    sharding = getattr(x, "sharding", None)
-    if mesh is not None:
-      sharding = _retarget_sharding(sharding, mesh) if sharding is not None else None
-      if sharding is not None and not isinstance(sharding, NamedSharding):
-        sharding = None
-    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
-  return x
-
-
-def _retarget_params(value, mesh: Mesh):
-  """Swaps concrete meshes (and shardings on them) inside a jaxpr parameter."""
-  from jax._src import core
-
-  if isinstance(value, Mesh):
-    if value == mesh:
-      return value
-    if set(value.axis_names) - set(mesh.axis_names):
-      raise ValueError(
-        f"the program uses a mesh with axes {value.axis_names} but the target mesh has "
-        f"{mesh.axis_names}"
-      )
-    return mesh
-  if isinstance(value, NamedSharding):
-    return _retarget_sharding(value, mesh)
-  if isinstance(value, core.ClosedJaxpr):
-    return core.ClosedJaxpr(_retarget_jaxpr(value.jaxpr, mesh), value.consts)
-  if isinstance(value, core.Jaxpr):
-    return _retarget_jaxpr(value, mesh)
-  if isinstance(value, tuple):
-    items = [_retarget_params(v, mesh) for v in value]
-    if all(a is b for a, b in zip(items, value)):
-      return value
-    return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-  if isinstance(value, list):
-    return [_retarget_params(v, mesh) for v in value]
-  return value
-
-
-def _retarget_jaxpr(jaxpr, mesh: Mesh):
-  new_eqns = []
-  for eqn in jaxpr.eqns:
-    params = {k: _retarget_params(v, mesh) for k, v in eqn.params.items()}
-    new_eqns.append(eqn.replace(params=params))
-  return jaxpr.replace(eqns=new_eqns)
-
-
-def _has_concrete_mesh(jaxpr) -> bool:
-  from jax._src import core
-
-  def visit(v) -> bool:
-    if isinstance(v, Mesh):
-      return True
-    if isinstance(v, NamedSharding):
-      return isinstance(v.mesh, Mesh)
-    if isinstance(v, core.ClosedJaxpr):
-      return _has_concrete_mesh(v.jaxpr)
-    if isinstance(v, core.Jaxpr):
-      return _has_concrete_mesh(v)
-    if isinstance(v, (tuple, list)):
-      return any(visit(x) for x in v)
-    return False
-
-  return any(visit(v) for eqn in jaxpr.eqns for v in eqn.params.values())
-
-
-def _unwrap(fn):
-  return getattr(fn, "__wrapped__", None) if hasattr(fn, "lower") else None
-
-
 # Deviceless compiles of this process, by (program, options, target): the same program
 # compiled again with the same options (a variant selection run twice, its chosen variant
 # analysed, a report of the same step) reuses XLA's result instead of compiling anew. XLA's
@@ -375,7 +238,7 @@ def compile_for_target(
   topo = targets_lib.get(target) if target is not None else None
 
   try:
-    leaves_meshes = _meshes_in((args, kwargs))
+    leaves_meshes = retarget.meshes_in((args, kwargs))
     if topo is None:
       tmesh = mesh if isinstance(mesh, Mesh) else (leaves_meshes[0] if leaves_meshes else None)
       lower_args, lower_kwargs = args, kwargs
@@ -384,10 +247,12 @@ def compile_for_target(
       if isinstance(mesh, Mesh) and mesh.devices.flat[0].platform != "cpu":
         tmesh = mesh
       else:
-        tmesh = target_mesh_like(mesh or (leaves_meshes[0] if leaves_meshes else None), topo)
-      lower_args = jax.tree.map(lambda x: _retarget_arg(x, tmesh), args)
-      lower_kwargs = jax.tree.map(lambda x: _retarget_arg(x, tmesh), kwargs)
-      target_fn = _retargeted(fn, tmesh, args, kwargs)
+        tmesh = retarget.target_mesh_like(
+          mesh or (leaves_meshes[0] if leaves_meshes else None), topo
+        )
+      lower_args = jax.tree.map(lambda x: retarget.retarget_arg(x, tmesh), args)
+      lower_kwargs = jax.tree.map(lambda x: retarget.retarget_arg(x, tmesh), kwargs)
+      target_fn = retarget.retargeted(fn, tmesh, args, kwargs)
     t0 = time.perf_counter()
     notes: list[str] = []
     fallback: dict[str, Any] | None = None
@@ -463,39 +328,3 @@ def compile_for_target(
   finally:
     if own_dir and not keep_dump:
       shutil.rmtree(dump_dir, ignore_errors=True)
-
-
-def _retargeted(fn: Callable, tmesh: Mesh, args, kwargs):
-  """A jitted function equal to ``fn`` with every captured mesh swapped for ``tmesh``.
-
-  The function is traced once on its original arguments (through a wrapper, so
-  that a jitted ``fn``'s own in/out shardings appear in the jaxpr as well), and
-  the concrete meshes in the jaxpr are replaced.
-  """
-  from jax._src import core
-
-  jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
-  abstract = jax.tree.map(
-    lambda x: (
-      jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None))
-      if hasattr(x, "shape") and hasattr(x, "dtype")
-      else x
-    ),
-    (args, kwargs),
-  )
-  try:
-    traced = jax.jit(lambda a, kw: jitted(*a, **kw)).trace(*abstract)
-    closed, out_shape = traced.jaxpr, traced.out_info
-  except Exception:  # noqa: BLE001 - the compile below reports the real error
-    return jitted
-  if not _has_concrete_mesh(closed.jaxpr):
-    return jitted
-  new_jaxpr = _retarget_jaxpr(closed.jaxpr, tmesh)
-  consts = closed.consts
-  out_tree = jax.tree.structure(out_shape)
-
-  def call(*a, **kw):
-    out = core.eval_jaxpr(new_jaxpr, consts, *jax.tree.leaves((a, kw)))
-    return jax.tree.unflatten(out_tree, out)
-
-  return jax.jit(call)
