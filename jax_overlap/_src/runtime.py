@@ -1,5 +1,8 @@
 """The runtime library (libjax_overlap_rt.so) from Python: build, locate, status.
 
+(Over 500 lines: the library's C API as ctypes structures, field by field, next to the
+build and the status that read it.)
+
 The library is a launch interposer loaded with ``LD_PRELOAD`` (``jax-overlap
 launch`` sets it up); see ``docs/runtime.md``. This module
 

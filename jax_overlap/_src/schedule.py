@@ -1,5 +1,8 @@
 """The schedule of a compiled step: kernels and collectives in XLA's order.
 
+(Over 500 lines: the schedule's record types, with their documented fields, and the one
+pass over the scheduled HLO that fills them.)
+
 From the scheduled HLO and XLA's thunk listing this module builds the flat
 sequence the GPU will execute for one step:
 

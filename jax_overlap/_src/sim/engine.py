@@ -1,7 +1,8 @@
 """Discrete-event simulation of a GPU's block dispatcher.
 
-(What a simulation returns is in :mod:`.results`; the dispatcher's state and each item
-compiled for the loop, in :mod:`.dispatch_state`.)
+(Over 500 lines: this description of the model, and one event loop whose dispatch, rate
+and completion steps share its state. What a simulation returns is in :mod:`.results`;
+the dispatcher's state and each item compiled for the loop, in :mod:`.dispatch_state`.)
 
 State: the SMs (CUs) of one device, each with its thread, register, shared-memory and
 block limits (catalogue); kernels and collectives from a :class:`Workload` on streams with
