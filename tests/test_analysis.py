@@ -314,6 +314,7 @@ def test_collective_brackets_and_while_bodies():
   assert len(schedule.while_bodies(hlo.parse_module(scanned.hlo_text))) == 1
 
 
+@pytest.mark.slow
 def test_deviceless_gemm_tiling_failure_falls_back_to_cublas():
   # The small GPT's 8 x 63 token rows: XLA's Triton GEMM emitter, with no GPU to
   # autotune on, finds no tile sizes for some dots.

@@ -111,6 +111,7 @@ def test_bad_input_gets_one_line_errors(args, code, match):
   assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_analyze_a_builder_and_write_every_output(tmp_path):
   out = {k: str(tmp_path / f"r.{k}") for k in ("json", "png", "trace")}
   proc = cli(

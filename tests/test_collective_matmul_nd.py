@@ -30,6 +30,7 @@ def _close(a, b):
     np.testing.assert_allclose(y, x, rtol=3e-5, atol=3e-5 * scale)
 
 
+@pytest.mark.slow
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
   p=st.sampled_from([2, 4, 8]),
@@ -112,6 +113,7 @@ def test_ring_equals_gather_then_dots_forward_and_backward(
   _close(run["plain"], run["ring"])
 
 
+@pytest.mark.slow
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
   p=st.sampled_from([2, 4, 8]),
@@ -263,6 +265,7 @@ def test_bidirectional_needs_an_even_block():
     jax.jit(g)(x, w)
 
 
+@pytest.mark.slow
 def test_rings_assemble_their_outputs_with_one_gather_each_and_try_cublas():
   # Compiled deviceless for h100x8 as XLA runs it: every ring's output (and the gathered
   # activation kept for the backward) is put in order by one gather, not by a copy of

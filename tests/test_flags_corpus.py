@@ -54,6 +54,7 @@ def truth() -> list[bool]:
     os.environ.update(saved)
 
 
+@pytest.mark.slow
 def test_corpus_is_large_and_mixed(truth):
   assert len(set(STRINGS)) == len(STRINGS) >= 200
   assert sum(truth) >= 50 and len(truth) - sum(truth) >= 50

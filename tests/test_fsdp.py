@@ -202,6 +202,7 @@ def test_remat_policy(policy):
   _assert_close(ref, got, 1e-6, 1e-6)
 
 
+@pytest.mark.slow
 def test_memory_does_not_grow_with_gathered_layers():
   # A plain scan over all_gather saves every gathered layer for the backward
   # pass; scan_layers saves the per-layer carries and re-gathers, so adding
@@ -240,6 +241,7 @@ def _gathered_bytes(jaxpr, times=1):
   return total
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prefetch", [1, 2, 3])
 def test_backward_starts_with_the_forward_gathered_layers(prefetch):
   # The forward pass ends holding the last `prefetch` gathered layers; the
@@ -412,6 +414,7 @@ def test_mesh_argument_wraps_shard_map():
   _assert_close(ref, got, 1e-5, 1e-5)
 
 
+@pytest.mark.slow
 @settings(max_examples=6, deadline=None)
 @given(
   num_layers=st.integers(1, 6),

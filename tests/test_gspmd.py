@@ -71,6 +71,7 @@ def test_variants_follow_what_was_found():
   assert "decomposed nothing" in gspmd.decomposed(before, before)
 
 
+@pytest.mark.slow
 def test_overlap_selects_for_a_gspmd_step(fsdp_step, as_written):
   fn, args = fsdp_step
   ov = jax_overlap.overlap(fn, target="h100x8", cache=False)

@@ -49,6 +49,7 @@ def test_xla_recompiles_with_the_profile_and_keeps_the_names(tmp_path, analysed)
   assert names == profiled
 
 
+@pytest.mark.slow
 def test_xla_schedules_by_the_profiles_costs(tmp_path, analysed):
   # Two profiles with the same names and different costs: if XLA's scheduler reads the
   # costs, the two schedules differ; the same profile twice gives the same schedule.

@@ -191,6 +191,7 @@ def test_jitted_program_is_unchanged_under_the_library(plan_file, tmp_path):
   np.testing.assert_array_equal(np.load(tmp_path / "a.npy"), np.load(tmp_path / "b.npy"))
 
 
+@pytest.mark.slow
 def test_library_path_builds_into_the_cache(tmp_path, monkeypatch):
   monkeypatch.setenv("JAX_OVERLAP_CACHE_DIR", str(tmp_path))
   monkeypatch.setattr(runtime_impl, "_PACKAGE_LIB_DIR", tmp_path / "not_installed")
@@ -222,6 +223,7 @@ def test_build_failure_reports_the_compiler_output(tmp_path):
     runtime_impl.build_library(runtime_impl.RUNTIME_LIBRARY, tmp_path / "out", root=tmp_path / "x")
 
 
+@pytest.mark.slow
 def test_gpu_benchmark_dry_run(tmp_path):
   script = REPO / "benchmarks" / "gpu" / "run_all.sh"
   env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_OVERLAP_RT")}

@@ -51,6 +51,7 @@ def _run_pair(extra=(), attempts: int = 3):
   pytest.fail("could not find a free coordinator port")
 
 
+@pytest.mark.slow
 def test_two_processes_match_the_single_process_run():
   procs, outs = _run_pair()
   for p, (_, err) in zip(procs, outs):
@@ -66,6 +67,7 @@ def test_two_processes_match_the_single_process_run():
   assert single[-1] < single[0]
 
 
+@pytest.mark.slow
 def test_a_missing_process_fails_within_the_timeout():
   port = _free_port()
   t0 = time.monotonic()

@@ -20,6 +20,7 @@ def test_there_are_notebooks():
   ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
 def test_notebook_runs(path, tmp_path):
   nb = nbformat.read(path, as_version=4)

@@ -20,6 +20,7 @@ def compiled(fsdp_h100_dump):
   return report, entries
 
 
+@pytest.mark.slow
 def test_launch_names_are_kernels_xla_emitted(compiled):
   report, entries = compiled
   named = [k for k in report.kernels if k.launch_name]

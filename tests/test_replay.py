@@ -66,6 +66,7 @@ def _selected(plan, name):
   return None
 
 
+@pytest.mark.slow
 def test_replay_shapes_exactly_what_the_plan_selects(step, fake, tmp_path):
   report, resources = step
   launches = _launches(report, resources)

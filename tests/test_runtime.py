@@ -46,6 +46,7 @@ def rt():
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_shapes_selected_kernel_on_every_path(fake, mode, tmp_path):
   r = harness.run_app(

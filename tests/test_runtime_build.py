@@ -7,6 +7,8 @@ import pathlib
 import re
 import subprocess
 
+import pytest
+
 from jax_overlap import _lib
 from jax_overlap._src import runtime
 
@@ -64,6 +66,7 @@ def test_every_source_file_is_built():
   assert on_disk == listed
 
 
+@pytest.mark.slow
 def test_runtime_library_exports_only_its_api():
   lib = runtime.library_path(runtime.RUNTIME_LIBRARY)
   out = subprocess.run(

@@ -4,6 +4,7 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax.sharding import AxisType, NamedSharding
@@ -78,6 +79,7 @@ def _steps(step, params, x, n=3):
   return params, losses
 
 
+@pytest.mark.slow
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
   layers=st.integers(2, 5),
@@ -149,6 +151,7 @@ def test_one_iteration_scan_is_left_alone():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow
 def test_scanned_fsdp_step_hides_its_loop_collectives_on_h100():
   from jax_overlap.examples import shard_map_fsdp as S
 
@@ -173,6 +176,7 @@ def test_scanned_fsdp_step_hides_its_loop_collectives_on_h100():
   assert piped.step_time_s < plain.step_time_s
 
 
+@pytest.mark.slow
 def test_budget_memory_counts_the_carried_layers():
   # XLA's buffer assignment of the pipelined step, read by budget.memory: one gathered layer
   # carried through the loops, and one unscattered layer gradient in the backward loop;

@@ -38,6 +38,7 @@ def _schedule(compiled) -> str:
   return re.sub(r", metadata=\{[^}]*\}", "", text)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", ["shard_map", "gspmd"])
 def test_choice_remembered_by_a_new_decorator(cache_dir, program, gspmd_program, monkeypatch, form):
   # A GSPMD step too: its compiler-option variants and its shard_map form's are chosen

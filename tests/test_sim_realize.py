@@ -245,6 +245,7 @@ def test_time_s_is_checked():
     sim.Collective("c", "all-gather", 1e6, time_s="1ms")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["demo", "scan"])
 def test_simulator_without_contention_matches_the_analysis(which):
   # The demo's GPT step and a scanned, rematerialized FSDP step, compiled deviceless.

@@ -63,6 +63,7 @@ def _transformer(mesh, **cfg):
   return fn, fresh, batch
 
 
+@pytest.mark.slow
 @settings(max_examples=8, deadline=None)
 @given(
   layers=st.integers(1, 3),
@@ -275,6 +276,7 @@ def test_layout_conversions_are_exact():
       np.testing.assert_allclose(g, np.asarray(x), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_overlap_chooses_among_both_forms(tmp_path):
   # A scanned, rematerialized GSPMD step on h100x8: the selection compiles the step as
   # written under compiler options and its shard_map form rewritten, deviceless.

@@ -41,6 +41,7 @@ def _run(step, params, x, n=3):
   return params, losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", ["unrolled", "scan", "scan_layers"])
 @pytest.mark.parametrize("mesh_shape", [(8,), (4, 2)])
 def test_same_losses_and_parameters_over_three_steps(form, mesh_shape):
@@ -54,6 +55,7 @@ def test_same_losses_and_parameters_over_three_steps(form, mesh_shape):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
   layers=st.integers(1, 4),
@@ -129,6 +131,7 @@ def test_annotations_reach_the_compiled_gpu_hlo():
   assert report.xla_options["xla_gpu_all_gather_combine_threshold_bytes"] > 0
 
 
+@pytest.mark.slow
 def test_cost_model_choice_is_never_worse_than_the_flags_alone():
   fn, args = S.build("h100x8", layers=3, hidden=512, mlp=1024, heads=4, seq=128)
   ov = jax_overlap.overlap(fn, target="h100x8")
