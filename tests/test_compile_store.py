@@ -107,3 +107,15 @@ def test_only_the_most_recently_used_entries_are_kept(store, monkeypatch):
   compile_store.save("key 3", {"i": 3})
   assert [compile_store.load(f"key {i}") for i in (2, 3)] == [{"i": 2}, {"i": 3}]
   assert compile_store.load("key 0") is None and compile_store.load("key 1") is None
+
+
+def test_the_folder_keeps_at_most_max_bytes(store, monkeypatch):
+  big = {"text": "".join(chr(33 + (i * 7919) % 90) for i in range(20000))}  # ~ incompressible
+  compile_store.save("a", big)
+  size = os.path.getsize(compile_store._path("a"))
+  monkeypatch.setattr(compile_store, "MAX_BYTES", int(2.5 * size))
+  os.utime(compile_store._path("a"), (1, 1))
+  compile_store.save("b", big)
+  os.utime(compile_store._path("b"), (2, 2))
+  compile_store.save("c", big)
+  assert [compile_store.load(k) is not None for k in "abc"] == [False, True, True]

@@ -11,7 +11,8 @@ anyway; a step read back has no executable (``CompiledStep.compiled`` is None).
 
 Where: ``$JAX_OVERLAP_COMPILE_CACHE_DIR``, else the ``compiles`` folder of the cache
 directory (:func:`jax_overlap._src.cache.cache_dir`). ``JAX_OVERLAP_COMPILE_CACHE=0``
-turns it off. The folder keeps the ``MAX_ENTRIES`` most recently used entries. An entry
+turns it off. The folder keeps the most recently used entries, at most ``MAX_ENTRIES``
+of them and ``MAX_BYTES`` in all. An entry
 that cannot be read is a miss; an entry that cannot be written is not kept (the compile
 itself has succeeded).
 """
@@ -28,9 +29,10 @@ from typing import Any
 
 from jax_overlap._src import cache as cache_lib
 
-__all__ = ["enabled", "directory", "key_suffix", "load", "save", "MAX_ENTRIES"]
+__all__ = ["enabled", "directory", "key_suffix", "load", "save", "MAX_ENTRIES", "MAX_BYTES"]
 
 MAX_ENTRIES = 256
+MAX_BYTES = 512 << 20
 _SUFFIX = ".json.gz"
 _FORMAT = 1
 
@@ -91,8 +93,8 @@ def load(key: str) -> dict[str, Any] | None:
 
 
 def save(key: str, fields: dict[str, Any]) -> None:
-  """Keeps ``fields`` (JSON-serializable) under ``key``; the oldest entries go beyond
-  ``MAX_ENTRIES``."""
+  """Keeps ``fields`` (JSON-serializable) under ``key``; the least recently used entries
+  go beyond ``MAX_ENTRIES`` or ``MAX_BYTES``."""
   if not enabled():
     return
   path = _path(key)
@@ -117,11 +119,18 @@ def _prune(folder: str) -> None:
     if name.endswith(_SUFFIX):
       p = os.path.join(folder, name)
       try:
-        entries.append((os.path.getmtime(p), p))
+        st = os.stat(p)
       except OSError:
         continue
-  for _, p in sorted(entries)[: max(0, len(entries) - MAX_ENTRIES)]:
-    _remove(p)
+      entries.append((st.st_mtime, st.st_size, p))
+  entries.sort(reverse=True)  # most recently used first
+  kept = total = 0
+  for _, size, p in entries:
+    if kept < MAX_ENTRIES and total + size <= MAX_BYTES:
+      kept += 1
+      total += size
+    else:
+      _remove(p)
 
 
 def _remove(path: str) -> None:
