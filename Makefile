@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export JAX_PLATFORMS ?= cpu
-# Test processes (pytest-xdist); each test file runs whole in one of them.
+# Test processes (pytest-xdist); an idle one takes tests queued for another.
 JOBS ?= auto
 
 .PHONY: demo test lint install clean
@@ -27,7 +27,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m ruff check jax_overlap tests benchmarks
 	$(PY) -m ruff format --check jax_overlap tests benchmarks
-	$(PY) -m pytest -q tests -n $(JOBS) --dist loadfile --durations=15 $(ARGS)
+	$(PY) -m pytest -q tests -n $(JOBS) --dist worksteal --durations=15 $(ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check jax_overlap tests benchmarks
