@@ -17,7 +17,12 @@ def cache_dir() -> str:
 
 
 def write_text(path: str, text: str) -> None:
-  """Writes ``text`` to ``path`` atomically (a temporary file renamed over it).
+  """Writes ``text`` to ``path`` atomically (see :func:`write_bytes`)."""
+  write_bytes(path, text.encode())
+
+
+def write_bytes(path: str, data: bytes) -> None:
+  """Writes ``data`` to ``path`` atomically (a temporary file renamed over it).
 
   Concurrent writers leave one complete file; the parent directory is created.
 
@@ -28,8 +33,8 @@ def write_text(path: str, text: str) -> None:
   os.makedirs(directory, exist_ok=True)
   fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
   try:
-    with os.fdopen(fd, "w") as f:
-      f.write(text)
+    with os.fdopen(fd, "wb") as f:
+      f.write(data)
     os.replace(tmp, path)
   finally:
     if os.path.exists(tmp):

@@ -88,14 +88,19 @@ def memory_stats(compiled) -> dict[str, int]:
 
 
 # What the on-disk store keeps of a step (XLA's output, not the executable).
-_STORED = ("hlo_text", "thunk_text", "debug_options", "compile_time_s", "notes")
+_STORED = (
+  "hlo_text",
+  "thunk_text",
+  "debug_options",
+  "compile_time_s",
+  "notes",
+  "fallback_options",
+  "memory",
+)
 
 
 def _stored(step: CompiledStep) -> dict[str, Any]:
-  fields = {f: getattr(step, f) for f in _STORED}
-  fields["fallback_options"] = step.fallback_options
-  fields["memory"] = step.memory
-  return fields
+  return {f: getattr(step, f) for f in _STORED}
 
 
 def _from_store(entry: dict[str, Any], topo, mesh) -> CompiledStep | None:

@@ -6,25 +6,25 @@ very same module again. What XLA produced -- the scheduled HLO, the thunk sequen
 debug options it saw, its memory statistics -- is kept here under the key of the
 in-process memo (the lowered module's text, the options, the target), extended with the
 versions of jax, jaxlib and the CUDA plugin and with ``XLA_FLAGS``, so that a different
-XLA, or XLA with other options, never answers for another. Only compile-only (GPU target) steps are kept, whose executables cannot run
-anyway; a step read back has no executable (``CompiledStep.compiled`` is None).
+XLA, or XLA with other options, never answers for another. Only compile-only (GPU
+target) steps are kept, whose executables cannot run anyway; a step read back has no
+executable (``CompiledStep.compiled`` is None).
 
 Where: ``$JAX_OVERLAP_COMPILE_CACHE_DIR``, else the ``compiles`` folder of the cache
 directory (:func:`jax_overlap._src.cache.cache_dir`). ``JAX_OVERLAP_COMPILE_CACHE=0``
 turns it off. The folder keeps the most recently used entries, at most ``MAX_ENTRIES``
-of them and ``MAX_BYTES`` in all. An entry
-that cannot be read is a miss; an entry that cannot be written is not kept (the compile
-itself has succeeded).
+of them and ``MAX_BYTES`` in all. An entry that cannot be read is a miss; an entry that
+cannot be written is not kept (the compile itself has succeeded).
 """
 
 from __future__ import annotations
 
+import functools
 import gzip
 import hashlib
 import importlib.metadata
 import json
 import os
-import tempfile
 from typing import Any
 
 from jax_overlap._src import cache as cache_lib
@@ -59,15 +59,19 @@ def _version(dist: str) -> str:
     return "-"
 
 
-def key_suffix() -> str:
-  """The installed compiler's identity and the process's ``XLA_FLAGS`` (options XLA
-  reads from the environment, not from the compile call), appended to every key."""
+@functools.cache
+def _compiler() -> tuple[str, ...]:
   import jax
   import jaxlib
 
   plugins = [_version(d) for d in ("jax-cuda13-plugin", "jax-cuda12-plugin")]
-  flags = os.environ.get("XLA_FLAGS", "")
-  return repr((_FORMAT, jax.__version__, jaxlib.__version__, plugins, flags))
+  return (jax.__version__, jaxlib.__version__, *plugins)
+
+
+def key_suffix() -> str:
+  """The installed compiler's identity and the process's ``XLA_FLAGS`` (options XLA
+  reads from the environment, not from the compile call), appended to every key."""
+  return repr((_FORMAT, _compiler(), os.environ.get("XLA_FLAGS", "")))
 
 
 def _path(key: str) -> str:
@@ -98,17 +102,9 @@ def save(key: str, fields: dict[str, Any]) -> None:
   if not enabled():
     return
   path = _path(key)
-  folder = os.path.dirname(path)
   try:
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-    try:
-      with os.fdopen(fd, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as f:
-        f.write(json.dumps(fields).encode())
-      os.replace(tmp, path)
-    finally:
-      _remove(tmp)
-    _prune(folder)
+    cache_lib.write_bytes(path, gzip.compress(json.dumps(fields).encode(), mtime=0))
+    _prune(os.path.dirname(path))
   except OSError:
     return  # a full or read-only disk: the step is simply not kept
 
