@@ -370,3 +370,32 @@ def test_tensor_parallel_step_gathers_activations_not_weights(devices, heads):
   # backward (the cotangents of the Q/K/V and up projections' inputs summed first).
   assert conv.collectives["reduce-scatter"] >= 3 * layers
   assert conv.collectives["all-reduce"] <= 1  # the loss
+
+
+@pytest.mark.parametrize("how", ["jitted", "overlap_kwargs"])
+def test_overlap_shard_map_form_keeps_requested_out_shardings(how):
+  # The step's requested output layouts, including ones that differ from the inputs'
+  # (updated parameters returned replicated), hold for the shard_map form @overlap runs,
+  # whether the user's jax.jit or @overlap's own jit keywords request them.
+  mesh = _mesh((8,), ("fsdp",))
+  fn, args = _adamw_step(mesh, P("fsdp"))
+  replicated = NamedSharding(mesh, P())
+  state_sh = jax.tree.map(lambda x: x.sharding, args[1])
+  outs = (jax.tree.map(lambda _: replicated, args[0]), state_sh, replicated)
+  want = jax.jit(fn.__wrapped__, out_shardings=outs)(*args)
+  if how == "jitted":
+    ov = jax_overlap.overlap(
+      jax.jit(fn.__wrapped__, out_shardings=outs),
+      gspmd="convert",
+      params_argnums=(0, 1),
+      cache=False,
+    )
+  else:
+    ov = jax_overlap.overlap(
+      fn.__wrapped__, gspmd="convert", params_argnums=(0, 1), cache=False, out_shardings=outs
+    )
+  notes = ov.explain(*args).notes
+  assert any(n.startswith("converted to shard_map") for n in notes), notes
+  got = ov(*args)
+  _assert_same(got, want, rtol=1e-4, atol=1e-5)
+  assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(got[0]))
