@@ -4,6 +4,7 @@ import json
 import os
 import re
 
+import jax
 import pytest
 
 import jax_overlap
@@ -143,3 +144,26 @@ def test_unwritable_directory_remembers_nothing(tmp_path, monkeypatch):
   assert selection_cache.store("k", {"chosen": "x"}) is None
   assert selection_cache.load("k") is None
   assert os.path.isfile(blocker)
+
+
+def test_jit_keywords_are_part_of_the_key(cache_dir, program):
+  # Donation and output layouts change what XLA compiles, so a choice made with one is
+  # not reused for another: each setting (by value, and the donation of a jitted step)
+  # gets its own entry; the same setting again is remembered.
+  fn, args = program
+  quick = dict(target="h100x8", schedule_from_estimates=False)
+  settings = [
+    dict(donate_argnums=(0,)),
+    dict(donate_argnums=(1,)),
+  ]
+  for i, kw in enumerate(settings):
+    e = jax_overlap.overlap(fn, **kw, **quick).explain(*args)
+    assert not any("remembered" in n for n in e.notes), kw
+    assert len(list((cache_dir / "selection").glob("*.json"))) == i + 1
+  # The donation of a jitted step (the same program text with and without it).
+  raw = getattr(fn, "__wrapped__", fn)
+  jax_overlap.overlap(jax.jit(raw), **quick).explain(*args)
+  e = jax_overlap.overlap(jax.jit(raw, donate_argnums=(0,)), **quick).explain(*args)
+  assert not any("remembered" in n for n in e.notes)
+  e = jax_overlap.overlap(fn, donate_argnums=(1,), **quick).explain(*args)
+  assert any("remembered" in n for n in e.notes)

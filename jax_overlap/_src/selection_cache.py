@@ -59,7 +59,7 @@ def key(program: str, signature: Any, settings: dict[str, Any]) -> str | None:
     )
   except TypeError:
     return None
-  h = hashlib.sha256(text.encode())
+  h = hashlib.sha256(_ADDRESS.sub("", text).encode())
   h.update(_ADDRESS.sub("", program).encode())  # function reprs inside custom_vjp params
   return h.hexdigest()[:32]
 

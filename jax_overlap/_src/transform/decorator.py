@@ -246,7 +246,7 @@ class Overlapped:
     known: dict[int, Any] = {}
     entry_key = None
     if self.cache:
-      entry_key = selection_cache.key(str(closed), key, self._settings(annotate))
+      entry_key = selection_cache.key(str(closed), key, self._settings(annotate, jit_kwargs))
     remembered = None
     converted_candidates = []
     if converted is not None:
@@ -376,7 +376,10 @@ class Overlapped:
   def _remember(self, entry_key: str, candidates, chosen: int, estimates, failed, judged=()):
     return variants.remember(self, entry_key, candidates, chosen, estimates, failed, judged)
 
-  def _settings(self, annotate: bool) -> dict[str, Any]:
+  def _settings(self, annotate: bool, jit_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """What the choice is made from besides the program: these settings and the jit
+    keywords the variants compile with (output layouts, donation: they change what XLA
+    compiles), by value."""
     return {
       "target": self.target,
       "workload": self.workload,
@@ -388,7 +391,7 @@ class Overlapped:
       "select": self.select,
       "schedule_from_estimates": self.schedule_from_estimates,
       "xla_options": self.extra_options,
-      "jit_kwargs": sorted(self.jit_kwargs),
+      "jit_kwargs": {k: repr(v) for k, v in sorted(jit_kwargs.items())},
       "gspmd": self.gspmd,
     }
 
