@@ -40,7 +40,7 @@ class TestStepFlops:
     importlib.util.find_spec("jax_plugins") is None, reason="needs the CUDA plugin (deviceless)"
   )
   def test_deviceless_gpu_without_cost_analysis_raises(self):
-    from jax.sharding import NamedSharding
+    from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
     from jax_overlap.targets import compile_only_mesh
@@ -54,6 +54,13 @@ class TestStepFlops:
     assert compiled.cost_analysis() is None
     with pytest.raises(RuntimeError, match="no cost analysis"):
       compute.step_flops(compiled)
+    # Given the function, the count comes from the HLO and covers every device, as XLA's
+    # own count does for the same program on 8 CPU devices.
+    cpu = Mesh(np.array(jax.devices()[:8]), ("fsdp",))
+    a = jax.device_put(jnp.ones((64, 64)), NamedSharding(cpu, P("fsdp")))
+    want = compute.step_flops(_matmul, a, a)
+    assert want == 2 * 64 * 64 * 64
+    assert compute.step_flops(_matmul, x, x, target="h100x8") == want
 
 
 class TestFlopCounter:

@@ -33,6 +33,7 @@ from typing import Any, TypeVar, overload
 
 import jax
 import numpy as np
+from jax.experimental.xla_metadata import set_xla_metadata
 
 from jax_overlap._src.plan import region_id as _region_id
 
@@ -260,10 +261,6 @@ class Occupancy:
 
 def _metadata_context(region: Occupancy) -> contextlib.AbstractContextManager | None:
   """Tags the enclosed ops' HLO with the region (frontend attribute), where supported."""
-  try:
-    from jax.experimental.xla_metadata import set_xla_metadata
-  except ImportError:
-    return None
   try:
     return set_xla_metadata(_jax_overlap_region=str(region.region_id))
   except TypeError:

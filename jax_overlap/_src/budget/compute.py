@@ -41,9 +41,9 @@ def step_flops(compiled_or_fn: Any, *args: Any, target: str | None = None, **kwa
   Reads the ``"flops"`` entry of the compiled executable's cost analysis,
   which XLA gives per partition for SPMD programs, and multiplies it by the
   number of devices (replicated work counts once per device). A
-  deviceless GPU executable has no cost analysis; then the FLOPs are counted
-  from the optimized HLO by ``jax_overlap.analyze`` (``Report.flops``) when that
-  is installed.
+  deviceless GPU executable has no cost analysis; then, given the function, the
+  FLOPs are counted from the optimized HLO by ``jax_overlap.analyze``
+  (``Report.flops``, one device's) and multiplied the same way.
 
   Args:
     compiled_or_fn: a ``jax.stages.Compiled``, a ``jax.stages.Lowered``, or a
@@ -58,8 +58,8 @@ def step_flops(compiled_or_fn: Any, *args: Any, target: str | None = None, **kwa
     The FLOP count as a float.
 
   Raises:
-    RuntimeError: if neither the cost analysis nor ``jax_overlap.analyze`` can
-      provide a count.
+    RuntimeError: if a deviceless executable (no cost analysis) is given
+      instead of its function.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -89,19 +89,17 @@ def step_flops(compiled_or_fn: Any, *args: Any, target: str | None = None, **kwa
     # XLA reports one partition's FLOPs for an SPMD program: scale to every device.
     return float(cost["flops"]) * _num_devices(compiled)
   if fn is not None:
-    try:
-      from jax_overlap import analyze  # type: ignore[attr-defined]
-    except ImportError:
-      analyze = None
-    if analyze is not None:
-      kw = {} if target is None else {"target": target}
-      report = analyze(fn, *args, **kw)
-      return float(report.flops)
+    # Deviceless GPU executables have no cost analysis: count the FLOPs from the HLO.
+    from jax_overlap._src.analysis import analyze
+
+    kw = {} if target is None else {"target": target}
+    # Report.flops is one device's, like XLA's per-partition count above.
+    return float(analyze(fn, *args, **kw).flops) * _num_devices(compiled)
   raise RuntimeError(
     "budget.compute.step_flops: the compiled executable has no cost analysis (deviceless GPU "
-    "executables return None) and the FLOPs could not be counted from the HLO; pass the step "
-    "function and its arguments (not a Compiled) with jax_overlap.analyze installed, or give "
-    "the FLOPs per step to FlopCounter yourself"
+    "executables return None); pass the step function and its arguments instead of a "
+    "Compiled (its FLOPs are then counted from the HLO), or give the FLOPs per step to "
+    "FlopCounter yourself"
   )
 
 
