@@ -360,3 +360,28 @@ def test_the_planner_asks_the_cost_model_about_the_global_matmul(monkeypatch):
   jax_overlap.overlap(fn, target="h100x8", select="rewrite", cache=False).explain(*args)
   assert ("all_gather", s, f, h, 8) in seen
   assert ("reduce_scatter", s, h, f, 8) in seen
+
+
+@pytest.mark.slow
+def test_explain_judges_the_step_as_written_by_both_models():
+  # The tensor + sequence parallel step at hidden 4096 on h100x8: the analysis prefers a
+  # rewritten variant; explain() also gives the step as written's contention-aware
+  # estimate, and says so in a line of its own when the simulator orders the two the
+  # other way.
+  from jax_overlap.examples import tp_sp
+
+  fn, args = tp_sp.build("h100x8", layers=2, hidden=4096, mlp=14336, heads=32, seq=4096)
+  e = jax_overlap.overlap(fn, target="h100x8", cache=False).explain(*args)
+  assert not e.chosen.startswith("as written")
+  estimates = dict(e.candidates)
+  (chosen,) = [n for n in e.notes if n.startswith("chosen variant judged twice")]
+  (written,) = [n for n in e.notes if n.startswith("step as written (")]
+  name = written[len("step as written (") : written.index(")")]
+  assert f"the analysis {estimates[name] * 1e3:.3f} ms" in written
+  assert f"the analysis {estimates[e.chosen] * 1e3:.3f} ms" in chosen
+  sim_chosen = float(chosen.rsplit(" ", 2)[-2])
+  sim_written = float(written.rsplit(" ", 2)[-2])
+  disagree = [n for n in e.notes if n.startswith("the two models disagree")]
+  assert bool(disagree) == (sim_written < sim_chosen)
+  if disagree:
+    assert f"{sim_chosen - sim_written:.3f} ms faster" in disagree[0]

@@ -276,7 +276,7 @@ class Overlapped:
         chosen, estimates, failed, judged = remembered
       else:
         chosen, estimates, failed, reports = self._select(candidates, make, args, kwargs, known)
-        judged = _judged(candidates[chosen][0], reports[chosen])
+        judged = _judged(candidates, chosen, reports)
         judged += _windowed_notes(candidates, reports)
         if entry_key:
           self._remember(entry_key, candidates, chosen, estimates, failed, judged)
