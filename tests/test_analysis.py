@@ -317,10 +317,10 @@ def test_collective_brackets_and_while_bodies():
 @pytest.mark.slow
 def test_deviceless_gemm_tiling_failure_falls_back_to_cublas():
   # The small GPT's 8 x 63 token rows: XLA's Triton GEMM emitter, with no GPU to
-  # autotune on, finds no tile sizes for some dots.
+  # autotune on, finds no tile sizes for some dots (one layer has them).
   from jax_overlap.examples import gpt
 
-  fn, args = gpt.build("h100x8")
+  fn, args = gpt.build("h100x8", layers=1)
   try:
     jax_overlap.analyze(
       fn, *args, target="h100x8", xla_options={"xla_gpu_enable_triton_gemm": True}
