@@ -103,7 +103,7 @@ def analyze_compiled(
     target=step.target,
     name=name,
     cost_model=cost_model,
-    memory=dict(step.memory or compile_lib.memory_stats(step.compiled)),
+    memory=dict(step.memory),
     xla_options={**(xla_options or {}), **step.fallback_options},
     compile_time_s=step.compile_time_s,
   )

@@ -41,17 +41,18 @@ def step_flops(compiled_or_fn: Any, *args: Any, target: str | None = None, **kwa
   Reads the ``"flops"`` entry of the compiled executable's cost analysis,
   which XLA gives per partition for SPMD programs, and multiplies it by the
   number of devices (replicated work counts once per device). A
-  deviceless GPU executable has no cost analysis; then, given the function, the
-  FLOPs are counted from the optimized HLO by ``jax_overlap.analyze``
-  (``Report.flops``, one device's) and multiplied the same way.
+  deviceless GPU executable has no cost analysis: for a function whose
+  arguments live on a compile-only mesh, the FLOPs are counted instead from
+  the optimized HLO of its one compile, by ``jax_overlap.analyze``
+  (``Report.flops``, one device's, multiplied the same way).
 
   Args:
     compiled_or_fn: a ``jax.stages.Compiled``, a ``jax.stages.Lowered``, or a
       function (jitted or not) to be lowered with ``args``/``kwargs``.
     *args: example arguments (arrays or ``jax.ShapeDtypeStruct``) when a
       function is given.
-    target: target name for ``jax_overlap.analyze`` (e.g. ``"h100x8"``) when the
-      cost analysis is missing; default: the platform the program compiled for.
+    target: for arguments on a compile-only mesh, the target
+      ``jax_overlap.analyze`` compiles for (default ``"h100x8"``).
     **kwargs: keyword arguments for the function.
 
   Returns:
@@ -71,10 +72,17 @@ def step_flops(compiled_or_fn: Any, *args: Any, target: str | None = None, **kwa
   import jax
 
   compiled = compiled_or_fn
-  fn = None
   if not hasattr(compiled, "cost_analysis") or not hasattr(compiled, "memory_analysis"):
     if hasattr(compiled, "compile") and hasattr(compiled, "as_text"):  # Lowered
       compiled = compiled.compile()
+    elif _compile_only((args, kwargs)):
+      # Arguments on a compile-only (deviceless GPU) mesh: XLA's executable would have no
+      # cost analysis, so the one compile is the analysis's, which counts the HLO's FLOPs
+      # (one device's, like XLA's per-partition count below).
+      from jax_overlap._src.analysis import analyze
+
+      report = analyze(compiled_or_fn, *args, target=target or "h100x8", **kwargs)
+      return float(report.flops) * report.topology.num_devices
     else:
       fn = compiled_or_fn
       jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
@@ -88,19 +96,25 @@ def step_flops(compiled_or_fn: Any, *args: Any, target: str | None = None, **kwa
   if cost and "flops" in cost and cost["flops"] >= 0:
     # XLA reports one partition's FLOPs for an SPMD program: scale to every device.
     return float(cost["flops"]) * _num_devices(compiled)
-  if fn is not None:
-    # Deviceless GPU executables have no cost analysis: count the FLOPs from the HLO.
-    from jax_overlap._src.analysis import analyze
-
-    kw = {} if target is None else {"target": target}
-    # Report.flops is one device's, like XLA's per-partition count above.
-    return float(analyze(fn, *args, **kw).flops) * _num_devices(compiled)
   raise RuntimeError(
     "budget.compute.step_flops: the compiled executable has no cost analysis (deviceless GPU "
     "executables return None); pass the step function and its arguments instead of a "
     "Compiled (its FLOPs are then counted from the HLO), or give the FLOPs per step to "
     "FlopCounter yourself"
   )
+
+
+def _compile_only(tree) -> bool:
+  """Whether some argument lives on devices this process cannot run on (a compile-only
+  mesh for a GPU target)."""
+  import jax
+
+  local = set(jax.devices())
+  for leaf in jax.tree.leaves(tree):
+    devices = getattr(getattr(leaf, "sharding", None), "device_set", None)
+    if devices is not None and not devices <= local:
+      return True
+  return False
 
 
 def _num_devices(compiled: Any) -> int:
