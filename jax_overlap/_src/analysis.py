@@ -100,6 +100,8 @@ def analyze_compiled(
   report = analyze_hlo(
     step.hlo_text,
     step.thunk_text,
+    thunk_metadata=step.thunk_metadata,
+    kernel_names=not step.reused_kernels,
     target=step.target,
     name=name,
     cost_model=cost_model,
@@ -121,10 +123,18 @@ def analyze_hlo(
   memory: dict[str, int] | None = None,
   xla_options: dict[str, Any] | None = None,
   compile_time_s: float = 0.0,
+  thunk_metadata: str = "",
+  kernel_names: bool = True,
 ) -> Report:
   """Builds a Report from XLA's dumped HLO text (and thunk listing, for GPU dumps).
 
-  Useful for dumps taken elsewhere (``--xla_dump_to`` on a cluster).
+  Useful for dumps taken elsewhere (``--xla_dump_to`` on a cluster): ``hlo_text`` from
+  ``*after_optimizations.txt``, ``thunk_text`` from ``*thunk_sequence.txt`` and
+  ``thunk_metadata`` from ``*thunk_metadata.txt`` (the HLO instruction of each thunk,
+  which finds each kernel's launch configuration even where kernel names do not match
+  instruction names). ``kernel_names=False`` for a compile that took kernels from XLA's
+  kernel cache (``xla_gpu_kernel_cache_file``): their names are those of the compile
+  that made them, so the report leaves kernel launch names unknown.
   """
   if not hlo_text.strip():
     raise ValueError(
@@ -135,7 +145,15 @@ def analyze_hlo(
   topo = targets_lib.get(target) if target is not None else None
   module = hlo_lib.parse_module(hlo_text)
   gpu = topo.gpu if topo is not None else cm.HOST_CPU
-  sched = schedule_lib.build_schedule(module, thunk_text, topo or cm.HOST_CPU, gpu, model)
+  sched = schedule_lib.build_schedule(
+    module,
+    thunk_text,
+    topo or cm.HOST_CPU,
+    gpu,
+    model,
+    thunk_metadata=thunk_metadata,
+    kernel_names=kernel_names,
+  )
   placed = timeline_lib.place(sched)
   notes = list(sched.notes) + list(placed.notes)
   if not module.is_scheduled:

@@ -30,7 +30,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from jax_overlap._src import compile_store, errors, retarget
+from jax_overlap._src import compile_store, errors, kernel_cache, retarget
 from jax_overlap._src import targets as targets_lib
 
 __all__ = ["CompiledStep", "compile_for_target", "memory_stats"]
@@ -46,6 +46,8 @@ class CompiledStep:
     platform: "cuda" or the local platform.
     hlo_text: the scheduled, optimised HLO module text.
     thunk_text: XLA's thunk sequence listing (GPU only; "" otherwise).
+    thunk_metadata: XLA's thunk metadata listing: the HLO instruction of each thunk
+      by thunk id ("" where XLA writes none).
     debug_options: the non-default debug options the compile saw.
     mesh: the mesh the program was compiled on.
     dump_dir: where the artefacts were written (removed unless ``keep_dump``).
@@ -55,6 +57,9 @@ class CompiledStep:
     fallback_options: XLA options added for that, on top of the requested ones.
     memory: XLA's memory statistics in bytes (``arguments``, ``outputs``,
       ``temporaries``, ``aliased``); empty where the backend gives none.
+    reused_kernels: compiled with XLA's kernel cache (:mod:`.kernel_cache`): kernels
+      found there kept the names of the compile that made them, so the thunk listing's
+      kernel names are not those a compile of this step alone gives the driver.
   """
 
   compiled: Any
@@ -69,6 +74,8 @@ class CompiledStep:
   notes: list[str] = dataclasses.field(default_factory=list)
   fallback_options: dict[str, Any] = dataclasses.field(default_factory=dict)
   memory: dict[str, int] = dataclasses.field(default_factory=dict)
+  thunk_metadata: str = ""
+  reused_kernels: bool = False
 
 
 def memory_stats(compiled) -> dict[str, int]:
@@ -96,6 +103,8 @@ _STORED = (
   "notes",
   "fallback_options",
   "memory",
+  "thunk_metadata",
+  "reused_kernels",
 )
 
 
@@ -118,6 +127,8 @@ def _from_store(entry: dict[str, Any], topo, mesh) -> CompiledStep | None:
       notes=[str(n) for n in entry["notes"]],
       fallback_options=dict(entry["fallback_options"]),
       memory={str(k): int(v) for k, v in entry["memory"].items()},
+      thunk_metadata=str(entry.get("thunk_metadata", "")),
+      reused_kernels=bool(entry.get("reused_kernels", False)),
     )
   except (KeyError, TypeError, ValueError, AttributeError):
     return None  # another format: compiled again
@@ -179,7 +190,16 @@ def _memo_key(lowered, options: Mapping[str, Any], topo) -> str | None:
     text = lowered.as_text()
   except Exception:  # noqa: BLE001 - a lowering that cannot print is compiled every time
     return None
-  opts = sorted((k, repr(v)) for k, v in options.items() if k != "xla_dump_to")
+
+  # A kernel cache is named by whether it holds kernels, not by its path (each compile of
+  # a selection has a copy of its own): the kernel names of a compile that takes kernels
+  # from one are not the step's own, so those compiles are kept apart.
+  def shown(k, v):
+    if k == kernel_cache.OPTION:
+      return "<kernel cache with kernels>" if kernel_cache.has_kernels(v) else "<kernel cache>"
+    return repr(v)
+
+  opts = sorted((k, shown(k, v)) for k, v in options.items() if k != "xla_dump_to")
   h = hashlib.sha256(text.encode())
   h.update(repr((opts, topo.name, jax.__version__)).encode())
   return h.hexdigest()
@@ -282,6 +302,8 @@ def compile_for_target(
             _remember(memo_key, hit)
       if hit is not None:
         return dataclasses.replace(hit, notes=list(hit.notes))
+      # Kernels taken from a kernel cache keep the names of the compile that made them.
+      reused = kernel_cache.has_kernels(options.get(kernel_cache.OPTION))
       try:
         compiled = lowered.compile(options)
       except Exception as first:  # noqa: BLE001 - XLA raises JaxRuntimeError and others
@@ -309,6 +331,9 @@ def compile_for_target(
     compile_time = time.perf_counter() - t0
     hlo = _read(os.path.join(dump_dir, "*after_optimizations.txt"))
     thunks = _read(os.path.join(dump_dir, "*thunk_sequence.txt"))
+    metadata = _read(os.path.join(dump_dir, "*thunk_metadata.txt"))
+    if kernel_cache.OPTION in options and topo is not None and not metadata:
+      kernel_cache.mark_unsupported()
     dbg = _parse_debug_options(_read(os.path.join(dump_dir, "*.debug_options")))
     platform = "cuda" if topo is not None else jax.devices()[0].platform
     step = CompiledStep(
@@ -324,6 +349,8 @@ def compile_for_target(
       notes=notes,
       fallback_options=fallback or {},
       memory=memory_stats(compiled),
+      thunk_metadata=metadata,
+      reused_kernels=reused,
     )
     if memo_key is not None:
       with _MEMO_LOCK:

@@ -28,7 +28,7 @@ import dataclasses
 import json
 import math
 import re
-from functools import cached_property
+from functools import cache, cached_property
 
 __all__ = [
   "Instruction",
@@ -91,37 +91,37 @@ def shape_elements(shape: str) -> int:
   return sum(math.prod(d) for _, d in array_shapes(shape))
 
 
+@cache
+def _split_pattern(sep: str) -> re.Pattern:
+  return re.compile("[" + re.escape('\\"{}[]()' + sep) + "]")
+
+
 def _split_top(text: str, sep: str = ",") -> list[str]:
-  """Splits at ``sep`` outside brackets and quotes."""
-  parts, depth, cur, quote = [], 0, [], False
-  i = 0
-  while i < len(text):
-    ch = text[i]
+  """Splits at ``sep`` outside brackets and quotes (a backslash escapes the next character
+  in a quote). Visits only the characters that matter, so long attribute lists are quick."""
+  parts, depth, quote, start, skip = [], 0, False, 0, -1
+  for m in _split_pattern(sep).finditer(text):
+    j = m.start()
+    if j == skip:
+      continue
+    ch = text[j]
     if quote:
-      cur.append(ch)
-      if ch == "\\" and i + 1 < len(text):
-        cur.append(text[i + 1])
-        i += 2
-        continue
-      if ch == '"':
+      if ch == "\\":
+        skip = j + 1
+      elif ch == '"':
         quote = False
     elif ch == '"':
       quote = True
-      cur.append(ch)
     elif ch in "{[(":
       depth += 1
-      cur.append(ch)
     elif ch in "}])":
       depth -= 1
-      cur.append(ch)
     elif ch == sep and depth == 0:
-      parts.append("".join(cur).strip())
-      cur = []
-    else:
-      cur.append(ch)
-    i += 1
-  if "".join(cur).strip():
-    parts.append("".join(cur).strip())
+      parts.append(text[start:j].strip())
+      start = j + 1
+  tail = text[start:].strip()
+  if tail:
+    parts.append(tail)
   return parts
 
 

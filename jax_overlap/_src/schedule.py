@@ -27,7 +27,16 @@ from typing import Any
 from jax_overlap._src import cost_model as cm
 from jax_overlap._src import hlo as hlo_lib
 
-__all__ = ["KernelInfo", "CollectiveInfo", "Op", "Schedule", "build_schedule", "parse_thunks"]
+__all__ = [
+  "KernelInfo",
+  "CollectiveInfo",
+  "Op",
+  "Schedule",
+  "build_schedule",
+  "launches_by_instruction",
+  "parse_thunk_metadata",
+  "parse_thunks",
+]
 
 COLLECTIVE_KINDS = {
   "all-gather": "all-gather",
@@ -177,6 +186,8 @@ _THUNK_KERNEL = re.compile(
   r"\s*shared_memory:\s*(\d+)"
 )
 _THUNK_ASYNC = re.compile(r"kAsyncStart.*stream=communication_stream\[(\d+)\]")
+_THUNK_ID = re.compile(r"^\s*(\d+):")
+_METADATA = re.compile(r'profile_annotation:\s*"([^"]*)"\s*(?:thunk_id:\s*(\d+))?')
 
 
 def parse_thunks(text: str) -> tuple[dict[str, tuple[int, int, int]], list[int]]:
@@ -198,6 +209,31 @@ def parse_thunks(text: str) -> tuple[dict[str, tuple[int, int, int]], list[int]]
       if re.search(r"k(AllGather|AllReduce|ReduceScatter|AllToAll|CollectivePermute|Ragged)", nxt):
         streams.append(int(a.group(1)))
   return kernels, streams
+
+
+def parse_thunk_metadata(text: str) -> dict[int, str]:
+  """The HLO instruction each thunk runs, by thunk id, from XLA's thunk metadata listing."""
+  return {int(m.group(2) or 0): m.group(1) for m in _METADATA.finditer(text)}
+
+
+def launches_by_instruction(
+  thunk_text: str, metadata_text: str
+) -> dict[str, tuple[str, tuple[int, int, int]]]:
+  """Kernel name and launch configuration of each HLO instruction that launches a kernel
+  (its first kernel), joining the thunk listing to the metadata by thunk id; {} without
+  metadata."""
+  instr_of = parse_thunk_metadata(metadata_text)
+  if not instr_of:
+    return {}
+  out: dict[str, tuple[str, tuple[int, int, int]]] = {}
+  for line in thunk_text.splitlines():
+    m, i = _THUNK_KERNEL.search(line), _THUNK_ID.match(line)
+    if not m or not i or int(i.group(1)) not in instr_of:
+      continue
+    grid = int(m.group(2)) * int(m.group(3)) * int(m.group(4))
+    threads = int(m.group(5)) * int(m.group(6)) * int(m.group(7))
+    out.setdefault(instr_of[int(i.group(1))], (m.group(1), (grid, threads, int(m.group(8)))))
+  return out
 
 
 def _kernel_kind(module: hlo_lib.Module, instr: hlo_lib.Instruction) -> str:
@@ -263,6 +299,8 @@ def build_schedule(
   gpu,
   model: cm.CostModel | None = None,
   max_ops: int = 2_000_000,
+  thunk_metadata: str = "",
+  kernel_names: bool = True,
 ) -> Schedule:
   """Flattens the module into the sequence of kernels and collectives of one step.
 
@@ -273,12 +311,20 @@ def build_schedule(
     gpu: a targets.Gpu (or the host model) for kernel costs.
     model: efficiency factors.
     max_ops: refuse to expand loops past this many operations.
+    thunk_metadata: XLA's thunk metadata listing; where given, each kernel's launch is
+      found by its HLO instruction rather than by kernel name.
+    kernel_names: False when the listing's kernel names are not those the driver will
+      report (a compile that took kernels from a kernel cache): launch names are left
+      unknown, and launches are found only through the metadata.
 
   Returns:
     A :class:`Schedule`.
   """
   model = model or cm.CostModel()
   launch, async_streams = parse_thunks(thunk_text)
+  by_instr = launches_by_instruction(thunk_text, thunk_metadata)
+  if not kernel_names:
+    launch = {}
   notes: list[str] = []
   loops: list[dict[str, Any]] = []
   ops: list[Op] = []
@@ -324,6 +370,9 @@ def build_schedule(
 
   def _launch_of(instr: hlo_lib.Instruction) -> tuple[str, tuple[int, int, int]]:
     """The launched kernel's name and (grid, threads, shared memory); ("", zeros) if none."""
+    if instr.name in by_instr:
+      name, config = by_instr[instr.name]
+      return (name if kernel_names else ""), config
     for key in [instr.kernel_name, instr.name.replace(".", "_").replace("-", "_")] + groups.get(
       instr.kernel_name, []
     ):

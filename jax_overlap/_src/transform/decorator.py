@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jax_overlap._src import errors, selection_cache
+from jax_overlap._src import errors, kernel_cache, selection_cache
 from jax_overlap._src import flags as flags_lib
 from jax_overlap._src import targets as targets_lib
 from jax_overlap._src.transform import to_shard_map, variants
@@ -244,6 +244,11 @@ class Overlapped:
       return jax.jit(evaluate(cfg_), **jit_kwargs)
 
     known: dict[int, Any] = {}
+    # The variants' deviceless compiles share the kernels they have in common (unless the
+    # user's options name a kernel cache of their own).
+    kernels = kernel_cache.Shared(
+      enabled=self.target is not None and kernel_cache.OPTION not in self.extra_options
+    )
     entry_key = None
     if self.cache:
       entry_key = selection_cache.key(str(closed), key, self._settings(annotate, jit_kwargs))
@@ -261,7 +266,7 @@ class Overlapped:
       if entry_key:
         remembered = self._recall(entry_key, candidates, fallback=cfg.as_written())
       if remembered is None:
-        candidates = self._gspmd_candidates(cfg, make, args, kwargs, notes, known)
+        candidates = self._gspmd_candidates(cfg, make, args, kwargs, notes, known, kernels)
         candidates += converted_candidates
     elif converted is not None:
       candidates = converted_candidates
@@ -275,7 +280,9 @@ class Overlapped:
       if remembered is not None:
         chosen, estimates, failed, judged = remembered
       else:
-        chosen, estimates, failed, reports = self._select(candidates, make, args, kwargs, known)
+        chosen, estimates, failed, reports = self._select(
+          candidates, make, args, kwargs, known, kernels
+        )
         judged = _judged(candidates, chosen, reports)
         judged += _windowed_notes(candidates, reports)
         if entry_key:
@@ -292,6 +299,7 @@ class Overlapped:
         )
       notes.extend(f"variant not compiled: {f}" for f in failed)
       notes.extend(judged)
+    kernels.close()
     name, cfg_c, options = candidates[chosen]
     if cfg_c.program == "shard_map":
       cfg, actions = cfg_sm, actions_sm
@@ -364,11 +372,11 @@ class Overlapped:
   def _candidates(self, cfg: _Config, stats: RewriteStats):
     return variants.candidates(self, cfg, stats)
 
-  def _gspmd_candidates(self, cfg, make, args, kwargs, notes, known):
-    return variants.gspmd_candidates(self, cfg, make, args, kwargs, notes, known)
+  def _gspmd_candidates(self, cfg, make, args, kwargs, notes, known, kernels=None):
+    return variants.gspmd_candidates(self, cfg, make, args, kwargs, notes, known, kernels)
 
-  def _select(self, candidates, make, args, kwargs, known=None):
-    return variants.select(self, candidates, make, args, kwargs, known)
+  def _select(self, candidates, make, args, kwargs, known=None, kernels=None):
+    return variants.select(self, candidates, make, args, kwargs, known, kernels)
 
   def _recall(self, entry_key: str, candidates, fallback=None):
     return variants.recall(self, entry_key, candidates, fallback)

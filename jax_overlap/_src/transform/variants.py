@@ -16,7 +16,7 @@ import os
 from typing import Any
 
 from jax_overlap._src import flags as flags_lib
-from jax_overlap._src import latency_profile, selection_cache
+from jax_overlap._src import kernel_cache, latency_profile, selection_cache
 from jax_overlap._src.transform import gspmd
 from jax_overlap._src.transform.evaluate import RewriteStats, _Config
 
@@ -311,37 +311,49 @@ def _workers() -> int:
   return max(1, min(4, os.cpu_count() or 1))
 
 
-def _analyze_all(ov, jobs, make, args, kwargs, errors):
+def _analyze_all(ov, jobs, make, args, kwargs, errors, kernels=None):
   """Reports (or the exception) for ``jobs`` [(name, cfg, options)], in their order,
-  compiled by :func:`_workers` threads."""
+  compiled by :func:`_workers` threads. With ``kernels`` (a :class:`kernel_cache.Shared`),
+  the first job seeds it when nothing has, alone, and the others start from its kernels."""
   from jax_overlap._src import analysis
 
-  def one(job):
+  kernels = kernels or kernel_cache.Shared(enabled=False)
+
+  def one(job, seed=False):
     name, cfg_c, options = job
+    compile_options = kernels.seed(options) if seed else kernels.copy(options)
     try:
       return analysis.analyze(
-        make(cfg_c, options), *args, target=ov.target, name=name, xla_options=options, **kwargs
+        make(cfg_c, options),
+        *args,
+        target=ov.target,
+        name=name,
+        xla_options=compile_options,
+        **kwargs,
       )
     except errors as e:
       return e
 
+  first: list = []
+  if jobs and not kernels.seeded():
+    first, jobs = [one(jobs[0], seed=True)], jobs[1:]
   workers = min(_workers(), len(jobs))
   if workers <= 1:
-    return [one(j) for j in jobs]
+    return first + [one(j) for j in jobs]
   with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jax_overlap") as pool:
-    return list(pool.map(one, jobs))
+    return first + list(pool.map(one, jobs))
 
 
-def select(ov, candidates, make, args, kwargs, known=None):
+def select(ov, candidates, make, args, kwargs, known=None, kernels=None):
   """Index of the fastest candidate (profiled ones appended), all estimates, failures and
   the reports (None where a variant did not compile); ``known``: reports already made,
-  by candidate index."""
+  by candidate index; ``kernels``: the selection's shared kernel cache."""
   known = known or {}
   todo = [i for i in range(len(candidates)) if i not in known]
   done = dict(known)
   errors = (ValueError, RuntimeError, TypeError)
   for i, r in zip(
-    todo, _analyze_all(ov, [candidates[i] for i in todo], make, args, kwargs, errors)
+    todo, _analyze_all(ov, [candidates[i] for i in todo], make, args, kwargs, errors, kernels)
   ):
     done[i] = r
   times, reports, failed = [], [], []
@@ -369,7 +381,7 @@ def select(ov, candidates, make, args, kwargs, known=None):
         failed.append(f"{label}: {str(e).splitlines()[0][:200]}")
         continue
       jobs.append((label, cfg_c, profiled))
-    results = _analyze_all(ov, jobs, make, args, kwargs, errors + (OSError,))
+    results = _analyze_all(ov, jobs, make, args, kwargs, errors + (OSError,), kernels)
     for (label, cfg_c, profiled), r in zip(jobs, results):
       if isinstance(r, Exception):
         failed.append(f"{label}: {str(r).splitlines()[0][:200]}")
@@ -389,16 +401,22 @@ def recommended(ov) -> dict[str, Any]:
   }
 
 
-def gspmd_candidates(ov, cfg, make, args, kwargs, notes, known):
+def gspmd_candidates(ov, cfg, make, args, kwargs, notes, known, kernels=None):
   """Option variants for a program without shard_map, built for the collectives the
-  partitioner inserted (read from the step compiled as written for the target)."""
+  partitioner inserted (read from the step compiled as written for the target, which
+  seeds ``kernels``, the selection's shared kernel cache, when given)."""
   from jax_overlap._src import analysis
 
   as_written = cfg.as_written()
   base = recommended(ov)
   name = "as written, recommended flags"
   report = analysis.analyze(
-    make(as_written, base), *args, target=ov.target, name=name, xla_options=base, **kwargs
+    make(as_written, base),
+    *args,
+    target=ov.target,
+    name=name,
+    xla_options=kernels.seed(base) if kernels is not None else base,
+    **kwargs,
   )
   found = gspmd.found(report)
   i = next(i for i, n in enumerate(notes) if n.startswith("no shard_map in this program"))

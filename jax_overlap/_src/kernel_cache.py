@@ -1,0 +1,106 @@
+"""XLA's kernel cache shared by the deviceless compiles of one program's variants.
+
+The variants a selection compiles (compiler options, rewrites of the same step) share
+most of their fusions. XLA's ``xla_gpu_kernel_cache_file`` keeps compiled kernels keyed
+by a fingerprint of the fused computation and its arguments; a compile that finds a
+kernel there skips its code generation and ``ptxas``. :class:`Shared` gives the first
+compile of a selection (the seed) an empty cache file that XLA fills, and every later
+compile a copy of its own, so that compiles running at once never write one file.
+
+What a kernel taken from the cache changes in XLA's artefacts: it keeps the name the
+seed gave it, so the thunk listing's kernel names are not those a compile of the step
+alone gives the driver (:attr:`.compile.CompiledStep.reused_kernels`). Launch
+configurations are read through XLA's thunk metadata (thunk -> HLO instruction) rather
+than by name; a report from such a compile leaves kernel launch names unknown.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["OPTION", "Shared", "has_kernels", "mark_unsupported", "supported"]
+
+OPTION = "xla_gpu_kernel_cache_file"
+
+_LOCK = threading.Lock()
+_UNSUPPORTED = [False]
+
+
+def has_kernels(path: str | None) -> bool:
+  """Whether a compile given ``path`` as its kernel cache can take kernels from it."""
+  return bool(path) and os.path.isfile(path) and os.path.getsize(path) > 0
+
+
+def mark_unsupported() -> None:
+  """Called when a compile with a kernel cache wrote no thunk metadata: without it the
+  launch configurations of renamed kernels cannot be found, so no more copies are given."""
+  with _LOCK:
+    _UNSUPPORTED[0] = True
+
+
+def supported() -> bool:
+  """False once this process saw a compile whose kernels could not be mapped back."""
+  with _LOCK:
+    return not _UNSUPPORTED[0]
+
+
+class Shared:
+  """One selection's kernel cache: :meth:`seed` for the first compile, :meth:`copy` for
+  each later one. A context manager; the files go when it closes.
+
+  Args:
+    enabled: False gives the options back unchanged (e.g. when the user's own options
+      already name a kernel cache file).
+  """
+
+  def __init__(self, enabled: bool = True):
+    self._dir = tempfile.mkdtemp(prefix="jax_overlap_kernels_") if enabled else None
+    self._count = 0
+    self._lock = threading.Lock()
+    if self._dir is not None:  # removed when the object goes, if close() was not reached
+      self._cleanup = weakref.finalize(self, shutil.rmtree, self._dir, ignore_errors=True)
+
+  @property
+  def _seed(self) -> str | None:
+    return os.path.join(self._dir, "seed.bin") if self._dir else None
+
+  def seed(self, options: Mapping[str, Any]) -> dict[str, Any]:
+    """``options`` with the seed file (filled by this compile) as the kernel cache."""
+    if self._dir is None or OPTION in options or not supported():
+      return dict(options)
+    return {**options, OPTION: self._seed}
+
+  def seeded(self) -> bool:
+    """Whether a seed compile left kernels to share."""
+    return self._dir is not None and has_kernels(self._seed)
+
+  def copy(self, options: Mapping[str, Any]) -> dict[str, Any]:
+    """``options`` with a private copy of the seed's kernels as the kernel cache; unchanged
+    when there is no seed (yet), the user named a cache, or kernels cannot be mapped back."""
+    if not self.seeded() or OPTION in options or not supported():
+      return dict(options)
+    with self._lock:
+      self._count += 1
+      path = os.path.join(self._dir, f"copy{self._count}.bin")
+    try:
+      shutil.copyfile(self._seed, path)
+    except OSError:
+      return dict(options)  # a full disk: compiled without the cache
+    return {**options, OPTION: path}
+
+  def close(self) -> None:
+    if self._dir is not None:
+      self._cleanup()
+      self._dir = None
+
+  def __enter__(self) -> Shared:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()

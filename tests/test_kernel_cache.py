@@ -1,0 +1,115 @@
+"""Variants sharing XLA's kernel cache: the kernels XLA takes from it are the ones it would
+have compiled (every report number the same as without the cache), launches are found
+through XLA's thunk metadata, and kernel names that are not the step's own are left
+unknown."""
+
+import glob
+import os
+import shutil
+
+import pytest
+
+from jax_overlap._src import analysis, kernel_cache, schedule
+from jax_overlap._src import compile as compile_lib
+from jax_overlap.examples import fsdp_transformer
+
+
+def _kernel_facts(report):
+  return [
+    (k.name, k.kind, k.grid_blocks, k.threads_per_block, k.smem_bytes, k.flops, k.time_s)
+    for k in report.kernels
+  ]
+
+
+def _ptx_files(step):
+  return len(glob.glob(os.path.join(step.dump_dir, "*.ptx")))
+
+
+@pytest.fixture(scope="module")
+def small_step():
+  return fsdp_transformer.build("h100x8", layers=2, hidden=256, mlp=512, heads=4, seq=128)
+
+
+# Options the selection's variants differ by: a scheduling one, one that changes the
+# GEMMs' code (cuBLAS instead of Triton) and one that changes the HLO (no dot merger).
+VARIANTS = [
+  {"xla_gpu_enable_latency_hiding_scheduler": False},
+  {"xla_gpu_enable_triton_gemm": False},
+  {"xla_gpu_dot_merger_threshold_mb": 0},
+]
+
+
+def test_variants_from_a_shared_cache_report_what_their_own_compiles_report(small_step):
+  fn, args = small_step
+  with kernel_cache.Shared() as kernels:
+    seed = compile_lib.compile_for_target(
+      fn, *args, target="h100x8", xla_options=kernels.seed({}), keep_dump=True
+    )
+    assert kernels.seeded() and not seed.reused_kernels
+    for options in VARIANTS:
+      alone = compile_lib.compile_for_target(
+        fn, *args, target="h100x8", xla_options=options, keep_dump=True
+      )
+      shared = compile_lib.compile_for_target(
+        fn, *args, target="h100x8", xla_options=kernels.copy(options), keep_dump=True
+      )
+      assert shared.reused_kernels and not alone.reused_kernels
+      # XLA generated code only for the kernels the seed did not have.
+      assert _ptx_files(shared) < _ptx_files(alone)
+      a, s = analysis.analyze_compiled(alone), analysis.analyze_compiled(shared)
+      assert _kernel_facts(s) == _kernel_facts(a), options
+      assert [(c.name, c.kind, c.bytes, c.time_s) for c in s.collectives] == [
+        (c.name, c.kind, c.bytes, c.time_s) for c in a.collectives
+      ]
+      assert s.step_time_s == a.step_time_s
+      # Launch names of the compile alone are the driver's; the shared one's are unknown.
+      assert any(k.launch_name for k in a.kernels)
+      assert not any(k.launch_name for k in s.kernels)
+      for step in (alone, shared):
+        shutil.rmtree(step.dump_dir, ignore_errors=True)
+  shutil.rmtree(seed.dump_dir, ignore_errors=True)
+
+
+def test_thunk_metadata_finds_the_launches_the_kernel_names_find(fsdp_h100_dump):
+  # XLA's own listings of one compile (an 8-layer step whose identical fusions share
+  # kernels): every launch found by kernel name is found through the metadata with the
+  # same configuration, and the same kernel where the kernel is named after the
+  # instruction. (Where an instruction's kernel was guessed from its deduplication group,
+  # the metadata names the kernel its thunk launches.)
+  _, dump = fsdp_h100_dump
+  (hlo,) = glob.glob(os.path.join(dump, "*gpu_after_optimizations.txt"))
+  (thunks,) = glob.glob(os.path.join(dump, "*thunk_sequence.txt"))
+  (meta,) = glob.glob(os.path.join(dump, "*thunk_metadata.txt"))
+  texts = [open(f).read() for f in (hlo, thunks, meta)]
+  # Every kernel thunk of the listing has its instruction in the metadata.
+  launched = schedule.launches_by_instruction(texts[1], texts[2])
+  assert {name for name, _ in launched.values()} == set(schedule.parse_thunks(texts[1])[0])
+  by_name = analysis.analyze_hlo(texts[0], texts[1], target="h100x8")
+  by_meta = analysis.analyze_hlo(texts[0], texts[1], thunk_metadata=texts[2], target="h100x8")
+  assert [k.name for k in by_meta.kernels] == [k.name for k in by_name.kernels]
+  found = 0
+  for old, new in zip(by_name.kernels, by_meta.kernels):
+    if not old.launch_name:
+      continue
+    found += 1
+    config = (old.grid_blocks, old.threads_per_block, old.smem_bytes)
+    assert (new.grid_blocks, new.threads_per_block, new.smem_bytes) == config, old.name
+    if old.launch_name == old.name.replace(".", "_").replace("-", "_"):
+      assert new.launch_name == old.launch_name
+    else:
+      assert new.launch_name in texts[1]
+  assert found > len(by_name.kernels) // 2
+  assert sum(bool(k.launch_name) for k in by_meta.kernels) >= found
+  assert by_meta.step_time_s == by_name.step_time_s
+
+
+def test_shared_cache_hands_out_nothing_without_a_seed_or_when_disabled(tmp_path):
+  with kernel_cache.Shared() as kernels:
+    assert kernels.copy({"a": 1}) == {"a": 1}  # nothing seeded yet
+    seeded = kernels.seed({"a": 1})
+    assert seeded[kernel_cache.OPTION].endswith("seed.bin")
+    # A user's own cache file is left as it is.
+    own = {kernel_cache.OPTION: str(tmp_path / "mine.bin")}
+    assert kernels.seed(own) == own
+  off = kernel_cache.Shared(enabled=False)
+  assert off.seed({"a": 1}) == {"a": 1} and off.copy({}) == {}
