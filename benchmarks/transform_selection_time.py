@@ -9,6 +9,9 @@ Per form: the first selection (every variant compiled and analysed, a fresh sele
 cache) and the same step decorated again by a new ``overlap`` in the same process (the
 remembered choice read back; JAX's trace cache is warm, so a restarted job also pays
 one trace of the step). Wall-clock on this machine, one run each.
+Each form's first selection is also timed with every variant compiled on its own
+(``JAX_OVERLAP_SHARED_KERNELS=0``), in the same run, so the two compare on one machine:
+by default the variants share XLA's kernel cache (``jax_overlap._src.kernel_cache``).
 
 Writes benchmarks/results/transform_selection_time.{json,md}.
 """
@@ -57,6 +60,14 @@ def main(argv):
   rows = []
   for form in FLAGS.forms:
     fn, args = _build(form, cfg)
+    # Each variant compiled on its own first (a fresh cache directory: no stored compile).
+    os.environ["JAX_OVERLAP_SHARED_KERNELS"] = "0"
+    with tempfile.TemporaryDirectory() as cache_dir:
+      os.environ["JAX_OVERLAP_CACHE_DIR"] = cache_dir
+      t0 = time.perf_counter()
+      alone = jax_overlap.overlap(fn, target=FLAGS.target).explain(*args)
+      unshared = time.perf_counter() - t0
+    os.environ.pop("JAX_OVERLAP_SHARED_KERNELS")
     with tempfile.TemporaryDirectory() as cache_dir:
       os.environ["JAX_OVERLAP_CACHE_DIR"] = cache_dir
       t0 = time.perf_counter()
@@ -74,6 +85,8 @@ def main(argv):
       "chosen": explanation.chosen,
       "chosen_again": again.chosen,
       "selection_s": first,
+      "selection_unshared_s": unshared,
+      "same_estimates_unshared": dict(alone.candidates) == dict(explanation.candidates),
       "restart_s": recalled,
     }
     rows.append(row)
@@ -89,15 +102,20 @@ def main(argv):
     "(wall clock). First: every variant compiled and analysed, a fresh selection cache. "
     "Again: a new decorator on the same step in the same process (the remembered choice; "
     "JAX's trace cache is warm, a restarted job also traces the step once). Each row's "
-    "times are from its own run.",
+    "times are from its own run. 'each variant alone': the first selection with every "
+    "variant compiled on its own (JAX_OVERLAP_SHARED_KERNELS=0), timed in the same run; "
+    "'same estimates': whether both selections estimated every variant the same.",
     "",
-    "| form | layers | variants compiled | first selection s | again s | chosen |",
-    "|---|---:|---:|---:|---:|---|",
+    "| form | layers | variants compiled | first selection s | each variant alone s | "
+    "same estimates | again s | chosen |",
+    "|---|---:|---:|---:|---:|---|---:|---|",
   ]
   for r in rows:
+    alone = r.get("selection_unshared_s")
     lines.append(
       f"| {r['form']} | {r['layers']} | {r['variants']} | {r['selection_s']:.1f} | "
-      f"{r['restart_s']:.2f} | {r['chosen']} |"
+      + (f"{alone:.1f}" if alone is not None else "-")
+      + f" | {r.get('same_estimates_unshared', '-')} | {r['restart_s']:.2f} | {r['chosen']} |"
     )
   lines += ["", f"Machine: {_common.machine()}"]
   _common.write(

@@ -83,7 +83,8 @@ def test_thunk_metadata_finds_the_launches_the_kernel_names_find(fsdp_h100_dump)
   texts = [open(f).read() for f in (hlo, thunks, meta)]
   # Every kernel thunk of the listing has its instruction in the metadata.
   launched = schedule.launches_by_instruction(texts[1], texts[2])
-  assert {name for name, _ in launched.values()} == set(schedule.parse_thunks(texts[1])[0])
+  names = {name for kernels in launched.values() for name, _ in kernels}
+  assert names == set(schedule.parse_thunks(texts[1])[0])
   by_name = analysis.analyze_hlo(texts[0], texts[1], target="h100x8")
   by_meta = analysis.analyze_hlo(texts[0], texts[1], thunk_metadata=texts[2], target="h100x8")
   assert [k.name for k in by_meta.kernels] == [k.name for k in by_name.kernels]
@@ -113,3 +114,68 @@ def test_shared_cache_hands_out_nothing_without_a_seed_or_when_disabled(tmp_path
     assert kernels.seed(own) == own
   off = kernel_cache.Shared(enabled=False)
   assert off.seed({"a": 1}) == {"a": 1} and off.copy({}) == {}
+
+
+def test_sharing_can_be_turned_off(monkeypatch):
+  monkeypatch.setenv("JAX_OVERLAP_SHARED_KERNELS", "0")
+  assert not kernel_cache.sharing_on()
+  with kernel_cache.Shared() as kernels:
+    assert kernels.seed({"a": 1}) == {"a": 1}
+  monkeypatch.setenv("JAX_OVERLAP_SHARED_KERNELS", "1")
+  with kernel_cache.Shared() as kernels:
+    assert kernel_cache.OPTION in kernels.seed({})
+
+
+@pytest.mark.slow
+def test_selection_with_shared_kernels_estimates_every_variant_as_without(monkeypatch):
+  # A scanned GSPMD step (compiler-option variants and its shard_map form's rewrites): the
+  # selection hands later variants the seed's kernels, and every estimate is the one the
+  # variant gets compiled on its own.
+  import jax_overlap
+
+  fn, args = fsdp_transformer.build(
+    "h100x8", layers=2, hidden=256, mlp=512, heads=4, seq=128, scan=True, remat=True
+  )
+  handed = []
+  copy = kernel_cache.Shared.copy
+
+  def counted(self, options):
+    out = copy(self, options)
+    handed.append(kernel_cache.OPTION in out)
+    return out
+
+  monkeypatch.setattr(kernel_cache.Shared, "copy", counted)
+
+  def explain():
+    ov = jax_overlap.overlap(fn, target="h100x8", cache=False, schedule_from_estimates=False)
+    return ov.explain(*args)
+
+  shared = explain()
+  assert handed and all(handed)
+  monkeypatch.setenv("JAX_OVERLAP_SHARED_KERNELS", "0")
+  handed.clear()
+  alone = explain()
+  assert not any(handed)
+  assert dict(shared.candidates) == dict(alone.candidates)
+  assert shared.chosen == alone.chosen
+
+
+def test_every_kernel_of_an_instruction_launching_several_is_listed():
+  # The listing format of XLA's dump (two kernels of one reduction fusion: an
+  # initialisation and the work), joined through the metadata.
+  thunks = (
+    "001: kCustomKernel [source | next=002 (1)] input_reduce_fusion_init grid: [4, 1, 1] "
+    "threads: [128, 1, 1]  shared_memory: 0 bytes\n"
+    "002: kCustomKernel [prev=001 (1) | sink] input_reduce_fusion_work grid: [512, 1, 1] "
+    "threads: [256, 1, 1]  shared_memory: 4096 bytes\n"
+  )
+  meta = "".join(
+    f'thunk_metadata {{\n  thunk_info {{\n    profile_annotation: "input_reduce_fusion"\n'
+    f'    thunk_id: {i}\n  }}\n  thunk_kind: "kCustomKernel"\n}}\n'
+    for i in (1, 2)
+  )
+  (kernels,) = schedule.launches_by_instruction(thunks, meta).values()
+  assert kernels == [
+    ("input_reduce_fusion_init", (4, 128, 0)),
+    ("input_reduce_fusion_work", (512, 256, 4096)),
+  ]

@@ -7,6 +7,8 @@ kernel there skips its code generation and ``ptxas``. :class:`Shared` gives the 
 compile of a selection (the seed) an empty cache file that XLA fills, and every later
 compile a copy of its own, so that compiles running at once never write one file.
 
+``JAX_OVERLAP_SHARED_KERNELS=0`` compiles every variant on its own.
+
 What a kernel taken from the cache changes in XLA's artefacts: it keeps the name the
 seed gave it, so the thunk listing's kernel names are not those a compile of the step
 alone gives the driver (:attr:`.compile.CompiledStep.reused_kernels`). Launch
@@ -24,12 +26,18 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["OPTION", "Shared", "has_kernels", "mark_unsupported", "supported"]
+__all__ = ["OPTION", "Shared", "has_kernels", "sharing_on", "mark_unsupported", "supported"]
 
 OPTION = "xla_gpu_kernel_cache_file"
 
 _LOCK = threading.Lock()
 _UNSUPPORTED = [False]
+
+
+def sharing_on() -> bool:
+  """Whether selections share kernels (``JAX_OVERLAP_SHARED_KERNELS``, default on)."""
+  value = os.environ.get("JAX_OVERLAP_SHARED_KERNELS", "1").strip().lower()
+  return value not in ("0", "false", "no", "off")
 
 
 def has_kernels(path: str | None) -> bool:
@@ -56,11 +64,12 @@ class Shared:
 
   Args:
     enabled: False gives the options back unchanged (e.g. when the user's own options
-      already name a kernel cache file).
+      already name a kernel cache file); so does ``JAX_OVERLAP_SHARED_KERNELS=0``.
   """
 
   def __init__(self, enabled: bool = True):
-    self._dir = tempfile.mkdtemp(prefix="jax_overlap_kernels_") if enabled else None
+    on = enabled and sharing_on()
+    self._dir = tempfile.mkdtemp(prefix="jax_overlap_kernels_") if on else None
     self._count = 0
     self._lock = threading.Lock()
     if self._dir is not None:  # removed when the object goes, if close() was not reached

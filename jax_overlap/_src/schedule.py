@@ -218,21 +218,24 @@ def parse_thunk_metadata(text: str) -> dict[int, str]:
 
 def launches_by_instruction(
   thunk_text: str, metadata_text: str
-) -> dict[str, tuple[str, tuple[int, int, int]]]:
-  """Kernel name and launch configuration of each HLO instruction that launches a kernel
-  (its first kernel), joining the thunk listing to the metadata by thunk id; {} without
-  metadata."""
+) -> dict[str, list[tuple[str, tuple[int, int, int]]]]:
+  """The kernels (name and launch configuration, in listing order, each once) that each
+  HLO instruction launches, joining the thunk listing to the metadata by thunk id; {}
+  without metadata."""
   instr_of = parse_thunk_metadata(metadata_text)
   if not instr_of:
     return {}
-  out: dict[str, tuple[str, tuple[int, int, int]]] = {}
+  out: dict[str, list[tuple[str, tuple[int, int, int]]]] = {}
   for line in thunk_text.splitlines():
     m, i = _THUNK_KERNEL.search(line), _THUNK_ID.match(line)
     if not m or not i or int(i.group(1)) not in instr_of:
       continue
     grid = int(m.group(2)) * int(m.group(3)) * int(m.group(4))
     threads = int(m.group(5)) * int(m.group(6)) * int(m.group(7))
-    out.setdefault(instr_of[int(i.group(1))], (m.group(1), (grid, threads, int(m.group(8)))))
+    launch = (m.group(1), (grid, threads, int(m.group(8))))
+    kernels = out.setdefault(instr_of[int(i.group(1))], [])
+    if launch not in kernels:
+      kernels.append(launch)
   return out
 
 
@@ -370,12 +373,15 @@ def build_schedule(
 
   def _launch_of(instr: hlo_lib.Instruction) -> tuple[str, tuple[int, int, int]]:
     """The launched kernel's name and (grid, threads, shared memory); ("", zeros) if none."""
+    names = [instr.kernel_name, instr.name.replace(".", "_").replace("-", "_")]
     if instr.name in by_instr:
-      name, config = by_instr[instr.name]
+      # The kernel named after the instruction, else (an instruction launching several,
+      # e.g. an initialisation and the work) the one with the most threads.
+      found = by_instr[instr.name]
+      named = [k for k in found if kernel_names and k[0] in names]
+      name, config = (named or sorted(found, key=lambda k: -k[1][0] * k[1][1]))[0]
       return (name if kernel_names else ""), config
-    for key in [instr.kernel_name, instr.name.replace(".", "_").replace("-", "_")] + groups.get(
-      instr.kernel_name, []
-    ):
+    for key in names + groups.get(instr.kernel_name, []):
       if key in launch:
         return key, launch[key]
     return "", (0, 0, 0)
