@@ -12,7 +12,8 @@
   calls), ``selection_cache``, ``latency_profile``;
 * compile: ``retarget`` (the program moved onto a target's compile-only mesh), ``compile``
   (deviceless compiles with XLA's dumps kept), ``compile_store`` (their artefacts on disk
-  for other processes), ``ptx`` (registers and shared memory from ``ptxas``);
+  for other processes), ``kernel_cache`` (XLA's kernel cache shared by one selection's
+  variants), ``ptx`` (registers and shared memory from ``ptxas``);
 * analysis: ``hlo`` (reading the scheduled HLO, FLOPs and bytes), ``cost_model`` and
   ``nccl`` (kernel and collective times), ``schedule`` and ``timeline`` (XLA's order on
   streams), ``analysis`` and ``report`` (``analyze`` and its Report), ``profile``
