@@ -45,7 +45,7 @@ def test_variants_from_a_shared_cache_report_what_their_own_compiles_report(smal
     seed = compile_lib.compile_for_target(
       fn, *args, target="h100x8", xla_options=kernels.seed({}), keep_dump=True
     )
-    assert kernels.seeded() and not seed.reused_kernels
+    assert kernels.seeded()
     for options in VARIANTS:
       alone = compile_lib.compile_for_target(
         fn, *args, target="h100x8", xla_options=options, keep_dump=True
@@ -106,7 +106,9 @@ def test_thunk_metadata_finds_the_launches_the_kernel_names_find(fsdp_h100_dump)
 
 def test_shared_cache_hands_out_nothing_without_a_seed_or_when_disabled(tmp_path):
   with kernel_cache.Shared() as kernels:
-    assert kernels.copy({"a": 1}) == {"a": 1}  # nothing seeded yet
+    # Nothing seeded yet: a cache of its own, empty.
+    empty = kernels.copy({"a": 1})[kernel_cache.OPTION]
+    assert not kernel_cache.has_kernels(empty)
     seeded = kernels.seed({"a": 1})
     assert seeded[kernel_cache.OPTION].endswith("seed.bin")
     # A user's own cache file is left as it is.
@@ -179,3 +181,24 @@ def test_every_kernel_of_an_instruction_launching_several_is_listed():
     ("input_reduce_fusion_init", (4, 128, 0)),
     ("input_reduce_fusion_work", (512, 256, 4096)),
   ]
+
+
+def test_compiles_with_any_kernel_cache_are_remembered_alike_and_apart_from_others(tmp_path):
+  # A selection whose seed was read back from the compile store hands out empty caches:
+  # its variants must find the compiles an earlier selection made from a full one.
+  import jax
+
+  from jax_overlap._src import targets
+
+  lowered = jax.jit(lambda x: x + 1).lower(1.0)
+  topo = targets.get("h100x8")
+  full = tmp_path / "full.bin"
+  full.write_bytes(b"kernels")
+
+  def key(**options):
+    return compile_lib._memo_key(lowered, options, topo)
+
+  a = key(xla_gpu_kernel_cache_file=str(full), xla_gpu_enable_triton_gemm=False)
+  b = key(xla_gpu_kernel_cache_file=str(tmp_path / "empty.bin"), xla_gpu_enable_triton_gemm=False)
+  assert a == b
+  assert a != key(xla_gpu_enable_triton_gemm=False)

@@ -58,8 +58,8 @@ class CompiledStep:
     memory: XLA's memory statistics in bytes (``arguments``, ``outputs``,
       ``temporaries``, ``aliased``); empty where the backend gives none.
     reused_kernels: compiled with XLA's kernel cache (:mod:`.kernel_cache`): kernels
-      found there kept the names of the compile that made them, so the thunk listing's
-      kernel names are not those a compile of this step alone gives the driver.
+      found there keep the names of the compile that made them, so the thunk listing's
+      kernel names need not be those a compile of this step alone gives the driver.
   """
 
   compiled: Any
@@ -191,15 +191,14 @@ def _memo_key(lowered, options: Mapping[str, Any], topo) -> str | None:
   except Exception:  # noqa: BLE001 - a lowering that cannot print is compiled every time
     return None
 
-  # A kernel cache is named by whether it holds kernels, not by its path (each compile of
-  # a selection has a copy of its own): the kernel names of a compile that takes kernels
-  # from one are not the step's own, so those compiles are kept apart.
-  def shown(k, v):
-    if k == kernel_cache.OPTION:
-      return "<kernel cache with kernels>" if kernel_cache.has_kernels(v) else "<kernel cache>"
-    return repr(v)
-
-  opts = sorted((k, shown(k, v)) for k, v in options.items() if k != "xla_dump_to")
+  # A kernel cache is named by being there, not by its path (each compile of a selection
+  # has a file of its own): the kernel names of a compile that may take kernels from one
+  # are not the step's own, so those compiles are kept apart from the others.
+  opts = sorted(
+    (k, "<kernel cache>" if k == kernel_cache.OPTION else repr(v))
+    for k, v in options.items()
+    if k != "xla_dump_to"
+  )
   h = hashlib.sha256(text.encode())
   h.update(repr((opts, topo.name, jax.__version__)).encode())
   return h.hexdigest()
@@ -303,7 +302,7 @@ def compile_for_target(
       if hit is not None:
         return dataclasses.replace(hit, notes=list(hit.notes))
       # Kernels taken from a kernel cache keep the names of the compile that made them.
-      reused = kernel_cache.has_kernels(options.get(kernel_cache.OPTION))
+      reused = kernel_cache.OPTION in options
       try:
         compiled = lowered.compile(options)
       except Exception as first:  # noqa: BLE001 - XLA raises JaxRuntimeError and others

@@ -26,7 +26,7 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["OPTION", "Shared", "has_kernels", "sharing_on", "mark_unsupported", "supported"]
+__all__ = ["OPTION", "Shared", "has_kernels", "mark_unsupported", "sharing_on", "supported"]
 
 OPTION = "xla_gpu_kernel_cache_file"
 
@@ -90,17 +90,20 @@ class Shared:
     return self._dir is not None and has_kernels(self._seed)
 
   def copy(self, options: Mapping[str, Any]) -> dict[str, Any]:
-    """``options`` with a private copy of the seed's kernels as the kernel cache; unchanged
-    when there is no seed (yet), the user named a cache, or kernels cannot be mapped back."""
-    if not self.seeded() or OPTION in options or not supported():
+    """``options`` with a private copy of the seed's kernels as the kernel cache (an empty
+    one when the seed compiled nothing, e.g. it was read back from the compile store, so
+    that this compile is remembered as the others of its kind); unchanged when sharing is
+    off, the user named a cache, or kernels cannot be mapped back."""
+    if self._dir is None or OPTION in options or not supported():
       return dict(options)
     with self._lock:
       self._count += 1
       path = os.path.join(self._dir, f"copy{self._count}.bin")
-    try:
-      shutil.copyfile(self._seed, path)
-    except OSError:
-      return dict(options)  # a full disk: compiled without the cache
+    if self.seeded():
+      try:
+        shutil.copyfile(self._seed, path)
+      except OSError:
+        pass  # a full disk: compiled from an empty cache
     return {**options, OPTION: path}
 
   def close(self) -> None:
