@@ -68,48 +68,61 @@ class Shared:
   """
 
   def __init__(self, enabled: bool = True):
-    on = enabled and sharing_on()
-    self._dir = tempfile.mkdtemp(prefix="jax_overlap_kernels_") if on else None
+    self._on = enabled and sharing_on()
+    self._dir: str | None = None  # made by the first compile that asks for a file
+    self._seed_given = False
     self._count = 0
     self._lock = threading.Lock()
-    if self._dir is not None:  # removed when the object goes, if close() was not reached
-      self._cleanup = weakref.finalize(self, shutil.rmtree, self._dir, ignore_errors=True)
 
-  @property
-  def _seed(self) -> str | None:
-    return os.path.join(self._dir, "seed.bin") if self._dir else None
+  def _file(self, name: str) -> str:
+    with self._lock:
+      if self._dir is None:
+        self._dir = tempfile.mkdtemp(prefix="jax_overlap_kernels_")
+        # Removed when the object goes, if close() was not reached.
+        self._cleanup = weakref.finalize(self, shutil.rmtree, self._dir, ignore_errors=True)
+      return os.path.join(self._dir, name)
+
+  def _gives(self, options: Mapping[str, Any]) -> bool:
+    return self._on and OPTION not in options and supported()
+
+  def needs_seed(self) -> bool:
+    """Whether the next compile should be the seed (sharing on and no seed given yet)."""
+    return self._on and not self._seed_given and supported()
 
   def seed(self, options: Mapping[str, Any]) -> dict[str, Any]:
     """``options`` with the seed file (filled by this compile) as the kernel cache."""
-    if self._dir is None or OPTION in options or not supported():
+    if not self._gives(options):
       return dict(options)
-    return {**options, OPTION: self._seed}
+    self._seed_given = True
+    return {**options, OPTION: self._file("seed.bin")}
 
   def seeded(self) -> bool:
     """Whether a seed compile left kernels to share."""
-    return self._dir is not None and has_kernels(self._seed)
+    return self._seed_given and has_kernels(self._file("seed.bin"))
 
   def copy(self, options: Mapping[str, Any]) -> dict[str, Any]:
     """``options`` with a private copy of the seed's kernels as the kernel cache (an empty
     one when the seed compiled nothing, e.g. it was read back from the compile store, so
     that this compile is remembered as the others of its kind); unchanged when sharing is
     off, the user named a cache, or kernels cannot be mapped back."""
-    if self._dir is None or OPTION in options or not supported():
+    if not self._gives(options):
       return dict(options)
     with self._lock:
       self._count += 1
-      path = os.path.join(self._dir, f"copy{self._count}.bin")
+      count = self._count
+    path = self._file(f"copy{count}.bin")
     if self.seeded():
       try:
-        shutil.copyfile(self._seed, path)
+        shutil.copyfile(self._file("seed.bin"), path)
       except OSError:
         pass  # a full disk: compiled from an empty cache
     return {**options, OPTION: path}
 
   def close(self) -> None:
-    if self._dir is not None:
-      self._cleanup()
-      self._dir = None
+    with self._lock:
+      if self._dir is not None:
+        self._cleanup()
+        self._dir = None
 
   def __enter__(self) -> Shared:
     return self

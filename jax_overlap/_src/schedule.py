@@ -190,6 +190,13 @@ _THUNK_ID = re.compile(r"^\s*(\d+):")
 _METADATA = re.compile(r'profile_annotation:\s*"([^"]*)"\s*(?:thunk_id:\s*(\d+))?')
 
 
+def _launch(m: re.Match) -> tuple[str, tuple[int, int, int]]:
+  """Kernel name and (grid blocks, threads per block, shared memory) of a kernel thunk."""
+  grid = int(m.group(2)) * int(m.group(3)) * int(m.group(4))
+  threads = int(m.group(5)) * int(m.group(6)) * int(m.group(7))
+  return m.group(1), (grid, threads, int(m.group(8)))
+
+
 def parse_thunks(text: str) -> tuple[dict[str, tuple[int, int, int]], list[int]]:
   """Kernel launch configurations by kernel name, and async collective streams in order."""
   kernels: dict[str, tuple[int, int, int]] = {}
@@ -198,10 +205,8 @@ def parse_thunks(text: str) -> tuple[dict[str, tuple[int, int, int]], list[int]]
   for i, line in enumerate(lines):
     m = _THUNK_KERNEL.search(line)
     if m:
-      name = m.group(1)
-      grid = int(m.group(2)) * int(m.group(3)) * int(m.group(4))
-      threads = int(m.group(5)) * int(m.group(6)) * int(m.group(7))
-      kernels.setdefault(name, (grid, threads, int(m.group(8))))
+      name, config = _launch(m)
+      kernels.setdefault(name, config)
       continue
     a = _THUNK_ASYNC.search(line)
     if a:
@@ -230,9 +235,7 @@ def launches_by_instruction(
     m, i = _THUNK_KERNEL.search(line), _THUNK_ID.match(line)
     if not m or not i or int(i.group(1)) not in instr_of:
       continue
-    grid = int(m.group(2)) * int(m.group(3)) * int(m.group(4))
-    threads = int(m.group(5)) * int(m.group(6)) * int(m.group(7))
-    launch = (m.group(1), (grid, threads, int(m.group(8))))
+    launch = _launch(m)
     kernels = out.setdefault(instr_of[int(i.group(1))], [])
     if launch not in kernels:
       kernels.append(launch)

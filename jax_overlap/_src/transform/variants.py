@@ -314,7 +314,7 @@ def _workers() -> int:
 def _analyze_all(ov, jobs, make, args, kwargs, errors, kernels=None):
   """Reports (or the exception) for ``jobs`` [(name, cfg, options)], in their order,
   compiled by :func:`_workers` threads. With ``kernels`` (a :class:`kernel_cache.Shared`),
-  the first job seeds it when nothing has, alone, and the others start from its kernels."""
+  the first job seeds it when no compile has, alone, and the others start from its kernels."""
   from jax_overlap._src import analysis
 
   kernels = kernels or kernel_cache.Shared(enabled=False)
@@ -335,7 +335,7 @@ def _analyze_all(ov, jobs, make, args, kwargs, errors, kernels=None):
       return e
 
   first: list = []
-  if jobs and not kernels.seeded():
+  if jobs and kernels.needs_seed():
     first, jobs = [one(jobs[0], seed=True)], jobs[1:]
   workers = min(_workers(), len(jobs))
   if workers <= 1:
