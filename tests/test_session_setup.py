@@ -1,0 +1,53 @@
+"""The test session's own settings (conftest.py) change only what they say they change."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src import compiler
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_overlap._src import compile as compile_lib
+
+_UNOPTIMISED = os.environ.get("JAX_OVERLAP_TEST_CPU_OPT") != "1"
+
+
+def _debug_options(backend):
+  return compiler.get_compile_options(
+    num_replicas=1, num_partitions=1, backend=backend
+  ).executable_build_options.debug_options
+
+
+@pytest.mark.skipif(not _UNOPTIMISED, reason="JAX_OVERLAP_TEST_CPU_OPT=1 keeps XLA:CPU's settings")
+def test_cpu_programs_compile_without_llvm_optimisations():
+  debug = _debug_options(jax.devices("cpu")[0].client)
+  assert debug.xla_backend_optimization_level == 0
+  assert debug.xla_llvm_disable_expensive_passes
+
+
+def test_deviceless_gpu_compiles_keep_xlas_code_generation():
+  # What the analysis reads (kernels, launches, PTX) comes from XLA's own settings: the
+  # dump's debug options name no change to the backend's optimisation.
+  mesh = Mesh(np.array(jax.devices()[:8]), ("fsdp",))
+  x = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P("fsdp")))
+  w = jax.ShapeDtypeStruct((512, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P("fsdp")))
+  step = compile_lib.compile_for_target(
+    lambda x, w: jnp.tanh(x @ w).sum(), x, w, target="h100x8", xla_options={}
+  )
+  assert step.platform == "cuda"
+  assert step.debug_options, "the compile's dump should list its non-default options"
+  assert "xla_backend_optimization_level" not in step.debug_options
+  assert "xla_llvm_disable_expensive_passes" not in step.debug_options
+  # The same request with the CPU's setting named is a different compile (a control: the
+  # dump does show the option when it is set).
+  slow = compile_lib.compile_for_target(
+    lambda x, w: jnp.tanh(x @ w).sum(),
+    x,
+    w,
+    target="h100x8",
+    xla_options={"xla_backend_optimization_level": 0},
+  )
+  assert slow.debug_options.get("xla_backend_optimization_level") == "0"
