@@ -76,6 +76,51 @@ def test_waves_of_a_single_kernel():
   assert t2 == pytest.approx(2 * t1, rel=1e-6)
 
 
+def _steady_workload():
+  """A long loop fusion (eight blocks to an SM, 240 waves) that runs alone, then beside an
+  all-gather that becomes ready part way through it, then a GEMM after both."""
+  fill = sim.Kernel(
+    "fill", grid=262144, threads=256, regs=32, bytes=2e9, flops=1e9, kind="fusion", stream=0
+  )
+  early = sim.Kernel("early", grid=132, threads=256, flops=132e6, stream=1)
+  gather = sim.Collective("gather", "all-gather", 64e6, stream=1, after=("early",))
+  gemm = sim.Kernel.gemm("gemm", 4096, 4096, 4096, after=("gather",))
+  return sim.Workload((early, fill, gather, gemm), name="steady")
+
+
+@pytest.mark.parametrize("policy", ["concurrent", "priority", "priority+shaping"])
+def test_skipped_waves_give_the_event_by_event_result(policy, monkeypatch):
+  # The fast path (sim/steady.py) skips whole periods of a kernel's repeated waves; the
+  # result is the one of the loop stepping through every event.
+  from jax_overlap._src.sim import steady
+
+  skips = []
+  original = steady.Periods.skip
+
+  def counted(self, *args):
+    out = original(self, *args)
+    if out is not None:
+      skips.append(out)
+    return out
+
+  monkeypatch.setattr(steady.Periods, "skip", counted)
+  wl = _steady_workload()
+  fast = sim.simulate(wl, target="h100x8", policy=policy)
+  assert skips and sum(s[2] for s in skips) > 100_000  # most of the fill's blocks skipped
+  monkeypatch.setattr(engine, "_SKIP_PERIODS", False)
+  engine.isolated_time.cache_clear()
+  slow = sim.simulate(wl, target="h100x8", policy=policy)
+  assert fast.events == slow.events
+  assert fast.makespan_s == pytest.approx(slow.makespan_s, rel=1e-9)
+  for a, b in zip(fast.timings, slow.timings):
+    assert a.name == b.name
+    for field in ("ready_s", "start_s", "end_s"):
+      assert getattr(a, field) == pytest.approx(getattr(b, field), rel=1e-9, abs=1e-15), (
+        a.name,
+        field,
+      )
+
+
 def test_compute_bound_block_time_matches_formula():
   const = sim.constants_for("h100")
   k = sim.Kernel(

@@ -57,6 +57,8 @@ blocks land on part of them and merge again when their states coincide: empty gr
 every event, identical busy groups whenever there are more than ``_FULL_MERGE_ABOVE``.
 Every loop iteration completes at least one batch of blocks or makes a kernel ready, so the
 loop ends after at most (blocks + kernels) iterations; a guard raises if it ever would not.
+While one kernel runs alone its waves repeat, and whole periods of them are skipped
+(:mod:`.steady`).
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from jax_overlap._src import cost_model, targets
+from jax_overlap._src.sim import steady
 from jax_overlap._src.sim.dispatch_state import _Batch, _Compiled, _Group
 from jax_overlap._src.sim.model import (
   Constants,
@@ -84,6 +87,9 @@ __all__ = ["KernelTiming", "SimResult", "run", "resolve_target", "isolated_time"
 _EPS = 1e-9
 _MEMORY_EFFICIENCY = cost_model.CostModel.memory_efficiency
 _FULL_MERGE_ABOVE = 12  # groups; below this only empty groups are merged
+# Skip the repeated waves of a kernel running alone (:mod:`.steady`); off when the loop
+# records occupancy or checks its invariants at every event.
+_SKIP_PERIODS = True
 
 
 def resolve_target(target) -> targets.Topology:
@@ -256,6 +262,7 @@ def _loop(wl, topo, const, cp: _Compiled, *, record: bool, check: bool):
   occ_t: list[float] = []
   occ_rows: list[np.ndarray] = []
   log: list | None = [] if check else None
+  periods = steady.Periods(comm) if _SKIP_PERIODS and not (check or record) else None
 
   def fit(g, k):
     f = min((THR - g.thr) // thr[k], (REG - g.regs) // regs[k], BLK - g.blk)
@@ -352,6 +359,16 @@ def _loop(wl, topo, const, cp: _Compiled, *, record: bool, check: bool):
     if pending:
       pending.sort()
       dispatch()
+    if periods is not None:
+      skip = periods.skip(groups, pending, remaining, t, events, heap[0][0] if heap else None)
+      if skip is not None:
+        k, dt_skip, blocks, skipped = skip
+        t += dt_skip
+        remaining[k] -= blocks
+        events += skipped
+        for g in groups:
+          for b in g.batches:
+            b.t0 += dt_skip
     if check:
       _check_state(groups, cp, gpu, pending, fit)
     if record:
