@@ -67,6 +67,7 @@ import dataclasses
 import functools
 import heapq
 import math
+import operator
 from collections.abc import Mapping
 
 import numpy as np
@@ -87,6 +88,7 @@ __all__ = ["KernelTiming", "SimResult", "run", "resolve_target", "isolated_time"
 _EPS = 1e-9
 _MEMORY_EFFICIENCY = cost_model.CostModel.memory_efficiency
 _FULL_MERGE_ABOVE = 12  # groups; below this only empty groups are merged
+_first = operator.itemgetter(0)
 # Skip the repeated waves of a kernel running alone (:mod:`.steady`); off when the loop
 # records occupancy or checks its invariants at every event.
 _SKIP_PERIODS = True
@@ -392,6 +394,7 @@ def _loop(wl, topo, const, cp: _Compiled, *, record: bool, check: bool):
       if comm[b.k]:
         n_comm[linkbw[b.k]] = n_comm.get(linkbw[b.k], 0) + len(g.sms) * b.cnt
     demand = 0.0
+    loaded = 0
     loads = []
     for g in groups:
       wsum = 0.0
@@ -414,10 +417,12 @@ def _loop(wl, topo, const, cp: _Compiled, *, record: bool, check: bool):
           b.rate = w[k] * scale / t0[k]
         if mem[k] > 0.0 and b.rate > 0.0:
           d = b.rate * mem[k]
-          demand += ng * b.cnt * d
-          loads.append((d, ng * b.cnt, b))
+          c = ng * b.cnt
+          demand += c * d
+          loaded += c
+          loads.append((d, c, b))
     if demand > bw_total:
-      _share_dram(loads, bw_total)
+      _share_dram(loads, loaded, bw_total)
     dt = math.inf
     finishing = None
     for _, b in batches:
@@ -477,13 +482,13 @@ def _loop(wl, topo, const, cp: _Compiled, *, record: bool, check: bool):
   return timings, events, occ_times, occ, log
 
 
-def _share_dram(loads: list, bw_total: float) -> None:
+def _share_dram(loads: list, blocks: int, bw_total: float) -> None:
   """Max-min fair DRAM sharing: blocks that ask for less than the fair level keep their
   rate (compute-bound blocks are not slowed by memory traffic); the others are throttled to
   the level at which the total demand meets ``bw_total``. ``loads``: (bytes/s per block,
-  blocks, batch)."""
-  loads.sort(key=lambda x: x[0])
-  left, blocks = bw_total, sum(c for _, c, _ in loads)
+  blocks, batch); ``blocks``: their total."""
+  loads.sort(key=_first)
+  left = bw_total
   level = 0.0
   for d, c, _ in loads:
     if d * blocks <= left:

@@ -39,22 +39,24 @@ class Periods:
     ``next_ready``: the time the next item becomes ready (None if none will).
     """
     k = None
-    parts = []
+    resident = 0
     for g in groups:
-      row = []
       for b in g.batches:
         if k is None:
           k = b.k
         elif b.k != k:
           self._seen.clear()
           return None
-        row.append((b.cnt, int(b.rem * _RESOLUTION)))
-      row.sort()
-      parts.append((len(g.sms), tuple(row)))
-    if k is None or self._comm[k]:
+        resident += b.cnt * len(g.sms)
+    # A period refills every resident slot once: one period observed and another skipped
+    # need at least three times the resident blocks still to dispatch.
+    if k is None or self._comm[k] or remaining[k] < 3 * resident:
       self._seen.clear()
       return None
-    parts.sort()
+    parts = sorted(
+      (len(g.sms), tuple(sorted((b.cnt, int(b.rem * _RESOLUTION)) for b in g.batches)))
+      for g in groups
+    )
     key = (k, tuple(parts), tuple(p[2] for p in pending))
     ref = self._seen.get(key)
     if ref is None:
