@@ -362,7 +362,9 @@ def _loop(wl, topo, const, cp: _Compiled, *, record: bool, check: bool):
       pending.sort()
       dispatch()
     if periods is not None:
-      skip = periods.skip(groups, pending, remaining, t, events, heap[0][0] if heap else None)
+      skip = periods.skip(
+        groups, pending, remaining, running, t, events, heap[0][0] if heap else None
+      )
       if skip is not None:
         k, dt_skip, blocks, skipped = skip
         t += dt_skip

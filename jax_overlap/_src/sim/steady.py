@@ -32,27 +32,26 @@ class Periods:
     self._comm = comm
     self._seen: dict = {}
 
-  def skip(self, groups, pending, remaining, t: float, events: int, next_ready: float | None):
+  def skip(
+    self, groups, pending, remaining, running, t: float, events: int, next_ready: float | None
+  ):
     """``(kernel, seconds, blocks, events)`` to skip from ``t``, or None.
 
-    ``pending``: the dispatcher's queue ((-priority, order, item) tuples);
-    ``next_ready``: the time the next item becomes ready (None if none will).
+    ``pending``: the dispatcher's queue ((-priority, order, item) tuples); ``remaining``,
+    ``running``: each item's blocks still to dispatch and resident; ``next_ready``: the
+    time the next item becomes ready (None if none will).
     """
-    k = None
-    resident = 0
-    for g in groups:
-      for b in g.batches:
-        if k is None:
-          k = b.k
-        elif b.k != k:
-          self._seen.clear()
-          return None
-        resident += b.cnt * len(g.sms)
+    k = next((g.batches[0].k for g in groups if g.batches), None)
     # A period refills every resident slot once: one period observed and another skipped
     # need at least three times the resident blocks still to dispatch.
-    if k is None or self._comm[k] or remaining[k] < 3 * resident:
+    if k is None or self._comm[k] or remaining[k] < 3 * running[k]:
       self._seen.clear()
       return None
+    for g in groups:
+      for b in g.batches:
+        if b.k != k:
+          self._seen.clear()
+          return None
     parts = sorted(
       (len(g.sms), tuple(sorted((b.cnt, int(b.rem * _RESOLUTION)) for b in g.batches)))
       for g in groups
