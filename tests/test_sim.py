@@ -103,13 +103,23 @@ def test_skipped_waves_give_the_event_by_event_result(policy, monkeypatch):
       skips.append(out)
     return out
 
+  def simulate(wl):
+    # Each run computes its own per-item scales and isolated times (both cached by item,
+    # not by the fast path's switch), and leaves none behind for other tests.
+    engine.isolated_time.cache_clear()
+    engine.work_scale.cache_clear()
+    try:
+      return sim.simulate(wl, target="h100x8", policy=policy)
+    finally:
+      engine.isolated_time.cache_clear()
+      engine.work_scale.cache_clear()
+
   monkeypatch.setattr(steady.Periods, "skip", counted)
   wl = _steady_workload()
-  fast = sim.simulate(wl, target="h100x8", policy=policy)
+  fast = simulate(wl)
   assert skips and sum(s[2] for s in skips) > 100_000  # most of the fill's blocks skipped
   monkeypatch.setattr(engine, "_SKIP_PERIODS", False)
-  engine.isolated_time.cache_clear()
-  slow = sim.simulate(wl, target="h100x8", policy=policy)
+  slow = simulate(wl)
   assert fast.events == slow.events
   assert fast.makespan_s == pytest.approx(slow.makespan_s, rel=1e-9)
   for a, b in zip(fast.timings, slow.timings):
