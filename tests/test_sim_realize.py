@@ -1,46 +1,35 @@
 """Tests of realize() and the Report -> workload conversion, with stand-in Report objects."""
 
 import dataclasses
+import types
 
 import pytest
 
 from jax_overlap import sim
-from jax_overlap._src import targets
+from jax_overlap._src import schedule, targets
 
 
-@dataclasses.dataclass
-class FakeKernel:
-  name: str
-  kind: str
-  index: int
-  grid_blocks: int
-  threads_per_block: int
-  smem_bytes: int = 0
-  regs_per_thread: int | None = None
-  flops: float = 0.0
-  bytes_accessed: float = 0.0
-  time_s: float = 1e-4
-  gemm_mnk: tuple | None = None
-  dtype: str = "bf16"
+def _kernel(name, kind, index, grid_blocks, threads_per_block, smem_bytes=0, regs=None, *,
+            flops=0.0, bytes_accessed=0.0, time_s=1e-4, gemm_mnk=None, dtype="bf16"):  # fmt: skip
+  """One kernel as the analysis reports it (the fields the tests vary, the rest defaulted)."""
+  return schedule.KernelInfo(
+    name=name, kind=kind, index=index, grid_blocks=grid_blocks,
+    threads_per_block=threads_per_block, smem_bytes=smem_bytes, regs_per_thread=regs,
+    flops=flops, bytes_accessed=bytes_accessed, time_s=time_s, gemm_mnk=gemm_mnk, dtype=dtype,
+  )  # fmt: skip
 
 
-@dataclasses.dataclass
-class FakeCollective:
-  name: str
-  kind: str
-  bytes: int
-  group_size: int
-  start_index: int
-  done_index: int
-  time_s: float
-  synchronous: bool = False
+def _collective(name, kind, nbytes, group_size, start_index, done_index, time_s, sync=False):
+  return schedule.CollectiveInfo(
+    name=name, kind=kind, bytes=nbytes, group_size=group_size, start_index=start_index,
+    done_index=done_index, time_s=time_s, synchronous=sync,
+  )  # fmt: skip
 
 
-@dataclasses.dataclass
-class FakeReport:
-  target: targets.Topology
-  kernels: list
-  collectives: list
+def _stand_in_report(kernels, collectives):
+  """What ``workload_from_report`` documents it reads: ``target``, ``kernels`` and
+  ``collectives`` (no ``step_time_s``: the analysis estimate is the critical path)."""
+  return types.SimpleNamespace(target="h100x8", kernels=kernels, collectives=collectives)
 
 
 def _report(sync=False):
@@ -48,7 +37,7 @@ def _report(sync=False):
   for i in range(4):
     # Deviceless default launch configuration of a Triton GEMM: not what runs on hardware.
     ks.append(
-      FakeKernel(
+      _kernel(
         f"gemm_fusion_dot.{i}",
         "gemm",
         len(ks),
@@ -62,7 +51,7 @@ def _report(sync=False):
       )
     )
     ks.append(
-      FakeKernel(
+      _kernel(
         f"loop_fusion.{i}",
         "fusion",
         len(ks),
@@ -76,10 +65,10 @@ def _report(sync=False):
       )
     )
   cs = [
-    FakeCollective("all-gather-start.1", "all-gather", 256 << 20, 8, 1, 4, 6e-4, sync),
-    FakeCollective("reduce-scatter-start.2", "reduce-scatter", 256 << 20, 8, 5, 8, 6e-4, sync),
+    _collective("all-gather-start.1", "all-gather", 256 << 20, 8, 1, 4, 6e-4, sync),
+    _collective("reduce-scatter-start.2", "reduce-scatter", 256 << 20, 8, 5, 8, 6e-4, sync),
   ]
-  return FakeReport(targets.get("h100x8"), ks, cs)
+  return _stand_in_report(ks, cs)
 
 
 def test_conversion_rebuilds_gemms_and_wires_events():
@@ -133,8 +122,8 @@ def test_realize_single_policy_and_step_time_attribute():
 
 def test_unknown_launch_configuration_is_sized_by_bytes():
   rep = _report()
-  rep.kernels.append(FakeKernel("memcpy", "copy", 8, 0, 0, bytes_accessed=1e6))
-  rep.kernels.append(FakeKernel("tiny", "copy", 9, 0, 0, bytes_accessed=10))
+  rep.kernels.append(_kernel("memcpy", "copy", 8, 0, 0, bytes_accessed=1e6))
+  rep.kernels.append(_kernel("tiny", "copy", 9, 0, 0, bytes_accessed=10))
   wl = sim.workload_from_report(rep)
   big, tiny = wl.items[-2], wl.items[-1]
   # 128-thread blocks moving 64 bytes per thread, as XLA's loop fusions do.
@@ -180,11 +169,8 @@ def test_bad_kernel_fields():
 
 def test_kinds_and_unknown_launch_fields():
   rep = _report()
-  rep.kernels.append(
-    FakeKernel("triton_dot_fusion", "fusion", 8, 99, 64, gemm_mnk=(4096, 4096, 4096))
-  )
-  rep.kernels.append(FakeKernel("conv", "convolution", 9, 500, 0, flops=1e9))
-  rep.target = "h100x8"  # the real Report carries the topology name
+  rep.kernels.append(_kernel("triton_dot_fusion", "fusion", 8, 99, 64, gemm_mnk=(4096, 4096, 4096)))
+  rep.kernels.append(_kernel("conv", "convolution", 9, 500, 0, flops=1e9))
   wl = sim.workload_from_report(rep)
   dot, conv = wl.item("triton_dot_fusion"), wl.item("conv")
   assert dot.kind == "gemm" and dot.grid is None
