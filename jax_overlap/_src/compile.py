@@ -138,6 +138,8 @@ def _from_store(entry: dict[str, Any], topo, mesh) -> CompiledStep | None:
 # tile sizes for dots whose dimensions have odd factors (e.g. 8 x 63 rows).
 _TILING_ERROR = "Couldn't find output tile sizes"
 _TILING_FALLBACK = {"xla_gpu_enable_triton_gemm": False}
+# Public for the variant selection, whose variants share the failing dots.
+TILING_FALLBACK = _TILING_FALLBACK
 
 
 def _fallback_for(error: Exception, topo, options: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -181,6 +183,7 @@ def _parse_debug_options(text: str) -> dict[str, str]:
 _MEMO: collections.OrderedDict = collections.OrderedDict()
 _MEMO_SIZE = 48
 _MEMO_LOCK = threading.Lock()
+_IN_FLIGHT: dict[str, threading.Event] = {}  # memo keys being compiled, by any thread
 
 
 def _memo_key(lowered, options: Mapping[str, Any], topo) -> str | None:
@@ -202,6 +205,25 @@ def _memo_key(lowered, options: Mapping[str, Any], topo) -> str | None:
   h = hashlib.sha256(text.encode())
   h.update(repr((opts, topo.name, jax.__version__)).encode())
   return h.hexdigest()
+
+
+def _claim(key: str | None) -> tuple[CompiledStep | None, threading.Event | None]:
+  """(the remembered step, None), or (None, an event this caller sets once it has compiled
+  ``key``). Variants are compiled from several threads, and two of them may lower to the
+  same module: the second waits for the first's compile instead of repeating it."""
+  if key is None:
+    return None, None
+  while True:
+    with _MEMO_LOCK:
+      hit = _MEMO.get(key)
+      if hit is not None:
+        _MEMO.move_to_end(key)
+        return hit, None
+      running = _IN_FLIGHT.get(key)
+      if running is None:
+        owned = _IN_FLIGHT[key] = threading.Event()
+        return None, owned
+    running.wait()  # then the memo has it, or that compile failed and this one tries
 
 
 def _remember(key: str, step: CompiledStep) -> None:
@@ -260,6 +282,7 @@ def compile_for_target(
     dump_dir, own_dir = tempfile.mkdtemp(prefix="jax_overlap_"), True
   options["xla_dump_to"] = dump_dir
   topo = targets_lib.get(target) if target is not None else None
+  memo_key, owned = None, None
 
   try:
     leaves_meshes = retarget.meshes_in((args, kwargs))
@@ -289,10 +312,7 @@ def compile_for_target(
     try:
       lowered = lower()
       memo_key = _memo_key(lowered, options, topo) if own_dir and not keep_dump else None
-      with _MEMO_LOCK:  # variants are compiled from several threads
-        hit = _MEMO.get(memo_key) if memo_key is not None else None
-        if hit is not None:
-          _MEMO.move_to_end(memo_key)
+      hit, owned = _claim(memo_key)
       if hit is None and memo_key is not None:
         stored = compile_store.load(memo_key)
         hit = _from_store(stored, topo, tmesh) if stored is not None else None
@@ -357,5 +377,9 @@ def compile_for_target(
       compile_store.save(memo_key, _stored(step))
     return step
   finally:
+    if owned is not None:
+      with _MEMO_LOCK:
+        del _IN_FLIGHT[memo_key]
+      owned.set()
     if own_dir and not keep_dump:
       shutil.rmtree(dump_dir, ignore_errors=True)

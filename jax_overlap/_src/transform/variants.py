@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import os
+import threading
 from typing import Any
 
 from jax_overlap._src import flags as flags_lib
@@ -314,16 +315,27 @@ def _workers() -> int:
 def _analyze_all(ov, jobs, make, args, kwargs, errors, kernels=None):
   """Reports (or the exception) for ``jobs`` [(name, cfg, options)], in their order,
   compiled by :func:`_workers` threads. With ``kernels`` (a :class:`kernel_cache.Shared`),
-  the first job seeds it when no compile has, alone, and the others start from its kernels."""
+  the first job seeds it when no compile has, alone, and the others start from its kernels.
+
+  Variants share the program's dots: once one compile needed the fallback for XLA's
+  deviceless Triton tiling failure (``compile.TILING_FALLBACK``), the variants compiled
+  after it start with it instead of failing first, unless they set those options."""
   from jax_overlap._src import analysis
+  from jax_overlap._src import compile as compile_lib
 
   kernels = kernels or kernel_cache.Shared(enabled=False)
+  learned: dict = {}
+  lock = threading.Lock()
+  fallback_keys = set(compile_lib.TILING_FALLBACK)
 
   def one(job, seed=False):
     name, cfg_c, options = job
-    compile_options = kernels.seed(options) if seed else kernels.copy(options)
+    with lock:
+      inherited = dict(learned) if not fallback_keys & set(options) else {}
+    compile_options = {**options, **inherited}
+    compile_options = kernels.seed(compile_options) if seed else kernels.copy(compile_options)
     try:
-      return analysis.analyze(
+      report = analysis.analyze(
         make(cfg_c, options),
         *args,
         target=ov.target,
@@ -333,6 +345,20 @@ def _analyze_all(ov, jobs, make, args, kwargs, errors, kernels=None):
       )
     except errors as e:
       return e
+    fell_back = {
+      k: v for k, v in report.xla_options.items() if k in fallback_keys and k not in options
+    }
+    if inherited:
+      report.notes.append(
+        "compiled with "
+        + ", ".join(f"{k}={v}" for k, v in inherited.items())
+        + " from the start: XLA's Triton GEMM emitter found no tile sizes for a dot in an "
+        "earlier variant of this selection (GEMMs are cuBLAS calls in this report)"
+      )
+    elif fell_back:
+      with lock:
+        learned.update(fell_back)
+    return report
 
   first: list = []
   if jobs and kernels.needs_seed():
