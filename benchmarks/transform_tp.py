@@ -51,6 +51,7 @@ SIZES = {
 }
 BUILD = {"shard_map": tp_sp.build, "gspmd": tp_sp.build_gspmd}
 CHANNELS = (16, 8)  # NCCL channel counts simulated besides the target's default
+RESERVED = (8, 24)  # SMs kept free of compute blocks (24: one per NCCL channel on H100)
 
 
 def _simulated(report, target) -> dict:
@@ -77,6 +78,15 @@ def _simulated(report, target) -> dict:
     ch: jax_overlap.sim.realize(report, "priority", channels=ch).results["priority"].makespan_s
     for ch in CHANNELS
   }
+  # SMs kept for communication (what CUDA green contexts would do; no runtime applies it).
+  reserved = {
+    n: jax_overlap.sim.realize(
+      report, jax_overlap.sim.Policy(f"priority, {n} SMs reserved", priority=True, reserve_sms=n)
+    )
+    .results[f"priority, {n} SMs reserved"]
+    .makespan_s
+    for n in RESERVED
+  }
   return {
     "ideal_s": real.ideal_s,
     "concurrent_s": real.results["concurrent"].makespan_s,
@@ -84,6 +94,7 @@ def _simulated(report, target) -> dict:
     "tuned_s": tuned.makespan_s,
     "p2p_link_rate_s": p2p_s,
     "priority_channels_s": {str(ch): s for ch, s in fewer.items()},
+    "priority_reserved_s": {str(n): s for n, s in reserved.items()},
     "tuned_priority": tuned.plan["streams"]["priority"],
     "tuned_caps": len(tuned.plan["kernels"]),
     "tuned_no_room": len(tuned.no_room),
@@ -153,15 +164,16 @@ def _line(row: dict) -> str:
     f"| {row['vs_compute_bound']:.3f} | {row['vs_written_compute_bound']:.3f} "
     f"| {row['concurrent_s'] * 1e3:.2f} | {row['priority_s'] * 1e3:.2f} "
     f"| {row['tuned_s'] * 1e3:.2f} | {_ms(row['p2p_link_rate_s'])} "
-    f"| {_channels(row.get('priority_channels_s'))} |"
+    f"| {_per(row.get('priority_channels_s'), CHANNELS)} "
+    f"| {_per(row.get('priority_reserved_s'), RESERVED)} |"
   )
 
 
-def _channels(times: dict | None) -> str:
-  """'a / b' ms at CHANNELS, or '-' for a row from before the column existed."""
+def _per(times: dict | None, keys) -> str:
+  """'a / b' ms at each of ``keys``, or '-' for a row from before the column existed."""
   if not times:
     return "-"
-  return " / ".join(_ms(times.get(str(ch))) for ch in CHANNELS)
+  return " / ".join(_ms(times.get(str(k))) for k in keys)
 
 
 def _note(row: dict) -> str:
@@ -222,14 +234,18 @@ def main(argv):
     "several times faster than a collective's channel (not measured here). The last "
     f"column simulates XLA's priority with {' and '.join(map(str, CHANNELS))} NCCL channels "
     "per collective (NCCL_MAX_NCHANNELS) instead of the target's default: fewer SMs taken "
-    "beside the GEMMs, each collective slower (min(link, channels x a channel's copy rate)); "
-    "'-' for rows from before the column existed.",
+    "beside the GEMMs, each collective slower (min(link, channels x a channel's copy rate)). "
+    f"The column after it keeps {' and '.join(map(str, RESERVED))} SMs free of compute blocks "
+    "for the whole step, under XLA's priority (sim.Policy(reserve_sms=...): what CUDA green "
+    "contexts would do for the communication kernels; no runtime here applies it). "
+    "'-' for rows from before a column existed.",
     "",
     "| target | form | size | variant | step ms | compute ms | exposed comm "
     "| step / its compute | step / compute as written | sim: concurrent ms "
     "| sim: XLA priority ms | sim: tuned plan ms | sim: XLA priority, send/recv at link rate ms "
-    f"| sim: XLA priority, {' / '.join(map(str, CHANNELS))} channels ms |",
-    "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    f"| sim: XLA priority, {' / '.join(map(str, CHANNELS))} channels ms "
+    f"| sim: XLA priority, {' / '.join(map(str, RESERVED))} SMs reserved ms |",
+    "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     *lines,
     "",
     *notes,

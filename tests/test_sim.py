@@ -131,6 +131,57 @@ def test_skipped_waves_give_the_event_by_event_result(policy, monkeypatch):
       )
 
 
+def test_reserved_sms_hold_no_compute_block():
+  # 4 SMs kept for communication: a kernel of one block per SM takes waves of 128 SMs, and
+  # the occupancy record shows the reserved SMs idle while only compute runs.
+  k = sim.Kernel("a", grid=1280, threads=256, regs=32, smem=150 * 1024, flops=1280 * 1e9)
+  wl = sim.Workload((k,))
+  free = sim.simulate(wl, target="h100x8", policy="concurrent", baseline=False)
+  kept = sim.Policy("kept", reserve_sms=4)
+  r = sim.simulate(wl, target="h100x8", policy=kept, record=True, check=True)
+  # ceil(1280 / 132) = 10 waves on every SM; ceil(1280 / 128) = 10 waves on 128 SMs: the
+  # same time. One block more per wave than 128 SMs hold (1290 blocks) takes an 11th.
+  assert r.makespan_s == pytest.approx(free.makespan_s, rel=1e-9)
+  more = dataclasses.replace(k, grid=1290, flops=1290 * 1e9)
+  r11 = sim.simulate(sim.Workload((more,)), target="h100x8", policy=kept, baseline=False)
+  r10 = sim.simulate(sim.Workload((more,)), target="h100x8", policy="concurrent", baseline=False)
+  assert r11.makespan_s == pytest.approx(r10.makespan_s * 11 / 10, rel=1e-3)
+  assert r.occupancy is not None and r.occupancy[:, 128:].max() == 0.0
+  assert r.occupancy[:, :128].max() > 0.0
+  # The reservation's cost is counted against the kernel alone on every SM.
+  assert r.isolated_s["a"] == pytest.approx(free.timing("a").duration_s, rel=1e-9)
+
+
+def test_reserved_sms_let_a_collective_start_beside_a_full_gemm():
+  # An H100 GEMM holds each SM with one block and leaves no room for an NCCL channel: a
+  # collective ready after it has started waits for its first wave. With SMs reserved it
+  # starts at once, on those SMs.
+  gemm = sim.Kernel.gemm("gemm", 8192, 8192, 8192)
+  gather = sim.Collective("gather", "all-gather", 64e6, stream=1, after=("first",))
+  late = sim.Workload((sim.Kernel("first", grid=1, threads=32, flops=1e3), gemm, gather))
+  shared = sim.simulate(late, target="h100x8", policy="priority", baseline=False)
+  kept = sim.simulate(
+    late, target="h100x8", policy=sim.Policy("kept", priority=True, reserve_sms=12), check=True
+  )
+  wave = shared.timing("gemm").duration_s / math.ceil(2048 / 132)  # 128x256 tiles
+  assert shared.timing("gather").start_s > shared.timing("gemm").start_s + 0.9 * wave
+  assert kept.timing("gather").start_s < kept.timing("gemm").start_s + 1e-5
+  assert kept.timing("gather").end_s < shared.timing("gather").end_s
+  assert kept.timing("gemm").duration_s > shared.timing("gemm").duration_s  # fewer SMs
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "4"])
+def test_bad_reservation_is_refused(bad):
+  with pytest.raises(ValueError, match=r"Policy.reserve_sms must be an int >= 0"):
+    sim.Policy("kept", reserve_sms=bad)
+
+
+def test_reserving_every_sm_is_refused():
+  wl = sim.Workload((sim.Kernel("a", grid=132, threads=256, flops=1e9),))
+  with pytest.raises(ValueError, match=r"reserve_sms=132 leaves no SM for compute on h100"):
+    sim.simulate(wl, target="h100x8", policy=sim.Policy("kept", reserve_sms=132))
+
+
 def test_compute_bound_block_time_matches_formula():
   const = sim.constants_for("h100")
   k = sim.Kernel(

@@ -20,9 +20,10 @@ from jax_overlap._src.sim.model import (
 
 
 class _Group:
-  __slots__ = ("sms", "thr", "regs", "smem", "blk", "batches")
+  __slots__ = ("sms", "thr", "regs", "smem", "blk", "batches", "reserved")
 
-  def __init__(self, sms, thr=0, regs=0, smem=0, blk=0, batches=None):
+  def __init__(self, sms, thr=0, regs=0, smem=0, blk=0, batches=None, reserved=False):
+    self.reserved = reserved  # SMs kept for communication: compute blocks never land here
     self.sms = sms
     self.thr = thr
     self.regs = regs

@@ -120,6 +120,7 @@ def run(
   record: bool = False,
   check: bool = False,
   baseline: bool = True,
+  reserved_sms: int = 0,
 ) -> SimResult:
   """Simulates ``wl`` on one device of ``target``.
 
@@ -134,6 +135,8 @@ def run(
     record: record per-SM occupancy over time.
     check: verify invariants at every event (slow; for tests).
     baseline: compute each compute kernel's isolated duration (for compute_slowdown).
+    reserved_sms: the last SMs of the device, on which no compute block is placed
+      (communication blocks may use every SM); isolated durations stay on all SMs.
 
   Returns:
     A :class:`SimResult`.
@@ -141,9 +144,18 @@ def run(
   if not isinstance(wl, Workload):
     raise TypeError(f"jax_overlap.sim: workload must be a sim.Workload, got {type(wl).__name__}")
   topo = resolve_target(target)
+  if (
+    not isinstance(reserved_sms, int)
+    or isinstance(reserved_sms, bool)
+    or not (0 <= reserved_sms < topo.gpu.sm_count)
+  ):
+    raise ValueError(
+      f"jax_overlap.sim: reserved_sms must be an int in [0, {topo.gpu.sm_count}), got "
+      f"{reserved_sms!r}"
+    )
   const = constants if constants is not None else constants_for(topo.gpu)
   cp = _Compiled(wl, topo, const, dict(priorities or {}), shaping, _scales(topo, const))
-  out = _loop(wl, topo, const, cp, record=record, check=check)
+  out = _loop(wl, topo, const, cp, record=record, check=check, reserved_sms=reserved_sms)
   iso = None
   if baseline:
     iso = {
@@ -211,7 +223,7 @@ def isolated_time(kernel: Kernel, topo: targets.Topology, const: Constants) -> f
   return timings[0].end_s - timings[0].start_s
 
 
-def _loop(wl, topo, const, cp: _Compiled, *, record: bool, check: bool):
+def _loop(wl, topo, const, cp: _Compiled, *, record: bool, check: bool, reserved_sms: int = 0):
   gpu = topo.gpu
   n_sm = gpu.sm_count
   THR, REG, SMEM, BLK = (
@@ -256,7 +268,9 @@ def _loop(wl, topo, const, cp: _Compiled, *, record: bool, check: bool):
   running = [0] * n
   pending: list[tuple[int, int, int]] = []  # (-priority, ready order, k)
   order = 0
-  groups = [_Group(list(range(n_sm)))]
+  groups = [_Group(list(range(n_sm - reserved_sms)))]
+  if reserved_sms:
+    groups.append(_Group(list(range(n_sm - reserved_sms, n_sm)), reserved=True))
   done = 0
   t = 0.0
   events = 0
@@ -267,6 +281,8 @@ def _loop(wl, topo, const, cp: _Compiled, *, record: bool, check: bool):
   periods = steady.Periods(comm) if _SKIP_PERIODS and not (check or record) else None
 
   def fit(g, k):
+    if g.reserved and not comm[k]:
+      return 0
     f = min((THR - g.thr) // thr[k], (REG - g.regs) // regs[k], BLK - g.blk)
     if smem[k]:
       f = min(f, (SMEM - g.smem) // smem[k])
@@ -288,7 +304,13 @@ def _loop(wl, topo, const, cp: _Compiled, *, record: bool, check: bool):
   def split(g, m):
     """Splits the first m SMs of g into a new group (a copy of g's state)."""
     ng = _Group(
-      g.sms[:m], g.thr, g.regs, g.smem, g.blk, [_Batch(b.k, b.cnt, b.rem, b.t0) for b in g.batches]
+      g.sms[:m],
+      g.thr,
+      g.regs,
+      g.smem,
+      g.blk,
+      [_Batch(b.k, b.cnt, b.rem, b.t0) for b in g.batches],
+      g.reserved,
     )
     g.sms = g.sms[m:]
     groups.append(ng)
@@ -513,16 +535,17 @@ def _merge(groups: list) -> None:
   groups (it is an optimisation: identical groups evolve identically).
   """
   if len(groups) <= _FULL_MERGE_ABOVE:
-    empty = [g for g in groups if not g.batches]
-    if len(empty) > 1:
-      for g in empty[1:]:
-        empty[0].sms.extend(g.sms)
-      groups[:] = [g for g in groups if g.batches or g is empty[0]]
+    for reserved in (False, True):
+      empty = [g for g in groups if not g.batches and g.reserved is reserved]
+      if len(empty) > 1:
+        for g in empty[1:]:
+          empty[0].sms.extend(g.sms)
+        groups[:] = [g for g in groups if g.batches or g.reserved is not reserved or g is empty[0]]
     return
   seen: dict = {}
   out = []
   for g in groups:
-    key = tuple(sorted([(b.k, b.cnt, int(b.rem * 1e9)) for b in g.batches]))
+    key = (g.reserved, tuple(sorted([(b.k, b.cnt, int(b.rem * 1e9)) for b in g.batches])))
     h = seen.get(key)
     if h is None:
       seen[key] = g

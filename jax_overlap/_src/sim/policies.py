@@ -9,6 +9,10 @@
                     memory so that fewer of their blocks fit per SM (occupancy shaping);
   priority+shaping  both controls (Cui & Pericas, arXiv 2606.09200).
 
+A :class:`Policy` can also keep SMs free of compute blocks (``reserve_sms``): what CUDA green
+contexts, or a library's SM-count target, would do for the communication kernels. The runtime
+library does not apply it; the simulator says what it would buy.
+
 Default shaping (when no per-kernel setting is given): each GEMM or custom kernel in a
 collective's overlap window is capped at the largest blocks-per-SM ``r`` that still leaves
 room for one communication CTA beside it on an SM, by the runtime library's rule
@@ -66,18 +70,29 @@ class Policy:
     priority: give communication streams the highest priority.
     shaping: True for the default shaping, or kernel name -> blocks per SM (int) or
       {"blocks_per_sm": n} / {"padding_bytes": b}; None or False for none.
+    reserve_sms: SMs on which no compute block is placed, for the whole step
+      (communication blocks may use every SM).
   """
 
   name: str
   sequential: bool = False
   priority: bool = False
   shaping: Mapping[str, object] | bool | None = None
+  reserve_sms: int = 0
+
+  def __post_init__(self):
+    r = self.reserve_sms
+    if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+      raise ValueError(
+        f"jax_overlap.sim: Policy.reserve_sms must be an int >= 0 (SMs kept free of compute "
+        f"blocks), got {r!r}"
+      )
 
   def __hash__(self):
     s = self.shaping
     if isinstance(s, Mapping):
       s = tuple(sorted((k, str(v)) for k, v in s.items()))
-    return hash((self.name, self.sequential, self.priority, s))
+    return hash((self.name, self.sequential, self.priority, s, self.reserve_sms))
 
 
 def get_policy(policy: str | Policy) -> Policy:
@@ -310,16 +325,23 @@ def simulate(
   topo = engine.resolve_target(target)
   const = _constants(constants, topo)
   wl2, prios, shaping = apply(policy, workload, topo, const)
+  pol = _resolve(policy, workload)
+  if pol.reserve_sms >= topo.gpu.sm_count:
+    raise ValueError(
+      f"jax_overlap.sim: Policy.reserve_sms={pol.reserve_sms} leaves no SM for compute on "
+      f"{topo.gpu.name} ({topo.gpu.sm_count} SMs); reserve fewer"
+    )
   return engine.run(
     wl2,
     topo,
     priorities=prios,
     shaping=shaping,
     constants=const,
-    policy_name=_resolve(policy, workload).name,
+    policy_name=pol.name,
     record=record,
     check=check,
     baseline=baseline,
+    reserved_sms=pol.reserve_sms,
   )
 
 

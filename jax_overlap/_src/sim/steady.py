@@ -53,7 +53,7 @@ class Periods:
           self._seen.clear()
           return None
     parts = sorted(
-      (len(g.sms), tuple(sorted((b.cnt, int(b.rem * _RESOLUTION)) for b in g.batches)))
+      (len(g.sms), g.reserved, tuple(sorted((b.cnt, int(b.rem * _RESOLUTION)) for b in g.batches)))
       for g in groups
     )
     key = (k, tuple(parts), tuple(p[2] for p in pending))
