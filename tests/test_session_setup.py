@@ -1,4 +1,5 @@
-"""The test session's own settings (conftest.py) change only what they say they change."""
+"""The test session's own settings (conftest.py, cpu_setting.py) change only what they say they
+change."""
 
 import inspect
 import os
@@ -31,7 +32,7 @@ def _debug_options(backend):
 @pytest.mark.skipif(not _UNOPTIMISED, reason="JAX_OVERLAP_TEST_CPU_OPT=1 keeps XLA:CPU's settings")
 @pytest.mark.skipif(not _SETTABLE, reason="this JAX's compile options do not name the backend")
 def test_cpu_programs_compile_without_llvm_optimisations():
-  assert hasattr(compiler.get_compile_options, "__wrapped__"), "conftest.py's hook is missing"
+  assert hasattr(compiler.get_compile_options, "__wrapped__"), "cpu_setting.py's hook is missing"
   debug = _debug_options(jax.devices("cpu")[0].client)
   assert debug.xla_backend_optimization_level == 0
   assert debug.xla_llvm_disable_expensive_passes
