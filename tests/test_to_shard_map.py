@@ -280,7 +280,7 @@ def test_layout_conversions_are_exact():
 def test_overlap_chooses_among_both_forms(tmp_path):
   # A scanned, rematerialized GSPMD step on h100x8: the selection compiles the step as
   # written under compiler options and its shard_map form rewritten, deviceless.
-  fn, args = G.build("h100x8", layers=2, hidden=512, mlp=1408, heads=4, seq=512, scan=True,
+  fn, args = G.build("h100x8", layers=2, hidden=256, mlp=512, heads=4, seq=128, scan=True,
                      remat=True)  # fmt: skip
   ov = jax_overlap.overlap(fn, target="h100x8", cache=False, schedule_from_estimates=False)
   e = ov.explain(*args)
