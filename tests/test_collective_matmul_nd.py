@@ -273,7 +273,7 @@ def test_rings_assemble_their_outputs_with_one_gather_each_and_try_cublas():
   from jax_overlap._src import hlo
   from jax_overlap.examples import tp_sp
 
-  fn, args = tp_sp.build("h100x8", layers=1, hidden=512, mlp=1024, heads=8, seq=1024)
+  fn, args = tp_sp.build("h100x8", layers=1, hidden=256, mlp=512, heads=8, seq=256)
   chosen = jax_overlap.overlap(
     fn, target="h100x8", collective_matmul="ring", schedule_from_estimates=False, cache=False
   )
