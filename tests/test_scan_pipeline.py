@@ -184,10 +184,11 @@ def test_budget_memory_counts_the_carried_layers():
   from jax_overlap.budget import memory
   from jax_overlap.examples import shard_map_fsdp as S
 
+  hidden, mlp = 512, 1408
   fn, args = S.build(
-    "h100x8", form="scan_remat", layers=4, hidden=1024, mlp=2816, heads=8, seq=1024
+    "h100x8", form="scan_remat", layers=4, hidden=hidden, mlp=mlp, heads=8, seq=512
   )
-  layer = (4 * 1024 * 1024 + 3 * 1024 * 2816) * 2  # one gathered bf16 layer
+  layer = (4 * hidden * hidden + 3 * hidden * mlp) * 2  # one gathered bf16 layer
   plain = memory.breakdown(fn, *args, target="h100x8")
   grown = {}
   for prefetch in (1, 2):
