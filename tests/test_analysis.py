@@ -339,7 +339,7 @@ def test_deviceless_gemm_tiling_failure_falls_back_to_cublas():
   from jax_overlap._src import compile as compile_lib
 
   failed_first = []
-  original = compile_lib._fallback_for
+  original = compile_lib.fallback_for
 
   def counted(*a):
     out = original(*a)
@@ -347,7 +347,7 @@ def test_deviceless_gemm_tiling_failure_falls_back_to_cublas():
     return out
 
   with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(compile_lib, "_fallback_for", counted)
+    mp.setattr(compile_lib, "fallback_for", counted)
     e = jax_overlap.overlap(
       fn, target="h100x8", schedule_from_estimates=False, cache=False
     ).explain(*args)

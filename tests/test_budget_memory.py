@@ -96,6 +96,21 @@ class TestBreakdown:
     assert b["gathered_weights"] > 0
     assert b.peak_values and b.peak_values[0][2] >= b.peak_values[-1][2]
 
+  @pytest.mark.slow
+  def test_deviceless_tiling_failure_falls_back_as_the_analysis_does(self):
+    # The small GPT's 8 x 63 token rows: XLA's Triton GEMM emitter, with no GPU to autotune
+    # on, finds no tile sizes for some dots. The breakdown compiles again with cuBLAS GEMMs
+    # and says so; a choice the user made is kept, and the failure names XLA's reason.
+    from jax_overlap.examples import gpt
+
+    fn, args = gpt.build("h100x8", layers=1)
+    b = memory.breakdown(fn, *args, target="h100x8")
+    assert any("Triton GEMM emitter found no tile sizes" in n for n in b.notes), b.notes
+    assert "__cublas" in b.hlo_text and "note: XLA's Triton" in str(b)
+    assert b.unattributed_temp_bytes == 0  # the retry's own dump, not the failed one's
+    with pytest.raises(RuntimeError, match="could not compile the step for h100x8.*tile sizes"):
+      memory.breakdown(fn, *args, target="h100x8", xla_options={"xla_gpu_enable_triton_gemm": True})
+
   def test_replicated_optimizer_state_costs_eight_times_more(self):
     mesh = _cpu_mesh()
     sharded = memory.breakdown(*_flat(_make(mesh, shard_opt_state=True)))

@@ -137,18 +137,25 @@ def _from_store(entry: dict[str, Any], topo, mesh) -> CompiledStep | None:
 # XLA's Triton GEMM emitter, without a GPU to autotune on, can fail to find
 # tile sizes for dots whose dimensions have odd factors (e.g. 8 x 63 rows).
 _TILING_ERROR = "Couldn't find output tile sizes"
-_TILING_FALLBACK = {"xla_gpu_enable_triton_gemm": False}
-# Public for the variant selection, whose variants share the failing dots.
-TILING_FALLBACK = _TILING_FALLBACK
+TILING_FALLBACK = {"xla_gpu_enable_triton_gemm": False}
+TILING_NOTE = (
+  "XLA's Triton GEMM emitter found no tile sizes for a dot in this deviceless compile; "
+  "compiled with {options} (GEMMs are cuBLAS calls in this {what})"
+)
 
 
-def _fallback_for(error: Exception, topo, options: Mapping[str, Any]) -> dict[str, Any] | None:
-  """Options that avoid a known deviceless compile failure, or None."""
+def fallback_for(error: Exception, topo, options: Mapping[str, Any]) -> dict[str, Any] | None:
+  """Options that avoid a known deviceless compile failure, or None (every compile path:
+  the analysis, its variants and the memory breakdown)."""
   if topo is None or _TILING_ERROR not in str(error):
     return None
-  if any(k in options for k in _TILING_FALLBACK):
+  if any(k in options for k in TILING_FALLBACK):
     return None  # the user chose; do not override
-  return dict(_TILING_FALLBACK)
+  return dict(TILING_FALLBACK)
+
+
+def spelled(options: Mapping[str, Any]) -> str:
+  return ", ".join(f"{k}={v}" for k, v in options.items())
 
 
 def _read(pattern: str, prefer: str | None = None) -> str:
@@ -326,19 +333,14 @@ def compile_for_target(
       try:
         compiled = lowered.compile(options)
       except Exception as first:  # noqa: BLE001 - XLA raises JaxRuntimeError and others
-        fallback = _fallback_for(first, topo, options)
+        fallback = fallback_for(first, topo, options)
         if fallback is None:
           raise
         try:
           compiled = lowered.compile({**options, **fallback})
         except Exception:  # noqa: BLE001
           raise first from None
-        notes.append(
-          "XLA's Triton GEMM emitter found no tile sizes for a dot in this deviceless compile; "
-          "compiled with "
-          + ", ".join(f"{k}={v}" for k, v in fallback.items())
-          + " (GEMMs are cuBLAS calls in this report)"
-        )
+        notes.append(TILING_NOTE.format(options=spelled(fallback), what="report"))
     except ValueError:
       raise
     except Exception as e:  # noqa: BLE001 - XLA raises JaxRuntimeError and others

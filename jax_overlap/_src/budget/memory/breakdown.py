@@ -16,6 +16,7 @@ from typing import Any
 import jax
 from absl import logging
 
+from jax_overlap._src import compile as compile_lib
 from jax_overlap._src import deprecations, errors
 from jax_overlap._src.budget.memory.dump import (
   CATEGORIES,
@@ -59,6 +60,8 @@ class Breakdown:
     unattributed_temp_bytes: temp bytes the compiler's dump did not account
       for (counted under ``temporaries``); 0 when the dump covers XLA's temp.
     hlo_text: the optimized HLO the numbers come from.
+    notes: what the compile assumed (e.g. cuBLAS GEMMs where XLA's deviceless Triton
+      emitter found no tile sizes, as the analysis does).
   """
 
   target: str
@@ -71,6 +74,7 @@ class Breakdown:
   peak_values: tuple[tuple[str, str, int], ...] = ()
   unattributed_temp_bytes: int = 0
   hlo_text: str = dataclasses.field(default="", repr=False, compare=False)
+  notes: tuple[str, ...] = ()
 
   @property
   def total_bytes(self) -> int:
@@ -93,6 +97,7 @@ class Breakdown:
       f"{_fmt_bytes(self.output_bytes)} + temp {_fmt_bytes(self.temp_bytes)} - aliased "
       f"{_fmt_bytes(self.alias_bytes)})"
     )
+    lines += [f"  note: {n}" for n in self.notes]
     return "\n".join(lines)
 
 
@@ -115,6 +120,39 @@ def _default_kind(position: int, nargs: int, path: str) -> str:
   if position == 1 and nargs >= 3:
     return "optimizer_state"
   return "inputs"
+
+
+def _compile(lowered, options: dict, target: str | None, notes: list[str]):
+  """(XLA's executable, the folder its dump is in). A deviceless compile that XLA's Triton
+  GEMM emitter cannot tile is compiled again with the analysis's fallback (a note says so),
+  into a folder of its own; any other failure is a RuntimeError with XLA's message."""
+  from jax_overlap._src import targets as _targets
+
+  try:
+    topo = _targets.get(target) if target is not None else None
+  except ValueError:
+    topo = None  # a platform name such as "cpu": no deviceless compile
+  try:
+    return lowered.compile(options), options["xla_dump_to"]
+  except Exception as first:  # noqa: BLE001 - XLA raises JaxRuntimeError and others
+    fallback = compile_lib.fallback_for(first, topo, options)
+    if fallback is not None:
+      retry = os.path.join(options["xla_dump_to"], "fallback")
+      try:
+        compiled = lowered.compile({**options, **fallback, "xla_dump_to": retry})
+      except Exception:  # noqa: BLE001
+        pass
+      else:
+        notes.append(
+          compile_lib.TILING_NOTE.format(options=compile_lib.spelled(fallback), what="breakdown")
+        )
+        return compiled, retry
+    where = topo.name if topo is not None else "the local devices"
+    msg = str(first).strip().splitlines()
+    raise RuntimeError(
+      f"budget.memory.breakdown: XLA could not compile the step for {where}: "
+      f"{msg[0] if msg else type(first).__name__}"
+    ) from first
 
 
 def _place_on_target(args: Sequence[Any], target: str | None) -> list[Any]:
@@ -196,12 +234,13 @@ def breakdown(
     fn if hasattr(fn, "lower") else jax.jit(fn, donate_argnums=donate_argnums, keep_unused=True)
   )
   options = dict(xla_options or {})
+  notes: list[str] = []
   with tempfile.TemporaryDirectory(prefix="jax_overlap_mem_") as tmp:
     options["xla_dump_to"] = tmp
     traced = errors.trace_user_fn(
       "budget.memory.breakdown", fn, tuple(args), {}, lambda: jitted.trace(*args)
     )
-    compiled = traced.lower().compile(options)
+    compiled, tmp = _compile(traced.lower(), options, target, notes)
     assignment = _read_dump(tmp, "-buffer-assignment.txt")
     live = _read_dump(tmp, "-live-range.txt")
     hlo_files = [
@@ -269,4 +308,5 @@ def breakdown(
     peak_values=tuple(peak_values),
     unattributed_temp_bytes=tmp_b - parsed if parsed else tmp_b,
     hlo_text=hlo_text,
+    notes=tuple(notes),
   )
