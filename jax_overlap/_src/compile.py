@@ -158,6 +158,36 @@ def spelled(options: Mapping[str, Any]) -> str:
   return ", ".join(f"{k}={v}" for k, v in options.items())
 
 
+def compile_lowered(
+  lowered, options: Mapping[str, Any], topo, *, retry_dump_to: str | None = None
+) -> tuple[Any, dict[str, Any]]:
+  """(XLA's executable, the fallback options it needed, or {}): ``lowered`` compiled with
+  ``options``, and once more with :func:`fallback_for`'s options (dumped to
+  ``retry_dump_to`` when given) if XLA fails in a known way. Otherwise, and if the retry
+  fails too, XLA's first error is raised."""
+  try:
+    return lowered.compile(dict(options)), {}
+  except Exception as first:  # noqa: BLE001 - XLA raises JaxRuntimeError and others
+    fallback = fallback_for(first, topo, options)
+    if fallback is None:
+      raise
+    retry = {**options, **fallback}
+    if retry_dump_to is not None:
+      retry["xla_dump_to"] = retry_dump_to
+    try:
+      return lowered.compile(retry), fallback
+    except Exception:  # noqa: BLE001
+      raise first from None
+
+
+def failure(api: str, error: Exception, topo) -> RuntimeError:
+  """The error for an XLA compile of ``topo`` (None: the local devices) that failed:
+  ``api`` (e.g. "XLA could not compile the function") with XLA's first line."""
+  where = topo.name if topo is not None else "the local devices"
+  msg = str(error).strip().splitlines()
+  return RuntimeError(f"{api} for {where}: {msg[0] if msg else type(error).__name__}")
+
+
 def _read(pattern: str, prefer: str | None = None) -> str:
   files = sorted(glob.glob(pattern), key=os.path.getmtime)
   if prefer:
@@ -309,7 +339,6 @@ def compile_for_target(
       target_fn = retarget.retargeted(fn, tmesh, args, kwargs)
     t0 = time.perf_counter()
     notes: list[str] = []
-    fallback: dict[str, Any] | None = None
     if hasattr(target_fn, "trace"):
       lower = errors.trace_user_fn(
         api_name, fn, args, kwargs, lambda: target_fn.trace(*lower_args, **lower_kwargs)
@@ -330,25 +359,13 @@ def compile_for_target(
         return dataclasses.replace(hit, notes=list(hit.notes))
       # Kernels taken from a kernel cache keep the names of the compile that made them.
       reused = kernel_cache.OPTION in options
-      try:
-        compiled = lowered.compile(options)
-      except Exception as first:  # noqa: BLE001 - XLA raises JaxRuntimeError and others
-        fallback = fallback_for(first, topo, options)
-        if fallback is None:
-          raise
-        try:
-          compiled = lowered.compile({**options, **fallback})
-        except Exception:  # noqa: BLE001
-          raise first from None
+      compiled, fallback = compile_lowered(lowered, options, topo)
+      if fallback:
         notes.append(TILING_NOTE.format(options=spelled(fallback), what="report"))
     except ValueError:
       raise
     except Exception as e:  # noqa: BLE001 - XLA raises JaxRuntimeError and others
-      where = topo.name if topo else "the local devices"
-      msg = str(e).strip().splitlines()
-      raise RuntimeError(
-        f"XLA could not compile the function for {where}: {msg[0] if msg else type(e).__name__}"
-      ) from e
+      raise failure("XLA could not compile the function", e, topo) from e
     compile_time = time.perf_counter() - t0
     hlo = _read(os.path.join(dump_dir, "*after_optimizations.txt"))
     thunks = _read(os.path.join(dump_dir, "*thunk_sequence.txt"))
@@ -368,7 +385,7 @@ def compile_for_target(
       dump_dir=dump_dir if keep_dump or not own_dir else None,
       compile_time_s=compile_time,
       notes=notes,
-      fallback_options=fallback or {},
+      fallback_options=fallback,
       memory=memory_stats(compiled),
       thunk_metadata=metadata,
       reused_kernels=reused,

@@ -324,8 +324,8 @@ def simulate(
   """
   topo = engine.resolve_target(target)
   const = _constants(constants, topo)
-  wl2, prios, shaping = apply(policy, workload, topo, const)
-  pol = _resolve(policy, workload)
+  pol = _resolve(policy, workload)  # a plan is read once
+  wl2, prios, shaping = apply(pol, workload, topo, const)
   if pol.reserve_sms >= topo.gpu.sm_count:
     raise ValueError(
       f"jax_overlap.sim: Policy.reserve_sms={pol.reserve_sms} leaves no SM for compute on "

@@ -350,10 +350,9 @@ def _analyze_all(ov, jobs, make, args, kwargs, errors, kernels=None):
     }
     if inherited:
       report.notes.append(
-        "compiled with "
-        + ", ".join(f"{k}={v}" for k, v in inherited.items())
-        + " from the start: XLA's Triton GEMM emitter found no tile sizes for a dot in an "
-        "earlier variant of this selection (GEMMs are cuBLAS calls in this report)"
+        f"compiled with {compile_lib.spelled(inherited)} from the start: XLA's Triton GEMM "
+        "emitter found no tile sizes for a dot in an earlier variant of this selection "
+        "(GEMMs are cuBLAS calls in this report)"
       )
     elif fell_back:
       with lock:

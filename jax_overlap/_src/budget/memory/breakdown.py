@@ -132,27 +132,19 @@ def _compile(lowered, options: dict, target: str | None, notes: list[str]):
     topo = _targets.get(target) if target is not None else None
   except ValueError:
     topo = None  # a platform name such as "cpu": no deviceless compile
+  retry = os.path.join(options["xla_dump_to"], "fallback")
   try:
-    return lowered.compile(options), options["xla_dump_to"]
-  except Exception as first:  # noqa: BLE001 - XLA raises JaxRuntimeError and others
-    fallback = compile_lib.fallback_for(first, topo, options)
-    if fallback is not None:
-      retry = os.path.join(options["xla_dump_to"], "fallback")
-      try:
-        compiled = lowered.compile({**options, **fallback, "xla_dump_to": retry})
-      except Exception:  # noqa: BLE001
-        pass
-      else:
-        notes.append(
-          compile_lib.TILING_NOTE.format(options=compile_lib.spelled(fallback), what="breakdown")
-        )
-        return compiled, retry
-    where = topo.name if topo is not None else "the local devices"
-    msg = str(first).strip().splitlines()
-    raise RuntimeError(
-      f"budget.memory.breakdown: XLA could not compile the step for {where}: "
-      f"{msg[0] if msg else type(first).__name__}"
-    ) from first
+    compiled, fallback = compile_lib.compile_lowered(lowered, options, topo, retry_dump_to=retry)
+  except Exception as e:  # noqa: BLE001 - XLA raises JaxRuntimeError and others
+    raise compile_lib.failure(
+      "budget.memory.breakdown: XLA could not compile the step", e, topo
+    ) from e
+  if not fallback:
+    return compiled, options["xla_dump_to"]
+  notes.append(
+    compile_lib.TILING_NOTE.format(options=compile_lib.spelled(fallback), what="breakdown")
+  )
+  return compiled, retry
 
 
 def _place_on_target(args: Sequence[Any], target: str | None) -> list[Any]:
