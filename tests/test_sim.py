@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from jax_overlap import sim
 from jax_overlap._src import cost_model, targets
-from jax_overlap._src.sim import engine
+from jax_overlap._src.sim import engine, policies
 
 H100 = targets.get_gpu("h100")
 
@@ -303,6 +303,23 @@ def test_priority_lets_collective_in_before_pending_blocks():
   prio = sim.simulate(wl, target="h100", policy="priority")
   assert prio.timing("c1").start_s < 0.2 * fifo.timing("c1").start_s
   assert prio.timing("c1").end_s < fifo.timing("c1").end_s
+
+
+def test_a_synchronous_collective_leaves_the_compute_stream_at_default_priority():
+  # XLA runs a collective it could not overlap on the compute stream. That stream keeps its
+  # default priority: an async collective on a side stream must still go before the
+  # compute stream's pending GEMM blocks.
+  sync = sim.Collective("sync", "all-reduce", 1 << 20, stream=0)
+  gemm = sim.Kernel.gemm("gemm", 16384, 16384, 8192)
+  late = sim.Collective("late", "all-gather", 1 << 28, stream=1, after=("sync",))
+  wl = sim.Workload((sim.Kernel("warm", grid=132, threads=256, flops=1e6), sync, gemm, late))
+  fifo = sim.simulate(wl, target="h100", policy="concurrent")
+  prio = sim.simulate(wl, target="h100", policy="priority")
+  assert fifo.timing("late").start_s > 0.8 * fifo.timing("gemm").end_s  # starved by the GEMM
+  assert prio.timing("late").start_s < 0.2 * fifo.timing("late").start_s
+  # Only the side stream is a communication stream.
+  _, priorities, _ = policies.apply("priority", wl, "h100")
+  assert priorities == {1: 1}
 
 
 def test_drain_needs_priority_and_a_cap_without_room():

@@ -3,8 +3,11 @@
   sequential        every item on one stream in launch order (no overlap at all);
   concurrent        streams as given, equal priority, no shaping (what plain async
                     collectives on a side stream do);
-  priority          communication streams get the highest priority: their pending blocks
-                    are dispatched first whenever resources free (never preempting);
+  priority          communication streams (those carrying collectives and no compute
+                    kernel, as XLA's async collective streams) get the highest priority:
+                    their pending blocks are dispatched first whenever resources free
+                    (never preempting); a collective run synchronously on the compute
+                    stream keeps that stream's default priority;
   shaping           compute kernels that run beside a collective are padded with shared
                     memory so that fewer of their blocks fit per SM (occupancy shaping);
   priority+shaping  both controls (Cui & Pericas, arXiv 2606.09200).
@@ -162,7 +165,10 @@ def policy_from_plan(plan, wl: Workload) -> Policy:
 
 
 def _comm_streams(wl: Workload) -> set[int]:
-  return {c.stream for c in wl.collectives}
+  """Streams that carry collectives and no compute kernel. A collective XLA runs
+  synchronously sits on the compute stream, which keeps its default priority."""
+  compute = {it.stream for it in wl.items if not isinstance(it, Collective)}
+  return {c.stream for c in wl.collectives} - compute
 
 
 def shaping_choices(
