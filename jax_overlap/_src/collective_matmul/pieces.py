@@ -20,7 +20,10 @@ def _ag_pieces(x, dots, axis, gather_dim, collect, pieces):
   m = x.shape[gather_dim]
   c = _piece_count("all_gather_dot_generals", pieces, n, m)
   pos = [_out_dim(x.ndim, w.ndim, lhs, dn, gather_dim) for (w, lhs, dn, *_) in dots]
-  slices = lax.split(x, [m // c] * c, axis=gather_dim)
+  # Every slice is cut before the first gather: a gather then waits for nothing on the
+  # compute stream but the gather before it, so it is issued as soon as that one is done,
+  # not after a slice copy queued behind the previous piece's dots.
+  slices = list(lax.optimization_barrier(tuple(lax.split(x, [m // c] * c, axis=gather_dim))))
 
   def gather(piece):
     return lax.all_gather(piece, axis, axis=gather_dim, tiled=True)
@@ -29,14 +32,10 @@ def _ag_pieces(x, dots, axis, gather_dim, collect, pieces):
   parts: list[list] = [[None] * c for _ in dots]
   for j in range(c):
     if j + 1 < c:
-      # Piece j + 1 travels while piece j's dots run: its gather waits for gather j (one
-      # collective after the other, which also keeps XLA's combiner from joining them)
-      # and for piece j - 1's dots (at most one piece gathered ahead). The barrier's
-      # outputs are what the rest uses, so XLA keeps it.
-      ahead = [parts[i][j - 1] for i in range(len(dots))] if j >= 1 else []
-      nxt, gathered[j], *ahead = lax.optimization_barrier((slices[j + 1], gathered[j], *ahead))
-      for i, a in enumerate(ahead):
-        parts[i][j - 1] = a
+      # Piece j + 1 travels while piece j's dots run. Its gather waits for gather j only
+      # (one collective after the other, which also keeps XLA's combiner from joining
+      # them); the barrier's outputs are what the rest uses, so XLA keeps it.
+      nxt, gathered[j] = lax.optimization_barrier((slices[j + 1], gathered[j]))
       gathered[j + 1] = gather(nxt)
     if j >= 1:
       # Piece j - 1's dots and gather j meet before piece j's dots: XLA's scheduler then
