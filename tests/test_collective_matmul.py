@@ -346,27 +346,69 @@ _PEAK, _HBM, _LINK, _ALPHA = 989.4e12, 3.352e12, 450e9, 2.5e-6
 
 
 def test_estimate_gain_large_matmul_is_worthwhile_in_pieces_not_as_a_ring():
-  est = estimate_gain(8192, 8192, 8192, 8, dtype="bfloat16", target="h100x8", method="pieces")
+  # A fused QKV projection of a tensor-parallel block: y = all_gather(x) @ w.
+  m, n, k = 8192, 24576, 8192
+  est = estimate_gain(m, n, k, 8, dtype="bfloat16", target="h100x8", method="pieces")
   assert isinstance(est, GainEstimate)
   assert est.worthwhile and est.speedup > 1.05
   assert est.overlapped_s < est.baseline_s
   # 8 pieces: the first 16 MiB all-gather exposed, then each piece's dots beside the next.
-  piece_comm = 7 * _ALPHA + 7 / 8 * 8192 * 8192 * 2 / 8 / (0.8 * _LINK)
-  piece_dots = 2 * 8192**3 / 8 / 8 / (0.75 * _PEAK) + 1e-6
+  piece_comm = 7 * _ALPHA + 7 / 8 * m * k * 2 / 8 / (0.8 * _LINK)
+  piece_dots = 2 * m * n * k / 8 / 8 / (0.75 * _PEAK) + 1e-6
+
+  def copy(nbytes):  # read and written once at 85% of HBM, plus the launch
+    return 2 * nbytes / (0.85 * _HBM) + 1e-6
+
+  # The copies on the compute stream: 8 slices of this device's block, the outputs put
+  # in device order.
+  copies = 8 * copy(m * k * 2 / 8 / 8) + copy(m * n * 2 / 8)
+  assert est.copies_s == pytest.approx(copies, rel=1e-6)
   assert est.overlapped_s == pytest.approx(
-    piece_comm + piece_dots + 7 * max(piece_comm, piece_dots), rel=1e-3
+    piece_comm + piece_dots + 7 * max(piece_comm, piece_dots) + copies, rel=1e-3
   )
+  # Kept for the weight gradient, the gathered x is put in order too.
+  kept = estimate_gain(m, n, k, 8, dtype="bfloat16", target="h100x8", method="pieces", collect=True)
+  assert kept.copies_s == pytest.approx(copies + copy(m * k * 2), rel=1e-6)
+  assert kept.overlapped_s == pytest.approx(est.overlapped_s + copy(m * k * 2), rel=1e-6)
   # The ring's 8 MiB half-block exchanges are NCCL send/recvs on 4 of the 24 channels:
   # far slower than the dots beside them.
-  ring = estimate_gain(8192, 8192, 8192, 8, dtype="bfloat16", target="h100x8")
+  ring = estimate_gain(m, n, k, 8, dtype="bfloat16", target="h100x8")
   assert not ring.worthwhile and ring.speedup < 1.0
   assert ring.baseline_s == est.baseline_s
   assert est.baseline_s == pytest.approx(est.compute_s + est.comm_s)
   # Compute-bound: 2 m n k / N FLOPs at 75% of the bf16 peak, plus the launch.
-  assert est.compute_s == pytest.approx(2 * 8192**3 / 8 / (0.75 * _PEAK) + 1e-6)
+  assert est.compute_s == pytest.approx(2 * m * n * k / 8 / (0.75 * _PEAK) + 1e-6)
   # NCCL's ring all-gather of the 128 MiB x: 7 hops, 7/8 of it over 80% of the link.
-  nbytes = 8192 * 8192 * 2
+  nbytes = m * k * 2
   assert est.comm_s == pytest.approx(7 * _ALPHA + 7 / 8 * nbytes / (0.8 * _LINK))
+
+
+def test_estimate_gain_pieces_of_unequal_sizes():
+  # An output projection whose reduce-scatter outlasts its GEMM (k = hidden / N): a small
+  # first piece's dots start the reduce-scatters early; the last one is exposed.
+  m, n, k = 8192, 8192, 8192
+  kw = dict(dtype="bfloat16", target="h100x8", kind="reduce_scatter", method="pieces")
+  sizes = (1, 3, 4)
+  est = estimate_gain(m, n, k, 8, chunks=sizes, **kw)
+  f = [v / 8 for v in sizes]
+  flops, nbytes = 2 * m * n * k / 8, ((m * k + k * n) / 8 + m * n) * 2
+  t = [max(flops * x / (0.75 * _PEAK), nbytes * x / (0.85 * _HBM)) + 1e-6 for x in f]
+  e = [7 * _ALPHA + 7 / 8 * m * n * 2 * x / (0.8 * _LINK) for x in f]
+  assert sum(e) > sum(t)  # communication-bound
+  copies = 2 * (m * k / 8 * 2) / (0.85 * _HBM) + 1e-6 + 2 * (m * n / 8 * 2) / (0.85 * _HBM) + 1e-6
+  expected = t[0] + max(t[1], e[0]) + max(t[2], e[1]) + e[2] + copies
+  assert est.overlapped_s == pytest.approx(expected, rel=1e-6)
+  # Here the small piece first hides more than the same sizes in the other order, and
+  # than the 2, 4 or 8 equal pieces the cost model had before.
+  assert est.speedup > estimate_gain(m, n, k, 8, chunks=sizes[::-1], **kw).speedup
+  assert est.speedup > max(estimate_gain(m, n, k, 8, chunks=c, **kw).speedup for c in (2, 4, 8))
+  # Equal sizes are the count of equal pieces.
+  assert estimate_gain(m, n, k, 8, chunks=(2, 2, 2, 2), **kw) == estimate_gain(
+    m, n, k, 8, chunks=4, **kw
+  )
+  for bad in ((1, 0), (1.0, -2.0), (), "12"):
+    with pytest.raises(ValueError, match="estimate_gain: chunks must be a positive int or a"):
+      estimate_gain(m, n, k, 8, chunks=bad, **kw)
 
 
 def test_estimate_gain_small_matmul_is_not():
@@ -396,7 +438,10 @@ def test_estimate_gain_bidirectional_halves_the_exchange():
     assert ctas == 4
     exchange = _ALPHA + block / halves / (0.8 * _LINK * ctas / 24)
     assert exchange > step(pieces)
-    assert est.overlapped_s == pytest.approx(step(pieces) + 7 * exchange)
+    # The steps' outputs put in device order: one copy of this device's output columns.
+    copies = 2 * (m * n / 8 * 2) / (0.85 * _HBM) + 1e-6
+    assert est.copies_s == pytest.approx(copies)
+    assert est.overlapped_s == pytest.approx(step(pieces) + 7 * exchange + copies)
   assert bidi.overlapped_s < uni.overlapped_s
 
 

@@ -42,13 +42,16 @@ def _close(a, b):
   keep=st.booleans(),
   bidi=st.booleans(),
   method=st.sampled_from(["ring", "pieces"]),
-  pieces=st.integers(1, 4),
+  pieces=st.one_of(st.integers(1, 4), st.lists(st.integers(1, 3), min_size=1, max_size=4)),
 )
 def test_ring_equals_gather_then_dots_forward_and_backward(
   p, batch, seq_block, hidden, outs, batched, keep, bidi, method, pieces
 ):
   mesh = _mesh(p)
   seq_block *= 2 if bidi else 1  # a bidirectional ring splits each block in two
+  if isinstance(pieces, list):  # the pieces' sizes: the block is what they add up to
+    seq_block = sum(pieces) if method == "pieces" else seq_block
+    pieces = pieces if method == "pieces" else None
   k = jax.random.key(p * 100 + seq_block)
   x = jax.random.normal(k, (batch, seq_block * p, hidden))
   if batched:  # "bsh,bhk->bsk": the batch dimension is a dot batch dimension
@@ -124,13 +127,16 @@ def test_ring_equals_gather_then_dots_forward_and_backward(
   batched=st.booleans(),
   bidi=st.booleans(),
   method=st.sampled_from(["ring", "pieces"]),
-  pieces=st.integers(1, 4),
+  pieces=st.one_of(st.integers(1, 4), st.lists(st.integers(1, 3), min_size=1, max_size=4)),
 )
 def test_reduce_scatter_ring_equals_dot_then_psum_scatter(
   p, batch, seq_block, k_local, out, batched, bidi, method, pieces
 ):
   mesh = _mesh(p)
   seq_block *= 2 if bidi else 1
+  if isinstance(pieces, list):  # the pieces' sizes: the block is what they add up to
+    seq_block = sum(pieces) if method == "pieces" else seq_block
+    pieces = pieces if method == "pieces" else None
   key = jax.random.key(7 * p + seq_block)
   h = jax.random.normal(key, (batch, seq_block * p, k_local * p)) * 0.5
   if batched:
@@ -263,6 +269,38 @@ def test_bidirectional_needs_an_even_block():
     ValueError, match="bidirectional ring needs an even block along dimension 1, got 1"
   ):
     jax.jit(g)(x, w)
+
+
+@pytest.mark.parametrize(
+  "pieces, message",
+  [
+    ((1, 2), r"the pieces' sizes \(1, 2\) add up to 3, but this device's block is 4"),
+    ((2, 0, 2), "pieces must be a positive int .* or a sequence of positive ints"),
+    ((2.0, 2.0), "pieces must be a positive int .* or a sequence of positive ints"),
+    (0, "pieces must be a positive int"),
+  ],
+)
+def test_bad_piece_sizes_are_refused(pieces, message):
+  mesh = _mesh(2)
+  x = jnp.ones((1, 8, 4))
+  w = jnp.ones((4, 3))
+  dn = (((2,), (0,)), ((), ()))
+
+  def gather(x, w):
+    dots = [(w, True, dn, None, None, (1, 8, 3), jnp.float32)]
+    return cm.all_gather_dot_generals(
+      x, dots, axis="tensor", gather_dim=1, method="pieces", pieces=pieces
+    )[0][0]
+
+  def scatter(x, w):
+    return cm.dot_general_reduce_scatter(
+      x, w, dimension_numbers=dn, axis="tensor", scatter_dim=1, method="pieces", pieces=pieces
+    )
+
+  for fn, spec in ((gather, P(None, "tensor")), (scatter, P())):
+    g = jax.shard_map(fn, mesh=mesh, in_specs=(spec, P()), out_specs=P(), check_vma=False)
+    with pytest.raises(ValueError, match=message):
+      jax.jit(g)(x, w)
 
 
 @pytest.mark.slow

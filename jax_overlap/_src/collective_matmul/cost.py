@@ -12,9 +12,18 @@ bandwidth, a launch overhead per kernel), for ``y = x @ w`` with global shapes
   ``t = p kernel_time(2 m k n / N^2 / p, B / N / p)`` the step's ``p`` partial dots and
   ``e = collective_time(collective-permute, s / d, N)`` the neighbour exchange, ``d = 2``
   for the bidirectional ring (each half travels on its own link direction);
-* in pieces (``method="pieces"``): ``t + e + (c - 1) max(t, e)`` with ``t`` the dots of
-  one of the ``c`` pieces and ``e`` the collective of one piece (``N s / c`` bytes): the
-  first gather (or the last reduce-scatter) is exposed, the rest hide behind dots.
+* in pieces (``method="pieces"``), pieces of fractions ``f_0 .. f_{c-1}`` of the block
+  (equal, or the sizes ``chunks`` gives): ``t_j`` the dots of piece ``j``, ``e_j`` its
+  collective (``N s f_j`` bytes). A gather: ``e_0 + sum_{j<c-1} max(t_j, e_{j+1}) +
+  t_{c-1}``: the first gather is exposed, each later one travels beside the previous
+  piece's dots. A reduce-scatter, mirrored: ``t_0 + sum_{j>0} max(t_j, e_{j-1}) +
+  e_{c-1}``. Equal pieces give ``t + e + (c - 1) max(t, e)``; a small first gather (last
+  reduce-scatter) and growing (shrinking) pieces expose less with fewer collectives;
+* the copies a decomposition adds on the compute stream (``copies_s``, in
+  ``overlapped_s``), each a memory-bound kernel that reads and writes its bytes: the
+  slices a gather's pieces are cut into, the outputs put in device order, the gathered
+  value put in order when it is also kept (``collect``), a reduce-scatter's operand cut
+  into its slices and its pieces' outputs joined.
 
 The exchange of a ring step is an NCCL send/recv, which NCCL runs on a few of its
 channels (4 of 24 for a 16 MiB step on 8 H100s, ``nccl.py``), so at the analysis's
@@ -28,6 +37,7 @@ NVIDIA/AMD datasheets and NCCL's tuning defaults).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -49,9 +59,10 @@ class GainEstimate:
     compute_s: per-device GEMM time (roofline).
     comm_s: time of the collective alone (ring, alpha-beta).
     baseline_s: collective then GEMM, no overlap.
-    overlapped_s: the ring of partial dots.
+    overlapped_s: the ring of partial dots (or the pieces), its copies included.
     speedup: ``baseline_s / overlapped_s``.
     worthwhile: whether ``speedup`` reaches the ``min_speedup`` asked for.
+    copies_s: the copy kernels the decomposition adds (part of ``overlapped_s``).
   """
 
   compute_s: float
@@ -60,6 +71,7 @@ class GainEstimate:
   overlapped_s: float
   speedup: float
   worthwhile: bool
+  copies_s: float = 0.0
 
 
 @deprecations.keyword_only("dtype", "target", api="jax_overlap.collective_matmul.estimate_gain")
@@ -73,11 +85,12 @@ def estimate_gain(
   target: Any = "h100x8",
   kind: str = "all_gather",
   bidirectional: bool = True,
-  chunks: int | None = None,
+  chunks: int | Sequence[int] | None = None,
   launch_overhead_s: float | None = None,
   min_speedup: float = 1.05,
   cost_model: _cost.CostModel | None = None,
   method: str = "ring",
+  collect: bool = False,
 ) -> GainEstimate:
   """Predicts the gain of a collective matmul over a collective followed by a GEMM.
 
@@ -95,7 +108,8 @@ def estimate_gain(
     kind: ``"all_gather"`` (``x`` is gathered, ``m k`` elements move) or
       ``"reduce_scatter"`` (the ``m n`` output is scattered).
     bidirectional: whether the ring uses both link directions.
-    chunks: pieces per block (as in :func:`all_gather_matmul`).
+    chunks: pieces per block (as in :func:`all_gather_matmul`); for ``"pieces"`` also the
+      pieces' relative sizes in issue order (e.g. ``(1, 1, 2, 4)``).
     launch_overhead_s: fixed cost of every kernel (None: the cost model's
       ``kernel_overhead_s``).
     min_speedup: the speedup at which ``worthwhile`` becomes true.
@@ -104,6 +118,8 @@ def estimate_gain(
       ``"pieces"`` (the collective issued as ``chunks`` collectives of a slice of every
       block, default ``axis_size``, each on all of NCCL's channels; the first gather or
       the last reduce-scatter is not hidden).
+    collect: the gathered value is also kept (a gather's: the backward's weight gradient
+      needs it), so the decomposition puts it in order too.
 
   Returns:
     A :class:`GainEstimate`.
@@ -135,10 +151,14 @@ def estimate_gain(
   short = {v: k for k, v in _DTYPE_NAMES.items()}
   dt = short.get(dname, dname)
   big_n = int(axis_size)
-  pieces = chunks if chunks is not None else (2 if bidirectional else 1)
+  fractions = _fractions(api, chunks, method, big_n)
+  pieces = len(fractions) if method == "pieces" else (chunks or (2 if bidirectional else 1))
 
   def gemm(flops, nbytes):
     return _cost.kernel_time(flops, nbytes, gpu, dtype=dt, is_dot=True, cost_model=model)
+
+  def copy(nbytes):  # a memory-bound kernel that reads and writes nbytes
+    return _cost.kernel_time(0.0, 2.0 * nbytes, gpu, dtype=dt, cost_model=model)
 
   flops = 2.0 * m * n * k / big_n
   if kind == "all_gather":  # reads the gathered x, its w columns; writes its y columns
@@ -150,13 +170,28 @@ def estimate_gain(
   coll = "all-gather" if kind == "all_gather" else "reduce-scatter"
   comm = _cost.collective_time(coll, block * big_n, big_n, topo, cost_model=model)
   baseline = compute + comm
+  out_local = m * n / big_n * itemsize  # this device's output columns (or rows)
+  x_local = m * k / big_n * itemsize  # this device's block of x (or its columns)
+  copies = 0.0
   if big_n == 1:
     overlapped = compute
   elif method == "pieces":
-    c = chunks if chunks is not None else big_n
-    t = gemm(flops / c, gemm_bytes / c)
-    e = _cost.collective_time(coll, block * big_n / c, big_n, topo, cost_model=model)
-    overlapped = t + e + (c - 1) * max(t, e)
+    t = [gemm(flops * f, gemm_bytes * f) for f in fractions]
+    e = [
+      _cost.collective_time(coll, block * big_n * f, big_n, topo, cost_model=model)
+      for f in fractions
+    ]
+    c = len(fractions)
+    if kind == "all_gather":
+      overlapped = e[0] + sum(max(t[j], e[j + 1]) for j in range(c - 1)) + t[-1]
+      if c > 1:
+        copies = sum(copy(x_local * f) for f in fractions) + copy(out_local)
+      if collect:
+        copies += copy(m * k * itemsize)
+    else:
+      overlapped = t[0] + sum(max(t[j], e[j - 1]) for j in range(1, c)) + e[-1]
+      if c > 1:
+        copies = copy(x_local) + copy(out_local)
   else:
     step = pieces * gemm(flops / big_n / pieces, gemm_bytes / big_n / pieces)
     half = 2.0 if bidirectional else 1.0
@@ -164,6 +199,11 @@ def estimate_gain(
       "collective-permute", block / half, big_n, topo, cost_model=model
     )
     overlapped = step + (big_n - 1) * max(step, exchange)
+    if kind == "all_gather":  # the steps' outputs (and x if kept) put in order
+      copies = copy(out_local) + (copy(m * k * itemsize) if collect else 0.0)
+    else:  # each step's rows of x cut out
+      copies = big_n * pieces * copy(x_local / big_n / pieces)
+  overlapped += copies
   speedup = baseline / overlapped
   return GainEstimate(
     compute_s=compute,
@@ -172,4 +212,31 @@ def estimate_gain(
     overlapped_s=overlapped,
     speedup=speedup,
     worthwhile=speedup >= min_speedup,
+    copies_s=copies,
   )
+
+
+def _fractions(api: str, chunks, method: str, axis_size: int) -> list[float]:
+  """The pieces' fractions of the block (``method="pieces"``; default ``axis_size`` equal
+  pieces), or ``[]`` for a ring."""
+  if method != "pieces":
+    if chunks is not None and (
+      isinstance(chunks, bool) or not isinstance(chunks, (int, np.integer)) or chunks < 1
+    ):
+      raise ValueError(f"{api}: chunks must be a positive int for a ring, got {chunks!r}")
+    return []
+  if chunks is None:
+    return [1.0 / axis_size] * axis_size
+  if isinstance(chunks, (int, np.integer)) and not isinstance(chunks, bool) and chunks >= 1:
+    return [1.0 / int(chunks)] * int(chunks)
+  sizes = list(chunks) if isinstance(chunks, (list, tuple)) else None
+  if not sizes or any(
+    isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or v <= 0
+    for v in sizes
+  ):
+    raise ValueError(
+      f"{api}: chunks must be a positive int or a sequence of the pieces' positive relative "
+      f"sizes, got {chunks!r}"
+    )
+  total = float(sum(sizes))
+  return [float(v) / total for v in sizes]

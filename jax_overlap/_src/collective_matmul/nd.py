@@ -4,6 +4,8 @@ along a free dimension; as a ring or in pieces."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import jax.numpy as jnp
 from jax import lax
 
@@ -25,7 +27,7 @@ def all_gather_dot_generals(
   collect: bool = False,
   bidirectional: bool = False,
   method: str = "ring",
-  pieces: int | None = None,
+  pieces: int | Sequence[int] | None = None,
 ):
   """``all_gather(x, axis, axis=gather_dim, tiled=True)`` fed to several ``dot_general``s, as
   one ppermute ring: each step sends this device's current block on and computes every
@@ -53,8 +55,11 @@ def all_gather_dot_generals(
       after the other, each piece's dots running while the next piece travels. A piece
       is an NCCL all-gather, on all of the collective's channels, where a ring step is a
       send/recv on a few (see ``nccl.py``).
-    pieces: all-gathers of the ``"pieces"`` method (default: the axis size); must divide
-      the block along ``gather_dim``.
+    pieces: the ``"pieces"`` method's all-gathers: a count of equal slices (default: the
+      axis size; the largest count up to it that divides the block along ``gather_dim``),
+      or the slices' sizes along ``gather_dim``, in issue order, adding up to the block
+      (e.g. ``(128, 128, 256, 512)``: a small first gather, the only one no dots hide,
+      then pieces that grow as the dots they hide behind do).
 
   Returns:
     (list of the dots' outputs, the gathered value or None).
@@ -114,7 +119,7 @@ def dot_general_reduce_scatter(
   out_dtype=None,
   bidirectional: bool = False,
   method: str = "ring",
-  pieces: int | None = None,
+  pieces: int | Sequence[int] | None = None,
 ):
   """``psum_scatter(dot_general(lhs, rhs), axis, scatter_dimension=scatter_dim, tiled=True)``
   as a ppermute ring of partial dots, for N-D operands.
@@ -126,10 +131,12 @@ def dot_general_reduce_scatter(
   partial sums travel round the ring, each step adding the block this device contributes.
   Differentiated by JAX: the transpose is a gather ring. ``bidirectional`` splits each
   block in halves whose partial sums travel in opposite directions (the block must be
-  even). ``method="pieces"`` issues the reduce-scatter instead as ``pieces`` (default:
-  the axis size) reduce-scatters of a slice of every device's block each, one after the
-  other, each running while the next slice's dot computes (NCCL collectives on all their
-  channels rather than send/recv on a few).
+  even). ``method="pieces"`` issues the reduce-scatter instead as reduce-scatters of a
+  slice of every device's block each, one after the other, each running while the next
+  slice's dot computes (NCCL collectives on all their channels rather than send/recv on a
+  few). ``pieces`` is their count (equal slices; default the axis size) or the slices'
+  sizes along ``scatter_dim`` in issue order, adding up to this device's block (e.g.
+  ``(512, 256, 128, 128)``: the last reduce-scatter, the only one no dot hides, small).
 
   Returns:
     This device's block of the summed output.

@@ -10,20 +10,22 @@ from jax_overlap._src.collective_matmul.rings import (
   _out_dim,
 )
 from jax_overlap._src.collective_matmul.validate import (
-  _piece_count,
+  _piece_sizes,
 )
 
 
 def _ag_pieces(x, dots, axis, gather_dim, collect, pieces):
-  """``all_gather_dot_generals`` as ``c`` chained all-gathers of a slice of every block."""
+  """``all_gather_dot_generals`` as chained all-gathers of a slice of every block (the
+  slices' sizes from ``pieces``: a count of equal slices, or the sizes)."""
   n = int(lax.axis_size(axis))
   m = x.shape[gather_dim]
-  c = _piece_count("all_gather_dot_generals", pieces, n, m)
+  sizes = _piece_sizes("all_gather_dot_generals", pieces, n, m)
+  c = len(sizes)
   pos = [_out_dim(x.ndim, w.ndim, lhs, dn, gather_dim) for (w, lhs, dn, *_) in dots]
   # Every slice is cut before the first gather: a gather then waits for nothing on the
   # compute stream but the gather before it, so it is issued as soon as that one is done,
   # not after a slice copy queued behind the previous piece's dots.
-  slices = list(lax.optimization_barrier(tuple(lax.split(x, [m // c] * c, axis=gather_dim))))
+  slices = list(lax.optimization_barrier(tuple(lax.split(x, sizes, axis=gather_dim))))
 
   def gather(piece):
     return lax.all_gather(piece, axis, axis=gather_dim, tiled=True)
@@ -57,14 +59,14 @@ def _ag_pieces(x, dots, axis, gather_dim, collect, pieces):
 
 def _pieces_in_order(parts: list, dim: int, n: int):
   """Piece-major results (piece j holds slice j of every device's block, device-major)
-  put in device order along ``dim``: one transpose."""
-  c = len(parts)
-  y = jnp.stack(parts, axis=dim)  # [..., c, n * q, ...]
+  put in device order along ``dim``: one concatenation."""
+  blocks = []
+  for y in parts:
+    shape = y.shape
+    blocks.append(y.reshape(shape[:dim] + (n, shape[dim] // n) + shape[dim + 1 :]))
+  y = blocks[0] if len(blocks) == 1 else jnp.concatenate(blocks, axis=dim + 1)  # [..., n, m, ...]
   shape = y.shape
-  q = shape[dim + 1] // n
-  y = y.reshape(shape[:dim] + (c, n, q) + shape[dim + 2 :])
-  y = jnp.swapaxes(y, dim, dim + 1)  # [..., n, c, q, ...]
-  return y.reshape(shape[:dim] + (n * c * q,) + shape[dim + 2 :])
+  return y.reshape(shape[:dim] + (n * shape[dim + 1],) + shape[dim + 2 :])
 
 
 def _rs_pieces(
@@ -83,17 +85,17 @@ def _rs_pieces(
   preferred,
   out_dtype,
 ):
-  """``dot_general_reduce_scatter`` as ``c`` chained reduce-scatters of a slice of every
-  device's block."""
-  c = _piece_count("dot_general_reduce_scatter", pieces, n, block)
-  q = block // c
+  """``dot_general_reduce_scatter`` as chained reduce-scatters of a slice of every
+  device's block (the slices' sizes from ``pieces``: a count of equal slices, or the
+  sizes)."""
+  sizes = _piece_sizes("dot_general_reduce_scatter", pieces, n, block)
   op = lhs if slice_lhs else rhs
   shape = op.shape
-  grouped = op.reshape(shape[:op_dim] + (n, c, q) + shape[op_dim + 1 :])
+  grouped = op.reshape(shape[:op_dim] + (n, block) + shape[op_dim + 1 :])
   # lax.split's transpose is a concatenation: the backward assembles, it does not pad.
-  slices = lax.split(grouped, [1] * c, axis=op_dim + 1)
+  slices = lax.split(grouped, sizes, axis=op_dim + 1)
   outs: list = []
-  for sl in slices:
+  for sl, q in zip(slices, sizes):
     sl = sl.reshape(shape[:op_dim] + (n * q,) + shape[op_dim + 1 :])
     a, b = (sl, rhs) if slice_lhs else (lhs, sl)
     a, b = lax.optimization_barrier((a, b))  # one dot per piece (see _step_dot)
@@ -105,4 +107,4 @@ def _rs_pieces(
       # dot itself does not wait. The barrier's outputs are what the rest uses.
       y, outs[-1] = lax.optimization_barrier((y, outs[-1]))
     outs.append(lax.psum_scatter(y, axis, scatter_dimension=scatter_dim, tiled=True))
-  return outs[0] if c == 1 else jnp.concatenate(outs, axis=scatter_dim)
+  return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=scatter_dim)

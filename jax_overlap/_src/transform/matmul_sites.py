@@ -39,20 +39,18 @@ def _plan_collective_matmuls(
       and all(getattr(v.aval, "ndim", 0) == 2 for v in d.invars)
     )
 
-  def worth(m, n, k, p, dtype, kind, bidirectional, block=None):
+  def worth(m, n, k, p, dtype, kind, bidirectional, block=None, collect=False):
     """The best decomposition by the cost model among those ``mode`` allows: the ring
-    (both link directions only when the block splits in two), or the collective in 2, 4
-    ... p pieces that divide ``block``. Returns (estimate, method, pieces); the estimate is
-    not worthwhile when no decomposition applies."""
+    (both link directions only when the block splits in two), or the collective in pieces
+    that divide ``block`` (:func:`_piece_schedules`). Returns (estimate, method, pieces),
+    pieces a count of equal pieces or their sizes; the estimate is not worthwhile when no
+    decomposition applies."""
     tgt = target or "h100x8"
     options = []
     if mode in ("auto", "on", "ring"):
       options.append(("ring", None))
-    c = 2
-    while mode in ("auto", "on", "pieces") and block is not None and c <= p:
-      if block % c == 0:
-        options.append(("pieces", c))
-      c *= 2
+    if mode in ("auto", "on", "pieces") and block is not None:
+      options.extend(("pieces", sizes) for sizes in _piece_schedules(block, p))
     best = None
     for method, pieces in options:
       est = cm_lib.estimate_gain(
@@ -66,6 +64,7 @@ def _plan_collective_matmuls(
         bidirectional=bidirectional and method == "ring",
         method=method,
         chunks=pieces,
+        collect=collect,
       )
       if best is None or est.speedup > best[0].speedup:
         best = (est, method, pieces)
@@ -77,6 +76,11 @@ def _plan_collective_matmuls(
     return est, method, pieces
 
   def how(bidi, method, pieces, coll="all-gather"):
+    if method == "pieces" and isinstance(pieces, tuple):
+      return (
+        f"issued as {len(pieces)} chained {coll}s of slices {pieces} of every block (NCCL "
+        "collectives, not send/recv)"
+      )
     if method == "pieces":
       return f"issued as {pieces} chained {coll}s of a slice of every block (NCCL collectives, not send/recv)"
     return f"decomposed into a {'bidirectional' if bidi else 'unidirectional'} ppermute ring"
@@ -101,7 +105,15 @@ def _plan_collective_matmuls(
       blk = e.invars[0].aval.shape[e.params["all_gather_dimension"]]
       bidi = blk % 2 == 0
       est, method, pieces = worth(
-        m, n, k, int(e.params.get("axis_size", 1)), e.outvars[0].aval.dtype, "all_gather", bidi, blk
+        m,
+        n,
+        k,
+        int(e.params.get("axis_size", 1)),
+        e.outvars[0].aval.dtype,
+        "all_gather",
+        bidi,
+        blk,
+        collect,
       )
       if not est.worthwhile:
         continue
@@ -244,6 +256,49 @@ def _plan_collective_matmuls(
         )
       )
   return fused, skipped, rings, ring_of
+
+
+def _piece_schedules(block: int, p: int) -> list:
+  """The pieces a collective of ``block`` rows per device may be issued in, for the cost
+  model to choose from: 2, 4 ... ``p`` equal pieces (counts), and unequal ones (sizes in
+  issue order): each way of splitting the block into 2 to ``p`` parts of whole
+  ``block / u`` units (``u`` the largest of 16, 8, 4 dividing the block, at most ``2 p``),
+  smallest first and largest first. A gather exposes its first piece and a reduce-scatter
+  its last; which order hides more depends on whether the dots or the collective are the
+  slower, which the cost model knows."""
+  out: list = []
+  c = 2
+  while c <= p:
+    if block % c == 0:
+      out.append(c)
+    c *= 2
+  units = next((u for u in (16, 8, 4) if u <= 2 * p and block % u == 0), None)
+  if units is None:
+    return out
+  size = block // units
+  seen = set()
+  for parts in _partitions(units, min(p, units)):
+    if len(parts) < 2 or len(set(parts)) == 1:
+      continue  # one piece, or equal pieces (counted above)
+    for order in (tuple(sorted(parts)), tuple(sorted(parts, reverse=True))):
+      if order not in seen:
+        seen.add(order)
+        out.append(tuple(u * size for u in order))
+  return out
+
+
+def _partitions(total: int, most: int, largest: int | None = None):
+  """The multisets of positive ints adding up to ``total`` in at most ``most`` parts
+  (each no larger than ``largest``), largest part first."""
+  largest = total if largest is None else largest
+  if total == 0:
+    yield ()
+    return
+  if most == 0:
+    return
+  for first in range(min(total, largest), 0, -1):
+    for rest in _partitions(total - first, most - 1, first):
+      yield (first, *rest)
 
 
 def _ring_kwargs(axis, dot, bidi: bool) -> dict:
