@@ -341,6 +341,9 @@ def test_transform_pieces_tensor_sequence_parallel_steps(p):
   done = [a.detail for a in ov.explain(params, x).of_kind("collective_matmul")]
   assert len(done) >= 2 * 2 and all("chained" in d for d in done), done
   assert any("feeding 3 matmul(s)" in d and "also kept" in d for d in done)
+  # At these sizes the cost model splits the blocks unequally (the numerics above cover
+  # those pieces, forward and backward).
+  assert any(re.search(r"chained \S+ of slices \(\d+, \d+\)", d) for d in done), done
   jaxpr = str(jax.make_jaxpr(lambda a, b: ov(a, b))(params, x))
   assert "ppermute" not in jaxpr
   assert jaxpr.count("all_gather") > 4 and jaxpr.count("reduce_scatter") > 2
