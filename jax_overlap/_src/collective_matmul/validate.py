@@ -61,30 +61,32 @@ def _piece_sizes(api: str, pieces, n: int, block: int) -> list[int]:
   """The sizes (along the gathered or scattered dimension of one device's block) of the
   pieces ``pieces`` asks for: a count (equal pieces; the largest count up to it that
   divides the block; default the axis size ``n``) or the sizes themselves."""
-  if pieces is not None and not isinstance(pieces, (int, np.integer)):
-    try:
-      sizes = [int(s) for s in pieces]
-      ok = all(isinstance(s, (int, np.integer)) and not isinstance(s, bool) for s in pieces)
-    except TypeError:
-      sizes, ok = [], False
-    if not ok or not sizes or min(sizes) < 1:
-      raise ValueError(
-        f"{api}: pieces must be a positive int (a count of equal pieces) or a sequence of "
-        f"positive ints (the pieces' sizes), got {pieces!r}"
-      )
-    if sum(sizes) != block:
-      raise ValueError(
-        f"{api}: the pieces' sizes {tuple(sizes)} add up to {sum(sizes)}, but this device's "
-        f"block is {block} along the dimension they split"
-      )
-    return sizes
-  c = n if pieces is None else pieces
-  if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or c < 1:
+
+  def positive_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 1
+
+  bad = ValueError(
+    f"{api}: pieces must be a positive int (a count of equal pieces) or a sequence of "
+    f"positive ints (the pieces' sizes), got {pieces!r}"
+  )
+  if pieces is None or isinstance(pieces, (int, np.integer)):
+    c = n if pieces is None else pieces
+    if not positive_int(c):
+      raise bad
+    c = min(int(c), block)
+    while block % c:  # the largest count up to the one asked for that divides the block
+      c -= 1
+    return [block // c] * c
+  try:
+    sizes = list(pieces)
+  except TypeError:
+    raise bad from None
+  if not sizes or not all(positive_int(v) for v in sizes):
+    raise bad
+  sizes = [int(v) for v in sizes]
+  if sum(sizes) != block:
     raise ValueError(
-      f"{api}: pieces must be a positive int (a count of equal pieces) or a sequence of "
-      f"positive ints (the pieces' sizes), got {pieces!r}"
+      f"{api}: the pieces' sizes {tuple(sizes)} add up to {sum(sizes)}, but this device's "
+      f"block is {block} along the dimension they split"
     )
-  c = min(int(c), block)
-  while block % c:  # the largest count up to the one asked for that divides the block
-    c -= 1
-  return [block // c] * c
+  return sizes
