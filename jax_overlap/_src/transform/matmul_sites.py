@@ -6,6 +6,7 @@ also kept), each decomposed into a ring or into pieces where the cost model
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -40,40 +41,12 @@ def _plan_collective_matmuls(
     )
 
   def worth(m, n, k, p, dtype, kind, bidirectional, block=None, collect=False):
-    """The best decomposition by the cost model among those ``mode`` allows: the ring
-    (both link directions only when the block splits in two), or the collective in pieces
-    that divide ``block`` (:func:`_piece_schedules`). Returns (estimate, method, pieces),
-    pieces a count of equal pieces or their sizes; the estimate is not worthwhile when no
-    decomposition applies."""
-    tgt = target or "h100x8"
-    options = []
-    if mode in ("auto", "on", "ring"):
-      options.append(("ring", None))
-    if mode in ("auto", "on", "pieces") and block is not None:
-      options.extend(("pieces", sizes) for sizes in _piece_schedules(block, p))
-    best = None
-    for method, pieces in options:
-      est = cm_lib.estimate_gain(
-        m,
-        n,
-        k,
-        p,
-        dtype=dtype,
-        target=tgt,
-        kind=kind,
-        bidirectional=bidirectional and method == "ring",
-        method=method,
-        chunks=pieces,
-        collect=collect,
-      )
-      if best is None or est.speedup > best[0].speedup:
-        best = (est, method, pieces)
-    if best is None:
-      return cm_lib.GainEstimate(0.0, 0.0, 0.0, 0.0, 0.0, False), "ring", None
-    est, method, pieces = best
-    if mode != "auto" and not est.worthwhile:
-      est = dataclasses.replace(est, worthwhile=True)
-    return est, method, pieces
+    args = (cm_lib.estimate_gain, mode, target or "h100x8", m, n, k, p, dtype, kind)
+    args += (bidirectional, block, collect)
+    try:
+      return _best_decomposition(*args)
+    except TypeError:  # an unhashable target object: asked without the memo
+      return _best_decomposition.__wrapped__(*args)
 
   def how(bidi, method, pieces, coll="all-gather"):
     if method == "pieces" and isinstance(pieces, tuple):
@@ -256,6 +229,48 @@ def _plan_collective_matmuls(
         )
       )
   return fused, skipped, rings, ring_of
+
+
+@functools.lru_cache(maxsize=4096)
+def _best_decomposition(
+  estimate, mode, target, m, n, k, p, dtype, kind, bidirectional, block, collect
+):
+  """The best decomposition by the cost model ``estimate`` among those ``mode`` allows:
+  the ring (both link directions only when the block splits in two), or the collective in
+  pieces that divide ``block`` (:func:`_piece_schedules`). Returns (estimate, method,
+  pieces), pieces a count of equal pieces or their sizes; the estimate is not worthwhile
+  when no decomposition applies. Remembered per question: a selection plans the same
+  sites once per variant, and a step repeats its layers' sites."""
+  from jax_overlap._src import collective_matmul as cm_lib
+
+  options = []
+  if mode in ("auto", "on", "ring"):
+    options.append(("ring", None))
+  if mode in ("auto", "on", "pieces") and block is not None:
+    options.extend(("pieces", sizes) for sizes in _piece_schedules(block, p))
+  best = None
+  for method, pieces in options:
+    est = estimate(
+      m,
+      n,
+      k,
+      p,
+      dtype=dtype,
+      target=target,
+      kind=kind,
+      bidirectional=bidirectional and method == "ring",
+      method=method,
+      chunks=pieces,
+      collect=collect,
+    )
+    if best is None or est.speedup > best[0].speedup:
+      best = (est, method, pieces)
+  if best is None:
+    return cm_lib.GainEstimate(0.0, 0.0, 0.0, 0.0, 0.0, False), "ring", None
+  est, method, pieces = best
+  if mode != "auto" and not est.worthwhile:
+    est = dataclasses.replace(est, worthwhile=True)
+  return est, method, pieces
 
 
 def _piece_schedules(block: int, p: int) -> list:
