@@ -152,7 +152,6 @@ def estimate_gain(
   dt = short.get(dname, dname)
   big_n = int(axis_size)
   fractions = _fractions(api, chunks, method, big_n)
-  pieces = len(fractions) if method == "pieces" else (chunks or (2 if bidirectional else 1))
 
   def gemm(flops, nbytes):
     return _cost.kernel_time(flops, nbytes, gpu, dtype=dt, is_dot=True, cost_model=model)
@@ -193,6 +192,7 @@ def estimate_gain(
       if c > 1:
         copies = copy(x_local) + copy(out_local)
   else:
+    pieces = chunks or (2 if bidirectional else 1)  # of each ring step's block
     step = pieces * gemm(flops / big_n / pieces, gemm_bytes / big_n / pieces)
     half = 2.0 if bidirectional else 1.0
     exchange = _cost.collective_time(
