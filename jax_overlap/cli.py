@@ -99,7 +99,7 @@ def _cmd_flags(args: Sequence[str]) -> int:
     for p in problems:
       print(p)
     return 1 if any(p.severity == "error" for p in problems) else 0
-  opts = flags_lib.recommended(FLAGS.target, FLAGS.workload)
+  opts = flags_lib.recommended(target=FLAGS.target, workload=FLAGS.workload)
   xla = {k: v for k, v in opts.items() if flags_lib.REGISTRY[k].kind == "xla"}
   env = {k: v for k, v in opts.items() if flags_lib.REGISTRY[k].kind == "env"}
   if FLAGS.format == "json":

@@ -1,5 +1,6 @@
 """Tests for the jax-overlap command line."""
 
+import json
 import os
 import shlex
 import subprocess
@@ -26,6 +27,7 @@ def cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
 def test_flags_prints_an_export_line_that_validates():
   proc = cli("flags", "--target", "h100x8", "--workload", "fsdp")
   assert proc.returncode == 0, proc.stderr
+  assert proc.stderr == ""  # no warnings either: the command uses the current API
   line = proc.stdout.splitlines()[0]
   assert line.startswith("export XLA_FLAGS=")
   value = shlex.split(line[len("export XLA_FLAGS=") :])[0]
@@ -59,6 +61,63 @@ def test_flags_check_clean_string_exits_0():
   assert proc.returncode == 0 and "no problems" in proc.stdout
 
 
+# Runs command lines in processes forked from one that has imported the command line once:
+# each still exits with its own code and writes its own stdout and stderr, without paying
+# for importing jax again per command line.
+_FORKED = r"""
+import json, os, sys, tempfile, traceback
+import jax_overlap.cli as cli
+
+results = []
+for args in json.loads(sys.argv[1]):
+  out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+  pid = os.fork()
+  if pid == 0:
+    os.dup2(out.fileno(), 1)
+    os.dup2(err.fileno(), 2)
+    sys.argv = ["jax-overlap", *args]
+    code = 0
+    try:
+      cli.run()
+    except SystemExit as e:
+      if isinstance(e.code, str):
+        print(e.code, file=sys.stderr)
+      code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+      traceback.print_exc()
+      code = 70
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+  _, status = os.waitpid(pid, 0)
+  texts = []
+  for f in (out, err):
+    f.seek(0)
+    texts.append(f.read().decode())
+  results.append([os.waitstatus_to_exitcode(status), *texts])
+print(json.dumps(results))
+"""
+
+
+def cli_many(*command_lines: tuple[str, ...]) -> list[subprocess.CompletedProcess]:
+  """``cli`` for several command lines, each in a process of its own."""
+  env = dict(os.environ)
+  env["JAX_PLATFORMS"] = "cpu"
+  env.pop("XLA_FLAGS", None)
+  proc = subprocess.run(
+    [sys.executable, "-c", _FORKED, json.dumps([list(a) for a in command_lines])],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=300,
+  )
+  assert proc.returncode == 0, proc.stderr
+  return [
+    subprocess.CompletedProcess(list(a), code, out, err)
+    for a, (code, out, err) in zip(command_lines, json.loads(proc.stdout.splitlines()[-1]))
+  ]
+
+
 def test_targets_lists_the_catalogue():
   proc = cli("targets")
   assert proc.returncode == 0
@@ -66,44 +125,50 @@ def test_targets_lists_the_catalogue():
     assert f"\n{name} " in proc.stdout
 
 
-@pytest.mark.parametrize(
-  "args,code,match",
-  [
-    (
-      ("flags", "--target", "v100x8"),
-      2,
-      "unknown target 'v100x8'; expected '<gpu>x<count>' with gpu one of a100",
-    ),
-    (("flags", "--workload", "moe"), 2, "unknown workload 'moe'; valid choices: fsdp"),
-    (("frobnicate",), 2, "unknown command 'frobnicate'; choose one of flags, targets"),
-    ((), 2, "missing command"),
-    (("analyze", "nomodule"), 2, "expected MODULE:BUILDER"),
-    (("analyze", "no_such_module_xyz:build"), 2, "cannot import module 'no_such_module_xyz'"),
-    (("analyze", "jax_overlap.cli:nothing"), 2, "has no callable 'nothing'"),
-    (
-      ("analyze", "jax_overlap.examples.fsdp_transformer:build", "--target", "b300x8"),
-      2,
-      "unknown target 'b300x8'",
-    ),
-    (
-      ("analyze", "jax_overlap.examples.fsdp_transformer:build", "--json", "/"),
-      2,
-      "--json / is a directory; give a file path such as /out.json",
-    ),
-    (
-      ("analyze", "jax_overlap.examples.fsdp_transformer:build", "--plot", "/no_dir_xyz/t.png"),
-      2,
-      "--plot /no_dir_xyz/t.png: directory /no_dir_xyz does not exist",
-    ),
-    (("flags", "--format", "xml"), 2, "flag --format=xml: value should be one of"),
-    (("flags", "--no_such_flag"), 2, "Unknown command line flag 'no_such_flag'"),
-    (("launch", "--plan", "/no_such_plan.json", "--", "true"), 2, "no plan file"),
-    (("launch", "--plan", "/", "--", "true"), 2, "--plan / is a directory"),
-    (("simulate", "--target", "h999x8"), 2, "unknown target 'h999x8'"),
-  ],
-)
-def test_bad_input_gets_one_line_errors(args, code, match):
-  proc = cli(*args)
+# Bad command lines, the exit code and the one line of error each must give.
+_BAD_INPUT = [
+  (
+    ("flags", "--target", "v100x8"),
+    2,
+    "unknown target 'v100x8'; expected '<gpu>x<count>' with gpu one of a100",
+  ),
+  (("flags", "--workload", "moe"), 2, "unknown workload 'moe'; valid choices: fsdp"),
+  (("frobnicate",), 2, "unknown command 'frobnicate'; choose one of flags, targets"),
+  ((), 2, "missing command"),
+  (("analyze", "nomodule"), 2, "expected MODULE:BUILDER"),
+  (("analyze", "no_such_module_xyz:build"), 2, "cannot import module 'no_such_module_xyz'"),
+  (("analyze", "jax_overlap.cli:nothing"), 2, "has no callable 'nothing'"),
+  (
+    ("analyze", "jax_overlap.examples.fsdp_transformer:build", "--target", "b300x8"),
+    2,
+    "unknown target 'b300x8'",
+  ),
+  (
+    ("analyze", "jax_overlap.examples.fsdp_transformer:build", "--json", "/"),
+    2,
+    "--json / is a directory; give a file path such as /out.json",
+  ),
+  (
+    ("analyze", "jax_overlap.examples.fsdp_transformer:build", "--plot", "/no_dir_xyz/t.png"),
+    2,
+    "--plot /no_dir_xyz/t.png: directory /no_dir_xyz does not exist",
+  ),
+  (("flags", "--format", "xml"), 2, "flag --format=xml: value should be one of"),
+  (("flags", "--no_such_flag"), 2, "Unknown command line flag 'no_such_flag'"),
+  (("launch", "--plan", "/no_such_plan.json", "--", "true"), 2, "no plan file"),
+  (("launch", "--plan", "/", "--", "true"), 2, "--plan / is a directory"),
+  (("simulate", "--target", "h999x8"), 2, "unknown target 'h999x8'"),
+]
+
+
+@pytest.fixture(scope="module")
+def bad_input_runs():
+  return dict(zip((a for a, _, _ in _BAD_INPUT), cli_many(*(a for a, _, _ in _BAD_INPUT))))
+
+
+@pytest.mark.parametrize("args,code,match", _BAD_INPUT)
+def test_bad_input_gets_one_line_errors(bad_input_runs, args, code, match):
+  proc = bad_input_runs[args]
   assert proc.returncode == code
   err = proc.stderr.strip().splitlines()
   assert len(err) == 1, proc.stderr

@@ -72,7 +72,7 @@ def test_a_missing_process_fails_within_the_timeout():
   port = _free_port()
   t0 = time.monotonic()
   # Process 1 never starts: process 0 must give up with a clear message, not hang.
-  proc = _launch(port, 0, "--timeout_s=10")
+  proc = _launch(port, 0, "--timeout_s=3")
   out, err = proc.communicate(timeout=120)
   # JAX's coordination service ends the process with a fatal error naming the cause
   # (a Python exception where jax raises one, exit code 3 from the script).

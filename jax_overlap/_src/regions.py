@@ -131,38 +131,26 @@ def _call(target: str, xs: tuple[Any, ...], rid: int, blocks: int) -> tuple[Any,
   return tuple(result)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _begin(rid: int, blocks: int, xs: tuple[Any, ...]) -> tuple[Any, ...]:
-  return _call(BEGIN_TARGET, xs, rid, blocks)
+def _marker(target: str, transposed: str):
+  """A region marker calling ``target`` whose transpose calls ``transposed``: the
+  backward region closes where the forward one opened, and opens where it closed."""
+
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+  def mark(rid: int, blocks: int, xs: tuple[Any, ...]) -> tuple[Any, ...]:
+    return _call(target, xs, rid, blocks)
+
+  def fwd(rid, blocks, xs):
+    return mark(rid, blocks, xs), None
+
+  def bwd(rid, blocks, _, cts):
+    return (_call(transposed, tuple(cts), rid, blocks),)
+
+  mark.defvjp(fwd, bwd)
+  return mark
 
 
-def _begin_fwd(rid, blocks, xs):
-  return _begin(rid, blocks, xs), None
-
-
-def _begin_bwd(rid, blocks, _, cts):
-  # The backward region closes where the forward one opened.
-  return (_call(END_TARGET, tuple(cts), rid, blocks),)
-
-
-_begin.defvjp(_begin_fwd, _begin_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _end(rid: int, blocks: int, xs: tuple[Any, ...]) -> tuple[Any, ...]:
-  return _call(END_TARGET, xs, rid, blocks)
-
-
-def _end_fwd(rid, blocks, xs):
-  return _end(rid, blocks, xs), None
-
-
-def _end_bwd(rid, blocks, _, cts):
-  # The backward region opens where the forward one closed.
-  return (_call(BEGIN_TARGET, tuple(cts), rid, blocks),)
-
-
-_end.defvjp(_end_fwd, _end_bwd)
+_begin = _marker(BEGIN_TARGET, END_TARGET)
+_end = _marker(END_TARGET, BEGIN_TARGET)
 
 
 def _bracket(fn: Callable, tree: Any, rid: int, blocks: int) -> Any:

@@ -52,6 +52,11 @@ class Placement:
   notes: list[str]
 
 
+def _event(track: str, item, args: dict) -> Event:
+  """``item`` (a kernel or a collective, already placed) as an event on ``track``."""
+  return Event(track, item.name, item.kind, item.start_s, item.end_s, args)
+
+
 def place(schedule: Schedule) -> Placement:
   """Places every kernel and collective of ``schedule`` on its stream."""
   t = 0.0
@@ -73,25 +78,14 @@ def place(schedule: Schedule) -> Placement:
       kernels_done += 1
       for c in running:
         c.overlapped_kernels += 1
-      events.append(
-        Event(
-          "compute",
-          k.name,
-          k.kind,
-          k.start_s,
-          k.end_s,
-          {"flops": k.flops, "bytes": k.bytes_accessed},
-        )
-      )
+      events.append(_event("compute", k, {"flops": k.flops, "bytes": k.bytes_accessed}))
     elif op.kind == "sync":
       c = op.collective
       c.start_s, c.end_s = t, t + c.time_s
       c.exposed_s = c.time_s
       exposed += c.time_s
       t = c.end_s
-      events.append(
-        Event("compute", c.name, c.kind, c.start_s, c.end_s, {"bytes": c.bytes, "sync": True})
-      )
+      events.append(_event("compute", c, {"bytes": c.bytes, "sync": True}))
     elif op.kind == "start":
       c = op.collective
       c.start_s = max(t, stream_free[c.stream])
@@ -100,16 +94,7 @@ def place(schedule: Schedule) -> Placement:
       in_flight[c.name] = c
       order.append(c.name)
       running.append(c)
-      events.append(
-        Event(
-          f"comm[{c.stream}]",
-          c.name,
-          c.kind,
-          c.start_s,
-          c.end_s,
-          {"bytes": c.bytes, "group": c.group_size},
-        )
-      )
+      events.append(_event(f"comm[{c.stream}]", c, {"bytes": c.bytes, "group": c.group_size}))
     elif op.kind == "done":
       c = in_flight.pop(op.start_name, None) if op.start_name else None
       if c is None:

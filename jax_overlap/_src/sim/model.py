@@ -169,6 +169,16 @@ def shaped_smem(gpu: targets.Gpu, smem_bytes: int, blocks_per_sm: int) -> int:
   return max(int(smem_bytes), min(need, gpu.smem_per_block_optin))
 
 
+def _check_name_and_kind(cls: str, name, kind, kinds: tuple[str, ...]) -> str:
+  """The API name for a record's errors, ``cls(name)``, once its name and kind are valid."""
+  if not isinstance(name, str) or not name:
+    raise TypeError(f"{cls}: name must be a non-empty string, got {name!r}")
+  api = f"{cls}({name!r})"
+  if kind not in kinds:
+    raise ValueError(f"{api}: kind must be one of {kinds}, got {kind!r}")
+  return api
+
+
 def _check_int(api: str, field: str, value, minimum: int) -> int:
   if isinstance(value, bool) or not isinstance(value, int):
     raise TypeError(f"{api}: {field} must be an int, got {type(value).__name__} {value!r}")
@@ -245,11 +255,7 @@ class Kernel:
   time_s: float | None = None
 
   def __post_init__(self):
-    api = f"sim.Kernel({self.name!r})"
-    if not isinstance(self.name, str) or not self.name:
-      raise TypeError(f"sim.Kernel: name must be a non-empty string, got {self.name!r}")
-    if self.kind not in COMPUTE_KINDS:
-      raise ValueError(f"{api}: kind must be one of {COMPUTE_KINDS}, got {self.kind!r}")
+    api = _check_name_and_kind("sim.Kernel", self.name, self.kind, COMPUTE_KINDS)
     if self.gemm_mnk is not None:
       if len(self.gemm_mnk) != 3:
         raise ValueError(f"{api}: gemm_mnk must be (m, n, k), got {self.gemm_mnk!r}")
@@ -344,11 +350,7 @@ class Collective:
   time_s: float | None = None
 
   def __post_init__(self):
-    api = f"sim.Collective({self.name!r})"
-    if not isinstance(self.name, str) or not self.name:
-      raise TypeError(f"sim.Collective: name must be a non-empty string, got {self.name!r}")
-    if self.kind not in COLLECTIVE_KINDS:
-      raise ValueError(f"{api}: kind must be one of {COLLECTIVE_KINDS}, got {self.kind!r}")
+    api = _check_name_and_kind("sim.Collective", self.name, self.kind, COLLECTIVE_KINDS)
     _check_num(api, "bytes", self.bytes)
     _check_int(api, "group_size", self.group_size, 1)
     _check_int(api, "stream", self.stream, 0)

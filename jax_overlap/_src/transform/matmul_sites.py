@@ -40,13 +40,17 @@ def _plan_collective_matmuls(
       and all(getattr(v.aval, "ndim", 0) == 2 for v in d.invars)
     )
 
-  def worth(m, n, k, p, dtype, kind, bidirectional, block=None, collect=False):
+  def worth(e, m, n, k, dtype, kind, block, collect=False):
+    """The cost model's best decomposition of collective ``e`` over blocks of ``block``
+    rows: (estimate, method, pieces, bidirectional)."""
+    bidi = block % 2 == 0
+    p = int(e.params.get("axis_size", 1))
     args = (cm_lib.estimate_gain, mode, target or "h100x8", m, n, k, p, dtype, kind)
-    args += (bidirectional, block, collect)
+    args += (bidi, block, collect)
     try:
-      return _best_decomposition(*args)
+      return (*_best_decomposition(*args), bidi)
     except TypeError:  # an unhashable target object: asked without the memo
-      return _best_decomposition.__wrapped__(*args)
+      return (*_best_decomposition.__wrapped__(*args), bidi)
 
   def how(bidi, method, pieces, coll="all-gather"):
     if method == "pieces" and isinstance(pieces, tuple):
@@ -76,18 +80,8 @@ def _plan_collective_matmuls(
       m, n, k = _ring_mnk(e, eqns, dots)
       n *= int(e.params.get("axis_size", 1))  # estimate_gain takes the global weight
       blk = e.invars[0].aval.shape[e.params["all_gather_dimension"]]
-      bidi = blk % 2 == 0
-      est, method, pieces = worth(
-        m,
-        n,
-        k,
-        int(e.params.get("axis_size", 1)),
-        e.outvars[0].aval.dtype,
-        "all_gather",
-        bidi,
-        blk,
-        collect,
-      )
+      dtype = e.outvars[0].aval.dtype
+      est, method, pieces, bidi = worth(e, m, n, k, dtype, "all_gather", blk, collect)
       if not est.worthwhile:
         continue
       rings[i] = (
@@ -120,10 +114,7 @@ def _plan_collective_matmuls(
         continue
       (m, k), n = out.aval.shape, d.invars[1].aval.shape[1]
       blk = e.invars[0].aval.shape[0]
-      bidi = blk % 2 == 0
-      est, method, pieces = worth(
-        m, n, k, int(e.params.get("axis_size", 1)), out.aval.dtype, "all_gather", bidi, blk
-      )
+      est, method, pieces, bidi = worth(e, m, n, k, out.aval.dtype, "all_gather", blk)
       if not est.worthwhile:
         continue
       if method == "pieces":
@@ -159,17 +150,8 @@ def _plan_collective_matmuls(
           continue
         m, n, k = nd
         blk = e.outvars[0].aval.shape[sd]
-        bidi = blk % 2 == 0
-        est, method, pieces = worth(
-          m,
-          n,
-          k,
-          int(e.params.get("axis_size", 1)),
-          d.invars[0].aval.dtype,
-          "reduce_scatter",
-          bidi,
-          blk,
-        )
+        dtype = d.invars[0].aval.dtype
+        est, method, pieces, bidi = worth(e, m, n, k, dtype, "reduce_scatter", blk)
         if not est.worthwhile:
           continue
         fused[i] = (
@@ -204,10 +186,8 @@ def _plan_collective_matmuls(
       p = int(e.params.get("axis_size", 1))
       if m % p:
         continue
-      bidi = (m // p) % 2 == 0
-      est, method, pieces = worth(
-        m, n, k * p, p, d.invars[0].aval.dtype, "reduce_scatter", bidi, m // p
-      )
+      dtype = d.invars[0].aval.dtype
+      est, method, pieces, bidi = worth(e, m, n, k * p, dtype, "reduce_scatter", m // p)
       if not est.worthwhile:
         continue
       if method == "pieces":
