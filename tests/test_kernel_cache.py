@@ -139,7 +139,7 @@ def test_selection_with_shared_kernels_estimates_every_variant_as_without(monkey
 
   # The step test_selection_cache.py chooses for (the session's compile store shares the
   # compiles with shared kernels between the two).
-  fn, args = shard_map_fsdp.build("h100x8", layers=2, hidden=256, mlp=512, heads=4, seq=64)
+  fn, args = shard_map_fsdp.build("h100x8", layers=2, hidden=1024, mlp=2816, heads=8, seq=512)
   handed = []
   copy = kernel_cache.Shared.copy
 

@@ -25,12 +25,15 @@ def cache_dir(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def program():
-  return S.build("h100x8", layers=2, hidden=256, mlp=512, heads=4, seq=64)
+  # The quickstart notebook's step (the session's compile store shares XLA's results).
+  return S.build("h100x8", layers=2, hidden=1024, mlp=2816, heads=8, seq=512)
 
 
 @pytest.fixture(scope="module")
 def gspmd_program():
-  return G.build("h100x8", layers=2, hidden=256, mlp=512, heads=4, seq=64)
+  # The scanned, rematerialized step test_to_shard_map.py chooses for too (the session's
+  # compile store shares XLA's results between the two).
+  return G.build("h100x8", layers=2, hidden=256, mlp=512, heads=4, seq=128, scan=True, remat=True)
 
 
 def _schedule(compiled) -> str:

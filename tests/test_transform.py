@@ -102,7 +102,7 @@ def test_explain_lists_prefetch_reduce_scatter_and_options():
 
 
 def test_auto_annotations_when_compiled_for_a_gpu_without_a_target():
-  fn, args = S.build("h100x8", layers=2, hidden=256, mlp=512, heads=4, seq=64)
+  fn, args = S.build("h100x8", layers=2, hidden=1024, mlp=2816, heads=8, seq=512)
   ov = jax_overlap.overlap(fn)  # no target: the arguments' devices decide
   report = jax_overlap.analyze(ov, *args, target="h100x8")
   assert any("_jax_overlap_priority" in c.annotations for c in report.collectives)
@@ -117,7 +117,7 @@ def test_prefetch_zero_moves_nothing():
 
 
 def test_annotations_reach_the_compiled_gpu_hlo():
-  fn, args = S.build("h100x8", layers=2, hidden=256, mlp=512, heads=4, seq=64)
+  fn, args = S.build("h100x8", layers=2, hidden=1024, mlp=2816, heads=8, seq=512)
   ov = jax_overlap.overlap(fn, target="h100x8", select="rewrite")
   report = jax_overlap.analyze(ov, *args, target="h100x8")
   tagged = [c for c in report.collectives if "_jax_overlap_priority" in c.annotations]
@@ -133,9 +133,9 @@ def test_annotations_reach_the_compiled_gpu_hlo():
 
 @pytest.mark.slow
 def test_cost_model_choice_is_never_worse_than_the_flags_alone():
-  # The step test_selection_cache.py chooses for too (the session's compile store shares
-  # XLA's results between the two).
-  fn, args = S.build("h100x8", layers=2, hidden=256, mlp=512, heads=4, seq=64)
+  # The step test_selection_cache.py and the quickstart notebook choose for too (the
+  # session's compile store shares XLA's results between them).
+  fn, args = S.build("h100x8", layers=2, hidden=1024, mlp=2816, heads=8, seq=512)
   ov = jax_overlap.overlap(fn, target="h100x8")
   e = ov.explain(*args)
   times = dict(e.candidates)
