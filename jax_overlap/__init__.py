@@ -16,24 +16,71 @@ The data flow, stage by stage:
 * ``jax_overlap.budget``: memory, compute and data decided together.
 """
 
-from jax_overlap import analysis as analysis
-from jax_overlap import budget as budget
-from jax_overlap import collective_matmul as collective_matmul
-from jax_overlap import flags as flags
-from jax_overlap import fsdp as fsdp
-from jax_overlap import latency_profile as latency_profile
-from jax_overlap import profile as profile
-from jax_overlap import runtime as runtime
-from jax_overlap import sim as sim
-from jax_overlap import targets as targets
-from jax_overlap import transform as transform
-from jax_overlap._src.analysis import analyze as analyze
-from jax_overlap._src.errors import ConfigError as ConfigError
-from jax_overlap._src.regions import occupancy as occupancy
-from jax_overlap._src.report import Report as Report
-from jax_overlap._src.report import compare as compare
-from jax_overlap._src.transform import overlap as overlap
-from jax_overlap._src.transform import priority as priority
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+# Names are imported on first use (PEP 562), so that commands which need no JAX -- the
+# ``jax-overlap launch`` wrapper, plan checks, the flag syntax -- start without importing it.
+_SUBMODULES = (
+  "analysis",
+  "budget",
+  "collective_matmul",
+  "flags",
+  "fsdp",
+  "latency_profile",
+  "profile",
+  "runtime",
+  "sim",
+  "targets",
+  "transform",
+)
+_NAMES = {
+  "analyze": "jax_overlap._src.analysis",
+  "ConfigError": "jax_overlap._src.errors",
+  "occupancy": "jax_overlap._src.regions",
+  "Report": "jax_overlap._src.report",
+  "compare": "jax_overlap._src.report",
+  "overlap": "jax_overlap._src.transform",
+  "priority": "jax_overlap._src.transform",
+}
+
+if TYPE_CHECKING:
+  from jax_overlap import analysis as analysis
+  from jax_overlap import budget as budget
+  from jax_overlap import collective_matmul as collective_matmul
+  from jax_overlap import flags as flags
+  from jax_overlap import fsdp as fsdp
+  from jax_overlap import latency_profile as latency_profile
+  from jax_overlap import profile as profile
+  from jax_overlap import runtime as runtime
+  from jax_overlap import sim as sim
+  from jax_overlap import targets as targets
+  from jax_overlap import transform as transform
+  from jax_overlap._src.analysis import analyze as analyze
+  from jax_overlap._src.errors import ConfigError as ConfigError
+  from jax_overlap._src.regions import occupancy as occupancy
+  from jax_overlap._src.report import Report as Report
+  from jax_overlap._src.report import compare as compare
+  from jax_overlap._src.transform import overlap as overlap
+  from jax_overlap._src.transform import priority as priority
+
+
+def __getattr__(name: str):
+  if name in _SUBMODULES:
+    value = importlib.import_module(f"jax_overlap.{name}")
+  elif name in _NAMES:
+    value = getattr(importlib.import_module(_NAMES[name]), name)
+  else:
+    raise AttributeError(f"module 'jax_overlap' has no attribute {name!r}")
+  globals()[name] = value
+  return value
+
+
+def __dir__() -> list[str]:
+  return sorted(set(globals()) | set(__all__))
+
 
 __version__ = "0.1.0"
 

@@ -6,6 +6,8 @@ library applies them when the program runs under ``jax-overlap launch``;
 :func:`status` tells whether it is loaded and what it has done.
 """
 
+from typing import TYPE_CHECKING
+
 from jax_overlap._src.plan import CommBlock as CommBlock
 from jax_overlap._src.plan import KernelRule as KernelRule
 from jax_overlap._src.plan import Plan as Plan
@@ -14,9 +16,6 @@ from jax_overlap._src.plan import RegionRule as RegionRule
 from jax_overlap._src.plan import StreamPolicy as StreamPolicy
 from jax_overlap._src.plan import check_plan as check_plan
 from jax_overlap._src.plan import region_id as region_id
-from jax_overlap._src.regions import Occupancy as Occupancy
-from jax_overlap._src.regions import occupancy as occupancy
-from jax_overlap._src.regions import region_events as region_events
 from jax_overlap._src.residency import blocks_per_sm as blocks_per_sm
 from jax_overlap._src.residency import padded_dynamic_smem as padded_dynamic_smem
 from jax_overlap._src.residency import residency_limits as residency_limits
@@ -26,6 +25,30 @@ from jax_overlap._src.runtime import Counters as Counters
 from jax_overlap._src.runtime import Status as Status
 from jax_overlap._src.runtime import library_path as library_path
 from jax_overlap._src.runtime import status as status
+
+if TYPE_CHECKING:
+  from jax_overlap._src.regions import Occupancy as Occupancy
+  from jax_overlap._src.regions import occupancy as occupancy
+  from jax_overlap._src.regions import region_events as region_events
+
+# The regions (custom calls in a jitted program) need JAX; plans and the library's status
+# do not, so the launcher and plan checks start without importing it.
+_REGIONS = ("Occupancy", "occupancy", "region_events")
+
+
+def __getattr__(name: str):
+  if name in _REGIONS:
+    from jax_overlap._src import regions
+
+    value = getattr(regions, name)
+    globals()[name] = value
+    return value
+  raise AttributeError(f"module 'jax_overlap.runtime' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+  return sorted(set(globals()) | set(__all__))
+
 
 __all__ = [
   "CommBlock",

@@ -142,3 +142,30 @@ def test_short_dtype_names_are_the_same_dtype():
   assert gain(4096, 4096, 4096, 8, dtype="bf16", target="h100x8") == gain(
     4096, 4096, 4096, 8, dtype="bfloat16", target="h100x8"
   )
+
+
+def test_every_public_name_is_there_and_jax_is_imported_on_first_use():
+  # Names load on first use: the launcher, plan checks and flag syntax start without JAX,
+  # and every name in __all__ (and dir()) is reachable.
+  import subprocess
+  import sys
+
+  for name in jax_overlap.__all__:
+    assert getattr(jax_overlap, name) is not None, name
+  assert set(jax_overlap.__all__) <= set(dir(jax_overlap))
+  with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
+    jax_overlap.no_such_name  # noqa: B018
+  with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
+    jax_overlap.runtime.no_such_name  # noqa: B018
+  code = (
+    "import sys, jax_overlap, jax_overlap.runtime, jax_overlap.cli\n"
+    "from jax_overlap._src import launch\n"
+    "from jax_overlap.runtime import Plan\n"
+    "Plan(kernels=[{'match': 'gemm_*', 'blocks_per_sm': 2}]).to_rules()\n"
+    "print('jax' in sys.modules)\n"
+    "jax_overlap.runtime.occupancy, jax_overlap.overlap\n"
+    "print('jax' in sys.modules)\n"
+  )
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr
+  assert out.stdout.split() == ["False", "True"]
