@@ -47,8 +47,11 @@ def _schedule(compiled) -> str:
 def test_choice_remembered_by_a_new_decorator(cache_dir, program, gspmd_program, monkeypatch, form):
   # A GSPMD step too: its compiler-option variants and its shard_map form's are chosen
   # among once, and the remembered one is rebuilt without compiling the step as written.
+  # The shard_map step's choice includes variants scheduled from the cost model's estimates;
+  # the GSPMD step's is test_to_shard_map.py's selection, compiled once for both.
   fn, args = program if form == "shard_map" else gspmd_program
-  chooser = jax_overlap.overlap(fn, target="h100x8")
+  settings = {"target": "h100x8", "schedule_from_estimates": form == "shard_map"}
+  chooser = jax_overlap.overlap(fn, **settings)
   first = chooser.explain(*args)
   assert not any("remembered" in n for n in first.notes)
   entries = list((cache_dir / "selection").glob("*.json"))
@@ -57,7 +60,7 @@ def test_choice_remembered_by_a_new_decorator(cache_dir, program, gspmd_program,
   assert stored["chosen"] == first.chosen
 
   monkeypatch.setattr(analysis, "analyze", _no_compiles)
-  again = jax_overlap.overlap(fn, target="h100x8")
+  again = jax_overlap.overlap(fn, **settings)
   e = again.explain(*args)
   assert (e.chosen, e.candidates, e.xla_options) == (
     first.chosen,
@@ -71,9 +74,9 @@ def test_choice_remembered_by_a_new_decorator(cache_dir, program, gspmd_program,
 
   # Other settings, or no cache, choose again (here: try to compile, and fail).
   with pytest.raises(AssertionError, match="compiled although"):
-    jax_overlap.overlap(fn, target="h100x8", prefetch=2).explain(*args)
+    jax_overlap.overlap(fn, **settings, prefetch=2).explain(*args)
   with pytest.raises(AssertionError, match="compiled although"):
-    jax_overlap.overlap(fn, target="h100x8", cache=False).explain(*args)
+    jax_overlap.overlap(fn, **settings, cache=False).explain(*args)
   with pytest.raises(TypeError, match="cache must be True or False"):
     jax_overlap.overlap(fn, cache="yes")
 
