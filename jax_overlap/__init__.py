@@ -70,12 +70,12 @@ if TYPE_CHECKING:
 def __getattr__(name: str):
   if name in _SUBMODULES:
     value = importlib.import_module(f"jax_overlap.{name}")
-  elif name in _NAMES:
-    value = getattr(importlib.import_module(_NAMES[name]), name)
-  else:
-    raise AttributeError(f"module 'jax_overlap' has no attribute {name!r}")
-  globals()[name] = value
-  return value
+    globals()[name] = value
+    return value
+  if name in _NAMES:
+    # Looked up each time, not kept here: the name is always its module's current one.
+    return getattr(importlib.import_module(_NAMES[name]), name)
+  raise AttributeError(f"module 'jax_overlap' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:

@@ -40,9 +40,7 @@ def __getattr__(name: str):
   if name in _REGIONS:
     from jax_overlap._src import regions
 
-    value = getattr(regions, name)
-    globals()[name] = value
-    return value
+    return getattr(regions, name)  # looked up each time: always the module's current one
   raise AttributeError(f"module 'jax_overlap.runtime' has no attribute {name!r}")
 
 
