@@ -38,8 +38,8 @@ __all__ = [
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
-  """Model and run configuration."""
+class LayerDims:
+  """The layer stack's sizes (this example's and :mod:`.shard_map_fsdp`'s)."""
 
   layers: int = 8
   hidden: int = 4096
@@ -47,6 +47,12 @@ class Config:
   heads: int = 32
   seq: int = 2048
   batch_per_device: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Config(LayerDims):
+  """Model and run configuration."""
+
   vocab: int = 0  # 0: no embedding (inputs are activations), as in layer-stack benchmarks
   dtype: str = "bfloat16"
   scan: bool = False

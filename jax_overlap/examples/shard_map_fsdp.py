@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_overlap.examples.fsdp_transformer import check_sizes, layer_shapes
+from jax_overlap.examples.fsdp_transformer import LayerDims, check_sizes, layer_shapes
 
 __all__ = ["Config", "init_params", "abstract_params", "make_loss", "make_step", "build"]
 
@@ -35,13 +35,9 @@ FORMS = ("unrolled", "scan", "scan_remat", "scan_layers")
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
-  layers: int = 8
-  hidden: int = 4096
-  mlp: int = 11008
-  heads: int = 32
-  seq: int = 2048
-  batch_per_device: int = 1
+class Config(LayerDims):
+  """Model and run configuration: :mod:`.fsdp_transformer`'s sizes, and the loop's form."""
+
   dtype: str = "bfloat16"
   form: str = "unrolled"
   learning_rate: float = 1e-3
