@@ -18,8 +18,9 @@ The data flow, stage by stage:
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from jax_overlap._src import lazy_names
 
 # Names are imported on first use (PEP 562), so that commands which need no JAX -- the
 # ``jax-overlap launch`` wrapper, plan checks, the flag syntax -- start without importing it.
@@ -67,41 +68,8 @@ if TYPE_CHECKING:
   from jax_overlap._src.transform import priority as priority
 
 
-def __getattr__(name: str):
-  if name in _SUBMODULES:
-    value = importlib.import_module(f"jax_overlap.{name}")
-    globals()[name] = value
-    return value
-  if name in _NAMES:
-    # Looked up each time, not kept here: the name is always its module's current one.
-    return getattr(importlib.import_module(_NAMES[name]), name)
-  raise AttributeError(f"module 'jax_overlap' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-  return sorted(set(globals()) | set(__all__))
-
+__getattr__, __dir__ = lazy_names.attach(__name__, globals(), _SUBMODULES, _NAMES)
 
 __version__ = "0.1.0"
 
-__all__ = [
-  "ConfigError",
-  "Report",
-  "analysis",
-  "analyze",
-  "budget",
-  "collective_matmul",
-  "compare",
-  "flags",
-  "fsdp",
-  "latency_profile",
-  "occupancy",
-  "overlap",
-  "priority",
-  "profile",
-  "runtime",
-  "sim",
-  "targets",
-  "transform",
-  "__version__",
-]
+__all__ = sorted([*_SUBMODULES, *_NAMES], key=str.lower) + ["__version__"]

@@ -8,6 +8,7 @@ library applies them when the program runs under ``jax-overlap launch``;
 
 from typing import TYPE_CHECKING
 
+from jax_overlap._src import lazy_names
 from jax_overlap._src.plan import CommBlock as CommBlock
 from jax_overlap._src.plan import KernelRule as KernelRule
 from jax_overlap._src.plan import Plan as Plan
@@ -33,20 +34,10 @@ if TYPE_CHECKING:
 
 # The regions (custom calls in a jitted program) need JAX; plans and the library's status
 # do not, so the launcher and plan checks start without importing it.
-_REGIONS = ("Occupancy", "occupancy", "region_events")
-
-
-def __getattr__(name: str):
-  if name in _REGIONS:
-    from jax_overlap._src import regions
-
-    return getattr(regions, name)  # looked up each time: always the module's current one
-  raise AttributeError(f"module 'jax_overlap.runtime' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-  return sorted(set(globals()) | set(__all__))
-
+_REGIONS = {
+  name: "jax_overlap._src.regions" for name in ("Occupancy", "occupancy", "region_events")
+}
+__getattr__, __dir__ = lazy_names.attach(__name__, globals(), (), _REGIONS)
 
 __all__ = [
   "CommBlock",

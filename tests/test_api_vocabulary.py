@@ -2,6 +2,8 @@
 work for one release with a warning that names the current one."""
 
 import inspect
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -147,9 +149,6 @@ def test_short_dtype_names_are_the_same_dtype():
 def test_every_public_name_is_there_and_jax_is_imported_on_first_use():
   # Names load on first use: the launcher, plan checks and flag syntax start without JAX,
   # and every name in __all__ (and dir()) is reachable.
-  import subprocess
-  import sys
-
   for name in jax_overlap.__all__:
     assert getattr(jax_overlap, name) is not None, name
   assert set(jax_overlap.__all__) <= set(dir(jax_overlap))

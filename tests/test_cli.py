@@ -11,15 +11,20 @@ import pytest
 from jax_overlap import flags
 
 
-def cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+def _env() -> dict[str, str]:
+  """The command line's environment: CPU devices, no test-process XLA flags."""
   env = dict(os.environ)
   env["JAX_PLATFORMS"] = "cpu"
   env.pop("XLA_FLAGS", None)
+  return env
+
+
+def cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
   return subprocess.run(
     [sys.executable, "-m", "jax_overlap.cli", *args],
     capture_output=True,
     text=True,
-    env=env,
+    env=_env(),
     timeout=timeout,
   )
 
@@ -101,14 +106,11 @@ print(json.dumps(results))
 
 def cli_many(*command_lines: tuple[str, ...]) -> list[subprocess.CompletedProcess]:
   """``cli`` for several command lines, each in a process of its own."""
-  env = dict(os.environ)
-  env["JAX_PLATFORMS"] = "cpu"
-  env.pop("XLA_FLAGS", None)
   proc = subprocess.run(
     [sys.executable, "-c", _FORKED, json.dumps([list(a) for a in command_lines])],
     capture_output=True,
     text=True,
-    env=env,
+    env=_env(),
     timeout=300,
   )
   assert proc.returncode == 0, proc.stderr
