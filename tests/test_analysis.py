@@ -414,14 +414,17 @@ def test_fusions_read_only_the_share_of_a_parameter_their_result_needs():
   assert module.instruction_bytes(both) == 256 * 1536 * 2 + 256 * 512 * 2 + 256 * 1536 * 2
 
 
-def test_cublas_gemms_are_counted_like_xla_emits_them():
+@pytest.mark.parametrize("out", [jnp.bfloat16, jnp.float32])
+def test_cublas_gemms_are_counted_like_xla_emits_them(out):
   # With XLA's Triton GEMMs off the dot is a cuBLAS custom call, `__cublas$lt$matmul`,
   # returning (result, scratch workspace): the GEMM's FLOPs, and its operands and result.
+  # A bfloat16 GEMM that writes float32 (preferred_element_type) runs at the bfloat16
+  # rate: the dtype is its operands', not its result's.
   mesh = targets.compile_only_mesh("h100x8")
   x = _sds((8 * 512, 1024), mesh, P("fsdp"), jnp.bfloat16)
   w = _sds((1024, 2048), mesh, P(), jnp.bfloat16)
   r = jax_overlap.analyze(
-    lambda x, w: x @ w,
+    lambda x, w: jnp.dot(x, w, preferred_element_type=out),
     x,
     w,
     target="h100x8",
@@ -430,7 +433,9 @@ def test_cublas_gemms_are_counted_like_xla_emits_them():
   assert 'custom_call_target="__cublas$lt$matmul"' in r.hlo_text
   (k,) = [k for k in r.kernels if k.kind == "gemm"]
   assert k.flops == 2 * 512 * 1024 * 2048
-  assert k.bytes_accessed == 2 * (512 * 1024 + 1024 * 2048 + 512 * 2048)
+  itemsize = jnp.dtype(out).itemsize
+  assert k.bytes_accessed == 2 * (512 * 1024 + 1024 * 2048) + itemsize * 512 * 2048
+  assert k.dtype == "bf16"
   assert k.time_s == pytest.approx(
     cm.kernel_time(k.flops, k.bytes_accessed, targets.get_gpu("h100"), dtype="bf16", is_dot=True),
     rel=1e-9,

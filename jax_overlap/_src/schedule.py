@@ -259,7 +259,11 @@ def _kernel_kind(module: hlo_lib.Module, instr: hlo_lib.Instruction) -> str:
 
 
 def _dtype(module: hlo_lib.Module, instr: hlo_lib.Instruction) -> str:
+  """The dtype a kernel computes in: a dot's (or a cuBLAS GEMM's) operands', else its
+  result's (a bfloat16 GEMM writing float32 runs at the bfloat16 rate)."""
   dot = module.dot_in(instr)
+  if dot is None and hlo_lib.is_cublas_gemm(instr):
+    dot = instr
   if dot is not None and dot.operands:
     comp = module.computations[dot.computation]
     lhs = comp.by_name.get(dot.operands[0])
