@@ -119,3 +119,83 @@ def test_the_folder_keeps_at_most_max_bytes(store, monkeypatch):
   os.utime(compile_store._path("b"), (2, 2))
   compile_store.save("c", big)
   assert [compile_store.load(k) is not None for k in "abc"] == [False, True, True]
+
+
+_TWO_PROCESSES = """
+import json, os, sys, time
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax_overlap._src import compile as compile_lib, compile_store
+
+role, folder = sys.argv[1], sys.argv[2]
+compiled_marker, waiting_marker = (os.path.join(folder, n) for n in ("compiled", "waiting"))
+if role == "first":
+  # Compiles, then holds on to the result until the second process waits for it.
+  real = compile_lib.compile_lowered
+  def compile_then_wait(*a, **k):
+    out = real(*a, **k)
+    open(compiled_marker, "w").close()
+    deadline = time.time() + 120
+    while not os.path.exists(waiting_marker) and time.time() < deadline:
+      time.sleep(0.05)
+    time.sleep(0.5)
+    return out
+  compile_lib.compile_lowered = compile_then_wait
+else:
+  real_lock = compile_store.compiling
+  def announce(key):
+    open(waiting_marker, "w").close()
+    return real_lock(key)
+  compile_store.compiling = announce
+mesh = Mesh(np.array(jax.devices()[:8]), ("fsdp",))
+x = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P("fsdp")))
+w = jax.ShapeDtypeStruct((512, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P("fsdp")))
+step = compile_lib.compile_for_target(lambda x, w: jnp.tanh(x @ w).sum(), x, w, target="h100x8")
+print(json.dumps({"compiled": step.compiled is not None, "hlo": len(step.hlo_text)}))
+"""
+
+
+def test_two_processes_compiling_the_same_step_compile_it_once(store, tmp_path):
+  # The second process asks while the first is still compiling (its compile done, the
+  # entry not yet written): it waits on the entry's lock and reads the first's result.
+  import json
+  import subprocess
+  import sys
+  import time
+
+  script = tmp_path / "compile.py"
+  script.write_text(_TWO_PROCESSES)
+  env = dict(os.environ)
+  first = subprocess.Popen(
+    [sys.executable, str(script), "first", str(tmp_path)], stdout=subprocess.PIPE, env=env
+  )
+  deadline = time.time() + 120
+  while not (tmp_path / "compiled").exists() and first.poll() is None:
+    assert time.time() < deadline, "the first process never compiled"
+    time.sleep(0.05)
+  second = subprocess.run(
+    [sys.executable, str(script), "second", str(tmp_path)],
+    stdout=subprocess.PIPE,
+    env=env,
+    timeout=180,
+    check=True,
+  )
+  out_first, _ = first.communicate(timeout=180)
+  assert first.returncode == 0
+  a, b = json.loads(out_first), json.loads(second.stdout)
+  assert (tmp_path / "waiting").exists()  # the second asked before the entry existed
+  assert a["compiled"] and not b["compiled"]  # compiled once, read back once
+  assert a["hlo"] == b["hlo"] > 0
+  assert len(_entries(store)) == 1
+
+
+def test_old_lock_files_go_with_the_pruning(store):
+  store.mkdir(parents=True)
+  old, fresh = store / ("a" * 64 + ".lock"), store / ("b" * 64 + ".lock")
+  old.touch()
+  fresh.touch()
+  hours_ago = os.stat(old).st_mtime - 2 * 3600
+  os.utime(old, (hours_ago, hours_ago))
+  compile_store.save("some step", {"hlo": "text"})
+  assert not old.exists() and fresh.exists()
+  assert len(_entries(store)) == 1

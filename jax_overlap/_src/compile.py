@@ -16,6 +16,7 @@ swapped for the target mesh with the same axis names, and the result is compiled
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import glob
@@ -110,6 +111,12 @@ _STORED = (
 
 def _stored(step: CompiledStep) -> dict[str, Any]:
   return {f: getattr(step, f) for f in _STORED}
+
+
+def _stored_step(key: str, topo, mesh) -> CompiledStep | None:
+  """The step the compile store keeps under ``key``, or None."""
+  entry = compile_store.load(key)
+  return _from_store(entry, topo, mesh) if entry is not None else None
 
 
 def _from_store(entry: dict[str, Any], topo, mesh) -> CompiledStep | None:
@@ -320,6 +327,7 @@ def compile_for_target(
   options["xla_dump_to"] = dump_dir
   topo = targets_lib.get(target) if target is not None else None
   memo_key, owned = None, None
+  held = contextlib.ExitStack()  # the store's lock while this process compiles
 
   try:
     leaves_meshes = retarget.meshes_in((args, kwargs))
@@ -350,8 +358,11 @@ def compile_for_target(
       memo_key = _memo_key(lowered, options, topo) if own_dir and not keep_dump else None
       hit, owned = _claim(memo_key)
       if hit is None and memo_key is not None:
-        stored = compile_store.load(memo_key)
-        hit = _from_store(stored, topo, tmesh) if stored is not None else None
+        hit = _stored_step(memo_key, topo, tmesh)
+        if hit is None:
+          # Another process may be compiling it: wait for that, then read its result.
+          held.enter_context(compile_store.compiling(memo_key))
+          hit = _stored_step(memo_key, topo, tmesh)
         if hit is not None:
           with _MEMO_LOCK:
             _remember(memo_key, hit)
@@ -396,6 +407,7 @@ def compile_for_target(
       compile_store.save(memo_key, _stored(step))
     return step
   finally:
+    held.close()
     if owned is not None:
       with _MEMO_LOCK:
         del _IN_FLIGHT[memo_key]

@@ -15,25 +15,49 @@ directory (:func:`jax_overlap._src.cache.cache_dir`). ``JAX_OVERLAP_COMPILE_CACH
 turns it off. The folder keeps the most recently used entries, at most ``MAX_ENTRIES``
 of them and ``MAX_BYTES`` in all. An entry that cannot be read is a miss; an entry that
 cannot be written is not kept (the compile itself has succeeded).
+
+Two processes that want the same compile at the same time (the workers of a test run, a
+notebook beside a benchmark) compile it once: the first holds a lock file of the entry
+while it compiles (:func:`compiling`), the second waits on it and then reads the entry.
+Where the folder takes no lock, both compile.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gzip
 import hashlib
 import importlib.metadata
 import json
 import os
+import time
+from collections.abc import Iterator
 from typing import Any
+
+try:
+  import fcntl
+except ImportError:  # not a POSIX system: no locks, each process compiles
+  fcntl = None  # type: ignore[assignment]
 
 from jax_overlap._src import cache as cache_lib
 
-__all__ = ["enabled", "directory", "key_suffix", "load", "save", "MAX_ENTRIES", "MAX_BYTES"]
+__all__ = [
+  "enabled",
+  "directory",
+  "key_suffix",
+  "load",
+  "save",
+  "compiling",
+  "MAX_ENTRIES",
+  "MAX_BYTES",
+]
 
 MAX_ENTRIES = 256
 MAX_BYTES = 512 << 20
 _SUFFIX = ".json.gz"
+_LOCK = ".lock"
+_STALE_LOCK_S = 3600.0  # lock files older than this are removed with the entries
 _FORMAT = 1
 
 
@@ -96,6 +120,32 @@ def load(key: str) -> dict[str, Any] | None:
   return entry if isinstance(entry, dict) else None
 
 
+@contextlib.contextmanager
+def compiling(key: str) -> Iterator[None]:
+  """Held while this process compiles ``key``: a process that asks for the same compile
+  meanwhile waits here, then finds the entry with :func:`load`. The lock is the entry's
+  lock file, released when the block ends or the process dies. Without a store, or where
+  the folder takes no lock, nothing is held."""
+  if not enabled() or fcntl is None:
+    yield
+    return
+  path = _path(key)[: -len(_SUFFIX)] + _LOCK
+  try:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+  except OSError:
+    yield
+    return
+  try:
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError:
+      pass  # a file system without locks: compile without one
+    yield
+  finally:
+    os.close(fd)  # releases the lock
+
+
 def save(key: str, fields: dict[str, Any]) -> None:
   """Keeps ``fields`` (JSON-serializable) under ``key``; the least recently used entries
   go beyond ``MAX_ENTRIES`` or ``MAX_BYTES``."""
@@ -111,8 +161,16 @@ def save(key: str, fields: dict[str, Any]) -> None:
 
 def _prune(folder: str) -> None:
   entries = []
+  now = time.time()
   for name in os.listdir(folder):
-    if name.endswith(_SUFFIX):
+    if name.endswith(_LOCK):
+      p = os.path.join(folder, name)
+      try:
+        if now - os.stat(p).st_mtime > _STALE_LOCK_S:
+          _remove(p)  # a compile that long over; one still held only costs a repeat
+      except OSError:
+        pass
+    elif name.endswith(_SUFFIX):
       p = os.path.join(folder, name)
       try:
         st = os.stat(p)
