@@ -370,6 +370,12 @@ def test_estimate_gain_large_matmul_is_worthwhile_in_pieces_not_as_a_ring():
   kept = estimate_gain(m, n, k, 8, dtype="bfloat16", target="h100x8", method="pieces", collect=True)
   assert kept.copies_s == pytest.approx(copies + copy(m * k * 2), rel=1e-6)
   assert kept.overlapped_s == pytest.approx(est.overlapped_s + copy(m * k * 2), rel=1e-6)
+  # In one piece the all-gather is the plain one: its output is the gathered x, in order.
+  whole = estimate_gain(
+    m, n, k, 8, dtype="bfloat16", target="h100x8", method="pieces", chunks=1, collect=True
+  )
+  assert whole.copies_s == 0.0
+  assert whole.overlapped_s == pytest.approx(whole.baseline_s, rel=1e-9)
   # The ring's 8 MiB half-block exchanges are NCCL send/recvs on 4 of the 24 channels:
   # far slower than the dots beside them.
   ring = estimate_gain(m, n, k, 8, dtype="bfloat16", target="h100x8")

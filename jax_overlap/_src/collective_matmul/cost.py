@@ -183,10 +183,10 @@ def estimate_gain(
     c = len(fractions)
     if kind == "all_gather":
       overlapped = e[0] + sum(max(t[j], e[j + 1]) for j in range(c - 1)) + t[-1]
-      if c > 1:
+      if c > 1:  # one piece is the plain all-gather: nothing cut, nothing put in order
         copies = sum(copy(x_local * f) for f in fractions) + copy(out_local)
-      if collect:
-        copies += copy(m * k * itemsize)
+        if collect:
+          copies += copy(m * k * itemsize)
     else:
       overlapped = t[0] + sum(max(t[j], e[j - 1]) for j in range(1, c)) + e[-1]
       if c > 1:
