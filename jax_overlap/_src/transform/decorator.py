@@ -142,9 +142,11 @@ class Overlapped:
     cache=True,
     params_argnums=(0,),
     gspmd="auto",
+    weight_gradients="defer",
   ):
     self.params_argnums = params_argnums
     self.gspmd = gspmd
+    self.weight_gradients = weight_gradients
     self.select = select
     self.cache = cache
     self.schedule_from_estimates = schedule_from_estimates
@@ -202,6 +204,7 @@ class Overlapped:
       self.target,
       param_inputs=param_inputs,
       param_avals=None if param_inputs is None else parameter_avals(closed.jaxpr, param_inputs),
+      defer_weight_gradients=self.weight_gradients == "defer",
     )
     actions: list[Action] = []
     # Plan the rewrite from the jaxpr alone (no extra tracing).
@@ -395,6 +398,7 @@ class Overlapped:
       "params_argnums": list(self.params_argnums),
       "reduce_scatter": self.reduce_scatter,
       "collective_matmul": self.collective_matmul,
+      "weight_gradients": self.weight_gradients,
       "annotate": annotate,
       "select": self.select,
       "schedule_from_estimates": self.schedule_from_estimates,
@@ -437,6 +441,7 @@ def overlap(
   prefetch: int = 1,
   reduce_scatter: str = "per_layer",
   collective_matmul: str = "auto",
+  weight_gradients: str = "defer",
   annotate: bool | str = "auto",
   xla_options: dict[str, Any] | None = None,
   workload: str = "fsdp",
@@ -466,6 +471,13 @@ def overlap(
       reduce-scatters, each on all of NCCL's channels); "on" wherever the
       pattern matches (the better of the two); "ring" or "pieces" wherever it
       matches, that way only; "off" never.
+    weight_gradients: "defer" runs each backward weight gradient of a gathered
+      activation (``x_gathered^T dy``) while the next activation all-gather travels:
+      it waits for that all-gather's input, and the all-gather's users wait for it
+      (XLA's scheduler otherwise leaves every weight gradient to the end of the
+      step, with no compute beside the tensor-parallel all-gathers of the backward
+      pass); with ``select="cost_model"`` the step with them where XLA puts them is
+      one of the variants. "as_written" leaves them to XLA.
     annotate: attach frontend attributes for the runtime controls and the
       analysis (True/False); "auto" attaches them when the step compiles for
       a GPU (a ``target`` is given or the arguments live on GPU devices) and
@@ -531,6 +543,10 @@ def overlap(
     )
   if gspmd not in ("auto", "convert", "as_written"):
     raise ValueError(f"overlap: gspmd must be 'auto', 'convert' or 'as_written', got {gspmd!r}")
+  if weight_gradients not in ("defer", "as_written"):
+    raise ValueError(
+      f"overlap: weight_gradients must be 'defer' or 'as_written', got {weight_gradients!r}"
+    )
   if target is not None:
     targets_lib.get(target)
   flags_lib.check_workload(workload)
@@ -565,6 +581,7 @@ def overlap(
       prefetch=prefetch,
       reduce_scatter=reduce_scatter,
       collective_matmul=collective_matmul,
+      weight_gradients=weight_gradients,
       annotate=annotate,
       xla_options=xla_options,
       workload=workload,

@@ -46,8 +46,16 @@ def _environment(jaxpr, consts, args):
   return env, read
 
 
-def _run_ring(ring, env, read) -> bool:
-  """Runs an N-D gather -> dots ring; False (and the plain gather) if a weight is not ready."""
+def _after_all(x, prevs: list):
+  """``x``, ordered after every value in ``prevs`` (see :func:`_after`)."""
+  for p in prevs:
+    x = _after(x, p)
+  return x
+
+
+def _run_ring(ring, env, read, wait_for: list) -> bool:
+  """Runs an N-D gather -> dots ring; False (and the plain gather) if a weight is not ready.
+  The ring's dots wait for ``wait_for`` (weight gradients run while it travels)."""
   from jax_overlap._src import collective_matmul as cm_lib
 
   x, gather, dots, collect, opts = ring
@@ -56,12 +64,13 @@ def _run_ring(ring, env, read) -> bool:
     lhs = d.invars[0] is gather.outvars[0]
     w = d.invars[1] if lhs else d.invars[0]
     if _is_var(w) and w not in env:
-      env[gather.outvars[0]] = _eval_eqn(gather, [read(x)], None)[0]
+      out = _eval_eqn(gather, [read(x)], None)[0]
+      env[gather.outvars[0]] = _after_all(out, wait_for)
       return False
     aval = d.outvars[0].aval
     eqns_w.append(
       (
-        read(w),
+        _after_all(read(w), wait_for),
         lhs,
         d.params["dimension_numbers"],
         d.params.get("precision"),
@@ -97,8 +106,12 @@ def _run(jaxpr, consts, args, plan: _BodyPlan | None):
       g = plan.ring_of[i]
       if g not in ring_done:
         (ring,) = [plan.rings[g]]
+        wait_for = [read(jaxpr.eqns[w].outvars[0]) for w in plan.wgrad_before.get(g, ())]
         ring_done[g] = _run_ring(
-          (ring[0], ring[1], [jaxpr.eqns[u] for u in ring[2]], ring[3], ring[4]), env, read
+          (ring[0], ring[1], [jaxpr.eqns[u] for u in ring[2]], ring[3], ring[4]),
+          env,
+          read,
+          wait_for,
         )
       if ring_done[g] and i in plan.rings[g][2]:
         continue  # this dot's output came from the ring
@@ -140,6 +153,8 @@ def _run(jaxpr, consts, args, plan: _BodyPlan | None):
     if prev is not None and invals:
       invals[0] = _after(invals[0], read(jaxpr.eqns[prev].outvars[0]))
     outs = _eval_eqn(eqn, invals, md)
+    if plan is not None and i in plan.wgrad_before:  # its users wait for the weight gradients
+      outs = [_after_all(outs[0], [read(jaxpr.eqns[w].outvars[0]) for w in plan.wgrad_before[i]])]
     for v, o in zip(eqn.outvars, outs):
       env[v] = o
   return [read(v) for v in jaxpr.outvars]
@@ -159,11 +174,18 @@ class _Config:
   # Which program the variant evaluates: the step as traced, or its shard_map form
   # (a GSPMD step converted by to_shard_map).
   program: str = "traced"
+  # Backward weight gradients run while the next activation all-gather travels.
+  defer_weight_gradients: bool = True
 
   def as_written(self) -> _Config:
     """The same program evaluated as written (nothing moved, no rings)."""
     return dataclasses.replace(
-      self, prefetch=0, reduce_scatter="as_written", collective_matmul="off", chain=False
+      self,
+      prefetch=0,
+      reduce_scatter="as_written",
+      collective_matmul="off",
+      chain=False,
+      defer_weight_gradients=False,
     )
 
 
@@ -209,6 +231,7 @@ class RewriteStats:
   axis_size: int = 1  # devices the collectives run over, at most
   loops: int = 0  # loops over layers whose collectives are pipelined or kept
   rings: int = 0  # collective matmuls planned
+  weight_gradients: int = 0  # backward weight gradients deferred to a later all-gather
 
   def including(self, plan: _BodyPlan) -> RewriteStats:
     """These statistics and one more body's plan."""
@@ -220,6 +243,7 @@ class RewriteStats:
       axis_size=max(self.axis_size, plan.axis_size),
       loops=self.loops + plan.loops,
       rings=self.rings + len(plan.rings) + len(plan.fused),
+      weight_gradients=self.weight_gradients + sum(len(w) for w in plan.wgrad_before.values()),
     )
 
   @property
@@ -267,6 +291,7 @@ def _plan_for(cfg: _Config, eqn, where: str) -> _BodyPlan:
     cfg.target,
     _params_of(cfg, eqn),
     cfg.param_avals,
+    cfg.defer_weight_gradients,
   )
 
 

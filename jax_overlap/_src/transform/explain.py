@@ -10,7 +10,9 @@ from typing import Any
 class Action:
   """One thing the transform did (or left alone, with the reason)."""
 
-  kind: str  # "convert", "classify", "prefetch", "reduce_scatter", "collective_matmul", "annotate", "compiler_option", "left_alone"
+  # "convert", "classify", "prefetch", "reduce_scatter", "collective_matmul",
+  # "weight_gradient", "annotate", "compiler_option", "left_alone"
+  kind: str
   where: str
   detail: str
 
@@ -36,6 +38,7 @@ class Explanation:
       "prefetch",
       "reduce_scatter",
       "collective_matmul",
+      "weight_gradient",
       "annotate",
       "compiler_option",
       "left_alone",

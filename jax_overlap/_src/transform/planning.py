@@ -10,7 +10,7 @@ import dataclasses
 import heapq
 from typing import Any
 
-from jax_overlap._src.transform import scan_pipeline
+from jax_overlap._src.transform import scan_pipeline, weight_gradients
 from jax_overlap._src.transform.explain import Action
 from jax_overlap._src.transform.jaxprs import (
   _COLLECTIVES,
@@ -185,6 +185,8 @@ class _BodyPlan:
   loops: int = 0  # loops over layers whose collectives are left as written
   # lax.scan equations whose collectives are pipelined: eqn index -> scan_pipeline.ScanPlan.
   scans: dict = dataclasses.field(default_factory=dict)
+  # Activation all-gather index -> the weight-gradient dots its users wait for.
+  wgrad_before: dict = dataclasses.field(default_factory=dict)
 
 
 def _plan_body(
@@ -198,6 +200,7 @@ def _plan_body(
   target: str | None = None,
   param_inputs: frozenset | None = None,
   param_avals: frozenset | None = None,
+  defer_weight_gradients: bool = True,
 ) -> _BodyPlan:
   eqns = list(jaxpr.eqns)
   n = len(eqns)
@@ -453,6 +456,46 @@ def _plan_body(
           "reduce-scatters) so that none is merged with the next",
         )
       )
+  # 5. Weight gradients of the backward pass wait for the next activation all-gather's
+  # input, and its users wait for them: they run while it travels.
+  deferred = (
+    weight_gradients.plan(
+      eqns, deps, kinds, order, skip=skipped - set(rings), pinned=set(chain_prev)
+    )
+    if defer_weight_gradients
+    else {}
+  )
+  if deferred:
+    users: dict[int, list[int]] = {}
+    for b, d in enumerate(deps):
+      for a in d:
+        users.setdefault(a, []).append(b)
+    extra: dict[int, set[int]] = {}
+    for w, (p, g) in deferred.items():
+      extra.setdefault(w, set()).add(p)
+      for u in users.get(g, []):
+        extra.setdefault(u, set()).add(w)
+    for b, a in chain_prev.items():
+      extra.setdefault(b, set()).add(a)
+    reordered = _topological(order, deps, extra)
+    if reordered is None:
+      deferred = {}
+    else:
+      order = reordered
+      chain_prev = {**chain_prev, **{w: p for w, (p, _) in deferred.items()}}
+  wgrad_before: dict[int, tuple[int, ...]] = {}
+  for w, (_, g) in sorted(deferred.items()):
+    wgrad_before[g] = (*wgrad_before.get(g, ()), w)
+  if deferred:
+    actions.append(
+      Action(
+        "weight_gradient",
+        where,
+        f"{len(deferred)} weight gradient(s) (dots contracting a gathered sequence) run "
+        f"while {len(wgrad_before)} later activation all-gather(s) travel: each waits for "
+        "the all-gather's input, and the all-gather's users wait for it",
+      )
+    )
   single_gather = max((_nbytes(eqns[i].outvars[0].aval) for g in groups for i in g), default=0)
   scatter_out = max(
     (_nbytes(e.outvars[0].aval) for e in eqns if e.primitive.name == _SCATTER), default=0
@@ -480,20 +523,20 @@ def _plan_body(
     ring_of=ring_of,
     loops=nested.loops,
     scans=scans,
+    wgrad_before=wgrad_before,
   )
 
 
-def _topological(
-  order: list[int], deps: list[list[int]], extra: dict[int, int]
-) -> list[int] | None:
-  """``order`` changed as little as possible so that also ``extra[b]`` comes before ``b``.
+def _topological(order: list[int], deps: list[list[int]], extra: dict) -> list[int] | None:
+  """``order`` changed as little as possible so that also ``extra[b]`` (an equation, or a
+  set of them) comes before ``b``.
 
   Returns None if the extra links close a cycle with the dependencies.
   """
   rank = {i: p for p, i in enumerate(order)}
   preds = [set(d) for d in deps]
   for b, a in extra.items():
-    preds[b].add(a)
+    preds[b].update(a if isinstance(a, set) else {a})
   succs: list[list[int]] = [[] for _ in deps]
   for i, ps in enumerate(preds):
     for d in ps:

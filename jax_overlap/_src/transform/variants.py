@@ -189,6 +189,15 @@ def candidates(ov, cfg: _Config, stats: RewriteStats) -> list[tuple[str, _Config
         {**per_layer, **unmerged, **ov.extra_options},
       )
     )
+    if stats.weight_gradients:
+      # The weight gradients where XLA's scheduler puts them (at the end of the step).
+      out.append(
+        (
+          "rewritten, one layer per collective, weight gradients where XLA puts them",
+          dataclasses.replace(cfg, defer_weight_gradients=False),
+          {**per_layer, **ov.extra_options},
+        )
+      )
     if stats.rings and flags_lib.accepted_by_jaxlib("xla_gpu_enable_triton_gemm", False):
       # The collective matmuls' partial GEMMs through cuBLAS: the running sum of a
       # reduce-scatter ring is added in the GEMM's epilogue, and no partial GEMM is split

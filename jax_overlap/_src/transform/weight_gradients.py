@@ -1,0 +1,96 @@
+"""Weight gradients deferred to the next activation all-gather of the backward pass.
+
+In tensor- and sequence-parallel backward passes the weight gradient of a layer
+(``x_gathered^T dy``, a dot that contracts the gathered sequence) needs nothing the next
+layer's activation all-gather produces, and that all-gather needs nothing the weight
+gradient produces. XLA's scheduler tends to run the weight gradients as soon as their
+operands exist, before the all-gather's input is ready, and then has no compute left to
+hide the all-gather behind. Tying each weight gradient's operand to the all-gather's
+input (an optimization barrier) makes both ready at once, so the weight gradient runs
+while the all-gather travels: what Megatron-LM and Transformer Engine call delayed
+weight-gradient compute, here decided on the traced program.
+"""
+
+from __future__ import annotations
+
+from jax_overlap._src.transform.jaxprs import _GATHER, _is_var
+
+
+def weight_gradient_dots(eqns, users: dict, kinds: dict[int, str]) -> dict[int, int]:
+  """Dots that contract the gathered dimension of an activation all-gather's output (the
+  weight gradients of the layers the gather feeds; a gathered parameter's contracting
+  dots are the layers themselves): dot index -> gather index."""
+  found: dict[int, int] = {}
+  for g, e in enumerate(eqns):
+    if e.primitive.name != _GATHER or not e.params.get("tiled") or kinds.get(g) != "activation":
+      continue
+    out, gd = e.outvars[0], e.params.get("all_gather_dimension")
+    for u in users.get(out, []):
+      d = eqns[u]
+      if d.primitive.name != "dot_general" or (d.invars[0] is out) == (d.invars[1] is out):
+        continue
+      (lc, rc), _ = d.params["dimension_numbers"]
+      if gd in (lc if d.invars[0] is out else rc):
+        found[u] = g
+  return found
+
+
+def plan(
+  eqns,
+  deps: list[list[int]],
+  kinds: dict[int, str],
+  order: list[int],
+  skip: set[int] = frozenset(),
+  pinned: set[int] = frozenset(),
+) -> dict[int, tuple[int, int]]:
+  """Weight-gradient dot -> (the equation producing the input of the first activation
+  all-gather after it in ``order`` that does not depend on it, that all-gather). Gathers
+  in ``skip`` (replaced by a fused collective matmul) take none; dots in ``pinned``
+  (already ordered after something) and dots with no such all-gather after them are left
+  where they are."""
+  users: dict = {}
+  producer: dict = {}
+  for i, e in enumerate(eqns):
+    for v in e.invars:
+      if _is_var(v):
+        users.setdefault(v, []).append(i)
+    for v in e.outvars:
+      producer[v] = i
+  pos = {i: p for p, i in enumerate(order)}
+  gathers = sorted(
+    (
+      i
+      for i, e in enumerate(eqns)
+      if e.primitive.name == _GATHER
+      and kinds.get(i) == "activation"
+      and i not in skip
+      and _is_var(e.invars[0])
+    ),
+    key=lambda i: pos[i],
+  )
+  ancestors: dict[int, set[int]] = {}
+
+  def above(i: int) -> set[int]:
+    if i not in ancestors:
+      seen, stack = set(), [i]
+      while stack:
+        for d in deps[stack.pop()]:
+          if d not in seen:
+            seen.add(d)
+            stack.append(d)
+      ancestors[i] = seen
+    return ancestors[i]
+
+  deferred: dict[int, tuple[int, int]] = {}
+  for w in sorted(weight_gradient_dots(eqns, users, kinds), key=lambda i: pos[i]):
+    if w in pinned:
+      continue
+    for g in gathers:
+      if pos[g] < pos[w]:
+        continue
+      p = producer.get(eqns[g].invars[0])
+      if p is None or w in above(p) or w == p:
+        continue  # the gather waits for this weight gradient (or reads a body input)
+      deferred[w] = (p, g)
+      break
+  return deferred
