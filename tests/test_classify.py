@@ -175,3 +175,45 @@ def test_tensor_sequence_parallel_example_has_no_parameter_gathers():
   assert "7 activation all-gather(s) and 7 activation reduce-scatter(s)" in line
   assert "0 gradient reduce-scatter(s)" in line
   assert e.of_kind("prefetch") == []
+
+
+def test_only_weight_gradients_of_activation_gathers_wait_for_a_later_gather():
+  # Here a parameter gather's dots contract its gathered dimension too (the forward's
+  # x @ w1 contracts w1's gathered rows): those are the layers, never deferred (in a
+  # training step they are also ancestors of every later gather). What waits for a later
+  # activation all-gather is each weight gradient x_gathered^T dy of a gathered
+  # activation, and only for a gather that does not depend on it.
+  from jax_overlap._src.transform import weight_gradients
+
+  f, params, x = _grad_inside(3)
+  closed = f.trace(params, x).jaxpr
+  n_params = len(jax.tree.leaves(params))
+  evidence = T.parameter_inputs(closed.jaxpr, closed.jaxpr.invars[:n_params])
+  shapes = T.parameter_avals(closed.jaxpr, evidence)
+  deferred_total = 0
+  for body in _bodies(closed.jaxpr):
+    eqns = body.eqns
+    kinds = T.classify_collectives(body, evidence[id(body)], shapes)
+    producer = {v: i for i, e in enumerate(eqns) for v in e.outvars}
+    variables = [[v for v in e.invars if not hasattr(v, "val")] for e in eqns]  # no literals
+    deps = [[producer[v] for v in vs if v in producer] for vs in variables]
+    gathered_by = {eqns[g].outvars[0]: g for g in kinds if eqns[g].primitive.name == "all_gather"}
+    deferred = weight_gradients.plan(eqns, deps, kinds, list(range(len(eqns))))
+    for w, (p, g) in deferred.items():
+      (source,) = [gathered_by[v] for v in variables[w] if v in gathered_by]
+      assert kinds[source] == "activation" and kinds[g] == "activation"
+      assert w < g and p < g and p == producer[eqns[g].invars[0]]
+    param_dots = {
+      u
+      for u, e in enumerate(eqns)
+      if e.primitive.name == "dot_general"
+      and any(kinds.get(gathered_by.get(v)) == "parameter" for v in variables[u])
+    }
+    assert not param_dots & set(deferred)
+    deferred_total += len(deferred)
+  assert deferred_total >= 2  # the weight gradients of layers 2 and 3's gathered activations
+  # And the step computes what it computed.
+  ov = jax_overlap.overlap(f)
+  assert ov.explain(params, x).of_kind("weight_gradient")
+  for a, b in zip(jax.tree.leaves(f(params, x)), jax.tree.leaves(ov(params, x))):
+    assert jnp.allclose(a, b, rtol=1e-6, atol=1e-7)
