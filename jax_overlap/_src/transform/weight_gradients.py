@@ -1,28 +1,37 @@
-"""Weight gradients deferred to the next activation all-gather of the backward pass.
+"""Weight gradients run beside the activation all-gathers of the backward pass.
 
 In tensor- and sequence-parallel backward passes the weight gradient of a layer
 (``x_gathered^T dy``, a dot that contracts the gathered sequence) needs nothing the next
 layer's activation all-gather produces, and that all-gather needs nothing the weight
-gradient produces. XLA's scheduler tends to run the weight gradients as soon as their
-operands exist, before the all-gather's input is ready, and then has no compute left to
-hide the all-gather behind. Tying each weight gradient's operand to the all-gather's
-input (an optimization barrier) makes both ready at once, so the weight gradient runs
-while the all-gather travels: what Megatron-LM and Transformer Engine call delayed
-weight-gradient compute, here decided on the traced program.
+gradient produces. XLA's latency-hiding scheduler, working from the end of the step,
+places every weight gradient at the end (they feed only the step's outputs), so the
+backward's all-gathers have no compute beside them. Two optimization barriers fix the
+order: the weight gradient waits for the all-gather's input, and the all-gather's users
+wait for the weight gradient, so it runs while the all-gather travels: what Megatron-LM
+and Transformer Engine call delayed weight-gradient compute, here decided on the traced
+program. Gathers of parameters are not activations: their contracting dots are the
+layers themselves.
 """
 
 from __future__ import annotations
 
 from jax_overlap._src.transform.jaxprs import _GATHER, _is_var
 
+# classify_collectives' kinds of all-gathers that move activations, not parameters.
+_GATHERED_ACTIVATIONS = ("activation", "input")
+
 
 def weight_gradient_dots(eqns, users: dict, kinds: dict[int, str]) -> dict[int, int]:
-  """Dots that contract the gathered dimension of an activation all-gather's output (the
-  weight gradients of the layers the gather feeds; a gathered parameter's contracting
-  dots are the layers themselves): dot index -> gather index."""
+  """Dots that contract the gathered dimension of an all-gather of activations (computed
+  in the step, or the sequence-parallel batch and cotangents the body receives): the
+  weight gradients of the layers the gather feeds. Dot index -> gather index."""
   found: dict[int, int] = {}
   for g, e in enumerate(eqns):
-    if e.primitive.name != _GATHER or not e.params.get("tiled") or kinds.get(g) != "activation":
+    if (
+      e.primitive.name != _GATHER
+      or not e.params.get("tiled")
+      or kinds.get(g) not in _GATHERED_ACTIVATIONS
+    ):
       continue
     out, gd = e.outvars[0], e.params.get("all_gather_dimension")
     for u in users.get(out, []):
@@ -43,8 +52,8 @@ def plan(
   skip: set[int] = frozenset(),
   pinned: set[int] = frozenset(),
 ) -> dict[int, tuple[int, int]]:
-  """Weight-gradient dot -> (the equation producing the input of the first activation
-  all-gather after it in ``order`` that does not depend on it, that all-gather). Gathers
+  """Weight-gradient dot -> (the equation producing the input of the first all-gather of
+  activations after it in ``order`` that does not depend on it, that all-gather). Gathers
   in ``skip`` (replaced by a fused collective matmul) take none; dots in ``pinned``
   (already ordered after something) and dots with no such all-gather after them are left
   where they are."""
@@ -62,7 +71,7 @@ def plan(
       i
       for i, e in enumerate(eqns)
       if e.primitive.name == _GATHER
-      and kinds.get(i) == "activation"
+      and kinds.get(i) in _GATHERED_ACTIVATIONS
       and i not in skip
       and _is_var(e.invars[0])
     ),
