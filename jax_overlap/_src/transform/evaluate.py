@@ -100,18 +100,22 @@ def _run(jaxpr, consts, args, plan: _BodyPlan | None):
   env, read = _environment(jaxpr, consts, args)
   order = plan.order if plan is not None else range(len(jaxpr.eqns))
   ring_done: dict[int, bool] = {}
+
+  def weight_gradients_before(g: int) -> list:
+    """The weight gradients all-gather ``g``'s users wait for (none without a plan)."""
+    return [read(jaxpr.eqns[w].outvars[0]) for w in plan.wgrad_before.get(g, ())]
+
   for i in order:
     eqn = jaxpr.eqns[i]
     if plan is not None and i in plan.ring_of:
       g = plan.ring_of[i]
       if g not in ring_done:
         (ring,) = [plan.rings[g]]
-        wait_for = [read(jaxpr.eqns[w].outvars[0]) for w in plan.wgrad_before.get(g, ())]
         ring_done[g] = _run_ring(
           (ring[0], ring[1], [jaxpr.eqns[u] for u in ring[2]], ring[3], ring[4]),
           env,
           read,
-          wait_for,
+          weight_gradients_before(g),
         )
       if ring_done[g] and i in plan.rings[g][2]:
         continue  # this dot's output came from the ring
@@ -154,7 +158,7 @@ def _run(jaxpr, consts, args, plan: _BodyPlan | None):
       invals[0] = _after(invals[0], read(jaxpr.eqns[prev].outvars[0]))
     outs = _eval_eqn(eqn, invals, md)
     if plan is not None and i in plan.wgrad_before:  # its users wait for the weight gradients
-      outs = [_after_all(outs[0], [read(jaxpr.eqns[w].outvars[0]) for w in plan.wgrad_before[i]])]
+      outs = [_after_all(outs[0], weight_gradients_before(i))]
     for v, o in zip(eqn.outvars, outs):
       env[v] = o
   return [read(v) for v in jaxpr.outvars]

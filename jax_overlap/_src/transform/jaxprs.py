@@ -33,6 +33,48 @@ def _is_var(x) -> bool:
   return not hasattr(x, "val")
 
 
+def _producers(eqns) -> dict:
+  """Each value -> the index of the equation that makes it."""
+  return {v: i for i, e in enumerate(eqns) for v in e.outvars}
+
+
+def _var_users(eqns) -> dict:
+  """Each value -> the indices of the equations that read it, in order."""
+  users: dict = {}
+  for i, e in enumerate(eqns):
+    for v in e.invars:
+      if _is_var(v):
+        users.setdefault(v, []).append(i)
+  return users
+
+
+def _ancestors(deps: list[list[int]], i: int) -> set[int]:
+  """The equations ``i`` depends on, directly or not (``deps``: each one's producers)."""
+  seen: set[int] = set()
+  stack = [i]
+  while stack:
+    for d in deps[stack.pop()]:
+      if d not in seen:
+        seen.add(d)
+        stack.append(d)
+  return seen
+
+
+def _gathered_dim_role(dot, gathered, dim: int) -> str | None:
+  """What dimension ``dim`` of ``gathered`` is in ``dot``: "batch", "contracting" or
+  "free"; None when ``dot`` is not a ``dot_general`` reading ``gathered`` as exactly one
+  operand."""
+  if dot.primitive.name != "dot_general" or (dot.invars[0] is gathered) == (
+    dot.invars[1] is gathered
+  ):
+    return None
+  (lc, rc), (lb, rb) = dot.params["dimension_numbers"]
+  lhs = dot.invars[0] is gathered
+  if dim in (lb if lhs else rb):
+    return "batch"
+  return "contracting" if dim in (lc if lhs else rc) else "free"
+
+
 def _nbytes(aval) -> int:
   try:
     return int(math.prod(aval.shape) * np.dtype(aval.dtype).itemsize)

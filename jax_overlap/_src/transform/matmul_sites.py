@@ -8,10 +8,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
 
 from jax_overlap._src.transform.explain import Action
-from jax_overlap._src.transform.jaxprs import _GATHER, _SCATTER, _is_var
+from jax_overlap._src.transform.jaxprs import (
+  _GATHER,
+  _SCATTER,
+  _gathered_dim_role,
+  _is_var,
+  _var_users,
+)
 
 
 def _plan_collective_matmuls(
@@ -22,11 +27,7 @@ def _plan_collective_matmuls(
     return {}, set(), {}, {}
   from jax_overlap._src import collective_matmul as cm_lib
 
-  users: dict[Any, list[int]] = {}
-  for i, e in enumerate(eqns):
-    for v in e.invars:
-      if _is_var(v):
-        users.setdefault(v, []).append(i)
+  users = _var_users(eqns)
   fused: dict[int, tuple] = {}
   skipped: set[int] = set()
   rings: dict[int, tuple] = {}
@@ -354,15 +355,9 @@ def _plan_ring(i, e, eqns, users, outvars):
   gd = e.params.get("all_gather_dimension")
   dots, other = [], False
   for u in users.get(out, []):
-    d = eqns[u]
-    if d.primitive.name != "dot_general" or (d.invars[0] is out) == (d.invars[1] is out):
+    if _gathered_dim_role(eqns[u], out, gd) != "free":
+      # not a dot, or gathered along a contracted or batch dimension: not a ring of slices
       other = True
-      continue
-    lhs = d.invars[0] is out
-    (lc, rc), (lb, rb) = d.params["dimension_numbers"]
-    xc, xb = (lc, lb) if lhs else (rc, rb)
-    if gd in xc or gd in xb:
-      other = True  # gathered along a contracted or batch dimension: not a ring of slices
       continue
     dots.append(u)
   if not dots:

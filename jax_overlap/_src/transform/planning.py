@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-from typing import Any
 
 from jax_overlap._src.transform import scan_pipeline, weight_gradients
 from jax_overlap._src.transform.explain import Action
@@ -20,11 +19,14 @@ from jax_overlap._src.transform.jaxprs import (
   _MATMUL,
   _OPAQUE,
   _SCATTER,
+  _ancestors,
   _has_collectives,
   _is_var,
   _nbytes,
+  _producers,
   _pure,
   _subjaxprs,
+  _var_users,
 )
 from jax_overlap._src.transform.matmul_sites import _plan_collective_matmuls
 
@@ -103,10 +105,7 @@ def classify_collectives(
   partial sums, or an activation's cotangent).
   """
   eqns = list(jaxpr.eqns)
-  producer: dict[Any, int] = {}
-  for i, e in enumerate(eqns):
-    for v in e.outvars:
-      producer[v] = i
+  producer = _producers(eqns)
   invars = [v for v in jaxpr.invars if _is_var(v)]
   index = {v: k for k, v in enumerate(invars)}
   all_in = list(jaxpr.invars)
@@ -133,11 +132,7 @@ def classify_collectives(
         acc.add(v)
     reads.append(None if acc is None else frozenset(acc))
   # Which equations reach an output through cheap operations only.
-  users: dict[Any, list[int]] = {}
-  for i, e in enumerate(eqns):
-    for v in e.invars:
-      if _is_var(v):
-        users.setdefault(v, []).append(i)
+  users = _var_users(eqns)
   outs = {v for v in jaxpr.outvars if _is_var(v)}
   to_output = [False] * len(eqns)
   for i in range(len(eqns) - 1, -1, -1):
@@ -204,10 +199,7 @@ def _plan_body(
 ) -> _BodyPlan:
   eqns = list(jaxpr.eqns)
   n = len(eqns)
-  producer: dict[Any, int] = {}
-  for i, e in enumerate(eqns):
-    for v in e.outvars:
-      producer[v] = i
+  producer = _producers(eqns)
   deps = [[producer[v] for v in e.invars if _is_var(v) and v in producer] for e in eqns]
   # Operations that depend only on the body's inputs and have no effects can move freely.
   input_only = [False] * n
@@ -330,14 +322,7 @@ def _plan_body(
   group_bytes = [sum(_nbytes(eqns[i].outvars[0].aval) for i in g) for g in groups]
 
   def closure(i: int) -> list[int]:
-    out, stack = set(), [i]
-    while stack:
-      j = stack.pop()
-      for d in deps[j]:
-        if d not in out:
-          out.add(d)
-          stack.append(d)
-    return sorted(out)
+    return sorted(_ancestors(deps, i))
 
   if prefetch > 0 and groups:
     for k, g in enumerate(groups):
@@ -466,14 +451,11 @@ def _plan_body(
     else {}
   )
   if deferred:
-    users: dict[int, list[int]] = {}
-    for b, d in enumerate(deps):
-      for a in d:
-        users.setdefault(a, []).append(b)
+    readers = _var_users(eqns)
     extra: dict[int, set[int]] = {}
     for w, (p, g) in deferred.items():
       extra.setdefault(w, set()).add(p)
-      for u in users.get(g, []):
+      for u in readers.get(eqns[g].outvars[0], []):
         extra.setdefault(u, set()).add(w)
     for b, a in chain_prev.items():
       extra.setdefault(b, set()).add(a)

@@ -28,15 +28,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from jax_overlap._src.transform.jaxprs import _GATHER, _SCATTER, _is_var, _producers, _var_users
+
 __all__ = ["ScanPlan", "plan", "run"]
 
-_GATHER = "all_gather"
-_SCATTER = "reduce_scatter"
 _EFFECTFUL = ("all_gather", "reduce_scatter", "psum", "ppermute", "all_to_all", "axis_index")
 
 
@@ -66,10 +65,6 @@ class ScanPlan:
 
   def __bool__(self) -> bool:
     return bool(self.gathers or self.scatters)
-
-
-def _is_var(x) -> bool:
-  return not hasattr(x, "val")
 
 
 # Rematerialization markers (jax.checkpoint): after autodiff they only group equations, so
@@ -129,15 +124,8 @@ def plan(eqn, *, gathers: bool = True, scatters: bool = True) -> ScanPlan:
   n_consts, n_carry = int(eqn.params["num_consts"]), int(eqn.params["num_carry"])
   xs = {v: i for i, v in enumerate(jaxpr.invars) if i >= n_consts + n_carry}
   consts = set(jaxpr.invars[:n_consts])
-  producer = {}
-  for i, e in enumerate(jaxpr.eqns):
-    for v in e.outvars:
-      producer[v] = i
-  users: dict[Any, list[int]] = {}
-  for i, e in enumerate(jaxpr.eqns):
-    for v in e.invars:
-      if _is_var(v):
-        users.setdefault(v, []).append(i)
+  producer = _producers(jaxpr.eqns)
+  users = _var_users(jaxpr.eqns)
 
   def chain_to_slice(v) -> tuple[int, tuple[int, ...]] | None:
     """(xs position, equations) if ``v`` is computed from one xs slice by pure equations."""

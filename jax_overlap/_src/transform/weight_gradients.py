@@ -15,7 +15,14 @@ layers themselves.
 
 from __future__ import annotations
 
-from jax_overlap._src.transform.jaxprs import _GATHER, _is_var
+from jax_overlap._src.transform.jaxprs import (
+  _GATHER,
+  _ancestors,
+  _gathered_dim_role,
+  _is_var,
+  _producers,
+  _var_users,
+)
 
 # classify_collectives' kinds of all-gathers that move activations, not parameters.
 _GATHERED_ACTIVATIONS = ("activation", "input")
@@ -35,11 +42,7 @@ def weight_gradient_dots(eqns, users: dict, kinds: dict[int, str]) -> dict[int, 
       continue
     out, gd = e.outvars[0], e.params.get("all_gather_dimension")
     for u in users.get(out, []):
-      d = eqns[u]
-      if d.primitive.name != "dot_general" or (d.invars[0] is out) == (d.invars[1] is out):
-        continue
-      (lc, rc), _ = d.params["dimension_numbers"]
-      if gd in (lc if d.invars[0] is out else rc):
+      if _gathered_dim_role(eqns[u], out, gd) == "contracting":
         found[u] = g
   return found
 
@@ -57,14 +60,8 @@ def plan(
   in ``skip`` (replaced by a fused collective matmul) take none; dots in ``pinned``
   (already ordered after something) and dots with no such all-gather after them are left
   where they are."""
-  users: dict = {}
-  producer: dict = {}
-  for i, e in enumerate(eqns):
-    for v in e.invars:
-      if _is_var(v):
-        users.setdefault(v, []).append(i)
-    for v in e.outvars:
-      producer[v] = i
+  users = _var_users(eqns)
+  producer = _producers(eqns)
   pos = {i: p for p, i in enumerate(order)}
   gathers = sorted(
     (
@@ -81,13 +78,7 @@ def plan(
 
   def above(i: int) -> set[int]:
     if i not in ancestors:
-      seen, stack = set(), [i]
-      while stack:
-        for d in deps[stack.pop()]:
-          if d not in seen:
-            seen.add(d)
-            stack.append(d)
-      ancestors[i] = seen
+      ancestors[i] = _ancestors(deps, i)
     return ancestors[i]
 
   deferred: dict[int, tuple[int, int]] = {}
