@@ -14,6 +14,11 @@ inside the ``shard_map``; gradients are returned, one per (local) weight.
 sharded arrays: no collectives in the program, only ``with_sharding_constraint`` on the
 activations (sequence-sharded between blocks, head- or MLP-sharded inside), separate Q, K
 and V projections; XLA's partitioner inserts the gathers and reduce-scatters.
+
+``attention_pieces`` (``build`` only) computes attention in that many pieces of query rows,
+each piece's output projection reduce-scattered on its own (piece ``c`` holds rows ``c`` of
+every device's block, so its reduce-scatter returns this device's rows ``c``): the
+reduce-scatter of one piece can travel while the next piece's attention computes.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ class Config:
   batch: int = 1
   dtype: str = "bfloat16"
   axis: str = "tensor"
+  attention_pieces: int = 1  # query-row pieces of attention (see the module docstring)
 
 
 def _block(cfg: Config, x, w):
@@ -47,10 +53,16 @@ def _block(cfg: Config, x, w):
   b, s, _ = qkv.shape
   q, k, v = jnp.split(qkv.reshape(b, s, 3, heads, hd), 3, axis=2)
   q, k, v = (t[:, :, 0] for t in (q, k, v))
-  att = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / hd**0.5, -1)
-  o = jnp.einsum("bhqk,bkhd->bqhd", att.astype(x.dtype), v).reshape(b, s, heads * hd)
-  o = jnp.einsum("bsk,kh->bsh", o, w["wo"])
-  x = x + jax.lax.psum_scatter(o, cfg.axis, scatter_dimension=1, tiled=True)
+  blk, c = s // n, cfg.attention_pieces
+  rows = q.reshape(b, n, blk, heads, hd)  # [b, device, row of its block, ...]
+  outs = []
+  for j in range(c):  # one piece: rows j of every device's block
+    qj = rows[:, :, j * blk // c : (j + 1) * blk // c].reshape(b, n * blk // c, heads, hd)
+    att = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", qj, k).astype(jnp.float32) / hd**0.5, -1)
+    o = jnp.einsum("bhqk,bkhd->bqhd", att.astype(x.dtype), v).reshape(b, -1, heads * hd)
+    o = jnp.einsum("bsk,kh->bsh", o, w["wo"])
+    outs.append(jax.lax.psum_scatter(o, cfg.axis, scatter_dimension=1, tiled=True))
+  x = x + (outs[0] if c == 1 else jnp.concatenate(outs, axis=1))
   xg = jax.lax.all_gather(x, cfg.axis, axis=1, tiled=True)
   h = jax.nn.gelu(jnp.einsum("bsh,hf->bsf", xg, w["w1"]))
   o = jnp.einsum("bsf,fh->bsh", h, w["w2"])
@@ -97,6 +109,13 @@ def build(target: str = "h100x8", mesh: Mesh | None = None, **overrides):
   cfg = Config(**overrides)
   if mesh is None:
     mesh = targets_lib.compile_only_mesh(target, (cfg.axis,))
+  n = mesh.shape[cfg.axis]
+  c = cfg.attention_pieces
+  if isinstance(c, bool) or not isinstance(c, int) or c < 1 or (cfg.seq // n) % c:
+    raise ValueError(
+      f"tp_sp.build: attention_pieces must be a positive int dividing each device's "
+      f"{cfg.seq // n} sequence rows (seq {cfg.seq} over {n} devices), got {c!r}"
+    )
   dtype = jnp.dtype(cfg.dtype)
   params = [
     {
@@ -159,6 +178,11 @@ def build_gspmd(target: str = "h100x8", mesh: Mesh | None = None, **overrides):
   cfg = Config(**overrides)
   if mesh is None:
     mesh = targets_lib.compile_only_mesh(target, (cfg.axis,))
+  if cfg.attention_pieces != 1:
+    raise ValueError(
+      f"tp_sp.build_gspmd: attention_pieces is for the shard_map form (tp_sp.build); the "
+      f"GSPMD form computes attention whole, got attention_pieces={cfg.attention_pieces!r}"
+    )
   dtype = jnp.dtype(cfg.dtype)
   h = cfg.hidden
   shapes = {
