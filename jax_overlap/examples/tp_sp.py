@@ -19,11 +19,15 @@ and V projections; XLA's partitioner inserts the gathers and reduce-scatters.
 each piece's output projection reduce-scattered on its own (piece ``c`` holds rows ``c`` of
 every device's block, so its reduce-scatter returns this device's rows ``c``): the
 reduce-scatter of one piece can travel while the next piece's attention computes.
+``scan_layers`` stacks the blocks' weights and runs the blocks under ``lax.scan`` (params
+is then one dict of ``[layers, ...]`` arrays), and ``remat`` wraps each block in
+``jax.checkpoint``: the forms MaxText-style training code takes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +46,8 @@ class Config:
   dtype: str = "bfloat16"
   axis: str = "tensor"
   attention_pieces: int = 1  # query-row pieces of attention (see the module docstring)
+  scan_layers: bool = False  # blocks under lax.scan over stacked weights (build only)
+  remat: bool = False  # each block under jax.checkpoint (build only)
 
 
 def _block(cfg: Config, x, w):
@@ -70,15 +76,25 @@ def _block(cfg: Config, x, w):
 
 
 def make_step(cfg: Config, mesh: Mesh):
+  block = functools.partial(_block, cfg)
+  if cfg.remat:
+    block = jax.checkpoint(block)
+
   def loss(params, x):
-    for w in params:
-      x = _block(cfg, x, w)
+    if cfg.scan_layers:  # params: one dict of weights stacked over the blocks
+      x, _ = jax.lax.scan(lambda x, w: (block(x, w), None), x, params)
+    else:
+      for w in params:
+        x = block(x, w)
     return jax.lax.pmean(jnp.mean(jnp.square(x.astype(jnp.float32))), cfg.axis)
 
   def step(params, x):
     return jax.value_and_grad(loss)(params, x)
 
-  specs = [_specs(cfg)] * cfg.layers
+  if cfg.scan_layers:
+    specs = {k: P(None, *spec) for k, spec in _specs(cfg).items()}
+  else:
+    specs = [_specs(cfg)] * cfg.layers
   return jax.shard_map(
     step,
     mesh=mesh,
@@ -117,13 +133,21 @@ def build(target: str = "h100x8", mesh: Mesh | None = None, **overrides):
       f"{cfg.seq // n} sequence rows (seq {cfg.seq} over {n} devices), got {c!r}"
     )
   dtype = jnp.dtype(cfg.dtype)
-  params = [
-    {
-      k: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, _specs(cfg)[k]))
+  if cfg.scan_layers:
+    params = {
+      k: jax.ShapeDtypeStruct(
+        (cfg.layers, *shape), dtype, sharding=NamedSharding(mesh, P(None, *_specs(cfg)[k]))
+      )
       for k, shape in _shapes(cfg).items()
     }
-    for _ in range(cfg.layers)
-  ]
+  else:
+    params = [
+      {
+        k: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, _specs(cfg)[k]))
+        for k, shape in _shapes(cfg).items()
+      }
+      for _ in range(cfg.layers)
+    ]
   x = jax.ShapeDtypeStruct(
     (cfg.batch, cfg.seq, cfg.hidden), dtype, sharding=NamedSharding(mesh, P(None, cfg.axis))
   )
@@ -178,10 +202,12 @@ def build_gspmd(target: str = "h100x8", mesh: Mesh | None = None, **overrides):
   cfg = Config(**overrides)
   if mesh is None:
     mesh = targets_lib.compile_only_mesh(target, (cfg.axis,))
-  if cfg.attention_pieces != 1:
+  if cfg.attention_pieces != 1 or cfg.scan_layers or cfg.remat:
     raise ValueError(
-      f"tp_sp.build_gspmd: attention_pieces is for the shard_map form (tp_sp.build); the "
-      f"GSPMD form computes attention whole, got attention_pieces={cfg.attention_pieces!r}"
+      "tp_sp.build_gspmd: attention_pieces, scan_layers and remat are for the shard_map form "
+      "(tp_sp.build); the GSPMD form unrolls its blocks and computes attention whole, got "
+      f"attention_pieces={cfg.attention_pieces!r}, scan_layers={cfg.scan_layers!r}, "
+      f"remat={cfg.remat!r}"
     )
   dtype = jnp.dtype(cfg.dtype)
   h = cfg.hidden

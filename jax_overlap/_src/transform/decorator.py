@@ -470,7 +470,10 @@ def overlap(
       send/recv) and the collective issued in pieces (chained all-gathers or
       reduce-scatters, each on all of NCCL's channels); "on" wherever the
       pattern matches (the better of the two); "ring" or "pieces" wherever it
-      matches, that way only; "off" never.
+      matches, that way only; "off" never. Loops over layers (``lax.scan``) are
+      planned body by body the same way (each iteration's activation collectives);
+      with ``select="cost_model"`` the variants include their bodies as written and
+      only the forward loops' bodies rewritten.
     weight_gradients: "defer" runs each backward weight gradient of a gathered
       activation (``x_gathered^T dy``) while the next activation all-gather travels:
       it waits for that all-gather's input, and the all-gather's users wait for it

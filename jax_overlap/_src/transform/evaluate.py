@@ -97,6 +97,37 @@ def _run_ring(ring, env, read, wait_for: list) -> bool:
 
 
 def _run(jaxpr, consts, args, plan: _BodyPlan | None):
+  _, read = _run_env(jaxpr, consts, args, plan)
+  return [read(v) for v in jaxpr.outvars]
+
+
+def _scan(eqn, invals: list, plan: _BodyPlan):
+  """Scan ``eqn`` on ``invals`` with its body evaluated by ``plan``."""
+  jaxpr, body_consts = scan_pipeline._body(eqn)  # the body the plan was made for
+  n_consts, n_carry = int(eqn.params["num_consts"]), int(eqn.params["num_carry"])
+  consts, carry0 = invals[:n_consts], invals[n_consts : n_consts + n_carry]
+  xs = invals[n_consts + n_carry :]
+
+  def body(carry, x):
+    outs = _run(jaxpr, body_consts, [*consts, *carry, *x], plan)
+    return outs[:n_carry], outs[n_carry:]
+
+  carry, ys = jax.lax.scan(
+    body,
+    list(carry0),
+    list(xs),
+    length=int(eqn.params["length"]),
+    reverse=bool(eqn.params["reverse"]),
+    unroll=eqn.params.get("unroll", 1),
+  )
+  return [*carry, *ys]
+
+
+def _run_env(
+  jaxpr, consts, args, plan: _BodyPlan | None, skip: frozenset = frozenset(), given=None
+):
+  """Evaluates ``jaxpr`` under ``plan``; (its environment, its reader). Equations in
+  ``skip`` are not run: their outputs come from ``given`` (eqn index -> value), if there."""
   env, read = _environment(jaxpr, consts, args)
   order = plan.order if plan is not None else range(len(jaxpr.eqns))
   ring_done: dict[int, bool] = {}
@@ -107,6 +138,10 @@ def _run(jaxpr, consts, args, plan: _BodyPlan | None):
 
   for i in order:
     eqn = jaxpr.eqns[i]
+    if i in skip:
+      if given and i in given:
+        env[eqn.outvars[0]] = given[i]
+      continue
     if plan is not None and i in plan.ring_of:
       g = plan.ring_of[i]
       if g not in ring_done:
@@ -146,8 +181,17 @@ def _run(jaxpr, consts, args, plan: _BodyPlan | None):
       }[kind]
       env[eqn.outvars[0]] = fn(read(lhs), read(rhs), **kw)
       continue
-    if plan is not None and i in plan.scans:
-      outs = scan_pipeline.run(eqn, [read(v) for v in eqn.invars], plan.scans[i], _eval_eqn)
+    if plan is not None and (i in plan.scans or i in plan.loop_bodies):
+      invals = [read(v) for v in eqn.invars]
+      inner = plan.loop_bodies.get(i)
+      if i not in plan.scans:
+        outs = _scan(eqn, invals, inner)
+      else:
+
+        def layer(jx, cs, xs, skip_, given_, inner=inner):
+          return _run_env(jx, cs, xs, inner, skip_, given_)
+
+        outs = scan_pipeline.run(eqn, invals, plan.scans[i], _eval_eqn, layer)
       for v, o in zip(eqn.outvars, outs):
         env[v] = o
       continue
@@ -161,7 +205,7 @@ def _run(jaxpr, consts, args, plan: _BodyPlan | None):
       outs = [_after_all(outs[0], weight_gradients_before(i))]
     for v, o in zip(eqn.outvars, outs):
       env[v] = o
-  return [read(v) for v in jaxpr.outvars]
+  return env, read
 
 
 @dataclasses.dataclass
@@ -180,6 +224,9 @@ class _Config:
   program: str = "traced"
   # Backward weight gradients run while the next activation all-gather travels.
   defer_weight_gradients: bool = True
+  # Which lax.scan bodies get collective matmuls and deferred weight gradients of their own:
+  # "all", "forward" (not the reversed scans of the backward pass) or "none".
+  loops: str = "all"
 
   def as_written(self) -> _Config:
     """The same program evaluated as written (nothing moved, no rings)."""
@@ -190,6 +237,7 @@ class _Config:
       collective_matmul="off",
       chain=False,
       defer_weight_gradients=False,
+      loops="none",
     )
 
 
@@ -236,9 +284,17 @@ class RewriteStats:
   loops: int = 0  # loops over layers whose collectives are pipelined or kept
   rings: int = 0  # collective matmuls planned
   weight_gradients: int = 0  # backward weight gradients deferred to a later all-gather
+  loop_bodies: int = 0  # lax.scan bodies with plans of their own
+  reversed_loop_bodies: int = 0  # of those, reversed scans (a backward pass's)
 
   def including(self, plan: _BodyPlan) -> RewriteStats:
-    """These statistics and one more body's plan."""
+    """These statistics and one more body's plan (and the plans of the loops in it)."""
+    stats = self
+    for inner in plan.loop_bodies.values():
+      stats = stats.including(inner)
+    return stats._plus(plan)
+
+  def _plus(self, plan: _BodyPlan) -> RewriteStats:
     return RewriteStats(
       gather_groups=max(self.gather_groups, plan.gather_groups),
       max_group_gather_bytes=max(self.max_group_gather_bytes, plan.max_group_gather_bytes),
@@ -248,6 +304,9 @@ class RewriteStats:
       loops=self.loops + plan.loops,
       rings=self.rings + len(plan.rings) + len(plan.fused),
       weight_gradients=self.weight_gradients + sum(len(w) for w in plan.wgrad_before.values()),
+      loop_bodies=self.loop_bodies + len(plan.loop_bodies),
+      reversed_loop_bodies=self.reversed_loop_bodies
+      + sum(b.reverse for b in plan.loop_bodies.values()),
     )
 
   @property
@@ -296,6 +355,9 @@ def _plan_for(cfg: _Config, eqn, where: str) -> _BodyPlan:
     _params_of(cfg, eqn),
     cfg.param_avals,
     cfg.defer_weight_gradients,
+    cfg.param_inputs,
+    frozenset(),
+    cfg.loops,
   )
 
 

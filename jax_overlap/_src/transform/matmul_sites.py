@@ -20,9 +20,16 @@ from jax_overlap._src.transform.jaxprs import (
 
 
 def _plan_collective_matmuls(
-  eqns, outvars: set, mode: str, target: str | None, where: str, actions: list
+  eqns,
+  outvars: set,
+  mode: str,
+  target: str | None,
+  where: str,
+  actions: list,
+  exclude: frozenset = frozenset(),
 ):
-  """Finds all_gather -> dot and dot -> reduce_scatter pairs worth decomposing."""
+  """Finds all_gather -> dot and dot -> reduce_scatter pairs worth decomposing (none of
+  whose collective is in ``exclude``)."""
   if mode not in ("auto", "on", "ring", "pieces"):
     return {}, set(), {}, {}
   from jax_overlap._src import collective_matmul as cm_lib
@@ -64,6 +71,8 @@ def _plan_collective_matmuls(
     return f"decomposed into a {'bidirectional' if bidi else 'unidirectional'} ppermute ring"
 
   for i, e in enumerate(eqns):
+    if i in exclude:
+      continue
     name = e.primitive.name
     axes = e.params.get("axis_name")
     axis = axes[0] if isinstance(axes, tuple) and len(axes) == 1 else axes

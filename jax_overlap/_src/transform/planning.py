@@ -32,13 +32,15 @@ from jax_overlap._src.transform.matmul_sites import _plan_collective_matmuls
 
 
 def parameter_inputs(jaxpr, param_invars) -> dict[int, frozenset]:
-  """Which inputs of each shard_map body (by position) carry parameters, program-wide.
+  """Which inputs of each shard_map body and of each ``lax.scan`` body in one (by position)
+  carry parameters, program-wide.
 
   ``param_invars`` are the program's inputs that are parameters (the leaves of the step's
   ``params_argnums`` arguments). A value carries a parameter when it is computed from
   parameters by cheap operations alone (casts, reshapes, slices, elementwise: no matmul,
   collective or loop); a shard_map body's input carries one when the value passed to it
-  does. Keyed by ``id`` of the body jaxpr.
+  does (for a scan: the stacked value its slice comes from). Keyed by ``id`` of the body
+  jaxpr (a scan's: of its open jaxpr).
   """
   out: dict[int, frozenset] = {}
 
@@ -51,6 +53,13 @@ def parameter_inputs(jaxpr, param_invars) -> dict[int, frozenset]:
       if name == "shard_map":
         body = e.params["jaxpr"]
         out[id(body)] = frozenset(k for k, v in enumerate(e.invars) if is_param(v))
+        inner = body.jaxpr if hasattr(body, "jaxpr") and not hasattr(body, "eqns") else body
+        walk(inner, {iv: k in out[id(body)] for k, iv in enumerate(inner.invars)})
+        res = [False] * len(e.outvars)
+      elif name == "scan":  # a loop over layers: its body's slices of stacked parameters
+        body = e.params["jaxpr"].jaxpr
+        out[id(body)] = frozenset(k for k, v in enumerate(e.invars) if is_param(v))
+        walk(body, {iv: k in out[id(body)] for k, iv in enumerate(body.invars)})
         res = [False] * len(e.outvars)
       elif name in ("pjit", "jit") and "jaxpr" in e.params:
         inner = e.params["jaxpr"].jaxpr
@@ -182,6 +191,9 @@ class _BodyPlan:
   scans: dict = dataclasses.field(default_factory=dict)
   # Activation all-gather index -> the weight-gradient dots its users wait for.
   wgrad_before: dict = dataclasses.field(default_factory=dict)
+  # lax.scan equations whose body runs with a plan of its own: eqn index -> _BodyPlan.
+  loop_bodies: dict = dataclasses.field(default_factory=dict)
+  reverse: bool = False  # this is a loop body, of a reversed scan (a backward pass's)
 
 
 def _plan_body(
@@ -196,7 +208,15 @@ def _plan_body(
   param_inputs: frozenset | None = None,
   param_avals: frozenset | None = None,
   defer_weight_gradients: bool = True,
+  nested_params: dict | None = None,
+  exclude: frozenset = frozenset(),
+  loops: str = "all",
+  in_loop: bool = False,
 ) -> _BodyPlan:
+  """The plan of one body (a shard_map's, or a loop's inside one). ``nested_params``:
+  :func:`parameter_inputs` for the loops inside it; ``exclude``: collectives another plan
+  moves out of this body (a pipelined loop's), left alone here; ``loops``: which loops
+  inside get plans of their own (:func:`_loop_body_plan`); ``in_loop``: this is one."""
   eqns = list(jaxpr.eqns)
   n = len(eqns)
   producer = _producers(eqns)
@@ -214,14 +234,31 @@ def _plan_body(
   # are one layer's).
   nested = _NestedStats()
   scans: dict[int, scan_pipeline.ScanPlan] = {}
+  loop_bodies: dict[int, _BodyPlan] = {}
   kept_loops = 0
   for i, e in enumerate(eqns):
     if e.primitive.name in _OPAQUE and _has_collectives(e):
       _nested_stats(e, nested)
       if e.primitive.name in ("scan", "while"):
         # A loop over layers: pipeline its collectives across iterations where it can.
-        sp = scan_pipeline.plan(e, gathers=prefetch > 0, scatters=reduce_scatter == "per_layer")
         loop = f"{where + ', ' if where else ''}lax.scan at equation {i} ({e.params.get('length', '?')} iterations)"
+        sp = scan_pipeline.plan(e, gathers=prefetch > 0, scatters=reduce_scatter == "per_layer")
+        # What one iteration can do on its own, around what the pipeline moves.
+        inner = _loop_body_plan(
+          e,
+          sp,
+          loop,
+          loops,
+          annotate,
+          collective_matmul,
+          target,
+          param_avals,
+          defer_weight_gradients,
+          nested_params,
+        )
+        if inner is not None:
+          loop_bodies[i] = inner
+          actions.extend(inner.actions)
         if sp:
           length = int(e.params.get("length", 1))
           depth = max(1, min(prefetch, length - 1))
@@ -251,7 +288,7 @@ def _plan_body(
                 "carried",
               )
             )
-        else:
+        elif inner is None:
           kept_loops += 1
           why = (
             sp.reason
@@ -282,7 +319,13 @@ def _plan_body(
   # feeding a reduce-scatter, become ppermute rings of partial matmuls where the
   # cost model says they win.
   fused, skipped, rings, ring_of = _plan_collective_matmuls(
-    eqns, set(v for v in jaxpr.outvars if _is_var(v)), collective_matmul, target, where, actions
+    eqns,
+    set(v for v in jaxpr.outvars if _is_var(v)),
+    collective_matmul,
+    target,
+    where,
+    actions,
+    exclude,
   )
 
   # 1. Group parameter gathers into layers; activation collectives are on the critical
@@ -302,7 +345,8 @@ def _plan_body(
         "classify",
         where,
         f"{n_kind['parameter']} parameter all-gather(s) (inputs only parameters: prefetched "
-        f"ahead of their layer), {n_kind['input']} all-gather(s) of other inputs (the batch), "
+        f"ahead of their layer), {n_kind['input']} all-gather(s) of other inputs "
+        f"({'a loop carries or saves' if in_loop else 'the batch'}), "
         f"{n_kind['activation']} activation all-gather(s) and "
         f"{n_act_rs} activation reduce-scatter(s) (computed in the step: on the critical path, "
         f"candidates for collective matmuls), {n_rs['gradient']} gradient reduce-scatter(s)",
@@ -445,7 +489,7 @@ def _plan_body(
   # input, and its users wait for them: they run while it travels.
   deferred = (
     weight_gradients.plan(
-      eqns, deps, kinds, order, skip=skipped - set(rings), pinned=set(chain_prev)
+      eqns, deps, kinds, order, skip=(skipped - set(rings)) | exclude, pinned=set(chain_prev)
     )
     if defer_weight_gradients
     else {}
@@ -506,7 +550,62 @@ def _plan_body(
     loops=nested.loops,
     scans=scans,
     wgrad_before=wgrad_before,
+    loop_bodies=loop_bodies,
   )
+
+
+def _loop_body_plan(
+  e,
+  sp,
+  loop: str,
+  which: str,
+  annotate: bool,
+  collective_matmul: str,
+  target,
+  param_avals,
+  defer_weight_gradients: bool,
+  nested_params: dict | None,
+) -> _BodyPlan | None:
+  """The plan of scan ``e``'s body for what one iteration can do on its own: collective
+  matmuls of its activation collectives and its weight gradients deferred (tensor- and
+  sequence-parallel layers under ``lax.scan``); None when there is nothing to do. The
+  collectives the loop's pipeline ``sp`` moves across iterations are left to it. ``which``
+  loops are planned: ``"all"``, ``"forward"`` (not the reversed scans autodiff's transpose
+  runs) or ``"none"``."""
+  if e.primitive.name != "scan" or (collective_matmul == "off" and not defer_weight_gradients):
+    return None
+  if which == "none" or (which == "forward" and e.params.get("reverse")):
+    return None
+
+  body, _ = scan_pipeline._body(e)  # rematerialized layers inlined, as the pipeline reads it
+  key = id(e.params["jaxpr"].jaxpr)  # the same inputs, keyed by the scan's own body
+  moved = frozenset()
+  if sp:
+    moved = frozenset(sp.gathers) | frozenset(sp.scatters)
+    moved |= frozenset(j for s in sp.scatters for j in sp.tails.get(s, ()))
+  inner = _plan_body(
+    body,
+    loop,
+    0,
+    "as_written",
+    annotate,
+    False,
+    collective_matmul,
+    target,
+    None if nested_params is None else nested_params.get(key, frozenset()),
+    param_avals,
+    defer_weight_gradients,
+    nested_params,
+    moved,
+    which,
+    in_loop=True,
+  )
+  if not (inner.fused or inner.rings or inner.wgrad_before or inner.loop_bodies):
+    return None
+  keep = ("collective_matmul", "weight_gradient", "classify", "left_alone")
+  inner.actions[:] = [a for a in inner.actions if a.kind in keep]
+  inner.reverse = bool(e.params.get("reverse"))
+  return inner
 
 
 def _topological(order: list[int], deps: list[list[int]], extra: dict) -> list[int] | None:

@@ -209,9 +209,11 @@ def _evaluate(jaxpr, consts, args, eval_eqn: Callable, skip: frozenset, given: d
   return env, read
 
 
-def run(eqn, invals: list, p: ScanPlan, eval_eqn: Callable) -> list:
+def run(eqn, invals: list, p: ScanPlan, eval_eqn: Callable, layer_env: Callable | None = None):
   """Evaluates scan ``eqn`` on ``invals`` with the collectives of ``p`` moved (module
-  docstring). ``eval_eqn(eqn, invals, metadata)`` binds one equation."""
+  docstring). ``eval_eqn(eqn, invals, metadata)`` binds one equation; ``layer_env(jaxpr,
+  consts, args, skip, given)`` evaluates one iteration's body (default: equation by
+  equation), returning its environment and reader."""
   jaxpr, body_consts = _body(eqn)
   n_consts, n_carry = int(eqn.params["num_consts"]), int(eqn.params["num_carry"])
   length, reverse = int(eqn.params["length"]), bool(eqn.params["reverse"])
@@ -261,14 +263,12 @@ def run(eqn, invals: list, p: ScanPlan, eval_eqn: Callable) -> list:
   def layer(carry: list, step_xs: list, gathered: list):
     """One iteration of the body with its gathers given; its carry out, its stacked
     outputs (None where a moved reduce-scatter goes) and the unscattered gradients."""
-    env, read = _evaluate(
-      jaxpr,
-      body_consts,
-      [*consts, *carry, *step_xs],
-      eval_eqn,
-      skip,
-      dict(zip(p.gathers, gathered)),
-    )
+    args = [*consts, *carry, *step_xs]
+    given = dict(zip(p.gathers, gathered))
+    if layer_env is None:
+      env, read = _evaluate(jaxpr, body_consts, args, eval_eqn, skip, given)
+    else:
+      env, read = layer_env(jaxpr, body_consts, args, skip, given)
     pending = [read(eqns[s].invars[0]) for s in p.scatters]
     outs = [None if k in p.outputs.values() else read(v) for k, v in enumerate(jaxpr.outvars)]
     return outs[:n_carry], outs[n_carry:], pending

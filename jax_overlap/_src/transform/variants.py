@@ -209,6 +209,25 @@ def candidates(ov, cfg: _Config, stats: RewriteStats) -> list[tuple[str, _Config
           {**per_layer, "xla_gpu_enable_triton_gemm": False, **ov.extra_options},
         )
       )
+    if stats.loop_bodies:
+      # The loops' bodies as written, or only the forward ones planned: XLA schedules a
+      # loop body on its own, and a backward body that recomputes its layer
+      # (jax.checkpoint) has two chains of pieces for one link.
+      out.append(
+        (
+          "rewritten, one layer per collective, loop bodies as written",
+          dataclasses.replace(cfg, loops="none"),
+          {**per_layer, **ov.extra_options},
+        )
+      )
+      if 0 < stats.reversed_loop_bodies < stats.loop_bodies:
+        out.append(
+          (
+            "rewritten, one layer per collective, only forward loop bodies rewritten",
+            dataclasses.replace(cfg, loops="forward"),
+            {**per_layer, **ov.extra_options},
+          )
+        )
     pipeliner = _pipeliner_off(base)
     if stats.loops and pipeliner:
       # Loops that pipeline their own collectives (scan_layers) gain nothing from
