@@ -1,5 +1,6 @@
 """Reading the jaxpr: which collectives are which, and the plan for each ``shard_map`` body
-(prefetch groups, reduce-scatter placement, collective matmul rings, pipelined loops).
+(prefetch groups, reduce-scatter placement, collective matmul rings, pipelined loops, loop
+bodies planned on their own).
 
 (Over 500 lines: ``_plan_body`` is one walk over a body's equations that decides every
 collective of it in order, each decision reading the ones before it.)"""
