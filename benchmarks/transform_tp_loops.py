@@ -3,7 +3,9 @@
 The TP+SP block stack of ``jax_overlap.examples.tp_sp`` written as MaxText-style code
 writes it: the blocks' weights stacked and the blocks run by ``lax.scan``
 (``scan_layers=True``), with and without ``jax.checkpoint`` around each block
-(``remat``). @jax_overlap.overlap plans each loop body on its own: the sequence gathers and
+(``remat``), and the same for plain ``jax.jit`` over sharded arrays (``build_gspmd``:
+sharding constraints, no collectives written; @overlap converts it to shard_map).
+@jax_overlap.overlap plans each loop body on its own: the sequence gathers and
 reduce-scatters of one iteration become collective matmuls in pieces and its weight
 gradients run beside its all-gathers. The variant selection also compiles the step with
 the loop bodies as written (what the transform did before it planned loop bodies) and
@@ -34,7 +36,9 @@ from jax_overlap.examples import tp_sp  # noqa: E402
 FLAGS = absl_flags.FLAGS
 absl_flags.DEFINE_list("targets", ["h100x8"], "Targets.")
 absl_flags.DEFINE_list("sizes", ["large", "medium"], "Model sizes (see SIZES).")
-absl_flags.DEFINE_list("forms", ["scan", "scan+remat"], "Loop forms (see FORMS).")
+absl_flags.DEFINE_list(
+  "forms", ["scan", "scan+remat", "gspmd scan", "gspmd scan+remat"], "Loop forms (see FORMS)."
+)
 absl_flags.DEFINE_integer("layers", 2, "Blocks.")
 
 SIZES = {
@@ -42,7 +46,13 @@ SIZES = {
   "medium": dict(hidden=4096, mlp=14336, heads=32, seq=4096),
   "tiny": dict(hidden=512, mlp=1024, heads=8, seq=512),  # a quick check of the script
 }
-FORMS = {"scan": dict(scan_layers=True), "scan+remat": dict(scan_layers=True, remat=True)}
+FORMS = {
+  "scan": dict(scan_layers=True),
+  "scan+remat": dict(scan_layers=True, remat=True),
+  # plain jax.jit over sharded arrays (sharding constraints, no collectives written)
+  "gspmd scan": dict(scan_layers=True),
+  "gspmd scan+remat": dict(scan_layers=True, remat=True),
+}
 
 
 def _best(candidates, words: str):
@@ -52,7 +62,8 @@ def _best(candidates, words: str):
 
 
 def run(target: str, form: str, size: str, rows: list) -> None:
-  fn, args = tp_sp.build(target, layers=FLAGS.layers, **FORMS[form], **SIZES[size])
+  build = tp_sp.build_gspmd if form.startswith("gspmd") else tp_sp.build
+  fn, args = build(target, layers=FLAGS.layers, **FORMS[form], **SIZES[size])
   written = jax_overlap.analyze(fn, *args, target=target, name="XLA defaults")
   ov = jax_overlap.overlap(fn, target=target, cache=False)
   expl = ov.explain(*args)
@@ -109,7 +120,9 @@ def main(argv):
     "# @jax_overlap.overlap on tensor + sequence parallel layers under lax.scan",
     "",
     f"{FLAGS.layers} blocks, bf16, batch 1, tensor axis of 8 "
-    "(jax_overlap.examples.tp_sp.build(scan_layers=True[, remat=True])). Deviceless "
+    "(jax_overlap.examples.tp_sp.build(scan_layers=True[, remat=True]); 'gspmd' rows: "
+    "build_gspmd, plain jax.jit with sharding constraints, which @overlap converts to "
+    "shard_map). 'as written' is XLA's defaults. Deviceless "
     "estimates: jax_overlap.analyze (step, compute, exposed share) and sim.realize under "
     "XLA's stream priority; both models, and the same cost model chose @overlap's variant. "
     "'loop bodies as written' is the best variant of the same selection that leaves the "

@@ -87,3 +87,27 @@ def test_variants_offer_the_loop_bodies_as_written_and_forward_only():
   # Only backward bodies planned: no forward-only variant to offer.
   stats = RewriteStats(loops=2, loop_bodies=1, reversed_loop_bodies=1, max_scatter_out_bytes=1)
   assert forward not in {n for n, _, _ in variants.candidates(Ov, cfg, stats)}
+
+
+def test_scanned_gspmd_layers_are_converted_and_decomposed_inside_the_loop():
+  # The same layers written for plain jax.jit over sharded arrays (sharding constraints, no
+  # collectives) under lax.scan and jax.checkpoint: converted to shard_map, whose loop
+  # bodies then get their collective matmuls; same values.
+  mesh = jax.make_mesh((8,), ("tensor",), axis_types=(AxisType.Auto,))
+  fn, args = tp_sp.build_gspmd(mesh=mesh, remat=True, **CFG)
+  params, x = _inputs(mesh, args)
+  loss, grads = fn(params, x)
+  ov = jax_overlap.overlap(
+    fn,
+    target="h100x8",
+    select="rewrite",
+    gspmd="convert",
+    collective_matmul="pieces",
+    cache=False,
+  )
+  e = ov.explain(params, x)
+  assert {a.where for a in e.of_kind("collective_matmul") if "lax.scan" in a.where}
+  loss_o, grads_o = ov(params, x)
+  np.testing.assert_allclose(float(loss_o), float(loss), rtol=1e-5)
+  for g, go in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_o)):
+    np.testing.assert_allclose(np.asarray(go), np.asarray(g), rtol=1e-4, atol=1e-5)

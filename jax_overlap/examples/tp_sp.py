@@ -21,7 +21,7 @@ every device's block, so its reduce-scatter returns this device's rows ``c``): t
 reduce-scatter of one piece can travel while the next piece's attention computes.
 ``scan_layers`` stacks the blocks' weights and runs the blocks under ``lax.scan`` (params
 is then one dict of ``[layers, ...]`` arrays), and ``remat`` wraps each block in
-``jax.checkpoint``: the forms MaxText-style training code takes.
+``jax.checkpoint`` (both forms): the forms MaxText-style training code takes.
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ class Config:
   dtype: str = "bfloat16"
   axis: str = "tensor"
   attention_pieces: int = 1  # query-row pieces of attention (see the module docstring)
-  scan_layers: bool = False  # blocks under lax.scan over stacked weights (build only)
-  remat: bool = False  # each block under jax.checkpoint (build only)
+  scan_layers: bool = False  # blocks under lax.scan over stacked weights
+  remat: bool = False  # each block under jax.checkpoint
 
 
 def _block(cfg: Config, x, w):
@@ -187,9 +187,16 @@ def _gspmd_specs(cfg: Config) -> dict:
 def make_gspmd_step(cfg: Config, mesh: Mesh):
   """``value_and_grad`` of the loss of the block stack, for ``jax.jit`` (no shard_map)."""
 
+  block = functools.partial(_gspmd_block, cfg, mesh)
+  if cfg.remat:
+    block = jax.checkpoint(block)
+
   def loss(params, x):
-    for w in params:
-      x = _gspmd_block(cfg, mesh, x, w)
+    if cfg.scan_layers:
+      x, _ = jax.lax.scan(lambda x, w: (block(x, w), None), x, params)
+    else:
+      for w in params:
+        x = block(x, w)
     return jnp.mean(jnp.square(x.astype(jnp.float32)))
 
   return jax.value_and_grad(loss)
@@ -202,12 +209,10 @@ def build_gspmd(target: str = "h100x8", mesh: Mesh | None = None, **overrides):
   cfg = Config(**overrides)
   if mesh is None:
     mesh = targets_lib.compile_only_mesh(target, (cfg.axis,))
-  if cfg.attention_pieces != 1 or cfg.scan_layers or cfg.remat:
+  if cfg.attention_pieces != 1:
     raise ValueError(
-      "tp_sp.build_gspmd: attention_pieces, scan_layers and remat are for the shard_map form "
-      "(tp_sp.build); the GSPMD form unrolls its blocks and computes attention whole, got "
-      f"attention_pieces={cfg.attention_pieces!r}, scan_layers={cfg.scan_layers!r}, "
-      f"remat={cfg.remat!r}"
+      "tp_sp.build_gspmd: attention_pieces is for the shard_map form (tp_sp.build); the "
+      f"GSPMD form computes attention whole, got attention_pieces={cfg.attention_pieces!r}"
     )
   dtype = jnp.dtype(cfg.dtype)
   h = cfg.hidden
@@ -220,18 +225,17 @@ def build_gspmd(target: str = "h100x8", mesh: Mesh | None = None, **overrides):
     "w2": (cfg.mlp, h),
   }
   specs = _gspmd_specs(cfg)
-  params = [
-    {
-      k: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, specs[k]))
-      for k, shape in shapes.items()
-    }
-    for _ in range(cfg.layers)
-  ]
+  if cfg.scan_layers:  # one dict of weights stacked over the blocks
+    specs = {k: P(None, *spec) for k, spec in specs.items()}
+    shapes = {k: (cfg.layers, *shape) for k, shape in shapes.items()}
+  one = {
+    k: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, specs[k]))
+    for k, shape in shapes.items()
+  }
+  params = one if cfg.scan_layers else [dict(one) for _ in range(cfg.layers)]
   x = jax.ShapeDtypeStruct(
     (cfg.batch, cfg.seq, h), dtype, sharding=NamedSharding(mesh, P(None, cfg.axis))
   )
-  out = (
-    NamedSharding(mesh, P()),
-    [{k: NamedSharding(mesh, specs[k]) for k in shapes}] * cfg.layers,
-  )
+  grads = {k: NamedSharding(mesh, specs[k]) for k in shapes}
+  out = (NamedSharding(mesh, P()), grads if cfg.scan_layers else [grads] * cfg.layers)
   return jax.jit(make_gspmd_step(cfg, mesh), out_shardings=out), (params, x)
