@@ -3,7 +3,7 @@
 import jax
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import AxisType
 
 import jax_overlap
 from jax_overlap._src.transform import variants
@@ -11,16 +11,6 @@ from jax_overlap._src.transform.evaluate import RewriteStats, _Config
 from jax_overlap.examples import tp_sp
 
 CFG = dict(layers=3, hidden=64, mlp=128, heads=8, seq=64, dtype="float32", scan_layers=True)
-
-
-def _inputs(mesh, args):
-  keys = iter(jax.random.split(jax.random.key(1), 16))
-
-  def real(a):
-    v = jax.random.normal(next(keys), a.shape, a.dtype) / a.shape[-1] ** 0.5
-    return jax.device_put(v, NamedSharding(mesh, a.sharding.spec))
-
-  return jax.tree.map(real, args)
 
 
 @pytest.mark.parametrize("remat", [False, True], ids=["saved", "remat"])
@@ -31,7 +21,7 @@ def test_scanned_tensor_parallel_layers_decompose_inside_the_loop(remat):
   # computes what it computed.
   mesh = jax.make_mesh((8,), ("tensor",), axis_types=(AxisType.Auto,))
   fn, args = tp_sp.build(mesh=mesh, remat=remat, **CFG)
-  params, x = _inputs(mesh, args)
+  params, x = tp_sp.random_inputs(args, seed=1)
   loss, grads = fn(params, x)
   ov = jax_overlap.overlap(
     fn, target="h100x8", select="rewrite", collective_matmul="pieces", cache=False
@@ -95,7 +85,7 @@ def test_scanned_gspmd_layers_are_converted_and_decomposed_inside_the_loop():
   # bodies then get their collective matmuls; same values.
   mesh = jax.make_mesh((8,), ("tensor",), axis_types=(AxisType.Auto,))
   fn, args = tp_sp.build_gspmd(mesh=mesh, remat=True, **CFG)
-  params, x = _inputs(mesh, args)
+  params, x = tp_sp.random_inputs(args, seed=1)
   loss, grads = fn(params, x)
   ov = jax_overlap.overlap(
     fn,

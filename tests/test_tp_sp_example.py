@@ -3,7 +3,7 @@
 import jax
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import AxisType
 
 import jax_overlap
 from jax_overlap.examples import tp_sp
@@ -11,22 +11,12 @@ from jax_overlap.examples import tp_sp
 CFG = dict(layers=2, hidden=64, mlp=128, heads=8, seq=64, dtype="float32")
 
 
-def _inputs(mesh, args):
-  keys = iter(jax.random.split(jax.random.key(0), 16))
-
-  def real(a):
-    v = jax.random.normal(next(keys), a.shape, a.dtype) / a.shape[-1] ** 0.5
-    return jax.device_put(v, NamedSharding(mesh, a.sharding.spec))
-
-  return jax.tree.map(real, args)
-
-
 def test_attention_in_query_pieces_computes_the_same_step():
   # Piece c holds rows c of every device's block; its reduce-scatter returns this device's
   # rows c, so the pieces put back in order are the whole attention's output.
   mesh = jax.make_mesh((8,), ("tensor",), axis_types=(AxisType.Auto,))
   whole, args = tp_sp.build(mesh=mesh, **CFG)
-  params, x = _inputs(mesh, args)
+  params, x = tp_sp.random_inputs(args, seed=0)
   loss, grads = whole(params, x)
   for c in (2, 4):
     split, _ = tp_sp.build(mesh=mesh, attention_pieces=c, **CFG)

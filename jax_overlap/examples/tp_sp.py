@@ -154,6 +154,21 @@ def build(target: str = "h100x8", mesh: Mesh | None = None, **overrides):
   return jax.jit(make_step(cfg, mesh)), (params, x)
 
 
+def random_inputs(args, seed: int = 0):
+  """Random arrays laid out like ``args`` (``build``'s or ``build_gspmd``'s abstract
+  arguments, on a mesh of real devices), scaled by each array's last dimension: what
+  running the example needs."""
+  leaves, tree = jax.tree.flatten(args)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  return jax.tree.unflatten(
+    tree,
+    [
+      jax.device_put(jax.random.normal(k, a.shape, a.dtype) / a.shape[-1] ** 0.5, a.sharding)
+      for k, a in zip(keys, leaves)
+    ],
+  )
+
+
 def _gspmd_block(cfg: Config, mesh: Mesh, x, w):
   def c(t, *spec):
     return jax.lax.with_sharding_constraint(t, NamedSharding(mesh, P(*spec)))
