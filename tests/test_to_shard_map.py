@@ -372,6 +372,39 @@ def test_tensor_parallel_step_gathers_activations_not_weights(devices, heads):
   assert conv.collectives["all-reduce"] <= 1  # the loss
 
 
+def test_a_reshaped_matmul_output_follows_the_constraint_after_the_reshape():
+  """``(x @ w).reshape(b, s, heads, d)`` constrained to split heads after the reshape (as
+  code that projects with a 2-D weight writes it): the constraint's layout is taken back
+  through the reshape to the matmul, which gathers the sequence-split activation, not the
+  column-split weight, as the partitioner does."""
+  mesh = _mesh((8,), ("t",))
+  h, s, heads = 64, 32, 8
+
+  def c(t, *spec):
+    return jax.lax.with_sharding_constraint(t, NamedSharding(mesh, P(*spec)))
+
+  def loss(ws, x):
+    wq, wo = ws
+    q = c((x @ wq).reshape(1, s, heads, h // heads), None, None, "t", None)
+    y = c(jnp.sin(q).reshape(1, s, h) @ wo, None, "t", None)
+    return jnp.sum(jnp.square(y))
+
+  fn = jax.jit(jax.value_and_grad(loss))
+  keys = jax.random.split(jax.random.key(3), 3)
+  ws = (
+    jax.device_put(jax.random.normal(keys[0], (h, h)) / 8, NamedSharding(mesh, P(None, "t"))),
+    jax.device_put(jax.random.normal(keys[1], (h, h)) / 8, NamedSharding(mesh, P("t", None))),
+  )
+  x = jax.device_put(jax.random.normal(keys[2], (1, s, h)), NamedSharding(mesh, P(None, "t")))
+  conv, leaves = _convert(fn, (ws, x))
+  _assert_same(jax.jit(conv.fn)(*leaves), jax.tree.leaves(fn(ws, x)))
+  text = str(jax.make_jaxpr(conv.fn)(*leaves))
+  gathered = [
+    line.split("=")[0].split(":")[-1].strip() for line in text.splitlines() if "all_gather[" in line
+  ]
+  assert gathered and all(g.endswith(f"[1,{s},{h}]") for g in gathered), gathered
+
+
 @pytest.mark.parametrize("how", ["jitted", "overlap_kwargs"])
 def test_overlap_shard_map_form_keeps_requested_out_shardings(how):
   # The step's requested output layouts, including ones that differ from the inputs'

@@ -190,6 +190,23 @@ def _reshape(it, eqn, lays):
     return None
   src = tuple(eqn.invars[0].aval.shape)
   dst = tuple(eqn.params["new_sizes"])
+  want, out = _reshaped(it, src, dst, lay)
+  # The layout the result goes to next (a sharding constraint after it), taken back to the
+  # input when the reshape keeps every split: the input's producer then makes it in that
+  # layout (Flax's DenseGeneral reshapes its dot's output before the constraint).
+  hint = it.hints.get(eqn.outvars[0])
+  if hint is not None and not hint.partial and hint != out and len(hint.dims) == len(dst):
+    placed, back = _reshaped(it, dst, src, Layout(hint.dims))
+    if placed.dims == hint.dims and _reshaped(it, src, dst, back)[1].dims == hint.dims:
+      want, out = Layout(back.dims, lay.partial), Layout(hint.dims, lay.partial)
+  params = _per_device(eqn.params, new_sizes=it.local_shape(dst, out))
+  return [want], [out], params, None
+
+
+def _reshaped(it, src: tuple, dst: tuple, lay: Layout) -> tuple[Layout, Layout]:
+  """(the layout of the input a reshape from ``src`` to ``dst`` can keep, the output's):
+  a split dimension stays split where it is the major one of the dimensions it is merged
+  with, or where it is split into dimensions the first of which divides by its devices."""
   dims: list[Axes] = [()] * len(dst)
   want = list(lay.dims)
   for d, ax in enumerate(lay.dims):
@@ -222,9 +239,7 @@ def _reshape(it, eqn, lays):
       want[d] = ()
     else:
       dims[placed] = ax
-  out = Layout(tuple(dims), lay.partial)
-  params = _per_device(eqn.params, new_sizes=it.local_shape(dst, out))
-  return [Layout(tuple(want), lay.partial)], [out], params, None
+  return Layout(tuple(want), lay.partial), Layout(tuple(dims), lay.partial)
 
 
 def _transpose(it, eqn, lays):
