@@ -121,8 +121,10 @@ def elementwise(it, eqn, lays):
   dims: list[Axes] = [()] * nd
   used: set[str] = set()
   hint = it.hints.get(eqn.outvars[0])
-  if hint is not None and len(hint.dims) == nd:
-    # Every use wants the result laid out so: compute it so.
+  if hint is not None and len(hint.dims) == nd and not _only_gathers(hint, lays, nd):
+    # Every use wants the result laid out so: compute it so (unless that only gathers a
+    # split operand: the gather then stays after the operation, next to the uses, and the
+    # operation runs on the shards).
     dims = list(hint.dims)
     used = {a for d in dims for a in d}
     order = []
@@ -163,6 +165,18 @@ def elementwise(it, eqn, lays):
     )
   params = _per_device(eqn.params) if eqn.params.get("sharding") is not None else None
   return wants, [Layout(tuple(dims), partial) for _ in eqn.outvars], params, None
+
+
+def _only_gathers(hint: Layout, lays, nd: int) -> bool:
+  """Whether ``hint`` is an operand's layout with some split dimensions made whole."""
+  for lay in lays:
+    if len(lay.dims) != nd or lay.partial:
+      continue
+    if all(h in ((), ax) for h, ax in zip(hint.dims, lay.dims)) and any(
+      ax and not h for h, ax in zip(hint.dims, lay.dims)
+    ):
+      return True
+  return False
 
 
 def _broadcast_in_dim(it, eqn, lays):
