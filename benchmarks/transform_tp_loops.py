@@ -3,8 +3,10 @@
 The TP+SP block stack of ``jax_overlap.examples.tp_sp`` written as MaxText-style code
 writes it: the blocks' weights stacked and the blocks run by ``lax.scan``
 (``scan_layers=True``), with and without ``jax.checkpoint`` around each block
-(``remat``), and the same for plain ``jax.jit`` over sharded arrays (``build_gspmd``:
-sharding constraints, no collectives written; @overlap converts it to shard_map).
+(``remat``), the same for plain ``jax.jit`` over sharded arrays (``build_gspmd``:
+sharding constraints, no collectives written; @overlap converts it to shard_map), and a
+Flax linen model written the MaxText way (``jax_overlap.examples.flax_tp``: logical axis
+names, LayerNorm, separate Q/K/V, ``nn.scan`` over ``nn.remat``, plain ``jax.jit``).
 @jax_overlap.overlap plans each loop body on its own: the sequence gathers and
 reduce-scatters of one iteration become collective matmuls in pieces and its weight
 gradients run beside its all-gathers. The variant selection also compiles the step with
@@ -31,13 +33,15 @@ from absl import app  # noqa: E402
 from absl import flags as absl_flags  # noqa: E402
 
 import jax_overlap  # noqa: E402
-from jax_overlap.examples import tp_sp  # noqa: E402
+from jax_overlap.examples import flax_tp, tp_sp  # noqa: E402
 
 FLAGS = absl_flags.FLAGS
 absl_flags.DEFINE_list("targets", ["h100x8"], "Targets.")
 absl_flags.DEFINE_list("sizes", ["large", "medium"], "Model sizes (see SIZES).")
 absl_flags.DEFINE_list(
-  "forms", ["scan", "scan+remat", "gspmd scan", "gspmd scan+remat"], "Loop forms (see FORMS)."
+  "forms",
+  ["scan", "scan+remat", "gspmd scan", "gspmd scan+remat", "flax scan+remat"],
+  "Loop forms (see FORMS).",
 )
 absl_flags.DEFINE_integer("layers", 2, "Blocks.")
 
@@ -52,6 +56,9 @@ FORMS = {
   # plain jax.jit over sharded arrays (sharding constraints, no collectives written)
   "gspmd scan": dict(scan_layers=True),
   "gspmd scan+remat": dict(scan_layers=True, remat=True),
+  # jax_overlap.examples.flax_tp: Flax linen, logical axis names, LayerNorm, separate
+  # Q/K/V, nn.scan over nn.remat, plain jax.jit
+  "flax scan+remat": {},
 }
 
 
@@ -63,6 +70,8 @@ def _best(candidates, words: str):
 
 def run(target: str, form: str, size: str, rows: list) -> None:
   build = tp_sp.build_gspmd if form.startswith("gspmd") else tp_sp.build
+  if form.startswith("flax"):
+    build = flax_tp.build
   fn, args = build(target, layers=FLAGS.layers, **FORMS[form], **SIZES[size])
   written = jax_overlap.analyze(fn, *args, target=target, name="XLA defaults")
   ov = jax_overlap.overlap(fn, target=target, cache=False)
@@ -122,7 +131,8 @@ def main(argv):
     f"{FLAGS.layers} blocks, bf16, batch 1, tensor axis of 8 "
     "(jax_overlap.examples.tp_sp.build(scan_layers=True[, remat=True]); 'gspmd' rows: "
     "build_gspmd, plain jax.jit with sharding constraints, which @overlap converts to "
-    "shard_map). 'as written' is XLA's defaults. Deviceless "
+    "shard_map; 'flax' rows: jax_overlap.examples.flax_tp, Flax linen with logical axis "
+    "names, LayerNorm, nn.scan over nn.remat). 'as written' is XLA's defaults. Deviceless "
     "estimates: jax_overlap.analyze (step, compute, exposed share) and sim.realize under "
     "XLA's stream priority; both models, and the same cost model chose @overlap's variant. "
     "'loop bodies as written' is the best variant of the same selection that leaves the "

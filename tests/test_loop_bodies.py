@@ -1,7 +1,6 @@
 """Collective matmuls and deferred weight gradients inside loops over layers (lax.scan)."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AxisType
@@ -105,74 +104,18 @@ def test_scanned_gspmd_layers_are_converted_and_decomposed_inside_the_loop():
 
 
 def test_flax_tensor_parallel_layers_under_nn_scan_and_nn_remat():
-  # Flax linen written for tensor + sequence parallelism with logical axis names: Q/K/V
-  # and MLP kernels split over the tensor axis, activations constrained to split the
-  # sequence between blocks, LayerNorm, nn.scan over nn.remat. Plain jax.jit over sharded
-  # arrays: @overlap converts it to shard_map and decomposes collectives inside both loops;
-  # the step computes what it computed.
-  import functools
-
-  import flax.linen as nn
+  # jax_overlap.examples.flax_tp: Flax linen written for tensor + sequence parallelism with
+  # logical axis names (LayerNorm, Q/K/V and MLP kernels split, the sequence split between
+  # blocks), nn.scan over nn.remat, plain jax.jit over sharded arrays: @overlap converts it
+  # to shard_map and decomposes collectives inside both loops; the step computes what it
+  # computed.
+  from jax_overlap.examples import flax_tp
 
   mesh = jax.make_mesh((8,), ("tensor",), axis_types=(AxisType.Auto,))
-  rules = (("seq", "tensor"), ("mlp", "tensor"), ("heads", "tensor"))
-  h, f, heads = 64, 128, 8
-
-  class Block(nn.Module):
-    @nn.compact
-    def __call__(self, x, _):
-      c = functools.partial(nn.with_logical_constraint, mesh=mesh)
-      kernel = lambda *names: nn.with_logical_partitioning(  # noqa: E731
-        nn.initializers.lecun_normal(), names
-      )
-      x = c(x, (None, "seq", None))
-      y = nn.LayerNorm()(x)
-      q, k, v = (
-        c(
-          nn.DenseGeneral(
-            (heads, h // heads), use_bias=False, kernel_init=kernel(None, "heads", None)
-          )(y),
-          (None, None, "heads", None),
-        )
-        for _ in range(3)
-      )
-      att = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) / (h // heads) ** 0.5, -1)
-      o = c(jnp.einsum("bhqk,bkhd->bqhd", att, v), (None, None, "heads", None))
-      o = nn.DenseGeneral(
-        h, axis=(-2, -1), use_bias=False, kernel_init=kernel("heads", None, None)
-      )(o)
-      x = x + c(o, (None, "seq", None))
-      y = nn.LayerNorm()(x)
-      m = c(nn.Dense(f, use_bias=False, kernel_init=kernel(None, "mlp"))(y), (None, None, "mlp"))
-      m = nn.Dense(h, use_bias=False, kernel_init=kernel("mlp", None))(nn.gelu(m))
-      return x + c(m, (None, "seq", None)), None
-
-  class Model(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-      stack = nn.scan(
-        nn.remat(Block),
-        variable_axes={"params": 0},
-        split_rngs={"params": True},
-        length=2,
-        metadata_params={nn.PARTITION_NAME: None},
-      )
-      return stack()(x, None)[0]
-
-  model = Model()
-  x = jax.device_put(
-    jax.random.normal(jax.random.key(2), (1, 64, h)), jax.NamedSharding(mesh, jax.P(None, "tensor"))
+  fn, args = flax_tp.build(
+    mesh=mesh, layers=2, hidden=64, mlp=128, heads=8, seq=64, dtype="float32"
   )
-  with nn.logical_axis_rules(rules):
-    boxed = model.init(jax.random.key(0), x)
-    shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, rules)
-  params = jax.tree.map(jax.device_put, nn.meta.unbox(boxed), shardings)
-
-  def loss(p, x):
-    with nn.logical_axis_rules(rules):
-      return jnp.mean(jnp.square(model.apply(p, x)))
-
-  fn = jax.jit(jax.value_and_grad(loss))
+  params, x = tp_sp.random_inputs(args, seed=2)
   value, grads = fn(params, x)
   ov = jax_overlap.overlap(
     fn, target="h100x8", select="rewrite", gspmd="convert", collective_matmul="pieces", cache=False
