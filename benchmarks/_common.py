@@ -69,3 +69,27 @@ def write(name: str, payload: dict, markdown: str | None = None) -> str:
     with open(os.path.join(RESULTS, f"{name}.md"), "w") as f:
       f.write(markdown)
   return path
+
+
+def publish(name: str, payload: dict, markdown: list[str]) -> str:
+  """Writes ``results/<name>.json`` (``payload`` and the machine) and ``<name>.md``
+  (``markdown``'s lines and the machine), and says where."""
+  where = machine()
+  path = write(
+    name, {**payload, "machine": where}, "\n".join([*markdown, "", f"Machine: {where}"]) + "\n"
+  )
+  print(f"wrote benchmarks/results/{name}.md")
+  return path
+
+
+def ms(t) -> str:
+  """Seconds as milliseconds in a table cell ('-' for a value not measured)."""
+  return "-" if t is None else f"{t * 1e3:.2f}"
+
+
+# The tensor + sequence parallel step's sizes (jax_overlap.examples.tp_sp, flax_tp).
+TP_SIZES = {
+  "large": dict(hidden=8192, mlp=28672, heads=64, seq=8192),
+  "medium": dict(hidden=4096, mlp=14336, heads=32, seq=4096),
+  "tiny": dict(hidden=512, mlp=1024, heads=8, seq=512),  # a quick check of a script
+}

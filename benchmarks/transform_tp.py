@@ -44,11 +44,7 @@ absl_flags.DEFINE_list("sizes", ["large", "medium"], "Model sizes (see SIZES).")
 absl_flags.DEFINE_integer("layers", 2, "Blocks.")
 absl_flags.DEFINE_integer("tune_evals", 48, "Simulations the tuner may run per row.")
 
-SIZES = {
-  "large": dict(hidden=8192, mlp=28672, heads=64, seq=8192),
-  "medium": dict(hidden=4096, mlp=14336, heads=32, seq=4096),
-  "tiny": dict(hidden=512, mlp=1024, heads=8, seq=512),  # a quick check of the script
-}
+SIZES = _common.TP_SIZES
 BUILD = {"shard_map": tp_sp.build, "gspmd": tp_sp.build_gspmd}
 CHANNELS = (16, 8)  # NCCL channel counts simulated besides the target's default
 RESERVED = (8, 24)  # SMs kept free of compute blocks (24: one per NCCL channel on H100)
@@ -106,10 +102,6 @@ def _decompositions(details: list) -> str:
   )
 
 
-def _ms(t) -> str:
-  return "-" if t is None else f"{t * 1e3:.2f}"
-
-
 def run(target: str, form: str, size: str, rows: list) -> None:
   cfg = dict(layers=FLAGS.layers, **SIZES[size])
   fn, args = BUILD[form](target, **cfg)
@@ -160,7 +152,7 @@ def _line(row: dict) -> str:
     f"| {row['step_s'] * 1e3:.2f} | {row['compute_s'] * 1e3:.2f} | {row['exposed_fraction']:.1%} "
     f"| {row['vs_compute_bound']:.3f} | {row['vs_written_compute_bound']:.3f} "
     f"| {row['concurrent_s'] * 1e3:.2f} | {row['priority_s'] * 1e3:.2f} "
-    f"| {row['tuned_s'] * 1e3:.2f} | {_ms(row['p2p_link_rate_s'])} "
+    f"| {row['tuned_s'] * 1e3:.2f} | {_common.ms(row['p2p_link_rate_s'])} "
     f"| {_per(row.get('priority_channels_s'), CHANNELS)} "
     f"| {_per(row.get('priority_reserved_s'), RESERVED)} |"
   )
@@ -170,7 +162,7 @@ def _per(times: dict | None, keys) -> str:
   """'a / b' ms at each of ``keys``, or '-' for a row from before the column existed."""
   if not times:
     return "-"
-  return " / ".join(_ms(times.get(str(k))) for k in keys)
+  return " / ".join(_common.ms(times.get(str(k))) for k in keys)
 
 
 def _note(row: dict) -> str:
@@ -246,15 +238,8 @@ def main(argv):
     *lines,
     "",
     *notes,
-    "",
-    f"Machine: {_common.machine()}",
   ]
-  _common.write(
-    "transform_tp",
-    {"sizes": SIZES, "layers": FLAGS.layers, "rows": rows, "machine": _common.machine()},
-    "\n".join(md) + "\n",
-  )
-  print("wrote benchmarks/results/transform_tp.md")
+  _common.publish("transform_tp", {"sizes": SIZES, "layers": FLAGS.layers, "rows": rows}, md)
 
 
 if __name__ == "__main__":

@@ -36,11 +36,7 @@ absl_flags.DEFINE_list("sizes", ["large", "medium"], "Model sizes (see SIZES).")
 absl_flags.DEFINE_list("pieces", ["1", "2", "4"], "Query-row pieces of attention.")
 absl_flags.DEFINE_integer("layers", 2, "Blocks.")
 
-SIZES = {
-  "large": dict(hidden=8192, mlp=28672, heads=64, seq=8192),
-  "medium": dict(hidden=4096, mlp=14336, heads=32, seq=4096),
-  "tiny": dict(hidden=512, mlp=1024, heads=8, seq=512),  # a quick check of the script
-}
+SIZES = _common.TP_SIZES
 
 
 def run(target: str, size: str, rows: list) -> None:
@@ -110,15 +106,10 @@ def main(argv):
     *[_line(r) for r in rows],
     "",
     *[f'- {s}, {c} piece(s): @overlap chose "{v}"' for s, c, v in chosen],
-    "",
-    f"Machine: {_common.machine()}",
   ]
-  _common.write(
-    "transform_tp_attention",
-    {"sizes": SIZES, "layers": FLAGS.layers, "rows": rows, "machine": _common.machine()},
-    "\n".join(md) + "\n",
+  _common.publish(
+    "transform_tp_attention", {"sizes": SIZES, "layers": FLAGS.layers, "rows": rows}, md
   )
-  print("wrote benchmarks/results/transform_tp_attention.md")
 
 
 if __name__ == "__main__":

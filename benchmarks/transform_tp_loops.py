@@ -45,11 +45,7 @@ absl_flags.DEFINE_list(
 )
 absl_flags.DEFINE_integer("layers", 2, "Blocks.")
 
-SIZES = {
-  "large": dict(hidden=8192, mlp=28672, heads=64, seq=8192),
-  "medium": dict(hidden=4096, mlp=14336, heads=32, seq=4096),
-  "tiny": dict(hidden=512, mlp=1024, heads=8, seq=512),  # a quick check of the script
-}
+SIZES = _common.TP_SIZES
 FORMS = {
   "scan": dict(scan_layers=True),
   "scan+remat": dict(scan_layers=True, remat=True),
@@ -104,17 +100,13 @@ def run(target: str, form: str, size: str, rows: list) -> None:
   print(_line(row), flush=True)
 
 
-def _ms(t) -> str:
-  return "-" if t is None else f"{t * 1e3:.2f}"
-
-
 def _line(r: dict) -> str:
   return (
-    f"| {r['target']} | {r['form']} | {r['size']} | {_ms(r['written_step_s'])} "
-    f"| {r['written_exposed_fraction']:.1%} | {_ms(r['step_s'])} | {_ms(r['compute_s'])} "
+    f"| {r['target']} | {r['form']} | {r['size']} | {_common.ms(r['written_step_s'])} "
+    f"| {r['written_exposed_fraction']:.1%} | {_common.ms(r['step_s'])} | {_common.ms(r['compute_s'])} "
     f"| {r['exposed_fraction']:.1%} | {r['vs_written_compute_bound']:.3f} "
-    f"| {_ms(r['bodies_as_written_s'])} | {_ms(r['forward_bodies_only_s'])} "
-    f"| {_ms(r['sim_written_s'])} / {_ms(r['sim_overlap_s'])} |"
+    f"| {_common.ms(r['bodies_as_written_s'])} | {_common.ms(r['forward_bodies_only_s'])} "
+    f"| {_common.ms(r['sim_written_s'])} / {_common.ms(r['sim_overlap_s'])} |"
   )
 
 
@@ -147,15 +139,8 @@ def main(argv):
     *[_line(r) for r in rows],
     "",
     *[f'- {r["target"]} {r["form"]} {r["size"]}: chose "{r["chosen"]}"' for r in rows],
-    "",
-    f"Machine: {_common.machine()}",
   ]
-  _common.write(
-    "transform_tp_loops",
-    {"sizes": SIZES, "forms": FORMS, "rows": rows, "machine": _common.machine()},
-    "\n".join(md) + "\n",
-  )
-  print("wrote benchmarks/results/transform_tp_loops.md")
+  _common.publish("transform_tp_loops", {"sizes": SIZES, "forms": FORMS, "rows": rows}, md)
 
 
 if __name__ == "__main__":

@@ -406,63 +406,17 @@ def test_a_reshaped_matmul_output_follows_the_constraint_after_the_reshape():
 
 
 def test_a_norm_before_a_tensor_parallel_matmul_runs_on_the_shards():
-  """A Flax block (nn.scan over nn.remat) whose LayerNorm of sequence-split activations
-  feeds a head-split projection: the norm runs on this device's rows and its result is
-  gathered next to the matmul, as the partitioner does, rather than the activations
-  gathered first and normalized whole on every device (which also hides the gather ->
-  matmul pair from the collective matmuls)."""
-  import functools
+  """A Flax block (jax_overlap.examples.flax_tp: nn.scan over nn.remat) whose LayerNorm of
+  sequence-split activations feeds head- and MLP-split projections: the norm runs on this
+  device's rows and its result is gathered next to the matmul, as the partitioner does,
+  rather than the activations gathered first and normalized whole on every device (which
+  also hides the gather -> matmul pair from the collective matmuls)."""
+  from jax_overlap.examples import flax_tp, tp_sp
 
   mesh = _mesh((8,), ("tensor",))
-  rules = (("seq", "tensor"), ("heads", "tensor"))
-  h, heads, s = 64, 8, 64
-
-  class Block(nn.Module):
-    @nn.compact
-    def __call__(self, x, _):
-      c = functools.partial(nn.with_logical_constraint, mesh=mesh)
-      init = nn.initializers.lecun_normal()
-      x = c(x, (None, "seq", None))
-      q = nn.DenseGeneral(
-        (heads, h // heads),
-        use_bias=False,
-        kernel_init=nn.with_logical_partitioning(init, (None, "heads", None)),
-      )(nn.LayerNorm()(x))
-      q = c(q, (None, None, "heads", None))
-      o = nn.DenseGeneral(
-        h,
-        axis=(-2, -1),
-        use_bias=False,
-        kernel_init=nn.with_logical_partitioning(init, ("heads", None, None)),
-      )(jnp.sin(q))
-      return x + c(o, (None, "seq", None)), None
-
-  class Model(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-      stack = nn.scan(
-        nn.remat(Block),
-        variable_axes={"params": 0},
-        split_rngs={"params": True},
-        length=2,
-        metadata_params={nn.PARTITION_NAME: None},
-      )
-      return stack()(x, None)[0]
-
-  model = Model()
-  x = jax.device_put(
-    jax.random.normal(jax.random.key(2), (1, s, h)), NamedSharding(mesh, P(None, "tensor"))
-  )
-  with nn.logical_axis_rules(rules):
-    boxed = model.init(jax.random.key(0), x)
-    shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, rules)
-  params = jax.tree.map(jax.device_put, nn.meta.unbox(boxed), shardings)
-
-  def loss(p, x):
-    with nn.logical_axis_rules(rules):
-      return jnp.mean(jnp.square(model.apply(p, x)))
-
-  fn = jax.jit(jax.value_and_grad(loss))
+  s = 64
+  fn, args = flax_tp.build(mesh=mesh, layers=2, hidden=64, mlp=128, heads=8, seq=s, dtype="float32")
+  params, x = tp_sp.random_inputs(args, seed=2)
   conv, leaves = _convert(fn, (params, x))
   _assert_same(jax.jit(conv.fn)(*leaves), jax.tree.leaves(fn(params, x)), rtol=1e-4, atol=1e-5)
   text = str(jax.make_jaxpr(conv.fn)(*leaves))

@@ -14,7 +14,6 @@ to rewrite them.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -22,21 +21,15 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_overlap.examples.tp_sp import Sizes
+
 __all__ = ["Config", "RULES", "build", "make_model"]
 
 # Logical axis -> mesh axis.
 RULES = (("seq", "tensor"), ("mlp", "tensor"), ("heads", "tensor"))
 
 
-@dataclasses.dataclass(frozen=True)
-class Config:
-  layers: int = 2
-  hidden: int = 1024
-  mlp: int = 4096
-  heads: int = 16
-  seq: int = 1024
-  batch: int = 1
-  dtype: str = "bfloat16"
+Config = Sizes  # the model's sizes: layers, hidden, mlp, heads, seq, batch, dtype
 
 
 def make_model(cfg: Config, mesh: Mesh):

@@ -36,7 +36,9 @@ from jax.sharding import PartitionSpec as P
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
+class Sizes:
+  """A transformer's sizes (this example's and :mod:`.flax_tp`'s)."""
+
   layers: int = 2
   hidden: int = 1024
   mlp: int = 4096
@@ -44,6 +46,10 @@ class Config:
   seq: int = 1024
   batch: int = 1
   dtype: str = "bfloat16"
+
+
+@dataclasses.dataclass(frozen=True)
+class Config(Sizes):
   axis: str = "tensor"
   attention_pieces: int = 1  # query-row pieces of attention (see the module docstring)
   scan_layers: bool = False  # blocks under lax.scan over stacked weights
@@ -75,26 +81,66 @@ def _block(cfg: Config, x, w):
   return x + jax.lax.psum_scatter(o, cfg.axis, scatter_dimension=1, tiled=True)
 
 
-def make_step(cfg: Config, mesh: Mesh):
-  block = functools.partial(_block, cfg)
+def _stack(cfg: Config, block):
+  """``(params, x) -> x`` through the blocks: under ``lax.scan`` over weights stacked along
+  a leading dimension (``scan_layers``) or one after the other, each block under
+  ``jax.checkpoint`` with ``remat``."""
   if cfg.remat:
     block = jax.checkpoint(block)
 
+  def blocks(params, x):
+    if cfg.scan_layers:
+      return jax.lax.scan(lambda x, w: (block(x, w), None), x, params)[0]
+    for w in params:
+      x = block(x, w)
+    return x
+
+  return blocks
+
+
+def _params_like(cfg: Config, block):
+  """The parameters' structure from ``block(stacked)``, one block's dict: one dict with
+  every leaf stacked over the blocks (``scan_layers``), else a list of one per block."""
+  if cfg.scan_layers:
+    return block(True)
+  return [block(False) for _ in range(cfg.layers)]
+
+
+def _spec(spec: P, stacked: bool) -> P:
+  return P(None, *spec) if stacked else spec
+
+
+def _param_specs(cfg: Config, specs: dict):
+  """The parameters' PartitionSpecs from one block's ``specs``."""
+  return _params_like(cfg, lambda stacked: {k: _spec(v, stacked) for k, v in specs.items()})
+
+
+def _abstract_params(cfg: Config, mesh: Mesh, shapes: dict, specs: dict):
+  dtype = jnp.dtype(cfg.dtype)
+  return _params_like(
+    cfg,
+    lambda stacked: {
+      k: jax.ShapeDtypeStruct(
+        (cfg.layers, *shape) if stacked else shape,
+        dtype,
+        sharding=NamedSharding(mesh, _spec(specs[k], stacked)),
+      )
+      for k, shape in shapes.items()
+    },
+  )
+
+
+def make_step(cfg: Config, mesh: Mesh):
+  blocks = _stack(cfg, functools.partial(_block, cfg))
+
   def loss(params, x):
-    if cfg.scan_layers:  # params: one dict of weights stacked over the blocks
-      x, _ = jax.lax.scan(lambda x, w: (block(x, w), None), x, params)
-    else:
-      for w in params:
-        x = block(x, w)
+    x = blocks(params, x)
     return jax.lax.pmean(jnp.mean(jnp.square(x.astype(jnp.float32))), cfg.axis)
 
   def step(params, x):
     return jax.value_and_grad(loss)(params, x)
 
-  if cfg.scan_layers:
-    specs = {k: P(None, *spec) for k, spec in _specs(cfg).items()}
-  else:
-    specs = [_specs(cfg)] * cfg.layers
+  specs = _param_specs(cfg, _specs(cfg))
   return jax.shard_map(
     step,
     mesh=mesh,
@@ -132,24 +178,11 @@ def build(target: str = "h100x8", mesh: Mesh | None = None, **overrides):
       f"tp_sp.build: attention_pieces must be a positive int dividing each device's "
       f"{cfg.seq // n} sequence rows (seq {cfg.seq} over {n} devices), got {c!r}"
     )
-  dtype = jnp.dtype(cfg.dtype)
-  if cfg.scan_layers:
-    params = {
-      k: jax.ShapeDtypeStruct(
-        (cfg.layers, *shape), dtype, sharding=NamedSharding(mesh, P(None, *_specs(cfg)[k]))
-      )
-      for k, shape in _shapes(cfg).items()
-    }
-  else:
-    params = [
-      {
-        k: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, _specs(cfg)[k]))
-        for k, shape in _shapes(cfg).items()
-      }
-      for _ in range(cfg.layers)
-    ]
+  params = _abstract_params(cfg, mesh, _shapes(cfg), _specs(cfg))
   x = jax.ShapeDtypeStruct(
-    (cfg.batch, cfg.seq, cfg.hidden), dtype, sharding=NamedSharding(mesh, P(None, cfg.axis))
+    (cfg.batch, cfg.seq, cfg.hidden),
+    jnp.dtype(cfg.dtype),
+    sharding=NamedSharding(mesh, P(None, cfg.axis)),
   )
   return jax.jit(make_step(cfg, mesh)), (params, x)
 
@@ -202,17 +235,10 @@ def _gspmd_specs(cfg: Config) -> dict:
 def make_gspmd_step(cfg: Config, mesh: Mesh):
   """``value_and_grad`` of the loss of the block stack, for ``jax.jit`` (no shard_map)."""
 
-  block = functools.partial(_gspmd_block, cfg, mesh)
-  if cfg.remat:
-    block = jax.checkpoint(block)
+  blocks = _stack(cfg, functools.partial(_gspmd_block, cfg, mesh))
 
   def loss(params, x):
-    if cfg.scan_layers:
-      x, _ = jax.lax.scan(lambda x, w: (block(x, w), None), x, params)
-    else:
-      for w in params:
-        x = block(x, w)
-    return jnp.mean(jnp.square(x.astype(jnp.float32)))
+    return jnp.mean(jnp.square(blocks(params, x).astype(jnp.float32)))
 
   return jax.value_and_grad(loss)
 
@@ -229,7 +255,6 @@ def build_gspmd(target: str = "h100x8", mesh: Mesh | None = None, **overrides):
       "tp_sp.build_gspmd: attention_pieces is for the shard_map form (tp_sp.build); the "
       f"GSPMD form computes attention whole, got attention_pieces={cfg.attention_pieces!r}"
     )
-  dtype = jnp.dtype(cfg.dtype)
   h = cfg.hidden
   shapes = {
     "wq": (h, h),
@@ -239,18 +264,14 @@ def build_gspmd(target: str = "h100x8", mesh: Mesh | None = None, **overrides):
     "w1": (h, cfg.mlp),
     "w2": (cfg.mlp, h),
   }
-  specs = _gspmd_specs(cfg)
-  if cfg.scan_layers:  # one dict of weights stacked over the blocks
-    specs = {k: P(None, *spec) for k, spec in specs.items()}
-    shapes = {k: (cfg.layers, *shape) for k, shape in shapes.items()}
-  one = {
-    k: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, specs[k]))
-    for k, shape in shapes.items()
-  }
-  params = one if cfg.scan_layers else [dict(one) for _ in range(cfg.layers)]
+  params = _abstract_params(cfg, mesh, shapes, _gspmd_specs(cfg))
   x = jax.ShapeDtypeStruct(
-    (cfg.batch, cfg.seq, h), dtype, sharding=NamedSharding(mesh, P(None, cfg.axis))
+    (cfg.batch, cfg.seq, h), jnp.dtype(cfg.dtype), sharding=NamedSharding(mesh, P(None, cfg.axis))
   )
-  grads = {k: NamedSharding(mesh, specs[k]) for k in shapes}
-  out = (NamedSharding(mesh, P()), grads if cfg.scan_layers else [grads] * cfg.layers)
+  grads = jax.tree.map(
+    lambda spec: NamedSharding(mesh, spec),
+    _param_specs(cfg, _gspmd_specs(cfg)),
+    is_leaf=lambda v: isinstance(v, P),
+  )
+  out = (NamedSharding(mesh, P()), grads)
   return jax.jit(make_gspmd_step(cfg, mesh), out_shardings=out), (params, x)

@@ -183,7 +183,7 @@ def _run_env(
       continue
     if plan is not None and (i in plan.scans or i in plan.loop_bodies):
       invals = [read(v) for v in eqn.invars]
-      inner = plan.loop_bodies.get(i)
+      inner = plan.loop_bodies.get(i)  # None: the iteration as written
       if i not in plan.scans:
         outs = _scan(eqn, invals, inner)
       else:

@@ -54,7 +54,7 @@ def parameter_inputs(jaxpr, param_invars) -> dict[int, frozenset]:
       if name == "shard_map":
         body = e.params["jaxpr"]
         out[id(body)] = frozenset(k for k, v in enumerate(e.invars) if is_param(v))
-        inner = body.jaxpr if hasattr(body, "jaxpr") and not hasattr(body, "eqns") else body
+        (inner,) = _subjaxprs(e)
         walk(inner, {iv: k in out[id(body)] for k, iv in enumerate(inner.invars)})
         res = [False] * len(e.outvars)
       elif name == "scan":  # a loop over layers: its body's slices of stacked parameters
@@ -580,10 +580,6 @@ def _loop_body_plan(
 
   body, _ = scan_pipeline._body(e)  # rematerialized layers inlined, as the pipeline reads it
   key = id(e.params["jaxpr"].jaxpr)  # the same inputs, keyed by the scan's own body
-  moved = frozenset()
-  if sp:
-    moved = frozenset(sp.gathers) | frozenset(sp.scatters)
-    moved |= frozenset(j for s in sp.scatters for j in sp.tails.get(s, ()))
   inner = _plan_body(
     body,
     loop,
@@ -597,7 +593,7 @@ def _loop_body_plan(
     param_avals,
     defer_weight_gradients,
     nested_params,
-    moved,
+    sp.moved if sp else frozenset(),
     which,
     in_loop=True,
   )

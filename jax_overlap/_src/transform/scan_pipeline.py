@@ -63,6 +63,13 @@ class ScanPlan:
   reason: str = ""
   depth: int = 1
 
+  @property
+  def moved(self) -> frozenset:
+    """The body equations taken out of the iteration: the moved collectives and the
+    operations after each reduce-scatter."""
+    tails = (j for s in self.scatters for j in self.tails.get(s, ()))
+    return frozenset(self.gathers) | frozenset(self.scatters) | frozenset(tails)
+
   def __bool__(self) -> bool:
     return bool(self.gathers or self.scatters)
 
@@ -190,30 +197,12 @@ def plan(eqn, *, gathers: bool = True, scatters: bool = True) -> ScanPlan:
   return ScanPlan(tuple(found_g), chains, tuple(found_s), outputs, tails)
 
 
-def _evaluate(jaxpr, consts, args, eval_eqn: Callable, skip: frozenset, given: dict):
-  """Evaluates ``jaxpr``; equations in ``skip`` are not run (their outputs come from
-  ``given``: eqn index -> value, or stay unset)."""
-  env: dict = dict(zip(jaxpr.constvars, consts))
-  env.update(zip(jaxpr.invars, args))
-
-  def read(v):
-    return v.val if not _is_var(v) else env[v]
-
-  for i, e in enumerate(jaxpr.eqns):
-    if i in skip:
-      if i in given:
-        env[e.outvars[0]] = given[i]
-      continue
-    for v, o in zip(e.outvars, eval_eqn(e, [read(v) for v in e.invars], None)):
-      env[v] = o
-  return env, read
-
-
-def run(eqn, invals: list, p: ScanPlan, eval_eqn: Callable, layer_env: Callable | None = None):
+def run(eqn, invals: list, p: ScanPlan, eval_eqn: Callable, layer_env: Callable):
   """Evaluates scan ``eqn`` on ``invals`` with the collectives of ``p`` moved (module
   docstring). ``eval_eqn(eqn, invals, metadata)`` binds one equation; ``layer_env(jaxpr,
-  consts, args, skip, given)`` evaluates one iteration's body (default: equation by
-  equation), returning its environment and reader."""
+  consts, args, skip, given)`` evaluates one iteration's body without the equations in
+  ``skip`` (their outputs from ``given``: eqn index -> value, where there), returning its
+  environment and reader."""
   jaxpr, body_consts = _body(eqn)
   n_consts, n_carry = int(eqn.params["num_consts"]), int(eqn.params["num_carry"])
   length, reverse = int(eqn.params["length"]), bool(eqn.params["reverse"])
@@ -224,8 +213,7 @@ def run(eqn, invals: list, p: ScanPlan, eval_eqn: Callable, layer_env: Callable 
   )
   n_out = len(jaxpr.outvars)
   eqns = jaxpr.eqns
-  skip = frozenset(p.gathers) | frozenset(p.scatters)
-  skip |= frozenset(j for s in p.scatters for j in p.tails.get(s, ()))
+  skip = p.moved
   idx = (lambda k: length - 1 - k) if reverse else (lambda k: k)
 
   def equations(indices, given: dict) -> dict:
@@ -263,12 +251,8 @@ def run(eqn, invals: list, p: ScanPlan, eval_eqn: Callable, layer_env: Callable 
   def layer(carry: list, step_xs: list, gathered: list):
     """One iteration of the body with its gathers given; its carry out, its stacked
     outputs (None where a moved reduce-scatter goes) and the unscattered gradients."""
-    args = [*consts, *carry, *step_xs]
     given = dict(zip(p.gathers, gathered))
-    if layer_env is None:
-      env, read = _evaluate(jaxpr, body_consts, args, eval_eqn, skip, given)
-    else:
-      env, read = layer_env(jaxpr, body_consts, args, skip, given)
+    env, read = layer_env(jaxpr, body_consts, [*consts, *carry, *step_xs], skip, given)
     pending = [read(eqns[s].invars[0]) for s in p.scatters]
     outs = [None if k in p.outputs.values() else read(v) for k, v in enumerate(jaxpr.outvars)]
     return outs[:n_carry], outs[n_carry:], pending
