@@ -17,11 +17,11 @@ import numpy as np
 
 from jax_overlap._src import errors, kernel_cache, selection_cache
 from jax_overlap._src import flags as flags_lib
-from jax_overlap._src import targets as targets_lib
 from jax_overlap._src.transform import to_shard_map, variants
-from jax_overlap._src.transform.evaluate import RewriteStats, _collect, _Config, _evaluate
+from jax_overlap._src.transform.evaluate import _collect, _Config, _evaluate
 from jax_overlap._src.transform.explain import Action, Explanation
 from jax_overlap._src.transform.planning import parameter_avals, parameter_inputs
+from jax_overlap._src.transform.settings import Settings
 from jax_overlap._src.transform.variants import (
   _CONVERTED_PREFIX,
   _PROFILED_VARIANTS,  # noqa: F401 - re-exported for jax_overlap._src.transform
@@ -122,44 +122,12 @@ class Overlapped:
 
   Attributes:
     fn: the original function.
+    settings: ``overlap``'s keywords, checked (a frozen ``Settings``).
   """
 
-  def __init__(
-    self,
-    fn,
-    *,
-    mesh,
-    target,
-    prefetch,
-    reduce_scatter,
-    collective_matmul,
-    annotate,
-    xla_options,
-    workload,
-    select,
-    jit_kwargs,
-    schedule_from_estimates=True,
-    cache=True,
-    params_argnums=(0,),
-    gspmd="auto",
-    weight_gradients="defer",
-  ):
-    self.params_argnums = params_argnums
-    self.gspmd = gspmd
-    self.weight_gradients = weight_gradients
-    self.select = select
-    self.cache = cache
-    self.schedule_from_estimates = schedule_from_estimates
+  def __init__(self, fn, settings: Settings):
     self.fn = fn
-    self.mesh = mesh
-    self.target = target
-    self.prefetch = prefetch
-    self.reduce_scatter = reduce_scatter
-    self.collective_matmul = collective_matmul
-    self.annotate = annotate
-    self.extra_options = dict(xla_options or {})
-    self.workload = workload
-    self.jit_kwargs = dict(jit_kwargs)
+    self.settings = settings
     self._cache: dict = {}
     functools.update_wrapper(self, fn)
 
@@ -177,11 +145,15 @@ class Overlapped:
     """Positions, among the flattened arguments, of the leaves of ``params_argnums``."""
     starts = np.cumsum([0, *[len(jax.tree.leaves(a)) for a in args]])
     return [
-      j for i in self.params_argnums if i < len(args) for j in range(starts[i], starts[i + 1])
+      j
+      for i in self.settings.params_argnums
+      if i < len(args)
+      for j in range(starts[i], starts[i + 1])
     ]
 
   def _build(self, args, kwargs):
-    _check_args(args, kwargs, self.mesh)
+    st = self.settings
+    _check_args(args, kwargs, st.mesh)
     key = _signature(args, kwargs)
     hit = self._cache.get(key) or self._traced_hit(key, args, kwargs)
     if hit is not None:
@@ -192,28 +164,28 @@ class Overlapped:
     )
     closed, out_info = traced.jaxpr, traced.out_info
     out_tree = jax.tree.structure(out_info)
-    annotate = self.annotate
+    annotate = st.annotate
     if annotate == "auto":
-      annotate = self.target is not None or _platform(args, kwargs, self.mesh) != "cpu"
+      annotate = st.target is not None or _platform(args, kwargs, st.mesh) != "cpu"
     param_inputs = self._param_inputs(closed, args, kwargs)
     cfg = _Config(
-      self.prefetch,
-      self.reduce_scatter,
+      st.prefetch,
+      st.reduce_scatter,
       annotate,
-      self.collective_matmul,
-      self.target,
+      st.collective_matmul,
+      st.target,
       param_inputs=param_inputs,
       param_avals=None if param_inputs is None else parameter_avals(closed.jaxpr, param_inputs),
-      defer_weight_gradients=self.weight_gradients == "defer",
+      defer_weight_gradients=st.weight_gradients == "defer",
     )
     actions: list[Action] = []
     # Plan the rewrite from the jaxpr alone (no extra tracing).
     counter = [0]  # shard_map bodies seen
     stats = _collect(closed.jaxpr, cfg, actions, counter)
     groups = stats.gather_groups
-    if groups and self.prefetch > groups:
+    if groups and st.prefetch > groups:
       raise ValueError(
-        f"overlap: prefetch must be between 0 and the number of layers ({groups}), got {self.prefetch}"
+        f"overlap: prefetch must be between 0 and the number of layers ({groups}), got {st.prefetch}"
       )
     notes = []
     programs = {"traced": closed}
@@ -224,14 +196,14 @@ class Overlapped:
         "only compiler options apply; the full rewrite (prefetch, per-layer reduce-scatter, "
         "annotations) needs shard_map or jax_overlap.fsdp.scan_layers"
       )
-      if self._converts():
+      if st.converts():
         converted = self._convert(traced, closed, args, kwargs, cfg, notes)
     if converted is not None:
       programs["shard_map"], cfg_sm, actions_sm, stats_sm = converted
 
     # The user's jit settings that the variants keep: donation (of a jitted step, unless
     # given to overlap itself).
-    jit_kwargs = dict(self.jit_kwargs)
+    jit_kwargs = dict(st.jit_kwargs)
     donated = tuple(getattr(traced, "donate_argnums", ()) or ())
     if donated and not {"donate_argnums", "donate_argnames"} & set(jit_kwargs):
       jit_kwargs["donate_argnums"] = donated
@@ -250,31 +222,31 @@ class Overlapped:
     # The variants' deviceless compiles share the kernels they have in common (unless the
     # user's options name a kernel cache of their own).
     kernels = kernel_cache.Shared(
-      enabled=self.target is not None and kernel_cache.OPTION not in self.extra_options
+      enabled=st.target is not None and kernel_cache.OPTION not in st.xla_options
     )
     entry_key = None
-    if self.cache:
-      entry_key = selection_cache.key(str(closed), key, self._settings(annotate, jit_kwargs))
+    if st.cache:
+      entry_key = selection_cache.key(str(closed), key, st.key(annotate, jit_kwargs))
     remembered = None
     converted_candidates = []
     if converted is not None:
       converted_candidates = [
-        (_CONVERTED_PREFIX + n, c, o) for n, c, o in self._candidates(cfg_sm, stats_sm)
+        (_CONVERTED_PREFIX + n, c, o) for n, c, o in variants.candidates(st, cfg_sm, stats_sm)
       ]
-    if counter[0] == 0 and self.target is not None and self.select == "cost_model":
+    if counter[0] == 0 and st.target is not None and st.select == "cost_model":
       # A remembered choice needs no compile: every compiler-option variant evaluates
       # the step as written.
-      candidates = [("as written, recommended flags", cfg.as_written(), variants.recommended(self))]
+      candidates = [("as written, recommended flags", cfg.as_written(), variants.recommended(st))]
       candidates += converted_candidates
       if entry_key:
         remembered = self._recall(entry_key, candidates, fallback=cfg.as_written())
       if remembered is None:
-        candidates = self._gspmd_candidates(cfg, make, args, kwargs, notes, known, kernels)
+        candidates = variants.gspmd_candidates(st, cfg, make, args, kwargs, notes, known, kernels)
         candidates += converted_candidates
     elif converted is not None:
       candidates = converted_candidates
     else:
-      candidates = self._candidates(cfg, stats)
+      candidates = variants.candidates(st, cfg, stats)
     chosen = 0
     estimates: list[tuple[str, float]] = []
     if len(candidates) > 1 or remembered is not None:
@@ -283,8 +255,8 @@ class Overlapped:
       if remembered is not None:
         chosen, estimates, failed, judged = remembered
       else:
-        chosen, estimates, failed, reports = self._select(
-          candidates, make, args, kwargs, known, kernels
+        chosen, estimates, failed, reports = variants.select(
+          st, candidates, make, args, kwargs, known, kernels
         )
         judged = _judged(candidates, chosen, reports)
         judged += _windowed_notes(candidates, reports)
@@ -294,7 +266,7 @@ class Overlapped:
         f"{n} {t * 1e3:.3f} ms" + (" (chosen)" if n == candidates[chosen][0] else "")
         for n, t in estimates
       ]
-      notes.append(f"chosen by the cost model on {self.target}: " + "; ".join(table))
+      notes.append(f"chosen by the cost model on {st.target}: " + "; ".join(table))
       if remembered is not None:
         notes.append(
           "choice remembered from an earlier run with the same program, arguments "
@@ -331,12 +303,6 @@ class Overlapped:
         return entry
     return None
 
-  def _converts(self) -> bool:
-    """Whether a GSPMD step is also tried in its shard_map form."""
-    if self.gspmd == "auto":
-      return self.target is not None and self.select == "cost_model"
-    return self.gspmd == "convert"
-
   def _convert(self, traced, closed, args, kwargs, cfg, notes):
     """The step's shard_map form planned like a shard_map program: (its jaxpr, config,
     actions, stats), or None with a note saying why it was not converted."""
@@ -372,40 +338,13 @@ class Overlapped:
     )
     return smap, cfg_sm, actions, stats
 
-  def _candidates(self, cfg: _Config, stats: RewriteStats):
-    return variants.candidates(self, cfg, stats)
-
-  def _gspmd_candidates(self, cfg, make, args, kwargs, notes, known, kernels=None):
-    return variants.gspmd_candidates(self, cfg, make, args, kwargs, notes, known, kernels)
-
-  def _select(self, candidates, make, args, kwargs, known=None, kernels=None):
-    return variants.select(self, candidates, make, args, kwargs, known, kernels)
-
   def _recall(self, entry_key: str, candidates, fallback=None):
-    return variants.recall(self, entry_key, candidates, fallback)
+    return variants.recall(self.settings, entry_key, candidates, fallback)
 
   def _remember(self, entry_key: str, candidates, chosen: int, estimates, failed, judged=()):
-    return variants.remember(self, entry_key, candidates, chosen, estimates, failed, judged)
-
-  def _settings(self, annotate: bool, jit_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """What the choice is made from besides the program: these settings and the jit
-    keywords the variants compile with (output layouts, donation: they change what XLA
-    compiles), by value."""
-    return {
-      "target": self.target,
-      "workload": self.workload,
-      "prefetch": self.prefetch,
-      "params_argnums": list(self.params_argnums),
-      "reduce_scatter": self.reduce_scatter,
-      "collective_matmul": self.collective_matmul,
-      "weight_gradients": self.weight_gradients,
-      "annotate": annotate,
-      "select": self.select,
-      "schedule_from_estimates": self.schedule_from_estimates,
-      "xla_options": self.extra_options,
-      "jit_kwargs": {k: repr(v) for k, v in sorted(jit_kwargs.items())},
-      "gspmd": self.gspmd,
-    }
+    return variants.remember(
+      self.settings, entry_key, candidates, chosen, estimates, failed, judged
+    )
 
   def __call__(self, *args, **kwargs):
     fn, _, python_fn = self._build(args, kwargs)
@@ -531,69 +470,27 @@ def overlap(
     >>> @overlap(target="h100x8")  # doctest: +SKIP
     ... def train_step(params, batch): ...
   """
-  if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
-    raise ValueError(f"overlap: prefetch must be a non-negative integer, got {prefetch!r}")
-  if reduce_scatter not in ("per_layer", "as_written"):
-    raise ValueError(
-      f"overlap: reduce_scatter must be 'per_layer' or 'as_written', got {reduce_scatter!r}"
-    )
-  if select not in ("cost_model", "rewrite"):
-    raise ValueError(f"overlap: select must be 'cost_model' or 'rewrite', got {select!r}")
-  if collective_matmul not in ("auto", "on", "ring", "pieces", "off"):
-    raise ValueError(
-      "overlap: collective_matmul must be 'auto', 'on', 'ring', 'pieces' or 'off', got "
-      f"{collective_matmul!r}"
-    )
-  if gspmd not in ("auto", "convert", "as_written"):
-    raise ValueError(f"overlap: gspmd must be 'auto', 'convert' or 'as_written', got {gspmd!r}")
-  if weight_gradients not in ("defer", "as_written"):
-    raise ValueError(
-      f"overlap: weight_gradients must be 'defer' or 'as_written', got {weight_gradients!r}"
-    )
-  if target is not None:
-    targets_lib.get(target)
-  flags_lib.check_workload(workload)
-  if "compiler_options" in jit_kwargs:
-    raise ValueError("overlap: pass XLA options as xla_options=, not compiler_options=")
-  if not isinstance(cache, bool):
-    raise TypeError(f"overlap: cache must be True or False, got {cache!r}")
-  if not isinstance(schedule_from_estimates, bool):
-    raise TypeError(
-      f"overlap: schedule_from_estimates must be True or False, got {schedule_from_estimates!r}"
-    )
-  if annotate not in (True, False, "auto"):
-    raise ValueError(f"overlap: annotate must be True, False or 'auto', got {annotate!r}")
-  argnums = (params_argnums,) if isinstance(params_argnums, int) else params_argnums
-  if (
-    not isinstance(argnums, tuple)
-    or not argnums
-    or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in argnums)
-  ):
-    raise ValueError(
-      "overlap: params_argnums must be a non-negative int or a non-empty tuple of them, got "
-      f"{params_argnums!r}"
-    )
+  settings = Settings(
+    mesh=mesh,
+    target=target,
+    prefetch=prefetch,
+    reduce_scatter=reduce_scatter,
+    collective_matmul=collective_matmul,
+    weight_gradients=weight_gradients,
+    annotate=annotate,
+    xla_options=xla_options,
+    workload=workload,
+    select=select,
+    schedule_from_estimates=schedule_from_estimates,
+    cache=cache,
+    params_argnums=params_argnums,
+    gspmd=gspmd,
+    jit_kwargs=jit_kwargs,
+  )
 
   def wrap(f):
     if not callable(f):
       raise TypeError(f"overlap: expected a function, got {type(f).__name__}")
-    return Overlapped(
-      f,
-      mesh=mesh,
-      target=target,
-      prefetch=prefetch,
-      reduce_scatter=reduce_scatter,
-      collective_matmul=collective_matmul,
-      weight_gradients=weight_gradients,
-      annotate=annotate,
-      xla_options=xla_options,
-      workload=workload,
-      select=select,
-      jit_kwargs=jit_kwargs,
-      schedule_from_estimates=schedule_from_estimates,
-      cache=cache,
-      params_argnums=argnums,
-      gspmd=gspmd,
-    )
+    return Overlapped(f, settings)
 
   return wrap if fn is None else wrap(fn)

@@ -4,8 +4,8 @@ fastest by estimate kept and remembered on disk.
 
 A variant is ``(name, _Config, XLA options)``: the program it evaluates (the step as
 traced or its shard_map form, rewritten or as written) and the options it compiles with.
-The functions take the decorator (``ov``: an :class:`~.decorator.Overlapped`) for its
-settings.
+The functions take the decoration's checked keywords (``settings``: a
+:class:`~.settings.Settings`).
 """
 
 from __future__ import annotations
@@ -146,27 +146,29 @@ def _judged(candidates, chosen: int, reports) -> list[str]:
   return out
 
 
-def candidates(ov, cfg: _Config, stats: RewriteStats) -> list[tuple[str, _Config, dict[str, Any]]]:
+def candidates(
+  settings, cfg: _Config, stats: RewriteStats
+) -> list[tuple[str, _Config, dict[str, Any]]]:
   base: dict[str, Any] = {}
-  if ov.target is not None:
-    base.update(flags_lib.as_compiler_options(target=ov.target, workload=ov.workload))
+  if settings.target is not None:
+    base.update(flags_lib.as_compiler_options(target=settings.target, workload=settings.workload))
   p = max(stats.axis_size, 1)
   per_layer = dict(base)
   if stats.max_group_gather_bytes:
     # Large enough for one layer's gathers, too small to merge two layers.
     per_layer["xla_gpu_all_gather_combine_threshold_bytes"] = int(stats.max_group_gather_bytes)
-    if ov.reduce_scatter == "per_layer":
+    if settings.reduce_scatter == "per_layer":
       per_layer["xla_gpu_reduce_scatter_combine_threshold_bytes"] = int(
         stats.max_group_gather_bytes // p
       )
   per_op = dict(base)
   if stats.max_gather_bytes:
     per_op["xla_gpu_all_gather_combine_threshold_bytes"] = int(stats.max_gather_bytes)
-  if stats.max_scatter_out_bytes and ov.reduce_scatter == "per_layer":
+  if stats.max_scatter_out_bytes and settings.reduce_scatter == "per_layer":
     per_op["xla_gpu_reduce_scatter_combine_threshold_bytes"] = int(stats.max_scatter_out_bytes)
-  out = [("rewritten, one layer per collective", cfg, {**per_layer, **ov.extra_options})]
-  if ov.target is not None and ov.select == "cost_model" and stats.has_collectives:
-    out.append(("rewritten, one tensor per collective", cfg, {**per_op, **ov.extra_options}))
+  out = [("rewritten, one layer per collective", cfg, {**per_layer, **settings.xla_options})]
+  if settings.target is not None and settings.select == "cost_model" and stats.has_collectives:
+    out.append(("rewritten, one tensor per collective", cfg, {**per_op, **settings.xla_options}))
     out.append(
       (
         "rewritten, one layer per collective, two collectives in flight",
@@ -174,7 +176,7 @@ def candidates(ov, cfg: _Config, stats: RewriteStats) -> list[tuple[str, _Config
         {
           **per_layer,
           "xla_gpu_experimental_parallel_collective_overlap_limit": 2,
-          **ov.extra_options,
+          **settings.xla_options,
         },
       )
     )
@@ -186,7 +188,7 @@ def candidates(ov, cfg: _Config, stats: RewriteStats) -> list[tuple[str, _Config
         "rewritten, first layer and reduce-scatters issued one by one"
         + (", XLA's dot merger off" if unmerged else ""),
         dataclasses.replace(cfg, chain=True),
-        {**per_layer, **unmerged, **ov.extra_options},
+        {**per_layer, **unmerged, **settings.xla_options},
       )
     )
     if stats.weight_gradients:
@@ -195,7 +197,7 @@ def candidates(ov, cfg: _Config, stats: RewriteStats) -> list[tuple[str, _Config
         (
           "rewritten, one layer per collective, weight gradients where XLA puts them",
           dataclasses.replace(cfg, defer_weight_gradients=False),
-          {**per_layer, **ov.extra_options},
+          {**per_layer, **settings.xla_options},
         )
       )
     if stats.rings and flags_lib.accepted_by_jaxlib("xla_gpu_enable_triton_gemm", False):
@@ -206,7 +208,7 @@ def candidates(ov, cfg: _Config, stats: RewriteStats) -> list[tuple[str, _Config
         (
           "rewritten, one layer per collective, cuBLAS GEMMs (XLA's Triton GEMMs off)",
           cfg,
-          {**per_layer, "xla_gpu_enable_triton_gemm": False, **ov.extra_options},
+          {**per_layer, "xla_gpu_enable_triton_gemm": False, **settings.xla_options},
         )
       )
     if stats.loop_bodies:
@@ -217,7 +219,7 @@ def candidates(ov, cfg: _Config, stats: RewriteStats) -> list[tuple[str, _Config
         (
           "rewritten, one layer per collective, loop bodies as written",
           dataclasses.replace(cfg, loops="none"),
-          {**per_layer, **ov.extra_options},
+          {**per_layer, **settings.xla_options},
         )
       )
       if 0 < stats.reversed_loop_bodies < stats.loop_bodies:
@@ -225,7 +227,7 @@ def candidates(ov, cfg: _Config, stats: RewriteStats) -> list[tuple[str, _Config
           (
             "rewritten, one layer per collective, only forward loop bodies rewritten",
             dataclasses.replace(cfg, loops="forward"),
-            {**per_layer, **ov.extra_options},
+            {**per_layer, **settings.xla_options},
           )
         )
     pipeliner = _pipeliner_off(base)
@@ -237,14 +239,14 @@ def candidates(ov, cfg: _Config, stats: RewriteStats) -> list[tuple[str, _Config
         (
           "rewritten, one layer per collective, XLA's loop pipeliner off",
           cfg,
-          {**per_layer, **pipeliner, **ov.extra_options},
+          {**per_layer, **pipeliner, **settings.xla_options},
         )
       )
       out.append(
         (
           "rewritten, one tensor per collective, XLA's loop pipeliner off",
           cfg,
-          {**per_op, **pipeliner, **ov.extra_options},
+          {**per_op, **pipeliner, **settings.xla_options},
         )
       )
       out.append(
@@ -256,7 +258,7 @@ def candidates(ov, cfg: _Config, stats: RewriteStats) -> list[tuple[str, _Config
             **per_layer,
             **pipeliner,
             "xla_gpu_experimental_parallel_collective_overlap_limit": 2,
-            **ov.extra_options,
+            **settings.xla_options,
           },
         )
       )
@@ -268,15 +270,15 @@ def candidates(ov, cfg: _Config, stats: RewriteStats) -> list[tuple[str, _Config
         (
           "as written, recommended flags, XLA's dot merger off",
           as_written,
-          {**base, **unmerged, **ov.extra_options},
+          {**base, **unmerged, **settings.xla_options},
         )
       )
-    out.append(("as written, recommended flags", as_written, {**base, **ov.extra_options}))
+    out.append(("as written, recommended flags", as_written, {**base, **settings.xla_options}))
   return out
 
 
 def recall(
-  ov, entry_key: str, candidates, fallback: _Config | None = None
+  settings, entry_key: str, candidates, fallback: _Config | None = None
 ) -> tuple[int, list[tuple[str, float]], list[str]] | None:
   """The remembered choice, added to ``candidates``; None if there is none to use.
 
@@ -310,7 +312,9 @@ def recall(
   return chosen, estimates, [str(f) for f in entry["failed"]], judged
 
 
-def remember(ov, entry_key: str, candidates, chosen: int, estimates, failed, judged=()) -> None:
+def remember(
+  settings, entry_key: str, candidates, chosen: int, estimates, failed, judged=()
+) -> None:
   name, _, options = candidates[chosen]
   base = name[: -len(_PROFILED_SUFFIX)] if name.endswith(_PROFILED_SUFFIX) else name
   selection_cache.store(
@@ -340,7 +344,7 @@ def _workers() -> int:
   return max(1, min(4, os.cpu_count() or 1))
 
 
-def _analyze_all(ov, jobs, make, args, kwargs, errors, kernels=None):
+def _analyze_all(settings, jobs, make, args, kwargs, errors, kernels=None):
   """Reports (or the exception) for ``jobs`` [(name, cfg, options)], in their order,
   compiled by :func:`_workers` threads. With ``kernels`` (a :class:`kernel_cache.Shared`),
   the first job seeds it when no compile has, alone, and the others start from its kernels.
@@ -366,7 +370,7 @@ def _analyze_all(ov, jobs, make, args, kwargs, errors, kernels=None):
       report = analysis.analyze(
         make(cfg_c, options),
         *args,
-        target=ov.target,
+        target=settings.target,
         name=name,
         xla_options=compile_options,
         **kwargs,
@@ -397,7 +401,7 @@ def _analyze_all(ov, jobs, make, args, kwargs, errors, kernels=None):
     return first + list(pool.map(one, jobs))
 
 
-def select(ov, candidates, make, args, kwargs, known=None, kernels=None):
+def select(settings, candidates, make, args, kwargs, known=None, kernels=None):
   """Index of the fastest candidate (profiled ones appended), all estimates, failures and
   the reports (None where a variant did not compile); ``known``: reports already made,
   by candidate index; ``kernels``: the selection's shared kernel cache."""
@@ -406,7 +410,7 @@ def select(ov, candidates, make, args, kwargs, known=None, kernels=None):
   done = dict(known)
   errors = (ValueError, RuntimeError, TypeError)
   for i, r in zip(
-    todo, _analyze_all(ov, [candidates[i] for i in todo], make, args, kwargs, errors, kernels)
+    todo, _analyze_all(settings, [candidates[i] for i in todo], make, args, kwargs, errors, kernels)
   ):
     done[i] = r
   times, reports, failed = [], [], []
@@ -423,7 +427,7 @@ def select(ov, candidates, make, args, kwargs, known=None, kernels=None):
     raise done[len(candidates) - 1]
   # A few again, scheduled by XLA from the analysis' own costs (a latency profile)
   # instead of XLA's estimates, unless the user gave a profile.
-  if ov.schedule_from_estimates and latency_profile.OPTION not in ov.extra_options:
+  if settings.schedule_from_estimates and latency_profile.OPTION not in settings.xla_options:
     jobs = []
     for i in _worth_profiling(times, reports):
       name, cfg_c, options = candidates[i]
@@ -434,7 +438,7 @@ def select(ov, candidates, make, args, kwargs, known=None, kernels=None):
         failed.append(f"{label}: {str(e).splitlines()[0][:200]}")
         continue
       jobs.append((label, cfg_c, profiled))
-    results = _analyze_all(ov, jobs, make, args, kwargs, errors + (OSError,), kernels)
+    results = _analyze_all(settings, jobs, make, args, kwargs, errors + (OSError,), kernels)
     for (label, cfg_c, profiled), r in zip(jobs, results):
       if isinstance(r, Exception):
         failed.append(f"{label}: {str(r).splitlines()[0][:200]}")
@@ -446,27 +450,27 @@ def select(ov, candidates, make, args, kwargs, known=None, kernels=None):
   return best, [(c[0], t) for c, t in zip(candidates, times)], failed, reports
 
 
-def recommended(ov) -> dict[str, Any]:
+def recommended(settings) -> dict[str, Any]:
   """The target's recommended options for the workload, with the user's on top."""
   return {
-    **flags_lib.as_compiler_options(target=ov.target, workload=ov.workload),
-    **ov.extra_options,
+    **flags_lib.as_compiler_options(target=settings.target, workload=settings.workload),
+    **settings.xla_options,
   }
 
 
-def gspmd_candidates(ov, cfg, make, args, kwargs, notes, known, kernels=None):
+def gspmd_candidates(settings, cfg, make, args, kwargs, notes, known, kernels=None):
   """Option variants for a program without shard_map, built for the collectives the
   partitioner inserted (read from the step compiled as written for the target, which
   seeds ``kernels``, the selection's shared kernel cache, when given)."""
   from jax_overlap._src import analysis
 
   as_written = cfg.as_written()
-  base = recommended(ov)
+  base = recommended(settings)
   name = "as written, recommended flags"
   report = analysis.analyze(
     make(as_written, base),
     *args,
-    target=ov.target,
+    target=settings.target,
     name=name,
     xla_options=kernels.seed(base) if kernels is not None else base,
     **kwargs,
@@ -476,7 +480,7 @@ def gspmd_candidates(ov, cfg, make, args, kwargs, notes, known, kernels=None):
   converted = any(n.startswith("converted to shard_map") for n in notes)
   notes[i] = (
     f"no shard_map in this program: the SPMD partitioner inserts its collectives; compiled "
-    f"for {ov.target} they are {found.summary()}. The variants named 'as written' are "
+    f"for {settings.target} they are {found.summary()}. The variants named 'as written' are "
     "compiler options for those collectives"
     + (
       "; those named 'shard_map form' are the full rewrite (prefetch, per-layer "
@@ -488,4 +492,6 @@ def gspmd_candidates(ov, cfg, make, args, kwargs, notes, known, kernels=None):
     )
   )
   known[0] = report
-  return [(n, as_written, {**opts, **ov.extra_options}) for n, opts in gspmd.variants(found, base)]
+  return [
+    (n, as_written, {**opts, **settings.xla_options}) for n, opts in gspmd.variants(found, base)
+  ]

@@ -1,0 +1,113 @@
+"""The settings of one ``@overlap`` decoration, checked once when it is applied.
+
+``overlap``'s keywords become a frozen :class:`Settings`; the decorated step
+(``Overlapped``), the variants and the selection cache read them from there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any, Literal
+
+from jax_overlap._src import flags as flags_lib
+from jax_overlap._src import targets as targets_lib
+
+ReduceScatter = Literal["per_layer", "as_written"]
+CollectiveMatmul = Literal["auto", "on", "ring", "pieces", "off"]
+WeightGradients = Literal["defer", "as_written"]
+Annotate = Literal[True, False, "auto"]
+Select = Literal["cost_model", "rewrite"]
+Gspmd = Literal["auto", "convert", "as_written"]
+
+
+def _choices(literal) -> str:
+  names = [repr(c) if isinstance(c, str) else str(c) for c in typing.get_args(literal)]
+  return ", ".join(names[:-1]) + " or " + names[-1]
+
+
+def _check_choice(name: str, value, literal) -> None:
+  # ``1 in (True, ...)`` holds, so bools and strings are compared by type as well.
+  if not any(type(value) is type(c) and value == c for c in typing.get_args(literal)):
+    raise ValueError(f"overlap: {name} must be {_choices(literal)}, got {value!r}")
+
+
+def _check_bool(name: str, value) -> None:
+  if not isinstance(value, bool):
+    raise TypeError(f"overlap: {name} must be True or False, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """``overlap``'s keywords (see its docstring), checked; ``params_argnums`` as a tuple."""
+
+  mesh: Any = None
+  target: str | None = None
+  prefetch: int = 1
+  reduce_scatter: ReduceScatter = "per_layer"
+  collective_matmul: CollectiveMatmul = "auto"
+  weight_gradients: WeightGradients = "defer"
+  annotate: Annotate = "auto"
+  xla_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+  workload: str = "fsdp"
+  select: Select = "cost_model"
+  schedule_from_estimates: bool = True
+  cache: bool = True
+  params_argnums: tuple[int, ...] = (0,)
+  gspmd: Gspmd = "auto"
+  jit_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+  def __post_init__(self):
+    p = self.prefetch
+    if not isinstance(p, int) or isinstance(p, bool) or p < 0:
+      raise ValueError(f"overlap: prefetch must be a non-negative integer, got {p!r}")
+    for name in ("reduce_scatter", "select", "collective_matmul", "gspmd", "weight_gradients"):
+      _check_choice(name, getattr(self, name), typing.get_type_hints(Settings)[name])
+    if self.target is not None:
+      targets_lib.get(self.target)
+    flags_lib.check_workload(self.workload)
+    if "compiler_options" in self.jit_kwargs:
+      raise ValueError("overlap: pass XLA options as xla_options=, not compiler_options=")
+    _check_bool("cache", self.cache)
+    _check_bool("schedule_from_estimates", self.schedule_from_estimates)
+    _check_choice("annotate", self.annotate, Annotate)
+    argnums = self.params_argnums
+    argnums = (argnums,) if isinstance(argnums, int) and not isinstance(argnums, bool) else argnums
+    if (
+      not isinstance(argnums, tuple)
+      or not argnums
+      or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in argnums)
+    ):
+      raise ValueError(
+        "overlap: params_argnums must be a non-negative int or a non-empty tuple of them, got "
+        f"{self.params_argnums!r}"
+      )
+    object.__setattr__(self, "params_argnums", argnums)
+    object.__setattr__(self, "xla_options", dict(self.xla_options or {}))
+    object.__setattr__(self, "jit_kwargs", dict(self.jit_kwargs))
+
+  def converts(self) -> bool:
+    """Whether a GSPMD step is also tried in its shard_map form."""
+    if self.gspmd == "auto":
+      return self.target is not None and self.select == "cost_model"
+    return self.gspmd == "convert"
+
+  def key(self, annotate: bool, jit_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """What the choice is made from besides the program: these settings and the jit
+    keywords the variants compile with (output layouts, donation: they change what XLA
+    compiles), by value."""
+    return {
+      "target": self.target,
+      "workload": self.workload,
+      "prefetch": self.prefetch,
+      "params_argnums": list(self.params_argnums),
+      "reduce_scatter": self.reduce_scatter,
+      "collective_matmul": self.collective_matmul,
+      "weight_gradients": self.weight_gradients,
+      "annotate": annotate,
+      "select": self.select,
+      "schedule_from_estimates": self.schedule_from_estimates,
+      "xla_options": self.xla_options,
+      "jit_kwargs": {k: repr(v) for k, v in sorted(jit_kwargs.items())},
+      "gspmd": self.gspmd,
+    }
