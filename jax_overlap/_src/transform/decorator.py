@@ -1,8 +1,7 @@
 """``jax_overlap.overlap``: the decorator, what it builds per input signature (trace, plan,
 convert a GSPMD step, choose a variant with :mod:`.variants`) and how it is called.
-
-(Over 500 lines: ``Overlapped``'s public methods, each with its documented arguments
-and errors; the variants, their selection and the plan live in their own modules.)"""
+Its keywords are checked in :mod:`.settings`; the variants, their selection and the plan
+live in their own modules."""
 
 from __future__ import annotations
 
