@@ -24,8 +24,15 @@ if "--xla_force_host_platform_device_count" not in _flags:
 
 
 import cpu_setting  # noqa: E402 - after the environment above
+from hypothesis import settings as hypothesis_settings  # noqa: E402
 
 cpu_setting.install()
+
+# Property tests draw the same examples on every run (derandomized, no example database), so
+# a CI run repeats and so does its time; HYPOTHESIS_PROFILE=explore draws new ones each run.
+hypothesis_settings.register_profile("repeatable", derandomize=True, database=None)
+hypothesis_settings.register_profile("explore")
+hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
 
 
 @pytest.fixture(scope="session")
