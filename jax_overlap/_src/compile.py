@@ -33,6 +33,7 @@ from jax.sharding import Mesh
 
 from jax_overlap._src import compile_store, errors, kernel_cache, retarget
 from jax_overlap._src import targets as targets_lib
+from jax_overlap._src.flags import per_compile
 
 __all__ = ["CompiledStep", "compile_for_target", "memory_stats"]
 
@@ -172,8 +173,9 @@ def compile_lowered(
   ``options``, and once more with :func:`fallback_for`'s options (dumped to
   ``retry_dump_to`` when given) if XLA fails in a known way. Otherwise, and if the retry
   fails too, XLA's first error is raised."""
+  options = per_compile.spelled(options)
   try:
-    return lowered.compile(dict(options)), {}
+    return lowered.compile(options), {}
   except Exception as first:  # noqa: BLE001 - XLA raises JaxRuntimeError and others
     fallback = fallback_for(first, topo, options)
     if fallback is None:

@@ -13,10 +13,14 @@ safe way to choose, check and set those options, one stage a module:
   process, what it does with a flag (cached per jaxlib version).
 * :mod:`.validation`: :func:`validate`, every problem with the fix; errors
   are exactly what makes XLA abort.
+* :mod:`.per_compile`: options spelled as the installed jaxlib takes them per
+  compile (``compiler_options=``), which since jaxlib 0.11 is not always the
+  ``XLA_FLAGS`` spelling.
 * :mod:`.configuration`: :func:`recommended`, :func:`configure`,
   :func:`as_compiler_options`.
 """
 
+from jax_overlap._src.flags import per_compile as per_compile
 from jax_overlap._src.flags.configuration import as_compiler_options as as_compiler_options
 from jax_overlap._src.flags.configuration import backend_started as backend_started
 from jax_overlap._src.flags.configuration import check_workload as check_workload

@@ -19,8 +19,8 @@ from typing import Any, Literal
 from jax_overlap._src import deprecations
 from jax_overlap._src import targets as targets_lib
 from jax_overlap._src.errors import ConfigError
+from jax_overlap._src.flags import per_compile, syntax
 from jax_overlap._src.flags import probe as probe_lib
-from jax_overlap._src.flags import syntax
 from jax_overlap._src.flags.registry import REGISTRY, WORKLOADS
 from jax_overlap._src.flags.validation import validate
 
@@ -149,6 +149,8 @@ def as_compiler_options(
   """The XLA part of :func:`recommended`, for ``jax.jit(..., compiler_options=...)``.
 
   Environment variables (NCCL, CUDA) are left out: they cannot be set per compile.
+  Options are spelled as the installed jaxlib takes them per compile
+  (:mod:`.per_compile`: since jaxlib 0.11, e.g., the loop pipeliner's enum switches).
 
   Args:
     target: topology name.
@@ -178,7 +180,7 @@ def as_compiler_options(
         "options; set them with configure() or in the environment"
       )
     opts.update(overrides)
-  return opts
+  return per_compile.spelled(opts)
 
 
 @deprecations.keyword_only("target", "workload", api="jax_overlap.flags.configure")

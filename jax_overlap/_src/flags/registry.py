@@ -37,6 +37,8 @@ class Flag:
     why: why jax_overlap recommends the value it does, when it does.
     minimum: the smallest meaningful value of a numeric option. XLA accepts
       smaller ones (they are not an abort), so validation warns about them.
+    proto_enum: for an ``enum`` option, the DebugOptions enum whose value names a
+      per-compile option takes (``<proto_enum>_ON`` where ``XLA_FLAGS`` takes ``on``).
   """
 
   name: str
@@ -50,6 +52,7 @@ class Flag:
   replacement: str | None = None
   why: str = ""
   minimum: float | None = None
+  proto_enum: str | None = None
 
 
 def _f(*args, **kwargs) -> Flag:
@@ -230,32 +233,36 @@ ENTRIES: tuple[Flag, ...] = (
     "xla",
     "enum",
     "Newer spelling of xla_gpu_enable_pipelined_all_gather.",
-    choices=("on", "off"),
+    choices=("default", "off", "on", "explicit"),
     since="0.11.0",
+    proto_enum="COLLECTIVE_PIPELINING_MODE",
   ),
   _f(
     "xla_gpu_pipeline_reduce_scatter",
     "xla",
     "enum",
     "Newer spelling of xla_gpu_enable_pipelined_reduce_scatter.",
-    choices=("on", "off"),
+    choices=("default", "off", "on", "explicit"),
     since="0.11.0",
+    proto_enum="COLLECTIVE_PIPELINING_MODE",
   ),
   _f(
     "xla_gpu_pipeline_all_reduce",
     "xla",
     "enum",
     "Newer spelling of xla_gpu_enable_pipelined_all_reduce.",
-    choices=("on", "off"),
+    choices=("default", "off", "on", "explicit"),
     since="0.11.0",
+    proto_enum="COLLECTIVE_PIPELINING_MODE",
   ),
   _f(
     "xla_gpu_pipeline_p2p",
     "xla",
     "enum",
     "Newer spelling of xla_gpu_enable_pipelined_p2p.",
-    choices=("on", "off"),
+    choices=("default", "off", "on", "explicit"),
     since="0.11.0",
+    proto_enum="COLLECTIVE_PIPELINING_MODE",
   ),
   # --- collective matmul ----------------------------------------------------------------
   _f(

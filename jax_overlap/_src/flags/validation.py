@@ -98,7 +98,9 @@ def validate(flags: str | Mapping[str, Any], *, probe: bool = True) -> list[Prob
   Args:
     flags: an ``XLA_FLAGS`` string, read exactly as XLA reads it (quotes,
       bare ``--name``, repeated flags, a flag-file name), or a dict of option
-      (or environment variable) names to values.
+      (or environment variable) names to values, as for ``compiler_options=``
+      (an enum's per-compile value, e.g. ``COLLECTIVE_PIPELINING_MODE_ON``, is read
+      as the ``XLA_FLAGS`` value it stands for, ``on``).
     probe: ask the installed jaxlib how it reads each flag (XLA's own parser
       in a child process; cached per jaxlib version). With ``probe=False`` only
       the registry and XLA's syntax rules are consulted, and flags outside the
@@ -244,6 +246,10 @@ def _read_mapping(options: Mapping[Any, Any], problems: list[Problem]) -> list[s
     if not re.fullmatch(r"[A-Za-z0-9_]+", name):
       problems.append(Problem(name, "malformed", f"{name!r} is not an XLA option name ({_ABORTS})"))
       continue
+    if flag is not None and flag.proto_enum and isinstance(v, str):
+      # A per-compile enum value (``<ENUM>_ON``) stands for XLA_FLAGS' short one (``on``).
+      prefix = flag.proto_enum + "_"
+      v = v[len(prefix) :].lower() if v.startswith(prefix) else v
     tokens.append(syntax.Token("", name, None if v is None else syntax.format_value(v)))
   return tokens
 

@@ -284,7 +284,9 @@ class Overlapped:
       actions.append(Action("compiler_option", "compile", f"{k}={flags_lib.format_value(v)}"))
     explanation = Explanation(actions, options, notes, estimates, name)
     python_fn = evaluate(cfg_c)
-    jitted = jax.jit(python_fn, compiler_options=options or None, **jit_kwargs)
+    jitted = jax.jit(
+      python_fn, compiler_options=flags_lib.per_compile.spelled(options) or None, **jit_kwargs
+    )
     entry = (jitted, explanation, python_fn)
     self._cache[key] = entry
     return entry

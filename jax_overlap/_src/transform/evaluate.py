@@ -13,7 +13,7 @@ from jax.experimental.xla_metadata import set_xla_metadata
 from jax_overlap._src.fsdp.pipeline import _after
 from jax_overlap._src.transform import scan_pipeline
 from jax_overlap._src.transform.explain import Action
-from jax_overlap._src.transform.jaxprs import _OPAQUE, _has_collectives, _is_var
+from jax_overlap._src.transform.jaxprs import _OPAQUE, _has_collectives, _is_var, scan_sizes
 from jax_overlap._src.transform.planning import _BodyPlan, _plan_body
 
 
@@ -104,7 +104,7 @@ def _run(jaxpr, consts, args, plan: _BodyPlan | None):
 def _scan(eqn, invals: list, plan: _BodyPlan):
   """Scan ``eqn`` on ``invals`` with its body evaluated by ``plan``."""
   jaxpr, body_consts = scan_pipeline._body(eqn)  # the body the plan was made for
-  n_consts, n_carry = int(eqn.params["num_consts"]), int(eqn.params["num_carry"])
+  n_consts, n_carry = scan_sizes(eqn)
   consts, carry0 = invals[:n_consts], invals[n_consts : n_consts + n_carry]
   xs = invals[n_consts + n_carry :]
 

@@ -104,3 +104,25 @@ def _has_collectives(eqn) -> bool:
     for sub in _subjaxprs(eqn)
     for e in sub.eqns
   )
+
+
+def scan_sizes(eqn) -> tuple[int, int]:
+  """``(constants, carried values)`` of a ``lax.scan`` equation: its first inputs, then the
+  loop's carry, then the scanned arrays. jax up to 0.10 names the counts in the params
+  (``num_consts``, ``num_carry``); later versions group the inputs in a flat tree
+  (``ft_in``)."""
+  p = eqn.params
+  if "num_consts" in p:
+    return int(p["num_consts"]), int(p["num_carry"])
+  tree = p.get("ft_in")
+  try:
+    # jax's FlatTree: the inputs' grouping, applied to the positions.
+    consts, carry, xs = (list(g) for g in tree.update(list(range(len(eqn.invars)))).unpack())
+  except (AttributeError, TypeError, ValueError):
+    consts = carry = xs = None
+  if consts is not None and len(consts) + len(carry) + len(xs) == len(eqn.invars):
+    return len(consts), len(carry)
+  raise NotImplementedError(
+    "jax_overlap: this jax's lax.scan equation does not say which inputs are constants and "
+    f"which are carried (params {sorted(p)}); jax_overlap reads num_consts/num_carry or ft_in"
+  )

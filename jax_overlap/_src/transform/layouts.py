@@ -87,7 +87,7 @@ ELEMENTWISE = (
     "erfc exp exp2 expm1 floor ge gt integer_pow is_finite le lgamma digamma log log1p "
     "logistic lt max min ne nextafter not or pow rem round rsqrt select_n shift_left "
     "shift_right_arithmetic shift_right_logical sign sin sinh sqrt square tan tanh xor "
-    "population_count clz bitcast_convert_type".split()
+    "population_count clz bitcast_convert_type one_minus_square".split()
   )
 )
 

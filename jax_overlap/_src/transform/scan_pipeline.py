@@ -32,7 +32,14 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from jax_overlap._src.transform.jaxprs import _GATHER, _SCATTER, _is_var, _producers, _var_users
+from jax_overlap._src.transform.jaxprs import (
+  _GATHER,
+  _SCATTER,
+  _is_var,
+  _producers,
+  _var_users,
+  scan_sizes,
+)
 
 __all__ = ["ScanPlan", "plan", "run"]
 
@@ -128,7 +135,7 @@ def plan(eqn, *, gathers: bool = True, scatters: bool = True) -> ScanPlan:
   if length < 2:
     return ScanPlan(reason=f"{length} iteration(s): nothing to pipeline across")
   jaxpr, _ = _body(eqn)
-  n_consts, n_carry = int(eqn.params["num_consts"]), int(eqn.params["num_carry"])
+  n_consts, n_carry = scan_sizes(eqn)
   xs = {v: i for i, v in enumerate(jaxpr.invars) if i >= n_consts + n_carry}
   consts = set(jaxpr.invars[:n_consts])
   producer = _producers(jaxpr.eqns)
@@ -204,7 +211,7 @@ def run(eqn, invals: list, p: ScanPlan, eval_eqn: Callable, layer_env: Callable)
   ``skip`` (their outputs from ``given``: eqn index -> value, where there), returning its
   environment and reader."""
   jaxpr, body_consts = _body(eqn)
-  n_consts, n_carry = int(eqn.params["num_consts"]), int(eqn.params["num_carry"])
+  n_consts, n_carry = scan_sizes(eqn)
   length, reverse = int(eqn.params["length"]), bool(eqn.params["reverse"])
   consts, carry0, xs = (
     invals[:n_consts],

@@ -51,6 +51,7 @@ from jax.extend import core as jcore
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_overlap._src.transform.jaxprs import scan_sizes
 from jax_overlap._src.transform.layouts import (
   ELEMENTWISE,
   RULES,
@@ -379,7 +380,7 @@ class _Interp:
 
   def _scan(self, eqn, ins):
     p = eqn.params
-    nc, nk = p["num_consts"], p["num_carry"]
+    nc, nk = scan_sizes(eqn)
     body, bconsts = p["jaxpr"].jaxpr, list(p["jaxpr"].consts)
     lays = [lay for _, lay in ins]
     xs_want = [Layout(((),) + lay.dims[1:], lay.partial) for lay in lays[nc + nk :]]
