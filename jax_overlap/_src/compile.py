@@ -166,6 +166,18 @@ def spelled(options: Mapping[str, Any]) -> str:
   return ", ".join(f"{k}={v}" for k, v in options.items())
 
 
+def _ptx_dump_options() -> dict[str, Any]:
+  """Options that make a GPU compile's dump hold its kernels' PTX (``*.ptx``, read for their
+  ``.entry`` names and, by ``ptxas``, their registers). jaxlib up to 0.10 writes one file a
+  module with ``xla_dump_to`` alone; later ones write PTX only for the kernels
+  ``xla_dump_emitter_re`` matches (one file a kernel, beside its IR)."""
+  import jaxlib
+
+  from jax_overlap._src.flags.validation import version_tuple
+
+  return {"xla_dump_emitter_re": ".*"} if version_tuple(jaxlib.__version__) >= (0, 11) else {}
+
+
 def compile_lowered(
   lowered, options: Mapping[str, Any], topo, *, retry_dump_to: str | None = None
 ) -> tuple[Any, dict[str, Any]]:
@@ -304,7 +316,7 @@ def compile_for_target(
     xla_options: per-compile XLA options.
     mesh: the mesh to compile on; by default the target mesh with the axis
       names of the meshes found in ``args`` (or in ``fn``).
-    keep_dump: keep the dump directory (its path is in the result).
+    keep_dump: keep the dump directory (its path is in the result), with the kernels' PTX.
     api_name: the public API to name in errors in the user's call.
     **kwargs: keyword arguments of ``fn``.
 
@@ -328,6 +340,8 @@ def compile_for_target(
     dump_dir, own_dir = tempfile.mkdtemp(prefix="jax_overlap_"), True
   options["xla_dump_to"] = dump_dir
   topo = targets_lib.get(target) if target is not None else None
+  if keep_dump and topo is not None:
+    options = {**_ptx_dump_options(), **options}
   memo_key, owned = None, None
   held = contextlib.ExitStack()  # the store's lock while this process compiles
 
