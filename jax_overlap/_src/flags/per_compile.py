@@ -19,13 +19,11 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from collections.abc import Mapping
 from typing import Any
 
-from jax_overlap._src import cache as cache_lib
 from jax_overlap._src.errors import ConfigError
-from jax_overlap._src.flags.probe import jaxlib_version
+from jax_overlap._src.flags.probe import Answers
 from jax_overlap._src.flags.registry import REGISTRY, Flag
 
 __all__ = ["spelled", "accepted"]
@@ -46,33 +44,11 @@ sys.stdout.write("JAX_OVERLAP_PER_COMPILE" + json.dumps(answers) + "\n")
 """
 _MARK = "JAX_OVERLAP_PER_COMPILE"
 
-_lock = threading.Lock()
-_cache: dict[str, tuple[bool, str]] = {}
-_loaded: set[str] = set()
+_answers = Answers("compile_options", 2)
 
 
 def _key(name: str, value: Any) -> str:
   return json.dumps([name, value])
-
-
-def _cache_path() -> str:
-  return os.path.join(cache_lib.cache_dir(), f"compile_options-jaxlib-{jaxlib_version()}.json")
-
-
-def _load() -> None:
-  path = _cache_path()
-  if path in _loaded:
-    return
-  _loaded.add(path)
-  try:
-    with open(path) as f:
-      data = json.load(f)
-  except (OSError, ValueError):
-    return
-  if isinstance(data, dict):
-    for k, v in data.items():
-      if isinstance(v, list) and len(v) == 2:
-        _cache.setdefault(k, (bool(v[0]), str(v[1])))
 
 
 def _ask(items: list[tuple[str, Any]]) -> list[tuple[bool, str]]:
@@ -104,18 +80,14 @@ def accepted(items: list[tuple[str, Any]]) -> dict[tuple[str, Any], tuple[bool, 
   Raises:
     ConfigError: if the helper process cannot run.
   """
-  with _lock:
-    _load()
-    todo = list(dict.fromkeys((n, v) for n, v in items if _key(n, v) not in _cache))
+  with _answers.lock:
+    _answers.load()
+    todo = list(dict.fromkeys((n, v) for n, v in items if _key(n, v) not in _answers.entries))
     if todo:
-      for (n, v), answer in zip(todo, _ask(todo)):
-        _cache[_key(n, v)] = answer
-      data = {k: list(v) for k, v in _cache.items()}
-      try:
-        cache_lib.write_text(_cache_path(), json.dumps(data, indent=0, sort_keys=True))
-      except OSError:
-        pass
-    return {(n, v): _cache[_key(n, v)] for n, v in items}
+      for (n, v), (ok, msg) in zip(todo, _ask(todo)):
+        _answers.entries[_key(n, v)] = [ok, msg]
+      _answers.save()
+    return {(n, v): tuple(_answers.entries[_key(n, v)]) for n, v in items}
 
 
 def _proto_value(flag: Flag, value: Any) -> Any:

@@ -29,7 +29,7 @@ from typing import Literal
 from jax_overlap._src import cache as cache_lib
 from jax_overlap._src.errors import ConfigError
 
-__all__ = ["Verdict", "judge", "flag_type", "jaxlib_version", "FlagType"]
+__all__ = ["Verdict", "Answers", "judge", "flag_type", "jaxlib_version", "FlagType"]
 
 FlagType = Literal["bool", "int32", "int64", "float", "string", "choice"]
 
@@ -135,37 +135,44 @@ def _verdict(code: int, output: str) -> Verdict:
   return Verdict(False, reason, first[:400])
 
 
-_lock = threading.Lock()
-_cache: dict[str, Verdict] = {}
-_loaded: set[str] = set()
+class Answers:
+  """What the installed jaxlib answered, by question: in memory, and in one JSON file per
+  jaxlib version under the jax_overlap cache directory (``<stem>-jaxlib-<version>.json``).
+  Each answer is a JSON list of ``width`` items."""
+
+  def __init__(self, stem: str, width: int):
+    self.stem, self.width = stem, width
+    self.lock = threading.Lock()
+    self.entries: dict[str, list] = {}
+    self._loaded: set[str] = set()
+
+  def _path(self) -> str:
+    return os.path.join(cache_lib.cache_dir(), f"{self.stem}-jaxlib-{jaxlib_version()}.json")
+
+  def load(self) -> None:
+    """Reads the file of this jaxlib version once (call with ``lock`` held)."""
+    path = self._path()
+    if path in self._loaded:
+      return
+    self._loaded.add(path)
+    try:
+      with open(path) as f:
+        data = json.load(f)
+    except (OSError, ValueError):
+      return
+    if isinstance(data, dict):
+      for k, v in data.items():
+        if isinstance(v, list) and len(v) == self.width:
+          self.entries.setdefault(k, v)
+
+  def save(self) -> None:
+    try:
+      cache_lib.write_text(self._path(), json.dumps(self.entries, indent=0, sort_keys=True))
+    except OSError:
+      pass
 
 
-def _cache_path() -> str:
-  return os.path.join(cache_lib.cache_dir(), f"xla_flags-jaxlib-{jaxlib_version()}.json")
-
-
-def _load() -> None:
-  path = _cache_path()
-  if path in _loaded:
-    return
-  _loaded.add(path)
-  try:
-    with open(path) as f:
-      data = json.load(f)
-  except (OSError, ValueError):
-    return
-  if isinstance(data, dict):
-    for k, v in data.items():
-      if isinstance(v, list) and len(v) == 3:
-        _cache.setdefault(k, Verdict(bool(v[0]), v[1], v[2]))
-
-
-def _save() -> None:
-  data = {k: [v.accepted, v.reason, v.message] for k, v in _cache.items()}
-  try:
-    cache_lib.write_text(_cache_path(), json.dumps(data, indent=0, sort_keys=True))
-  except OSError:
-    pass
+_answers = Answers("xla_flags", 3)
 
 
 class _Helper:
@@ -244,14 +251,15 @@ def judge(values: Iterable[str]) -> dict[str, Verdict]:
     ConfigError: if the helper process cannot run at all.
   """
   values = list(dict.fromkeys(values))
-  with _lock:
-    _load()
-    todo = [v for v in values if v not in _cache]
+  with _answers.lock:
+    _answers.load()
+    todo = [v for v in values if v not in _answers.entries]
     if todo:
       for v, (code, output) in _helper.ask(todo).items():
-        _cache[v] = _verdict(code, output)
-      _save()
-    return {v: _cache[v] for v in values}
+        verdict = _verdict(code, output)
+        _answers.entries[v] = [verdict.accepted, verdict.reason, verdict.message]
+      _answers.save()
+    return {v: Verdict(bool(a), r, m) for v in values for a, r, m in [_answers.entries[v]]}
 
 
 def flag_type(name: str) -> FlagType | None:

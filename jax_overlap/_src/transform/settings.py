@@ -21,6 +21,15 @@ Select = Literal["cost_model", "rewrite"]
 Gspmd = Literal["auto", "convert", "as_written"]
 
 
+_CHOICES = {
+  "reduce_scatter": ReduceScatter,
+  "select": Select,
+  "collective_matmul": CollectiveMatmul,
+  "gspmd": Gspmd,
+  "weight_gradients": WeightGradients,
+}
+
+
 def _choices(literal) -> str:
   names = [repr(c) if isinstance(c, str) else str(c) for c in typing.get_args(literal)]
   return ", ".join(names[:-1]) + " or " + names[-1]
@@ -61,8 +70,8 @@ class Settings:
     p = self.prefetch
     if not isinstance(p, int) or isinstance(p, bool) or p < 0:
       raise ValueError(f"overlap: prefetch must be a non-negative integer, got {p!r}")
-    for name in ("reduce_scatter", "select", "collective_matmul", "gspmd", "weight_gradients"):
-      _check_choice(name, getattr(self, name), typing.get_type_hints(Settings)[name])
+    for name, literal in _CHOICES.items():
+      _check_choice(name, getattr(self, name), literal)
     if self.target is not None:
       targets_lib.get(self.target)
     flags_lib.check_workload(self.workload)
