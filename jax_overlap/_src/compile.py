@@ -169,13 +169,15 @@ def spelled(options: Mapping[str, Any]) -> str:
 def _ptx_dump_options() -> dict[str, Any]:
   """Options that make a GPU compile's dump hold its kernels' PTX (``*.ptx``, read for their
   ``.entry`` names and, by ``ptxas``, their registers). jaxlib up to 0.10 writes one file a
-  module with ``xla_dump_to`` alone; later ones write PTX only for the kernels
-  ``xla_dump_emitter_re`` matches (one file a kernel, beside its IR)."""
+  module with ``xla_dump_to`` alone; later ones write PTX (one file a kernel) only when
+  ``xla_dump_emitter_re`` matches the emitter named ``ptx``. The pattern names that emitter
+  alone: ``.*`` would also dump every kernel's LLVM and Triton IR with emitter locations,
+  which symbolizes stack traces and makes a small step's compile ten times slower."""
   import jaxlib
 
   from jax_overlap._src.flags.validation import version_tuple
 
-  return {"xla_dump_emitter_re": ".*"} if version_tuple(jaxlib.__version__) >= (0, 11) else {}
+  return {"xla_dump_emitter_re": "^ptx$"} if version_tuple(jaxlib.__version__) >= (0, 11) else {}
 
 
 def compile_lowered(
