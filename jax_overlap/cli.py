@@ -111,11 +111,34 @@ def _cmd_flags(args: Sequence[str]) -> int:
     for k, v in opts.items():
       why = flags_lib.REGISTRY[k].why or flags_lib.REGISTRY[k].meaning
       print(f"{k} = {flags_lib.format_value(v)}\n    {why}")
+    _print_left_out(opts)
     return 0
   print(f"export XLA_FLAGS={shlex.quote(flags_lib.format_xla_flags(xla))}")
   for k, v in env.items():
     print(f"export {k}={shlex.quote(flags_lib.format_value(v))}")
   return 0
+
+
+def _print_left_out(opts) -> None:
+  """The recommendation's options the installed jaxlib does not get, and why."""
+  import jaxlib
+
+  from jax_overlap._src import flags as flags_lib
+  from jax_overlap._src.flags import aborts
+
+  full = flags_lib.recommended(target=FLAGS.target, workload=FLAGS.workload, check_installed=False)
+  spellings = {k for k in opts} | {flags_lib.REGISTRY[k].replacement for k in opts}
+  for k, v in full.items():
+    if k in spellings or any(flags_lib.REGISTRY[o].replacement == k for o in opts):
+      continue
+    aborted, message = aborts.aborts(k)
+    why = (
+      f"jaxlib {jaxlib.__version__}'s XLA aborts the process compiling programs with a "
+      f"while loop with it ({message})"
+      if aborted
+      else f"jaxlib {jaxlib.__version__} does not take it"
+    )
+    print(f"# left out: {k} = {flags_lib.format_value(v)}\n    {why}")
 
 
 def _cmd_targets(args: Sequence[str]) -> int:

@@ -44,8 +44,15 @@ def test_flags_prints_an_export_line_that_validates():
 def test_flags_table_explains_each_choice():
   proc = cli("flags", "--target", "a100x8", "--format", "table")
   assert proc.returncode == 0
-  assert "xla_gpu_enable_analytical_latency_estimator = true" in proc.stdout
-  assert "Ampere" in proc.stdout
+  from jax_overlap._src.flags import aborts
+
+  line = "xla_gpu_enable_analytical_latency_estimator = true"
+  if aborts.aborts("xla_gpu_enable_analytical_latency_estimator")[0]:
+    # This jaxlib's XLA aborts compiling loops with it: left out, and the table says why.
+    assert f"# left out: {line}" in proc.stdout and "aborts the process" in proc.stdout
+  else:
+    assert line in proc.stdout and "# left out" not in proc.stdout
+    assert "Ampere" in proc.stdout
 
 
 def test_flags_check_reports_every_problem_and_exits_1():
@@ -203,6 +210,11 @@ def test_analyze_a_builder_and_write_every_output(tmp_path):
   report = json.load(open(out["json"]))
   assert report["target"] == "a100x8" and report["num_collectives"] > 0
   assert report["xla_options"]["xla_gpu_memory_limit_slop_factor"] == "90"
-  assert report["xla_options"]["xla_gpu_enable_analytical_latency_estimator"] is True
+  from jax_overlap._src.flags import aborts
+
+  estimator = report["xla_options"].get("xla_gpu_enable_analytical_latency_estimator")
+  assert estimator is (
+    None if aborts.aborts("xla_gpu_enable_analytical_latency_estimator")[0] else True
+  )
   assert open(out["png"], "rb").read(4) == b"\x89PNG"
   assert "traceEvents" in json.load(open(out["trace"]))

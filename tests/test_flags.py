@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_overlap import ConfigError, flags, targets
 from jax_overlap._src import flags as flags_impl
+from jax_overlap._src.flags import aborts
 from jax_overlap._src.flags import probe as probe_lib
 
 REMOVED = sorted(n for n, f in flags.REGISTRY.items() if f.removed_in)
@@ -202,7 +203,11 @@ def test_recommended_differs_by_gpu_and_workload():
   a = flags.recommended(target="a100x8", workload="fsdp")
   assert h["xla_gpu_enable_latency_hiding_scheduler"] is True
   assert "xla_gpu_enable_analytical_latency_estimator" not in h
-  assert a["xla_gpu_enable_analytical_latency_estimator"] is True
+  # Ampere's gets the analytical estimator, unless the installed XLA aborts with it.
+  estimator_aborts = aborts.aborts("xla_gpu_enable_analytical_latency_estimator")[0]
+  assert a.get("xla_gpu_enable_analytical_latency_estimator") is (
+    None if estimator_aborts else True
+  )
   tp = flags.recommended(target="h100x8", workload="tensor_parallel")
   assert tp["xla_gpu_threshold_for_windowed_einsum_mib"] == 0
   assert flags.recommended(target="a40x8", workload="fsdp")["NCCL_MAX_CTAS"] == 4
@@ -302,7 +307,10 @@ def test_configure_before_start_reaches_the_compile():
   assert line is not None, proc.stderr[-2000:]
   seen = json.loads(line[4:])
   assert seen["xla_gpu_enable_latency_hiding_scheduler"] == "true"
-  assert seen["xla_gpu_enable_analytical_latency_estimator"] == "true"
+  estimator_aborts = aborts.aborts("xla_gpu_enable_analytical_latency_estimator")[0]
+  assert seen.get("xla_gpu_enable_analytical_latency_estimator") == (
+    None if estimator_aborts else "true"
+  )
   assert seen["xla_gpu_enable_while_loop_double_buffering"] == "true"
 
 

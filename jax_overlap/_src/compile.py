@@ -33,6 +33,7 @@ from jax.sharding import Mesh
 
 from jax_overlap._src import compile_store, errors, kernel_cache, retarget
 from jax_overlap._src import targets as targets_lib
+from jax_overlap._src.flags import aborts as aborts_lib
 from jax_overlap._src.flags import per_compile
 
 __all__ = ["CompiledStep", "compile_for_target", "memory_stats"]
@@ -186,8 +187,14 @@ def compile_lowered(
   """(XLA's executable, the fallback options it needed, or {}): ``lowered`` compiled with
   ``options``, and once more with :func:`fallback_for`'s options (dumped to
   ``retry_dump_to`` when given) if XLA fails in a known way. Otherwise, and if the retry
-  fails too, XLA's first error is raised."""
+  fails too, XLA's first error is raised.
+
+  Raises:
+    ConfigError: before compiling, if the options (or ``XLA_FLAGS``) would make the
+      installed XLA abort the process on this program (:mod:`.flags.aborts`).
+  """
   options = per_compile.spelled(options)
+  aborts_lib.check_program(lowered, options)
   try:
     return lowered.compile(options), {}
   except Exception as first:  # noqa: BLE001 - XLA raises JaxRuntimeError and others
@@ -391,7 +398,7 @@ def compile_for_target(
       compiled, fallback = compile_lowered(lowered, options, topo)
       if fallback:
         notes.append(TILING_NOTE.format(options=spelled(fallback), what="report"))
-    except ValueError:
+    except (ValueError, errors.ConfigError):
       raise
     except Exception as e:  # noqa: BLE001 - XLA raises JaxRuntimeError and others
       raise failure("XLA could not compile the function", e, topo) from e

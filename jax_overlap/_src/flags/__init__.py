@@ -16,6 +16,8 @@ safe way to choose, check and set those options, one stage a module:
 * :mod:`.per_compile`: options spelled as the installed jaxlib takes them per
   compile (``compiler_options=``), which since jaxlib 0.11 is not always the
   ``XLA_FLAGS`` spelling.
+* :mod:`.aborts`: options with which the installed XLA aborts compiling some programs
+  (an XLA bug the registry records; asked of XLA in a helper process).
 * :mod:`.configuration`: :func:`recommended`, :func:`configure`,
   :func:`as_compiler_options`.
 """

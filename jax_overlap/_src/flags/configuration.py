@@ -19,6 +19,7 @@ from typing import Any, Literal
 from jax_overlap._src import deprecations
 from jax_overlap._src import targets as targets_lib
 from jax_overlap._src.errors import ConfigError
+from jax_overlap._src.flags import aborts as aborts_lib
 from jax_overlap._src.flags import per_compile, syntax
 from jax_overlap._src.flags import probe as probe_lib
 from jax_overlap._src.flags.registry import REGISTRY, WORKLOADS
@@ -118,7 +119,8 @@ def recommended(
     target: topology name ("h100x8", "a100x8", "h200x16", ...) or GPU name.
     workload: "fsdp", "tensor_parallel", "data_parallel" or "hybrid".
     check_installed: translate to the spelling the installed jaxlib accepts
-      and drop anything it rejects (asks jaxlib; cached per version).
+      and drop anything it rejects or aborts some compiles with (asks jaxlib; cached
+      per version; :mod:`jax_overlap._src.flags.aborts`).
 
   Returns:
     ``{name: value}``: XLA options (no ``--``) and NCCL/CUDA variables.
@@ -135,6 +137,10 @@ def recommended(
   opts = dict(_recommended(topo.name, workload))
   if check_installed:
     opts = _translate_for_installed(opts)
+    # An option the installed XLA aborts some compiles with is left out: set in XLA_FLAGS
+    # it would reach every program of the process.
+    for name in aborts_lib.aborting(opts):
+      del opts[name]
   return opts
 
 

@@ -12,12 +12,33 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
-__all__ = ["Flag", "REGISTRY", "WORKLOADS", "ENTRIES"]
+__all__ = ["Abort", "Flag", "REGISTRY", "WORKLOADS", "ENTRIES"]
 
 Workload = Literal["fsdp", "tensor_parallel", "data_parallel", "hybrid"]
 WORKLOADS: tuple[str, ...] = ("fsdp", "tensor_parallel", "data_parallel", "hybrid")
 
 MiB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Abort:
+  """An XLA bug: compiling some programs with the option set aborts the process (a C++
+  CHECK failure; no Python error can be caught).
+
+  Attributes:
+    value: the value that does it, as ``XLA_FLAGS`` spells it (``"true"``).
+    programs: which programs: ``"while_loop"``, those with a while loop (``lax.scan``,
+      ``fori_loop``, a scanned stack of layers).
+    since: the first jaxlib version seen to abort. From it on, each installed jaxlib is
+      asked (:mod:`.aborts`: one compile in a helper process, cached per version), so a
+      jaxlib that has the fix is trusted again.
+    check: XLA's message.
+  """
+
+  value: str
+  programs: Literal["while_loop"]
+  since: str
+  check: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +60,7 @@ class Flag:
       smaller ones (they are not an abort), so validation warns about them.
     proto_enum: for an ``enum`` option, the DebugOptions enum whose value names a
       per-compile option takes (``<proto_enum>_ON`` where ``XLA_FLAGS`` takes ``on``).
+    aborts: an XLA bug that makes some compiles with it abort the process.
   """
 
   name: str
@@ -53,6 +75,7 @@ class Flag:
   why: str = ""
   minimum: float | None = None
   proto_enum: str | None = None
+  aborts: Abort | None = None
 
 
 def _f(*args, **kwargs) -> Flag:
@@ -80,7 +103,18 @@ ENTRIES: tuple[Flag, ...] = (
     default=False,
     why="On Ampere (a100x8, a40x8) it is what lets the scheduler hide each layer's all-gather "
     "under the previous layer (exposed communication of an 8-layer FSDP step: 90% -> 6%); on "
-    "Hopper XLA's default speed-of-light estimator does better, so it is not set there.",
+    "Hopper XLA's default speed-of-light estimator does better, so it is not set there. Not "
+    "recommended on a jaxlib where it aborts compiles of programs with loops (see aborts).",
+    # Seen on 0.11.0 and 0.11.2 (not on 0.10.2) compiling grad of a 2-step lax.scan with
+    # the latency-hiding scheduler, deviceless for h100x8 and a100x8: the estimator asks
+    # the launch dimensions of a fusion whose shape is a tuple.
+    aborts=Abort(
+      value="true",
+      programs="while_loop",
+      since="0.11.0",
+      check="shape.h: Check failed: buffer != nullptr, in "
+      "AnalyticalLatencyEstimator::NodeCost -> LoopFusion::launch_dimensions",
+    ),
   ),
   _f(
     "xla_gpu_enable_analytical_sol_latency_estimator",

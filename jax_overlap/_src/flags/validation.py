@@ -17,6 +17,7 @@ import re
 from collections.abc import Mapping
 from typing import Any, Literal
 
+from jax_overlap._src.flags import aborts as aborts_lib
 from jax_overlap._src.flags import probe as probe_lib
 from jax_overlap._src.flags import syntax
 from jax_overlap._src.flags.registry import ENTRIES, REGISTRY, Flag
@@ -32,6 +33,7 @@ ProblemKind = Literal[
   "malformed",
   "not_yet_supported",
   "counterproductive",
+  "aborts",
   "conflict",
   "out_of_range",
   "ignored",
@@ -46,7 +48,8 @@ class Problem:
     name: the option or variable (or the offending text).
     kind: ``"unknown"``, ``"removed"``, ``"renamed"``, ``"bad_value"``,
       ``"no_value"`` (a bare ``--name`` of a non-bool flag), ``"malformed"``,
-      ``"not_yet_supported"``, ``"counterproductive"``, ``"conflict"`` (set
+      ``"not_yet_supported"``, ``"counterproductive"``, ``"aborts"`` (XLA
+      aborts compiling some programs with it: a warning), ``"conflict"`` (set
       twice to different values), ``"out_of_range"`` or ``"ignored"`` (text
       XLA skips without a word).
     message: what is wrong and what would be right.
@@ -258,7 +261,7 @@ def _env_problems(flag: Flag, value: Any) -> list[Problem]:
   why = _value_problem(flag, syntax.format_value(value))
   if why:
     return [Problem(flag.name, "bad_value", f"{flag.name} {why}")]
-  return _counterproductive(flag, value) + _out_of_range(flag, syntax.format_value(value))
+  return _taken_problems(flag, syntax.format_value(value))
 
 
 def _value_problem(flag: Flag, value: str | None) -> str | None:
@@ -292,7 +295,7 @@ def _from_registry(tok: syntax.Token) -> list[Problem]:
   if why:
     kind = "no_value" if tok.value is None else "bad_value"
     return [Problem(tok.name, kind, f"{tok.name} {why}; {_ABORTS}")]
-  return _counterproductive(flag, tok.value) + _out_of_range(flag, tok.value)
+  return _taken_problems(flag, tok.value)
 
 
 def _judged(tok: syntax.Token, verdict: probe_lib.Verdict) -> list[Problem]:
@@ -302,7 +305,7 @@ def _judged(tok: syntax.Token, verdict: probe_lib.Verdict) -> list[Problem]:
   if verdict.accepted:
     if flag is None:
       return []
-    return _counterproductive(flag, tok.value) + _out_of_range(flag, tok.value)
+    return _taken_problems(flag, tok.value)
   if verdict.reason == "unknown":
     ftype = probe_lib.flag_type(name) if tok.bare else None
     if ftype is not None:
@@ -374,6 +377,31 @@ def _not_yet(flag: Flag) -> Problem:
     f"{flag.name} needs jaxlib >= {flag.since}, installed {probe_lib.jaxlib_version()}{hint}",
     suggestion=older[0] if older else None,
   )
+
+
+def _taken_problems(flag: Flag, value: str | None) -> list[Problem]:
+  """Problems of a value XLA takes: it works against overlap, is out of range, or makes
+  the installed XLA abort some compiles."""
+  return _counterproductive(flag, value) + _out_of_range(flag, value) + _aborting(flag, value)
+
+
+def _aborting(flag: Flag, value: str | None) -> list[Problem]:
+  if flag.aborts is None:
+    return []
+  found = aborts_lib.aborting({flag.name: value})
+  if not found:
+    return []
+  shown = "true" if value is None else value
+  return [
+    Problem(
+      flag.name,
+      "aborts",
+      f"{flag.name}={shown} makes jaxlib {probe_lib.jaxlib_version()}'s XLA abort the process "
+      f"compiling programs with a while loop (lax.scan, fori_loop, scanned layers): "
+      f"{found[flag.name]}; leave it unset",
+      severity="warning",
+    )
+  ]
 
 
 def _counterproductive(flag: Flag, value: Any) -> list[Problem]:

@@ -1,0 +1,190 @@
+"""Options with which the installed XLA aborts the process compiling some programs.
+
+Some jaxlib releases have bugs that end the process with a C++ ``CHECK`` failure when a
+program of some kind is compiled with an option set (the registry's :class:`.Abort`
+entries: which value, which programs, the first version seen). No Python error can be
+caught there, so jax_overlap asks before it compiles: from the version an abort was first
+seen on, a helper process compiles a small program of that kind with the option
+(deviceless, for ``h100x8``) and reports whether XLA aborted, once per jaxlib version
+(cached in memory and under the jax_overlap cache directory). Where the helper cannot
+compile deviceless (no CUDA plugin), the registry's record decides.
+
+* :func:`aborting` lists the options of a set that abort the installed XLA for a kind of
+  program; :func:`recommended <.configuration.recommended>` leaves them out.
+* :func:`check_program` raises :class:`~jax_overlap.ConfigError` instead of compiling a
+  program the options would abort on (options given per compile or in ``XLA_FLAGS``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from jax_overlap._src.errors import ConfigError
+from jax_overlap._src.flags import probe as probe_lib
+from jax_overlap._src.flags import syntax
+from jax_overlap._src.flags.registry import REGISTRY, Flag
+
+__all__ = ["aborting", "aborts", "check_program", "probe", "program_kinds"]
+
+# Runs in a helper process: argv[1] the option, argv[2] its value as JSON. A program with
+# a while loop (grad of a two-step lax.scan over sharded layers), compiled deviceless.
+_HELPER = r"""
+import json, sys
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+from jax_overlap._src.targets import compile_only_mesh
+name, value = sys.argv[1], json.loads(sys.argv[2])
+try:
+  mesh = compile_only_mesh("h100x8", {"x": 8})
+except Exception as e:
+  print("JAX_OVERLAP_ABORT_PROBE unknown", repr(e)[:300]); sys.exit(0)
+def layer(c, w):
+  return c + jnp.tanh(c @ w[0]) @ w[1], None
+loss = lambda w, c: jnp.sum(jax.lax.scan(layer, c, w)[0].astype(jnp.float32) ** 2)
+w = jax.ShapeDtypeStruct((2, 2, 128, 128), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, None, None, "x")))
+c = jax.ShapeDtypeStruct((64, 128), jnp.bfloat16, sharding=NamedSharding(mesh, P("x")))
+options = {"xla_gpu_enable_latency_hiding_scheduler": True, name: value}
+jax.jit(jax.grad(loss)).lower(w, c).compile(options)
+print("JAX_OVERLAP_ABORT_PROBE compiled")
+"""
+_MARK = "JAX_OVERLAP_ABORT_PROBE"
+_GLOG_PREFIX = re.compile(r"^[FEWI]\d{4} [\d:.]+\s+\d+\s+")
+
+_answers = probe_lib.Answers("aborts", 2)
+
+
+def _enables(flag: Flag, value: Any) -> bool:
+  """Whether ``value`` (as given per compile or in ``XLA_FLAGS``; None for a bare flag) is
+  the value ``flag`` aborts with."""
+  assert flag.aborts is not None
+  text = "true" if value is None else syntax.format_value(value).strip().lower()
+  if flag.type == "bool":
+    text = {"1": "true", "0": "false"}.get(text, text)
+  return text == flag.aborts.value
+
+
+def _per_compile_value(flag: Flag) -> Any:
+  assert flag.aborts is not None
+  if flag.type == "bool":
+    return flag.aborts.value == "true"
+  return flag.aborts.value
+
+
+def probe(name: str) -> tuple[bool | None, str]:
+  """Compiles the registry's kind of program with option ``name`` at the value it aborts
+  with, in a helper process: (True: XLA aborted, False: it compiled, None: the helper
+  could not compile deviceless; XLA's last words or the reason)."""
+  flag = REGISTRY[name]
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "LD_PRELOAD")}
+  env.update(JAX_PLATFORMS="cpu")
+  try:
+    p = subprocess.run(
+      [sys.executable, "-c", _HELPER, name, json.dumps(_per_compile_value(flag))],
+      capture_output=True,
+      text=True,
+      env=env,
+      timeout=600,
+    )
+  except (OSError, subprocess.TimeoutExpired) as e:
+    return None, f"the helper process did not finish: {e}"
+  if p.returncode == -signal.SIGABRT:
+    checks = [ln for ln in p.stderr.splitlines() if "Check failed" in ln]
+    # glog's prefix (severity, date, time, thread) is not part of the message.
+    check = _GLOG_PREFIX.sub("", checks[-1].strip()) if checks else "aborted (SIGABRT)"
+    return True, check[:400]
+  out = p.stdout.strip().splitlines()
+  last = out[-1] if out else ""
+  if p.returncode == 0 and last == f"{_MARK} compiled":
+    return False, ""
+  why = last[len(_MARK) :].strip() if last.startswith(_MARK) else p.stderr.strip()[-300:]
+  return None, why or f"exit status {p.returncode}"
+
+
+def aborts(name: str) -> tuple[bool, str]:
+  """Whether the installed XLA aborts compiling the programs the registry names for
+  option ``name`` (set to the value it names), and how: before the version the abort was
+  first seen on, no; from it on, XLA's answer (asked once per jaxlib version), or the
+  registry's record where XLA cannot be asked."""
+  from jax_overlap._src.flags.validation import version_tuple
+
+  flag = REGISTRY[name]
+  if flag.aborts is None:
+    return False, ""
+  if version_tuple(probe_lib.jaxlib_version()) < version_tuple(flag.aborts.since):
+    return False, ""
+  with _answers.lock:
+    _answers.load()
+    if name not in _answers.entries:
+      verdict, message = probe(name)
+      if verdict is None:  # not asked: the registry's record (no file: ask next time)
+        return True, f"{flag.aborts.check} (seen since jaxlib {flag.aborts.since}; {message})"
+      _answers.entries[name] = [verdict, message]
+      _answers.save()
+    verdict, message = _answers.entries[name]
+  return bool(verdict), str(message)
+
+
+def aborting(
+  options: Mapping[str, Any], *, ask: Callable[[str], tuple[bool, str]] = aborts
+) -> dict[str, str]:
+  """The options of ``options`` set to a value with which the installed XLA aborts
+  compiling some kind of program (``ask``: whether it does, :func:`aborts`):
+  ``{name: XLA's message}``."""
+  out = {}
+  for name, value in options.items():
+    flag = REGISTRY.get(name)
+    if flag is None or flag.aborts is None or not _enables(flag, value):
+      continue
+    verdict, message = ask(name)
+    if verdict:
+      out[name] = message or flag.aborts.check
+  return out
+
+
+def program_kinds(lowered) -> frozenset[str]:
+  """The :class:`.Abort` program kinds ``lowered`` (a ``jax.stages.Lowered``) is of."""
+  text = lowered.as_text()
+  return frozenset({"while_loop"} if "stablehlo.while" in text else ())
+
+
+_WORDS = {"while_loop": "a program with a while loop (lax.scan, fori_loop, scanned layers)"}
+
+
+def check_program(
+  lowered, options: Mapping[str, Any], *, ask: Callable[[str], tuple[bool, str]] = aborts
+) -> None:
+  """Raises :class:`~jax_overlap.ConfigError` if compiling ``lowered`` with ``options``
+  (and the options in ``XLA_FLAGS``) would make the installed XLA abort the process.
+  Free when no option XLA is known to abort with is set."""
+  given = {n: ("per compile", v) for n, v in options.items()}
+  for name, value in syntax.parse_xla_flags(os.environ.get("XLA_FLAGS", ""))[0].items():
+    given.setdefault(name, ("in XLA_FLAGS", value))
+  candidates = {n: v for n, (_, v) in given.items() if REGISTRY.get(n) and REGISTRY[n].aborts}
+  found = aborting(candidates, ask=ask) if candidates else {}
+  if found:
+    kinds = program_kinds(lowered)
+    found = {n: why for n, why in found.items() if REGISTRY[n].aborts.programs in kinds}
+  if not found:
+    return
+  import jaxlib
+
+  parts = [
+    f"{n}={syntax.format_value(candidates[n])} "
+    f"(set {given[n][0]}) makes jaxlib {jaxlib.__version__}'s XLA abort the process compiling "
+    f"{_WORDS[REGISTRY[n].aborts.programs]}, and this program is one (XLA: {why})"
+    for n, why in found.items()
+  ]
+  raise ConfigError(
+    "; ".join(parts)
+    + ". Compiling it would end this process rather than raise. Leave "
+    + ("the option" if len(found) == 1 else "these options")
+    + " unset (jax_overlap.flags.recommended() does on this jaxlib) or use a jaxlib without "
+    "the bug."
+  )

@@ -1,0 +1,87 @@
+"""Options with which XLA aborts the process compiling some programs: what the registry
+records is what the installed XLA does (asked in a helper process), recommendations leave
+such options out, validation warns, and a compile they would abort raises instead."""
+
+import importlib.util
+import os
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jax_overlap import ConfigError, flags
+from jax_overlap._src.flags import aborts
+from jax_overlap._src.flags import probe as probe_lib
+from jax_overlap._src.flags.validation import version_tuple
+
+ABORTING = sorted(n for n, f in flags.REGISTRY.items() if f.aborts)
+ESTIMATOR = "xla_gpu_enable_analytical_latency_estimator"
+_HAS_CUDA_PLUGIN = importlib.util.find_spec("jax_plugins.xla_cuda13") is not None
+
+
+def test_the_analytical_estimator_is_registered_with_its_abort():
+  assert ESTIMATOR in ABORTING
+  entry = flags.REGISTRY[ESTIMATOR].aborts
+  assert entry.value == "true" and entry.programs == "while_loop"
+
+
+@pytest.mark.skipif(not _HAS_CUDA_PLUGIN, reason="needs jax-cuda13-plugin for deviceless compiles")
+@pytest.mark.parametrize("name", ABORTING)
+def test_registered_aborts_are_what_the_installed_xla_does(name):
+  # XLA itself, in a helper process: a scanned step compiled deviceless with the option.
+  entry = flags.REGISTRY[name].aborts
+  version = version_tuple(probe_lib.jaxlib_version())
+  aborted, message = aborts.probe(name)
+  if version < version_tuple(entry.since):
+    assert aborted is False, message  # the registry says not before `since`
+  elif version[:2] == version_tuple(entry.since)[:2]:
+    assert aborted is True, message  # the release series the abort was seen in
+    assert "Check failed" in message and not message.startswith("F")  # glog prefix cut
+  else:
+    assert aborted in (True, False), message  # a later release: whatever XLA answers
+
+
+def _lowered(loop: bool):
+  def layer(c, w):
+    return jnp.tanh(c @ w), None
+
+  def f(ws, c):
+    if loop:
+      return jax.lax.scan(layer, c, ws)[0]
+    for i in range(ws.shape[0]):
+      c = layer(c, ws[i])[0]
+    return c
+
+  return jax.jit(f).lower(jnp.ones((2, 8, 8)), jnp.ones((4, 8)))
+
+
+def test_a_compile_the_options_would_abort_raises_a_config_error(monkeypatch):
+  # The decision alone, with XLA's answer given (the installed XLA's own answer is the
+  # test above): a program with a loop and the option set is refused, naming where the
+  # option came from; without a loop, or with the option off, it compiles.
+  said = lambda name: (True, "shape.h:847] Check failed: buffer != nullptr")  # noqa: E731
+  with pytest.raises(ConfigError, match=f"{ESTIMATOR}=true \\(set per compile\\).*while loop"):
+    aborts.check_program(_lowered(True), {ESTIMATOR: True}, ask=said)
+  aborts.check_program(_lowered(False), {ESTIMATOR: True}, ask=said)
+  aborts.check_program(_lowered(True), {ESTIMATOR: False}, ask=said)
+  # Bare: true, as XLA reads a bool. (The session's own XLA_FLAGS stay: they set the CPU
+  # device count, read when the backend starts.)
+  monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + f" --{ESTIMATOR}")
+  with pytest.raises(ConfigError, match="set in XLA_FLAGS.*Check failed"):
+    aborts.check_program(_lowered(True), {}, ask=said)
+  # What XLA does not abort on passes whatever the program.
+  aborts.check_program(_lowered(True), {ESTIMATOR: True}, ask=lambda name: (False, ""))
+  assert aborts.program_kinds(_lowered(True)) == {"while_loop"}
+  assert aborts.program_kinds(_lowered(False)) == frozenset()
+
+
+@pytest.mark.skipif(not _HAS_CUDA_PLUGIN, reason="needs jax-cuda13-plugin for deviceless compiles")
+def test_recommendations_and_validation_follow_what_the_installed_xla_does():
+  aborted, _ = aborts.aborts(ESTIMATOR)
+  # Ampere's recommendation sets the estimator, unless the installed XLA aborts with it.
+  assert (ESTIMATOR in flags.recommended(target="a100x8")) is not aborted
+  problems = [p for p in flags.validate({ESTIMATOR: True}) if p.kind == "aborts"]
+  assert len(problems) == int(aborted)
+  for p in problems:
+    assert p.severity == "warning" and "while loop" in p.message and "leave it unset" in p.message
+  assert not [p for p in flags.validate({ESTIMATOR: False}) if p.kind == "aborts"]
