@@ -8,7 +8,7 @@ export JAX_PLATFORMS ?= cpu
 # Test processes (pytest-xdist); an idle one takes tests queued for another.
 JOBS ?= auto
 
-.PHONY: demo test lint install clean
+.PHONY: demo test test-jax lint install clean
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,9 +32,20 @@ test: $(STAMP)
 	$(PY) -m ruff format --check jax_overlap tests benchmarks
 	$(PY) -m pytest -q tests -n $(JOBS) --dist worksteal --durations=15 $(ARGS)
 
+# The suite against another jax release in its own venv, e.g. the GPU machines' 0.11.2
+# (Python 3.12 or later): `make test-jax JAX=0.11.2 PYTHON=python3.12`.
+JAX ?= 0.11.2
+JAX_VENV := .venv-jax$(JAX)
+test-jax:
+	test -x $(JAX_VENV)/bin/python || $(PYTHON) -m venv $(JAX_VENV)
+	$(JAX_VENV)/bin/python -m pip install -q uv
+	$(JAX_VENV)/bin/uv pip install -q --python $(JAX_VENV)/bin/python -e ".[test,plot,progress]" \
+	  "jax==$(JAX)" "jaxlib==$(JAX)" "jax-cuda13-plugin==$(JAX)" "jax-cuda13-pjrt==$(JAX)"
+	$(JAX_VENV)/bin/python -m pytest -q tests -n $(JOBS) --dist worksteal --durations=15 $(ARGS)
+
 lint: $(STAMP)
 	$(PY) -m ruff check jax_overlap tests benchmarks
 	$(PY) -m ruff format --check jax_overlap tests benchmarks
 
 clean:
-	rm -rf $(VENV) build *.egg-info demo_out
+	rm -rf $(VENV) .venv-jax* build *.egg-info demo_out

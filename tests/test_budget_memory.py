@@ -104,12 +104,19 @@ class TestBreakdown:
     from jax_overlap.examples import gpt
 
     fn, args = gpt.build("h100x8", layers=1)
-    b = memory.breakdown(fn, *args, target="h100x8")
-    assert any("Triton GEMM emitter found no tile sizes" in n for n in b.notes), b.notes
-    assert "__cublas" in b.hlo_text and "note: XLA's Triton" in str(b)
-    assert b.unattributed_temp_bytes == 0  # the retry's own dump, not the failed one's
-    with pytest.raises(RuntimeError, match="could not compile the step for h100x8.*tile sizes"):
+    try:  # Triton GEMMs the user chose: kept, and XLA's failure named
       memory.breakdown(fn, *args, target="h100x8", xla_options={"xla_gpu_enable_triton_gemm": True})
+    except RuntimeError as e:
+      assert "could not compile the step for h100x8" in str(e) and "tile sizes" in str(e), e
+      fails = True
+    else:
+      fails = False  # jaxlib 0.11's emitter finds tile sizes for these dots
+    b = memory.breakdown(fn, *args, target="h100x8")
+    noted = any("Triton GEMM emitter found no tile sizes" in n for n in b.notes)
+    assert noted is fails, b.notes
+    if fails:
+      assert "__cublas" in b.hlo_text and "note: XLA's Triton" in str(b)
+      assert b.unattributed_temp_bytes == 0  # the retry's own dump, not the failed one's
 
   def test_replicated_optimizer_state_costs_eight_times_more(self):
     mesh = _cpu_mesh()

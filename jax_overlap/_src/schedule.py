@@ -549,10 +549,12 @@ def _is_gemm(module: hlo_lib.Module, instr: hlo_lib.Instruction) -> bool:
 
 
 def collective_brackets(module: hlo_lib.Module, computation: str | None = None) -> list[Bracket]:
-  """Each async collective of ``computation`` (default: the entry) with the GEMMs it brackets.
+  """Each collective of ``computation`` (default: the entry) with the GEMMs it brackets.
 
   A start whose done is not in the same computation (pipelined across loop
-  iterations) brackets everything after it.
+  iterations) brackets everything after it. A collective XLA issues as a plain
+  (not async) instruction, as XLA 0.11 does with one that has nothing beside it,
+  is synchronous and brackets nothing, as an async pair marked synchronous.
   """
   comp = module.computations[computation or module.entry]
   instrs = comp.instructions
@@ -565,6 +567,8 @@ def collective_brackets(module: hlo_lib.Module, computation: str | None = None) 
   for i, instr in enumerate(instrs):
     kind = _async_collective_kind(module, instr)
     if kind is None:
+      if instr.opcode in COLLECTIVE_KINDS:
+        out.append(Bracket(instr.name, COLLECTIVE_KINDS[instr.opcode], 0, True))
       continue
     j = done_at.get(instr.name, len(instrs))
     gemms = sum(_is_gemm(module, x) for x in instrs[i + 1 : j])
