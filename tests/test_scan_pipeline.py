@@ -156,19 +156,15 @@ def test_scanned_fsdp_step_hides_its_loop_collectives_on_h100():
   from jax_overlap.examples import shard_map_fsdp as S
 
   fn, args = S.build("h100x8", form="scan", layers=4, hidden=1024, mlp=2816, heads=8, seq=1024)
-  # Without XLA's own loop pipeliner, so the two are compared on the loop as written.
-  options = jax_overlap.flags.as_compiler_options(target="h100x8")
-  options.update(
-    {
-      k: False
-      for k in (
-        "xla_gpu_enable_pipelined_all_gather",
-        "xla_gpu_enable_pipelined_reduce_scatter",
-        "xla_gpu_enable_pipelined_all_reduce",
-      )
-      if k in options
-    }
+  # Without XLA's own loop pipeliner, so the two are compared on the loop as written
+  # (given as overrides: the result spells them as the installed jaxlib takes them).
+  pipeliner = ("all_gather", "reduce_scatter", "all_reduce")
+  options = jax_overlap.flags.as_compiler_options(
+    target="h100x8", xla_options={f"xla_gpu_enable_pipelined_{k}": False for k in pipeliner}
   )
+  for k in pipeliner:
+    off = (options.get(f"xla_gpu_enable_pipelined_{k}"), options.get(f"xla_gpu_pipeline_{k}"))
+    assert off in ((False, None), (None, "COLLECTIVE_PIPELINING_MODE_OFF")), (k, off)
   plain = jax_overlap.analyze(fn, *args, target="h100x8", xla_options=options)
   ov = jax_overlap.overlap(fn, target="h100x8", select="rewrite", xla_options=options)
   piped = jax_overlap.analyze(ov, *args, target="h100x8")

@@ -243,6 +243,9 @@ class Computation:
     return self.instructions[-1] if self.instructions else None
 
 
+# An operand is an instruction's name, or since XLA 0.11 an element of its tuple result
+# (``%param.3#1``: what a get-tuple-element of index 1 gave before).
+_OPERAND = re.compile(r"%([\w.\-]+(?:#\d+)*)")
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
 _INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 
@@ -267,7 +270,7 @@ def _parse_instruction(line: str, comp: str) -> Instruction | None:
   end = _matching(rest, p)
   operand_text = rest[p + 1 : end - 1]
   attr_text = rest[end:].strip().lstrip(",").strip()
-  operands = re.findall(r"%([\w.\-]+)", operand_text)
+  operands = _OPERAND.findall(operand_text)
   if not operands and operand_text and opcode not in ("constant", "parameter", "iota"):
     operands = [t.strip().split(" ")[-1] for t in _split_top(operand_text) if t.strip()]
   attrs: dict[str, str] = {}
@@ -660,6 +663,52 @@ _SAME_SHARE = (
 )
 
 
+def tuple_elements(shape: str) -> list[str]:
+  """The element shapes of a tuple shape text (``(f32[2], (s32[], u8[4]))``), each as text;
+  ``[shape]`` for an array shape."""
+  s = _COMMENT.sub("", shape).strip()
+  if not s.startswith("("):
+    return [s]
+  return _split_top(s[1 : _matching(s, 0) - 1])
+
+
+def _with_tuple_elements(comp: Computation) -> Computation:
+  """``comp`` with a get-tuple-element instruction for each ``name#k`` operand (XLA 0.11's
+  text for an element of a tuple result), placed after what it reads from, so that every
+  reader of operands finds the element's shape as it found a get-tuple-element's."""
+  known = {i.name: i for i in comp.instructions}
+  added: dict[str, list[Instruction]] = {}
+
+  def element(ref: str) -> None:
+    if ref in known or "#" not in ref:
+      return
+    base, k = ref.rsplit("#", 1)
+    element(base)
+    src = known.get(base)
+    if src is None:
+      return
+    parts = tuple_elements(src.shape)
+    shape = parts[int(k)] if int(k) < len(parts) else ""
+    gte = Instruction(ref, "get-tuple-element", shape, [base], {"index": k}, False, comp.name)
+    known[ref] = gte
+    added.setdefault(base, []).append(gte)
+
+  for instr in comp.instructions:
+    for ref in instr.operands:
+      element(ref)
+  if not added:
+    return comp
+  ordered: list[Instruction] = []
+  for instr in comp.instructions:
+    ordered.append(instr)
+    stack = list(added.get(instr.name, ()))
+    while stack:
+      gte = stack.pop(0)
+      ordered.append(gte)
+      stack[:0] = added.get(gte.name, ())
+  return Computation(comp.name, ordered, comp.is_entry)
+
+
 def parse_module(text: str) -> Module:
   """Parses HLO module text (as dumped by XLA) into a :class:`Module`.
 
@@ -685,7 +734,7 @@ def parse_module(text: str) -> Module:
           entry = cur.name
       continue
     if line.strip() == "}":
-      comps[cur.name] = cur
+      comps[cur.name] = _with_tuple_elements(cur)
       cur = None
       continue
     instr = _parse_instruction(line, cur.name)

@@ -289,6 +289,19 @@ def _async_collective_kind(module: hlo_lib.Module, instr: hlo_lib.Instruction) -
   return None
 
 
+def _wrapped(
+  module: hlo_lib.Module, start: hlo_lib.Instruction
+) -> tuple[hlo_lib.Instruction, hlo_lib.Computation] | None:
+  """The instruction a non-collective ``async-start`` runs (its computation's root) and that
+  computation; None when it cannot be found."""
+  for name in start.called:
+    comp = module.computations.get(name)
+    root = comp.root if comp is not None else None
+    if root is not None and root.opcode not in _FREE:
+      return root, comp
+  return None
+
+
 def _is_sync(instr: hlo_lib.Instruction) -> bool:
   return bool(instr.backend_config.get("collective_backend_config", {}).get("is_sync", False))
 
@@ -511,9 +524,18 @@ def build_schedule(
           continue  # a synchronous collective's done: it already ran on the compute stream
         ops.append(Op("done", start_name=(start + suffix) if start else None))
         continue
-      if op == "async-start" or op == "async-update":
-        add_kernel(instr, comp, suffix)
+      if op == "async-start":
+        # An async computation that is not a collective (XLA 0.11 issues some fusions so,
+        # e.g. a scan's in-place dynamic-update-slice): the kernel is what it wraps, costed
+        # as that instruction; the start's own shape also holds the operands and context.
+        wrapped = _wrapped(module, instr)
+        if wrapped is not None:
+          add_kernel(*wrapped, suffix)
+        else:
+          add_kernel(instr, comp, suffix)
         continue
+      if op == "async-update":
+        continue  # the wrapped kernel was counted at the start
       if op in COLLECTIVE_KINDS:
         c = add_collective(instr, comp, COLLECTIVE_KINDS[op], suffix, True, instr.bytes_out)
         ops.append(Op("sync", collective=c))
