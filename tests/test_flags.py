@@ -209,7 +209,8 @@ def test_recommended_differs_by_gpu_and_workload():
     None if estimator_aborts else True
   )
   tp = flags.recommended(target="h100x8", workload="tensor_parallel")
-  assert tp["xla_gpu_threshold_for_windowed_einsum_mib"] == 0
+  windowed_aborts = aborts.aborts("xla_gpu_threshold_for_windowed_einsum_mib")[0]
+  assert tp.get("xla_gpu_threshold_for_windowed_einsum_mib") == (None if windowed_aborts else 0)
   assert flags.recommended(target="a40x8", workload="fsdp")["NCCL_MAX_CTAS"] == 4
   for opts in (h, a, tp):
     for name in opts:

@@ -4,6 +4,7 @@ such options out, validation warns, and a compile they would abort raises instea
 
 import importlib.util
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -19,8 +20,8 @@ ESTIMATOR = "xla_gpu_enable_analytical_latency_estimator"
 _HAS_CUDA_PLUGIN = importlib.util.find_spec("jax_plugins.xla_cuda13") is not None
 
 
-def test_the_analytical_estimator_is_registered_with_its_abort():
-  assert ESTIMATOR in ABORTING
+def test_the_options_seen_to_end_compiles_are_registered():
+  assert ABORTING == [ESTIMATOR, "xla_gpu_threshold_for_windowed_einsum_mib"]
   entry = flags.REGISTRY[ESTIMATOR].aborts
   assert entry.value == "true" and entry.programs == "while_loop"
 
@@ -34,11 +35,11 @@ def test_registered_aborts_are_what_the_installed_xla_does(name):
   aborted, message = aborts.probe(name)
   if version < version_tuple(entry.since):
     assert aborted is False, message  # the registry says not before `since`
-  elif version[:2] == version_tuple(entry.since)[:2]:
-    assert aborted is True, message  # the release series the abort was seen in
-    assert "Check failed" in message and not message.startswith("F")  # glog prefix cut
+  elif probe_lib.jaxlib_version() in entry.seen_in:
+    assert aborted is True, message
+    assert message and not re.match(r"[FEWI]\d{4} ", message)  # glog's prefix cut
   else:
-    assert aborted in (True, False), message  # a later release: whatever XLA answers
+    assert aborted in (True, False), message  # a release not seen: whatever XLA answers
 
 
 def _lowered(loop: bool):
@@ -85,3 +86,7 @@ def test_recommendations_and_validation_follow_what_the_installed_xla_does():
   for p in problems:
     assert p.severity == "warning" and "while loop" in p.message and "leave it unset" in p.message
   assert not [p for p in flags.validate({ESTIMATOR: False}) if p.kind == "aborts"]
+  # The tensor-parallel recommendation's windowed einsum threshold, likewise.
+  windowed = "xla_gpu_threshold_for_windowed_einsum_mib"
+  tp = flags.recommended(target="h100x8", workload="tensor_parallel")
+  assert (windowed in tp) is not aborts.aborts(windowed)[0]

@@ -1,7 +1,7 @@
 """Options with which the installed XLA aborts the process compiling some programs.
 
-Some jaxlib releases have bugs that end the process with a C++ ``CHECK`` failure when a
-program of some kind is compiled with an option set (the registry's :class:`.Abort`
+Some jaxlib releases have bugs that end the process (a C++ ``CHECK`` failure, or a
+segmentation fault) when a program of some kind is compiled with an option set (the registry's :class:`.Abort`
 entries: which value, which programs, the first version seen). No Python error can be
 caught there, so jax_overlap asks before it compiles: from the version an abort was first
 seen on, a helper process compiles a small program of that kind with the option
@@ -74,13 +74,16 @@ def _per_compile_value(flag: Flag) -> Any:
   assert flag.aborts is not None
   if flag.type == "bool":
     return flag.aborts.value == "true"
+  if flag.type in ("int", "float"):
+    return (int if flag.type == "int" else float)(flag.aborts.value)
   return flag.aborts.value
 
 
 def probe(name: str) -> tuple[bool | None, str]:
   """Compiles the registry's kind of program with option ``name`` at the value it aborts
-  with, in a helper process: (True: XLA aborted, False: it compiled, None: the helper
-  could not compile deviceless; XLA's last words or the reason)."""
+  with, in a helper process: (True: XLA ended the process, by a failed CHECK or a fault;
+  False: it compiled; None: the helper could not compile deviceless), with XLA's last
+  words or the reason."""
   flag = REGISTRY[name]
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "LD_PRELOAD")}
   env.update(JAX_PLATFORMS="cpu")
@@ -94,11 +97,16 @@ def probe(name: str) -> tuple[bool | None, str]:
     )
   except (OSError, subprocess.TimeoutExpired) as e:
     return None, f"the helper process did not finish: {e}"
-  if p.returncode == -signal.SIGABRT:
+  if p.returncode < 0:  # ended by a signal: a failed CHECK aborts, a bad access faults
     checks = [ln for ln in p.stderr.splitlines() if "Check failed" in ln]
     # glog's prefix (severity, date, time, thread) is not part of the message.
-    check = _GLOG_PREFIX.sub("", checks[-1].strip()) if checks else "aborted (SIGABRT)"
-    return True, check[:400]
+    if checks:
+      return True, _GLOG_PREFIX.sub("", checks[-1].strip())[:400]
+    try:
+      name = signal.Signals(-p.returncode).name
+    except ValueError:
+      name = f"signal {-p.returncode}"
+    return True, f"the compile ended the process ({name}); XLA printed no message"
   out = p.stdout.strip().splitlines()
   last = out[-1] if out else ""
   if p.returncode == 0 and last == f"{_MARK} compiled":

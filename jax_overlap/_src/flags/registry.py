@@ -22,8 +22,8 @@ MiB = 1 << 20
 
 @dataclasses.dataclass(frozen=True)
 class Abort:
-  """An XLA bug: compiling some programs with the option set aborts the process (a C++
-  CHECK failure; no Python error can be caught).
+  """An XLA bug: compiling some programs with the option set ends the process (a C++
+  CHECK failure or a segmentation fault; no Python error can be caught).
 
   Attributes:
     value: the value that does it, as ``XLA_FLAGS`` spells it (``"true"``).
@@ -32,12 +32,14 @@ class Abort:
     since: the first jaxlib version seen to abort. From it on, each installed jaxlib is
       asked (:mod:`.aborts`: one compile in a helper process, cached per version), so a
       jaxlib that has the fix is trusted again.
+    seen_in: the jaxlib versions it was seen to abort on.
     check: XLA's message.
   """
 
   value: str
   programs: Literal["while_loop"]
   since: str
+  seen_in: tuple[str, ...]
   check: str
 
 
@@ -112,6 +114,7 @@ ENTRIES: tuple[Flag, ...] = (
       value="true",
       programs="while_loop",
       since="0.11.0",
+      seen_in=("0.11.0", "0.11.2"),
       check="shape.h: Check failed: buffer != nullptr, in "
       "AnalyticalLatencyEstimator::NodeCost -> LoopFusion::launch_dimensions",
     ),
@@ -307,8 +310,19 @@ ENTRIES: tuple[Flag, ...] = (
     "matmuls in the SPMD partitioner.",
     default=(1 << 63) - 1,
     why="Tensor-parallel layers: the all-gather or reduce-scatter beside a large matmul is "
-    "split into a ppermute ring interleaved with partial matmuls.",
+    "split into a ppermute ring interleaved with partial matmuls. Not recommended on a "
+    "jaxlib where it crashes compiles of programs with loops (see aborts).",
     minimum=0,
+    # Seen on 0.11.2 (not on 0.10.2 or 0.11.0) compiling grad of a lax.scan over sharded
+    # layers with the latency-hiding scheduler, deviceless for h100x8, a100x8 and a40x8.
+    # Only 0 was tried: a larger threshold windows fewer dots and may crash on larger ones.
+    aborts=Abort(
+      value="0",
+      programs="while_loop",
+      since="0.11.2",
+      seen_in=("0.11.2",),
+      check="segmentation fault (SIGSEGV) in the compile; XLA prints no message",
+    ),
   ),
   _f(
     "xla_gpu_multi_streamed_windowed_einsum",

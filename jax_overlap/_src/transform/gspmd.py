@@ -16,6 +16,7 @@ import dataclasses
 from typing import Any
 
 from jax_overlap._src import flags as flags_lib
+from jax_overlap._src.flags import aborts
 
 __all__ = ["Found", "found", "variants", "decomposed", "WINDOWED"]
 
@@ -92,9 +93,15 @@ def found(report) -> Found:
   return Found(dict(counts), dict(nbytes), largest, len(report.loops or ()), dots)
 
 
-def _accepted(options: dict[str, Any]) -> dict[str, Any]:
-  """The options the installed jaxlib takes (a stale flag is left out, never passed)."""
-  return {k: v for k, v in options.items() if flags_lib.accepted_by_jaxlib(k, v)}
+def _accepted(options: dict[str, Any], *, loops: bool = False) -> dict[str, Any]:
+  """The options the installed jaxlib takes (a stale flag is left out, never passed); for a
+  program with loops (``loops``), also without those the installed XLA ends the process
+  compiling loops with (:mod:`jax_overlap._src.flags.aborts`)."""
+  out = {k: v for k, v in options.items() if flags_lib.accepted_by_jaxlib(k, v)}
+  if loops:
+    for k in aborts.aborting(out):
+      del out[k]
+  return out
 
 
 def _pipeliner(on: bool) -> dict[str, Any]:
@@ -130,7 +137,7 @@ def variants(f: Found, base: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]
         word = "on" if on else "off"
         out.append((f"as written, XLA's loop pipeliner {word}", {**base, **opts}))
   gather_or_scatter = f.counts.get("all-gather", 0) + f.counts.get("reduce-scatter", 0)
-  windowed = _accepted(WINDOWED)
+  windowed = _accepted(WINDOWED, loops=bool(f.loops))
   if (
     f.dots and gather_or_scatter and windowed.get("xla_gpu_threshold_for_windowed_einsum_mib") == 0
   ):
