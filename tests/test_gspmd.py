@@ -75,6 +75,14 @@ def test_variants_follow_what_was_found():
   assert ("as written, XLA's windowed einsum" in names) is not crashes
   loopless = dataclasses.replace(looped, loops=0)
   assert "as written, XLA's windowed einsum" in [n for n, _ in gspmd.variants(loopless, BASE)]
+  # A variant left out is said, with XLA's reason; none is left out of a step without loops.
+  said = gspmd.left_out(looped)
+  if crashes:
+    (why,) = said
+    assert "xla_gpu_threshold_for_windowed_einsum_mib=0" in why and "with loops" in why
+  else:
+    assert said == []
+  assert gspmd.left_out(loopless) == []
   no_dots = gspmd.Found({"all-reduce": 1}, {"all-reduce": 4}, {"all-reduce": 4}, 0, 0)
   assert not any("windowed" in n for n, _ in gspmd.variants(no_dots, BASE))
   before = gspmd.Found({"all-gather": 4}, {}, {}, 0, 1)

@@ -152,6 +152,21 @@ def variants(f: Found, base: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]
   return out
 
 
+def left_out(f: Found) -> list[str]:
+  """Why variants :func:`variants` would try for a step with the collectives ``f`` are not
+  tried on the installed jaxlib (an option with which its XLA ends the process compiling
+  the step), one sentence each."""
+  gather_or_scatter = f.counts.get("all-gather", 0) + f.counts.get("reduce-scatter", 0)
+  if not (f.loops and f.dots and gather_or_scatter):
+    return []
+  crashing = aborts.aborting(_accepted(WINDOWED))
+  return [
+    f"XLA's windowed einsum is not tried: the installed jaxlib's XLA ends the process "
+    f"compiling a program with loops with {name}={WINDOWED[name]} ({message})"
+    for name, message in crashing.items()
+  ]
+
+
 def decomposed(before: Found, after: Found) -> str:
   """What changed in the collectives between two compiles of one step, in words."""
   kinds = sorted(set(before.counts) | set(after.counts))

@@ -491,6 +491,7 @@ def gspmd_candidates(settings, cfg, make, args, kwargs, notes, known, kernels=No
       "shard_map, jax_overlap.fsdp.scan_layers or a step the conversion to shard_map accepts"
     )
   )
+  notes.extend(gspmd.left_out(found))
   known[0] = report
   return [
     (n, as_written, {**opts, **settings.xla_options}) for n, opts in gspmd.variants(found, base)
