@@ -107,14 +107,14 @@ ENTRIES: tuple[Flag, ...] = (
     "under the previous layer (exposed communication of an 8-layer FSDP step: 90% -> 6%); on "
     "Hopper XLA's default speed-of-light estimator does better, so it is not set there. Not "
     "recommended on a jaxlib where it aborts compiles of programs with loops (see aborts).",
-    # Seen on 0.11.0 and 0.11.2 (not on 0.10.2) compiling grad of a 2-step lax.scan with
+    # Seen on 0.11.0, 0.11.1 and 0.11.2 (not on 0.10.2) compiling grad of a 2-step lax.scan with
     # the latency-hiding scheduler, deviceless for h100x8 and a100x8: the estimator asks
     # the launch dimensions of a fusion whose shape is a tuple.
     aborts=Abort(
       value="true",
       programs="while_loop",
       since="0.11.0",
-      seen_in=("0.11.0", "0.11.2"),
+      seen_in=("0.11.0", "0.11.1", "0.11.2"),
       check="shape.h: Check failed: buffer != nullptr, in "
       "AnalyticalLatencyEstimator::NodeCost -> LoopFusion::launch_dimensions",
     ),
@@ -254,7 +254,7 @@ ENTRIES: tuple[Flag, ...] = (
     "bool",
     "Pipeline collective-permutes (send/recv) across while-loop iterations.",
     default=False,
-    replacement="xla_gpu_pipeline_p2p",
+    # No released jaxlib (to 0.12.0) has an enum spelling of this one.
   ),
   _f(
     "xla_gpu_enable_while_loop_double_buffering",
@@ -264,14 +264,16 @@ ENTRIES: tuple[Flag, ...] = (
     default=False,
     why="Gives the scheduler room to overlap across iterations of scanned layers.",
   ),
-  # Newer XLA spells the pipelining switches as tri-state options.
+  # Newer XLA spells the pipelining switches as tri-state options: XLA_FLAGS takes these
+  # names from jaxlib 0.11.1 (0.11.0 aborts on them) and keeps the bool names; per compile
+  # only these are options from 0.11.1 (asked of jaxlib 0.11.0, 0.11.1, 0.11.2, 0.12.0).
   _f(
     "xla_gpu_pipeline_all_gather",
     "xla",
     "enum",
     "Newer spelling of xla_gpu_enable_pipelined_all_gather.",
     choices=("default", "off", "on", "explicit"),
-    since="0.11.0",
+    since="0.11.1",
     proto_enum="COLLECTIVE_PIPELINING_MODE",
   ),
   _f(
@@ -280,7 +282,7 @@ ENTRIES: tuple[Flag, ...] = (
     "enum",
     "Newer spelling of xla_gpu_enable_pipelined_reduce_scatter.",
     choices=("default", "off", "on", "explicit"),
-    since="0.11.0",
+    since="0.11.1",
     proto_enum="COLLECTIVE_PIPELINING_MODE",
   ),
   _f(
@@ -289,16 +291,7 @@ ENTRIES: tuple[Flag, ...] = (
     "enum",
     "Newer spelling of xla_gpu_enable_pipelined_all_reduce.",
     choices=("default", "off", "on", "explicit"),
-    since="0.11.0",
-    proto_enum="COLLECTIVE_PIPELINING_MODE",
-  ),
-  _f(
-    "xla_gpu_pipeline_p2p",
-    "xla",
-    "enum",
-    "Newer spelling of xla_gpu_enable_pipelined_p2p.",
-    choices=("default", "off", "on", "explicit"),
-    since="0.11.0",
+    since="0.11.1",
     proto_enum="COLLECTIVE_PIPELINING_MODE",
   ),
   # --- collective matmul ----------------------------------------------------------------
@@ -313,14 +306,14 @@ ENTRIES: tuple[Flag, ...] = (
     "split into a ppermute ring interleaved with partial matmuls. Not recommended on a "
     "jaxlib where it crashes compiles of programs with loops (see aborts).",
     minimum=0,
-    # Seen on 0.11.2 (not on 0.10.2 or 0.11.0) compiling grad of a lax.scan over sharded
+    # Seen on 0.11.1 and 0.11.2 (not on 0.10.2 or 0.11.0) compiling grad of a lax.scan over sharded
     # layers with the latency-hiding scheduler, deviceless for h100x8, a100x8 and a40x8.
     # Only 0 was tried: a larger threshold windows fewer dots and may crash on larger ones.
     aborts=Abort(
       value="0",
       programs="while_loop",
-      since="0.11.2",
-      seen_in=("0.11.2",),
+      since="0.11.1",
+      seen_in=("0.11.1", "0.11.2"),
       check="segmentation fault (SIGSEGV) in the compile; XLA prints no message",
     ),
   ),
