@@ -33,8 +33,12 @@ def test_registered_aborts_are_what_the_installed_xla_does(name):
   entry = flags.REGISTRY[name].aborts
   version = version_tuple(probe_lib.jaxlib_version())
   aborted, message = aborts.probe(name)
-  if version < version_tuple(entry.since):
-    assert aborted is False, message  # the registry says not before `since`
+  assert all(version_tuple(v) >= version_tuple(entry.since) for v in entry.seen_in)
+  assert all(version_tuple(v) < version_tuple(entry.since) for v in entry.clean_in)
+  if probe_lib.jaxlib_version() in entry.clean_in:
+    assert aborted is False, message  # the registry says this release compiles it
+  elif version < version_tuple(entry.since):
+    assert aborted in (True, False), message  # a release not seen: whatever XLA answers
   elif probe_lib.jaxlib_version() in entry.seen_in:
     assert aborted is True, message
     assert message and not re.match(r"[FEWI]\d{4} ", message)  # glog's prefix cut
@@ -90,3 +94,29 @@ def test_recommendations_and_validation_follow_what_the_installed_xla_does():
   windowed = "xla_gpu_threshold_for_windowed_einsum_mib"
   tp = flags.recommended(target="h100x8", workload="tensor_parallel")
   assert (windowed in tp) is not aborts.aborts(windowed)[0]
+
+
+@pytest.mark.parametrize(
+  "version, asked",
+  [("0.10.2", False), ("0.10.1", True), ("0.11.1", True), ("0.13.0", True)],
+)
+def test_every_release_the_registry_has_not_seen_compile_is_asked(
+  version, asked, monkeypatch, tmp_path
+):
+  # The registry saw 0.10.2 compile with the windowed-einsum threshold at 0: that release
+  # is taken on trust; one before the first seen to crash, or after it, is asked.
+  name = "xla_gpu_threshold_for_windowed_einsum_mib"
+  assert "0.10.2" in flags.REGISTRY[name].aborts.clean_in
+  monkeypatch.setenv("JAX_OVERLAP_CACHE_DIR", str(tmp_path))
+  monkeypatch.setattr(probe_lib, "jaxlib_version", lambda: version)
+  monkeypatch.setattr(aborts, "_answers", probe_lib.Answers("aborts", 2))
+  calls = []
+  monkeypatch.setattr(aborts, "probe", lambda n: calls.append(n) or (True, "XLA's words"))
+  assert aborts.aborts(name) == ((True, "XLA's words") if asked else (False, ""))
+  assert calls == ([name] if asked else [])
+  # Where XLA cannot be asked, the registry's record: aborting from the first version seen.
+  monkeypatch.setenv("JAX_OVERLAP_CACHE_DIR", str(tmp_path / "unasked"))
+  monkeypatch.setattr(aborts, "_answers", probe_lib.Answers("aborts", 2))
+  monkeypatch.setattr(aborts, "probe", lambda n: (None, "no CUDA plugin"))
+  verdict, _ = aborts.aborts(name)
+  assert verdict is (version_tuple(version) >= version_tuple(flags.REGISTRY[name].aborts.since))

@@ -2,12 +2,13 @@
 
 Some jaxlib releases have bugs that end the process (a C++ ``CHECK`` failure, or a
 segmentation fault) when a program of some kind is compiled with an option set (the registry's :class:`.Abort`
-entries: which value, which programs, the first version seen). No Python error can be
-caught there, so jax_overlap asks before it compiles: from the version an abort was first
-seen on, a helper process compiles a small program of that kind with the option
-(deviceless, for ``h100x8``) and reports whether XLA aborted, once per jaxlib version
-(cached in memory and under the jax_overlap cache directory). Where the helper cannot
-compile deviceless (no CUDA plugin), the registry's record decides.
+entries: which value, which programs, the versions seen to abort and not to). No Python
+error can be caught there, so jax_overlap asks before it compiles: on every jaxlib
+version the registry has not seen compile such programs, a helper process compiles a
+small program of that kind with the option (deviceless, for ``h100x8``) and reports
+whether XLA aborted, once per jaxlib version (cached in memory and under the jax_overlap
+cache directory). Where the helper cannot compile deviceless (no CUDA plugin), the
+registry's record decides (aborts from the first version seen on).
 
 * :func:`aborting` lists the options of a set that abort the installed XLA for a kind of
   program; :func:`recommended <.configuration.recommended>` leaves them out.
@@ -117,21 +118,24 @@ def probe(name: str) -> tuple[bool | None, str]:
 
 def aborts(name: str) -> tuple[bool, str]:
   """Whether the installed XLA aborts compiling the programs the registry names for
-  option ``name`` (set to the value it names), and how: before the version the abort was
-  first seen on, no; from it on, XLA's answer (asked once per jaxlib version), or the
-  registry's record where XLA cannot be asked."""
+  option ``name`` (set to the value it names), and how: on a jaxlib version the registry
+  saw compile them, no; on any other, XLA's answer (asked once per jaxlib version), or,
+  where XLA cannot be asked, the registry's record (aborts from the first version seen)."""
   from jax_overlap._src.flags.validation import version_tuple
 
   flag = REGISTRY[name]
   if flag.aborts is None:
     return False, ""
-  if version_tuple(probe_lib.jaxlib_version()) < version_tuple(flag.aborts.since):
+  installed = probe_lib.jaxlib_version()
+  if installed in flag.aborts.clean_in:
     return False, ""
   with _answers.lock:
     _answers.load()
     if name not in _answers.entries:
       verdict, message = probe(name)
       if verdict is None:  # not asked: the registry's record (no file: ask next time)
+        if version_tuple(installed) < version_tuple(flag.aborts.since):
+          return False, ""
         return True, f"{flag.aborts.check} (seen since jaxlib {flag.aborts.since}; {message})"
       _answers.entries[name] = [verdict, message]
       _answers.save()

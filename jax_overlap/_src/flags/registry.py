@@ -29,11 +29,12 @@ class Abort:
     value: the value that does it, as ``XLA_FLAGS`` spells it (``"true"``).
     programs: which programs: ``"while_loop"``, those with a while loop (``lax.scan``,
       ``fori_loop``, a scanned stack of layers).
-    since: the first jaxlib version seen to abort. From it on, each installed jaxlib is
-      asked (:mod:`.aborts`: one compile in a helper process, cached per version), so a
-      jaxlib that has the fix is trusted again.
+    since: the first jaxlib version seen to abort.
     seen_in: the jaxlib versions it was seen to abort on.
     check: XLA's message.
+    clean_in: the jaxlib versions seen not to abort. Every other installed jaxlib is asked
+      (:mod:`.aborts`: one compile in a helper process, cached per version): a release
+      not tried, before ``since`` or after the fix, is not taken on trust.
   """
 
   value: str
@@ -41,6 +42,7 @@ class Abort:
   since: str
   seen_in: tuple[str, ...]
   check: str
+  clean_in: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +117,7 @@ ENTRIES: tuple[Flag, ...] = (
       programs="while_loop",
       since="0.11.0",
       seen_in=("0.11.0", "0.11.1", "0.11.2"),
+      clean_in=("0.10.2",),
       check="shape.h: Check failed: buffer != nullptr, in "
       "AnalyticalLatencyEstimator::NodeCost -> LoopFusion::launch_dimensions",
     ),
@@ -314,6 +317,7 @@ ENTRIES: tuple[Flag, ...] = (
       programs="while_loop",
       since="0.11.1",
       seen_in=("0.11.1", "0.11.2"),
+      clean_in=("0.10.2", "0.11.0"),
       check="segmentation fault (SIGSEGV) in the compile; XLA prints no message",
     ),
   ),
