@@ -98,7 +98,7 @@ def retarget_arg(x, mesh: Mesh | None):
 
 def _retarget_params(value, mesh: Mesh):
   """Swaps concrete meshes (and shardings on them) inside a jaxpr parameter."""
-  from jax._src import core
+  from jax.extend import core
 
   if isinstance(value, Mesh):
     if value == mesh:
@@ -134,7 +134,7 @@ def _retarget_jaxpr(jaxpr, mesh: Mesh):
 
 
 def _has_concrete_mesh(jaxpr) -> bool:
-  from jax._src import core
+  from jax.extend import core
 
   def visit(v) -> bool:
     if isinstance(v, Mesh):
@@ -163,7 +163,7 @@ def retargeted(fn: Callable, tmesh: Mesh, args, kwargs):
   that a jitted ``fn``'s own in/out shardings appear in the jaxpr as well), and
   the concrete meshes in the jaxpr are replaced.
   """
-  from jax._src import core
+  from jax.extend import core
 
   jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
   abstract = jax.tree.map(
@@ -181,12 +181,12 @@ def retargeted(fn: Callable, tmesh: Mesh, args, kwargs):
     return jitted
   if not _has_concrete_mesh(closed.jaxpr):
     return jitted
-  new_jaxpr = _retarget_jaxpr(closed.jaxpr, tmesh)
-  consts = closed.consts
+  retargeted = core.jaxpr_as_fun(
+    core.ClosedJaxpr(_retarget_jaxpr(closed.jaxpr, tmesh), closed.consts)
+  )
   out_tree = jax.tree.structure(out_shape)
 
   def call(*a, **kw):
-    out = core.eval_jaxpr(new_jaxpr, consts, *jax.tree.leaves((a, kw)))
-    return jax.tree.unflatten(out_tree, out)
+    return jax.tree.unflatten(out_tree, retargeted(*jax.tree.leaves((a, kw))))
 
   return jax.jit(call)

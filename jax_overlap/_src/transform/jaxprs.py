@@ -88,7 +88,7 @@ _HEAVY = _COMPUTE | _COLLECTIVES
 
 
 def _subjaxprs(eqn):
-  from jax._src import core
+  from jax.extend import core
 
   for p in eqn.params.values():
     for q in p if isinstance(p, (tuple, list)) else (p,):
