@@ -141,15 +141,15 @@ def test_cost_model_choice_is_never_worse_than_the_flags_alone():
   times = dict(e.candidates)
   assert "as written, recommended flags" in times
   assert times[e.chosen] == min(times.values())
-  # The fastest few are also tried scheduled from the cost model's own estimates
-  # (not those whose compute alone already takes longer than the best step).
+  # A few are also tried scheduled from the cost model's own estimates: the fastest first,
+  # then those with the least compute (the rule: test_latency_profiles_go_to_the_fastest_...).
   from jax_overlap._src import transform as T
 
   suffix = ", scheduled by the cost model's estimates"
   profiled = [n[: -len(suffix)] for n in times if n.endswith(suffix)]
   plain = sorted((t, n) for n, t in times.items() if not n.endswith(suffix))
   assert 1 <= len(profiled) <= T._PROFILED_VARIANTS
-  assert set(profiled) <= {n for _, n in plain[: T._PROFILED_VARIANTS]}
+  assert set(profiled) <= {n for _, n in plain}
   assert profiled[0] == plain[0][1]
   off = jax_overlap.overlap(fn, target="h100x8", schedule_from_estimates=False).explain(*args)
   assert not any("scheduled by" in n for n, _ in off.candidates)
