@@ -181,12 +181,10 @@ def retargeted(fn: Callable, tmesh: Mesh, args, kwargs):
     return jitted
   if not _has_concrete_mesh(closed.jaxpr):
     return jitted
-  retargeted = core.jaxpr_as_fun(
-    core.ClosedJaxpr(_retarget_jaxpr(closed.jaxpr, tmesh), closed.consts)
-  )
+  run = core.jaxpr_as_fun(core.ClosedJaxpr(_retarget_jaxpr(closed.jaxpr, tmesh), closed.consts))
   out_tree = jax.tree.structure(out_shape)
 
   def call(*a, **kw):
-    return jax.tree.unflatten(out_tree, retargeted(*jax.tree.leaves((a, kw))))
+    return jax.tree.unflatten(out_tree, run(*jax.tree.leaves((a, kw))))
 
   return jax.jit(call)

@@ -109,9 +109,9 @@ ENTRIES: tuple[Flag, ...] = (
     "under the previous layer (exposed communication of an 8-layer FSDP step: 90% -> 6%); on "
     "Hopper XLA's default speed-of-light estimator does better, so it is not set there. Not "
     "recommended on a jaxlib where it aborts compiles of programs with loops (see aborts).",
-    # Seen on 0.11.0, 0.11.1 and 0.11.2 (not on 0.10.2) compiling grad of a 2-step lax.scan with
-    # the latency-hiding scheduler, deviceless for h100x8 and a100x8: the estimator asks
-    # the launch dimensions of a fusion whose shape is a tuple.
+    # Seen on 0.11.0, 0.11.1 and 0.11.2 (not on 0.10.2) compiling grad of a 2-step
+    # lax.scan with the latency-hiding scheduler, deviceless for h100x8 and a100x8: the
+    # estimator asks the launch dimensions of a fusion whose shape is a tuple.
     aborts=Abort(
       value="true",
       programs="while_loop",
@@ -309,8 +309,9 @@ ENTRIES: tuple[Flag, ...] = (
     "split into a ppermute ring interleaved with partial matmuls. Not recommended on a "
     "jaxlib where it crashes compiles of programs with loops (see aborts).",
     minimum=0,
-    # Seen on 0.11.1 and 0.11.2 (not on 0.10.2 or 0.11.0) compiling grad of a lax.scan over sharded
-    # layers with the latency-hiding scheduler, deviceless for h100x8, a100x8 and a40x8.
+    # Seen on 0.11.1 and 0.11.2 (not on 0.10.2 or 0.11.0) compiling grad of a lax.scan
+    # over sharded layers with the latency-hiding scheduler, deviceless for h100x8, a100x8
+    # and a40x8.
     # Only 0 was tried: a larger threshold windows fewer dots and may crash on larger ones.
     aborts=Abort(
       value="0",
