@@ -42,6 +42,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_overlap  # noqa: E402
 from jax_overlap._src import targets as targets_lib  # noqa: E402
+from jax_overlap._src.collective_matmul.pieces import _pieces_in_order  # noqa: E402
 
 FLAGS = absl_flags.FLAGS
 absl_flags.DEFINE_string("target", "h100x8", "Target.")
@@ -59,13 +60,6 @@ DN = (((1,), (0,)), ((), ()))
 def _rows(v, n, off, q):
   """Rows ``off:off + q`` of every device's block of ``v`` (whole sequence, device-major)."""
   return v.reshape(n, -1, *v.shape[1:])[:, off : off + q].reshape(n * q, *v.shape[1:])
-
-
-def _in_order(parts, n):
-  """Piece-major parts put back in device order."""
-  return jnp.concatenate([p.reshape(n, -1, *p.shape[1:]) for p in parts], 1).reshape(
-    -1, *parts[0].shape[1:]
-  )
 
 
 def _dot(a, b):
@@ -101,7 +95,7 @@ def block(form, sizes_rs, sizes_ag, o, x, xg, wo, w1):
       ups.append(_dot(_rows(xg, n, off, q) + ars[-1], w1))
     me = lax.axis_index(AXIS)
     mine = [lax.dynamic_index_in_dim(a.reshape(n, -1, a.shape[-1]), me, 0, False) for a in ars]
-    return x + jnp.concatenate(mine, 0), _in_order(ups, n)
+    return x + jnp.concatenate(mine, 0), _pieces_in_order(ups, 0, n)
   # chained
   rs, ag = [], []
   for j, (off, q) in enumerate(zip(offs, sizes_ag)):
@@ -115,7 +109,7 @@ def block(form, sizes_rs, sizes_ag, o, x, xg, wo, w1):
       piece, ag[-1] = lax.optimization_barrier((piece, ag[-1]))
     ag.append(lax.all_gather(piece, AXIS, axis=0, tiled=True))
   ups = [_dot(g, w1) for g in ag]
-  return x + jnp.concatenate(rs, 0), _in_order(ups, n)
+  return x + jnp.concatenate(rs, 0), _pieces_in_order(ups, 0, n)
 
 
 def run(form: str):

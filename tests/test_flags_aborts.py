@@ -110,6 +110,7 @@ def test_every_release_the_registry_has_not_seen_compile_is_asked(
   monkeypatch.setenv("JAX_OVERLAP_CACHE_DIR", str(tmp_path))
   monkeypatch.setattr(probe_lib, "jaxlib_version", lambda: version)
   monkeypatch.setattr(aborts, "_answers", probe_lib.Answers("aborts", 2))
+  monkeypatch.setattr(aborts, "_unasked", {})
   calls = []
   monkeypatch.setattr(aborts, "probe", lambda n: calls.append(n) or (True, "XLA's words"))
   assert aborts.aborts(name) == ((True, "XLA's words") if asked else (False, ""))

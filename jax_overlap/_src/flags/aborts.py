@@ -1,9 +1,9 @@
 """Options with which the installed XLA aborts the process compiling some programs.
 
 Some jaxlib releases have bugs that end the process (a C++ ``CHECK`` failure, or a
-segmentation fault) when a program of some kind is compiled with an option set (the registry's :class:`.Abort`
-entries: which value, which programs, the versions seen to abort and not to). No Python
-error can be caught there, so jax_overlap asks before it compiles: on every jaxlib
+segmentation fault) when a program of some kind is compiled with an option set (the
+registry's :class:`.Abort` entries: which value, which programs, the versions seen to
+abort and not to). No Python error can be caught there, so jax_overlap asks before it compiles: on every jaxlib
 version the registry has not seen compile such programs, a helper process compiles a
 small program of that kind with the option (deviceless, for ``h100x8``) and reports
 whether XLA aborted, once per jaxlib version (cached in memory and under the jax_overlap
@@ -59,6 +59,9 @@ _MARK = "JAX_OVERLAP_ABORT_PROBE"
 _GLOG_PREFIX = re.compile(r"^[FEWI]\d{4} [\d:.]+\s+\d+\s+")
 
 _answers = probe_lib.Answers("aborts", 2)
+# (option, jaxlib version) -> the registry's record, where XLA could not be asked: kept for
+# this process (one helper process per question), not written (the next one asks again).
+_unasked: dict[tuple[str, str], tuple[bool, str]] = {}
 
 
 def _enables(flag: Flag, value: Any) -> bool:
@@ -131,12 +134,18 @@ def aborts(name: str) -> tuple[bool, str]:
     return False, ""
   with _answers.lock:
     _answers.load()
+    if (name, installed) in _unasked:
+      return _unasked[name, installed]
     if name not in _answers.entries:
       verdict, message = probe(name)
-      if verdict is None:  # not asked: the registry's record (no file: ask next time)
-        if version_tuple(installed) < version_tuple(flag.aborts.since):
-          return False, ""
-        return True, f"{flag.aborts.check} (seen since jaxlib {flag.aborts.since}; {message})"
+      if verdict is None:  # not asked: the registry's record
+        record = (
+          (False, "")
+          if version_tuple(installed) < version_tuple(flag.aborts.since)
+          else (True, f"{flag.aborts.check} (seen since jaxlib {flag.aborts.since}; {message})")
+        )
+        _unasked[name, installed] = record
+        return record
       _answers.entries[name] = [verdict, message]
       _answers.save()
     verdict, message = _answers.entries[name]

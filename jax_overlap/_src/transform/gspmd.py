@@ -18,7 +18,7 @@ from typing import Any
 from jax_overlap._src import flags as flags_lib
 from jax_overlap._src.flags import aborts
 
-__all__ = ["Found", "found", "variants", "decomposed", "WINDOWED"]
+__all__ = ["Found", "found", "variants", "left_out", "decomposed", "WINDOWED"]
 
 # XLA's windowed einsum: the partitioner splits an all-gather or reduce-scatter beside a
 # matmul into a ring of collective-permutes interleaved with partial matmuls.
@@ -93,15 +93,21 @@ def found(report) -> Found:
   return Found(dict(counts), dict(nbytes), largest, len(report.loops or ()), dots)
 
 
-def _accepted(options: dict[str, Any], *, loops: bool = False) -> dict[str, Any]:
-  """The options the installed jaxlib takes (a stale flag is left out, never passed); for a
-  program with loops (``loops``), also without those the installed XLA ends the process
-  compiling loops with (:mod:`jax_overlap._src.flags.aborts`)."""
-  out = {k: v for k, v in options.items() if flags_lib.accepted_by_jaxlib(k, v)}
-  if loops:
-    for k in aborts.aborting(out):
-      del out[k]
-  return out
+def _accepted(options: dict[str, Any]) -> dict[str, Any]:
+  """The options the installed jaxlib takes (a stale flag is left out, never passed)."""
+  return {k: v for k, v in options.items() if flags_lib.accepted_by_jaxlib(k, v)}
+
+
+def _windowed(f: Found) -> tuple[dict[str, Any], dict[str, str]]:
+  """XLA's windowed-einsum options for a step with the collectives ``f`` (none where it
+  has no dot beside an all-gather or reduce-scatter), and those of them the installed XLA
+  ends the process with compiling the step's loops (``{name: XLA's message}``, see
+  :mod:`jax_overlap._src.flags.aborts`)."""
+  gather_or_scatter = f.counts.get("all-gather", 0) + f.counts.get("reduce-scatter", 0)
+  if not (f.dots and gather_or_scatter):
+    return {}, {}
+  options = _accepted(WINDOWED)
+  return options, aborts.aborting(options) if f.loops else {}
 
 
 def _pipeliner(on: bool) -> dict[str, Any]:
@@ -136,11 +142,9 @@ def variants(f: Found, base: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]
       if opts:
         word = "on" if on else "off"
         out.append((f"as written, XLA's loop pipeliner {word}", {**base, **opts}))
-  gather_or_scatter = f.counts.get("all-gather", 0) + f.counts.get("reduce-scatter", 0)
-  windowed = _accepted(WINDOWED, loops=bool(f.loops))
-  if (
-    f.dots and gather_or_scatter and windowed.get("xla_gpu_threshold_for_windowed_einsum_mib") == 0
-  ):
+  options, crashing = _windowed(f)
+  windowed = {k: v for k, v in options.items() if k not in crashing}
+  if windowed.get("xla_gpu_threshold_for_windowed_einsum_mib") == 0:
     out.append(("as written, XLA's windowed einsum", {**base, **windowed}))
     if two:
       out.append(
@@ -156,10 +160,7 @@ def left_out(f: Found) -> list[str]:
   """Why variants :func:`variants` would try for a step with the collectives ``f`` are not
   tried on the installed jaxlib (an option with which its XLA ends the process compiling
   the step), one sentence each."""
-  gather_or_scatter = f.counts.get("all-gather", 0) + f.counts.get("reduce-scatter", 0)
-  if not (f.loops and f.dots and gather_or_scatter):
-    return []
-  crashing = aborts.aborting(_accepted(WINDOWED))
+  _, crashing = _windowed(f)
   return [
     f"XLA's windowed einsum is not tried: the installed jaxlib's XLA ends the process "
     f"compiling a program with loops with {name}={WINDOWED[name]} ({message})"
