@@ -5,6 +5,8 @@ such options out, validation warns, and a compile they would abort raises instea
 import importlib.util
 import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -78,6 +80,102 @@ def test_a_compile_the_options_would_abort_raises_a_config_error(monkeypatch):
   aborts.check_program(_lowered(True), {ESTIMATOR: True}, ask=lambda name: (False, ""))
   assert aborts.program_kinds(_lowered(True)) == {"while_loop"}
   assert aborts.program_kinds(_lowered(False)) == frozenset()
+
+
+WINDOWED = "xla_gpu_threshold_for_windowed_einsum_mib"
+
+# A helper process: grad of a scan over layers of `size` x `size` bf16 weights split over 8
+# devices, compiled deviceless for h100x8 with the windowed-einsum threshold at argv[1] MiB,
+# first through jax_overlap's guard (argv[3]: "guarded"), else straight to XLA.
+_WINDOWED_HELPER = r"""
+import sys
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+from jax_overlap import ConfigError
+from jax_overlap._src.compile import compile_for_target
+from jax_overlap._src.targets import compile_only_mesh
+threshold, size, how = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+mesh = compile_only_mesh("h100x8", {"x": 8})
+def layer(c, w):
+  return c + jnp.tanh(c @ w[0]) @ w[1], None
+loss = lambda w, c: jnp.sum(jax.lax.scan(layer, c, w)[0].astype(jnp.float32) ** 2)
+w = jax.ShapeDtypeStruct((2, 2, size, size), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, None, None, "x")))
+c = jax.ShapeDtypeStruct((512, size), jnp.bfloat16, sharding=NamedSharding(mesh, P("x")))
+options = {"xla_gpu_enable_latency_hiding_scheduler": True, "xla_gpu_threshold_for_windowed_einsum_mib": threshold}
+if how == "guarded":
+  try:
+    compile_for_target(jax.jit(jax.grad(loss)), w, c, target="h100x8", xla_options=options)
+  except ConfigError as e:
+    print("REFUSED", str(e)[:200]); sys.exit(0)
+else:
+  jax.jit(jax.grad(loss)).lower(w, c).compile(options)
+print("COMPILED")
+"""
+
+
+def _windowed_compile(threshold: int, size: int, how: str) -> str:
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "LD_PRELOAD")}
+  env["JAX_PLATFORMS"] = "cpu"
+  p = subprocess.run(
+    [sys.executable, "-c", _WINDOWED_HELPER, str(threshold), str(size), how],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=600,
+  )
+  if p.returncode < 0:
+    return "ENDED"
+  assert p.returncode == 0, p.stderr[-2000:]
+  return p.stdout.strip().splitlines()[-1].split()[0]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _HAS_CUDA_PLUGIN, reason="needs jax-cuda13-plugin for deviceless compiles")
+def test_a_nonzero_windowed_einsum_threshold_is_guarded_as_xla_acts_on_it():
+  # Layers of 2048 x 2048 bf16 weights (8 MiB): XLA windows their dots at thresholds up to
+  # 8 MiB. Where the installed XLA ends the process at 0 (asked by the registry's probe),
+  # it does at 8 too, and the guard refuses that compile; at 9 nothing is windowed, and XLA
+  # and the guard compile it. Where XLA compiles at 0, both compile at 8.
+  ends = aborts.aborts(WINDOWED)[0]
+  assert _windowed_compile(8, 2048, "xla") == ("ENDED" if ends else "COMPILED")
+  assert _windowed_compile(8, 2048, "guarded") == ("REFUSED" if ends else "COMPILED")
+  if ends:
+    assert _windowed_compile(9, 2048, "xla") == "COMPILED"
+    assert _windowed_compile(9, 2048, "guarded") == "COMPILED"
+
+
+def test_a_threshold_aborts_up_to_the_programs_largest_dot():
+  # The decision alone, with XLA's answer given: a threshold windows the dots at least that
+  # large, so every value up to the largest dot operand of a program with a loop is refused.
+  said = lambda name: (True, "segmentation fault")  # noqa: E731
+
+  def layer(c, w):
+    return jnp.tanh(c @ w), None
+
+  def lowered(loop: bool, dtype=jnp.bfloat16):
+    ws = jax.ShapeDtypeStruct((2, 2048, 2048), dtype)
+    c = jax.ShapeDtypeStruct((512, 2048), dtype)
+    if loop:
+      return jax.jit(lambda ws, c: jax.lax.scan(layer, c, ws)[0]).lower(ws, c)
+    return jax.jit(lambda ws, c: layer(layer(c, ws[0])[0], ws[1])[0]).lower(ws, c)
+
+  assert aborts.largest_dot_operand_bytes(lowered(True)) == 8 << 20
+  assert aborts.largest_dot_operand_bytes(lowered(True, jnp.float32)) == 16 << 20
+  for value in (0, 1, 8, "8"):
+    with pytest.raises(
+      ConfigError, match=rf"{WINDOWED}={value} .*at least that many MiB.*8\.0 MiB"
+    ):
+      aborts.check_program(lowered(True), {WINDOWED: value}, ask=said)
+  aborts.check_program(lowered(True), {WINDOWED: 9}, ask=said)
+  aborts.check_program(lowered(True, jnp.float32), {WINDOWED: 16 + 1}, ask=said)
+  with pytest.raises(ConfigError, match="16.0 MiB"):
+    aborts.check_program(lowered(True, jnp.float32), {WINDOWED: 16}, ask=said)
+  aborts.check_program(lowered(False), {WINDOWED: 0}, ask=said)  # no loop
+  aborts.check_program(lowered(True), {WINDOWED: -1}, ask=said)  # below 0: windows nothing
+  # Without a program (recommendations, validation): any threshold from 0 may abort.
+  assert aborts.aborting({WINDOWED: 64}, ask=said) == {WINDOWED: "segmentation fault"}
+  assert aborts.aborting({WINDOWED: -1}, ask=said) == {}
+  assert aborts.aborting({WINDOWED: "many"}, ask=said) == {}
 
 
 @pytest.mark.skipif(not _HAS_CUDA_PLUGIN, reason="needs jax-cuda13-plugin for deviceless compiles")

@@ -14,6 +14,8 @@ registry's record decides (aborts from the first version seen on).
   program; :func:`recommended <.configuration.recommended>` leaves them out.
 * :func:`check_program` raises :class:`~jax_overlap.ConfigError` instead of compiling a
   program the options would abort on (options given per compile or in ``XLA_FLAGS``).
+  For a size threshold (``Abort.up_to``), every value up to the size of the program's
+  largest dot operand aborts, not the registry's value alone.
 """
 
 from __future__ import annotations
@@ -32,7 +34,14 @@ from jax_overlap._src.flags import probe as probe_lib
 from jax_overlap._src.flags import syntax
 from jax_overlap._src.flags.registry import REGISTRY, Flag
 
-__all__ = ["aborting", "aborts", "check_program", "probe", "program_kinds"]
+__all__ = [
+  "aborting",
+  "aborts",
+  "check_program",
+  "largest_dot_operand_bytes",
+  "probe",
+  "program_kinds",
+]
 
 # Runs in a helper process: argv[1] the option, argv[2] its value as JSON. A program with
 # a while loop (grad of a two-step lax.scan over sharded layers), compiled deviceless.
@@ -71,7 +80,31 @@ def _enables(flag: Flag, value: Any) -> bool:
   text = "true" if value is None else syntax.format_value(value).strip().lower()
   if flag.type == "bool":
     text = {"1": "true", "0": "false"}.get(text, text)
+  if flag.aborts.up_to is not None:  # a threshold: any value from the registry's on
+    try:
+      return float(text) >= float(flag.aborts.value)
+    except ValueError:
+      return False  # not a number: XLA rejects it with an error, it does not abort
   return text == flag.aborts.value
+
+
+# A dot in StableHLO text: its operand and result types.
+_DOT = re.compile(r"stablehlo\.dot(?:_general)?\b[^\n]*?: \(([^\n]*?)\) -> (tensor<[^>]*>)")
+_TENSOR = re.compile(r"tensor<((?:\d+x)*)[a-zA-Z]+(\d+)[a-zA-Z0-9]*>")  # bf16, f8E4M3FN, i1
+
+
+def largest_dot_operand_bytes(lowered) -> int:
+  """The bytes of the largest operand or result of a dot in ``lowered`` (a
+  ``jax.stages.Lowered``), at the shapes the program gives them (global outside
+  ``shard_map``, where XLA's SPMD partitioner windows einsums)."""
+  largest = 0
+  for operands, result in _DOT.findall(lowered.as_text()):
+    for dims, bits in _TENSOR.findall(operands + " " + result):
+      n = max(int(bits) // 8, 1)
+      for d in dims.split("x")[:-1]:
+        n *= int(d)
+      largest = max(largest, n)
+  return largest
 
 
 def _per_compile_value(flag: Flag) -> Any:
@@ -192,14 +225,26 @@ def check_program(
   if found:
     kinds = program_kinds(lowered)
     found = {n: why for n, why in found.items() if REGISTRY[n].aborts.programs in kinds}
+  sized = {n for n in found if REGISTRY[n].aborts.up_to == "dot_operand_mib"}
+  largest = 0
+  if sized:
+    largest = largest_dot_operand_bytes(lowered)
+    for n in sized:  # XLA windows the dots at least the threshold's size, and none is
+      if float(syntax.format_value(candidates[n])) * (1 << 20) > largest:
+        del found[n]
   if not found:
     return
   import jaxlib
 
+  def which(n: str) -> str:
+    if n not in sized:
+      return ""
+    return f" whose dots have an operand of at least that many MiB (the largest here: {largest / (1 << 20):.1f} MiB)"
+
   parts = [
     f"{n}={syntax.format_value(candidates[n])} "
     f"(set {given[n][0]}) makes jaxlib {jaxlib.__version__}'s XLA abort the process compiling "
-    f"{_WORDS[REGISTRY[n].aborts.programs]}, and this program is one (XLA: {why})"
+    f"{_WORDS[REGISTRY[n].aborts.programs]}{which(n)}, and this program is one (XLA: {why})"
     for n, why in found.items()
   ]
   raise ConfigError(

@@ -35,6 +35,9 @@ class Abort:
     clean_in: the jaxlib versions seen not to abort. Every other installed jaxlib is asked
       (:mod:`.aborts`: one compile in a helper process, cached per version): a release
       not tried, before ``since`` or after the fix, is not taken on trust.
+    up_to: for a size threshold, which other values abort: ``"dot_operand_mib"``, every
+      value from ``value`` up to the size in MiB of the program's largest dot operand
+      (XLA acts on the dots at least that large); None: ``value`` alone.
   """
 
   value: str
@@ -43,6 +46,7 @@ class Abort:
   seen_in: tuple[str, ...]
   check: str
   clean_in: tuple[str, ...] = ()
+  up_to: Literal["dot_operand_mib"] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -311,8 +315,9 @@ ENTRIES: tuple[Flag, ...] = (
     minimum=0,
     # Seen on 0.11.1 and 0.11.2 (not on 0.10.2 or 0.11.0) compiling grad of a lax.scan
     # over sharded layers with the latency-hiding scheduler, deviceless for h100x8, a100x8
-    # and a40x8.
-    # Only 0 was tried: a larger threshold windows fewer dots and may crash on larger ones.
+    # and a40x8. Not 0 alone: on 0.11.2, layers of 2048 x 2048 bf16 weights (8 MiB) crash
+    # at thresholds 0, 7 and 8 and compile at 9; 4096 x 4096 (32 MiB) crash at 0 to 32
+    # and compile at 33 and 64 (tests/test_flags_aborts.py asks the installed XLA).
     aborts=Abort(
       value="0",
       programs="while_loop",
@@ -320,6 +325,7 @@ ENTRIES: tuple[Flag, ...] = (
       seen_in=("0.11.1", "0.11.2"),
       clean_in=("0.10.2", "0.11.0"),
       check="segmentation fault (SIGSEGV) in the compile; XLA prints no message",
+      up_to="dot_operand_mib",
     ),
   ),
   _f(

@@ -392,12 +392,17 @@ def _aborting(flag: Flag, value: str | None) -> list[Problem]:
   if not found:
     return []
   shown = "true" if value is None else value
+  whose = (
+    f" whose dots have an operand of at least {shown} MiB"
+    if flag.aborts.up_to == "dot_operand_mib"
+    else ""
+  )
   return [
     Problem(
       flag.name,
       "aborts",
       f"{flag.name}={shown} makes jaxlib {probe_lib.jaxlib_version()}'s XLA abort the process "
-      f"compiling programs with a while loop (lax.scan, fori_loop, scanned layers): "
+      f"compiling programs with a while loop (lax.scan, fori_loop, scanned layers){whose}: "
       f"{found[flag.name]}; leave it unset",
       severity="warning",
     )
