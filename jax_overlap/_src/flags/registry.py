@@ -113,14 +113,14 @@ ENTRIES: tuple[Flag, ...] = (
     "under the previous layer (exposed communication of an 8-layer FSDP step: 90% -> 6%); on "
     "Hopper XLA's default speed-of-light estimator does better, so it is not set there. Not "
     "recommended on a jaxlib where it aborts compiles of programs with loops (see aborts).",
-    # Seen on 0.11.0, 0.11.1 and 0.11.2 (not on 0.10.2) compiling grad of a 2-step
+    # Seen on 0.11.0, 0.11.1, 0.11.2 and 0.12.0 (not on 0.10.2) compiling grad of a 2-step
     # lax.scan with the latency-hiding scheduler, deviceless for h100x8 and a100x8: the
     # estimator asks the launch dimensions of a fusion whose shape is a tuple.
     aborts=Abort(
       value="true",
       programs="while_loop",
       since="0.11.0",
-      seen_in=("0.11.0", "0.11.1", "0.11.2"),
+      seen_in=("0.11.0", "0.11.1", "0.11.2", "0.12.0"),
       clean_in=("0.10.2",),
       check="shape.h: Check failed: buffer != nullptr, in "
       "AnalyticalLatencyEstimator::NodeCost -> LoopFusion::launch_dimensions",
@@ -313,7 +313,7 @@ ENTRIES: tuple[Flag, ...] = (
     "split into a ppermute ring interleaved with partial matmuls. Not recommended on a "
     "jaxlib where it crashes compiles of programs with loops (see aborts).",
     minimum=0,
-    # Seen on 0.11.1 and 0.11.2 (not on 0.10.2 or 0.11.0) compiling grad of a lax.scan
+    # Seen on 0.11.1, 0.11.2 and 0.12.0 (not on 0.10.2 or 0.11.0) compiling grad of a lax.scan
     # over sharded layers with the latency-hiding scheduler, deviceless for h100x8, a100x8
     # and a40x8. Not 0 alone: on 0.11.2, layers of 2048 x 2048 bf16 weights (8 MiB) crash
     # at thresholds 0, 7 and 8 and compile at 9; 4096 x 4096 (32 MiB) crash at 0 to 32
@@ -322,7 +322,7 @@ ENTRIES: tuple[Flag, ...] = (
       value="0",
       programs="while_loop",
       since="0.11.1",
-      seen_in=("0.11.1", "0.11.2"),
+      seen_in=("0.11.1", "0.11.2", "0.12.0"),
       clean_in=("0.10.2", "0.11.0"),
       check="segmentation fault (SIGSEGV) in the compile; XLA prints no message",
       up_to="dot_operand_mib",
