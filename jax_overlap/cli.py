@@ -263,11 +263,25 @@ def run() -> None:
     sys.exit(_delegate("jax_overlap._src.launch", argv[2:]))
   if len(argv) > 1 and argv[1] == "simulate":
     sys.exit(_delegate("jax_overlap._src.sim_cli", argv[2:]))
+  if any(a in ("-h", "--help", "-help", "--helpfull") for a in argv[1:]):
+    print(usage())
+    sys.exit(0)
   try:
     rest = FLAGS(argv)
   except absl_flags.Error as e:
     sys.exit(_fail(str(e).splitlines()[0]))
   sys.exit(main(rest))
+
+
+def usage() -> str:
+  """What ``jax-overlap --help`` prints: the commands and the flags of ``flags``,
+  ``targets`` and ``analyze`` (``simulate --help`` and ``launch --help`` list their own)."""
+  _define_flags()
+  lines = [__doc__.strip().replace("``", ""), "", "Flags of flags, targets and analyze:"]
+  for flag in sorted(FLAGS.get_key_flags_for_module(sys.modules[__name__]), key=lambda f: f.name):
+    default = "" if flag.default is None else f" (default: {flag.default_as_str})"
+    lines.append(f"  --{flag.name}: {flag.help}{default}")
+  return "\n".join(lines)
 
 
 if __name__ == "__main__":

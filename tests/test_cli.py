@@ -127,6 +127,19 @@ def cli_many(*command_lines: tuple[str, ...]) -> list[subprocess.CompletedProces
   ]
 
 
+def test_help_lists_the_commands_and_their_flags():
+  # --help (or -h) anywhere on the line: the commands and every flag, exit 0; simulate and
+  # launch print their own.
+  runs = cli_many(("--help",), ("flags", "-h"), ("analyze", "--help"), ("simulate", "--help"))
+  for proc in runs[:3]:
+    assert proc.returncode == 0, proc.stderr
+    for command in ("flags", "targets", "analyze", "simulate", "launch"):
+      assert f"jax-overlap {command}" in proc.stdout
+    for flag in ("--target", "--workload", "--check", "--format", "--xla-option", "--plot"):
+      assert f"  {flag}: " in proc.stdout
+  assert runs[3].returncode == 0 and "usage: jax-overlap simulate" in runs[3].stdout
+
+
 def test_targets_lists_the_catalogue():
   proc = cli("targets")
   assert proc.returncode == 0
