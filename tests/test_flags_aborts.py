@@ -11,6 +11,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from jax_overlap import ConfigError, flags
 from jax_overlap._src.flags import aborts
@@ -86,7 +87,9 @@ WINDOWED = "xla_gpu_threshold_for_windowed_einsum_mib"
 
 # A helper process: grad of a scan over layers of `size` x `size` bf16 weights split over 8
 # devices, compiled deviceless for h100x8 with the windowed-einsum threshold at argv[1] MiB,
-# first through jax_overlap's guard (argv[3]: "guarded"), else straight to XLA.
+# first through jax_overlap's guard (argv[3]: "guarded"), else straight to XLA. argv[4]:
+# "gspmd" (jit over sharded arrays) or "shard_map" (the same layers, tensor-parallel, in a
+# shard_map: the user's per-device dots, which XLA's partitioner leaves alone).
 _WINDOWED_HELPER = r"""
 import sys
 import jax, jax.numpy as jnp
@@ -94,13 +97,23 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jax_overlap import ConfigError
 from jax_overlap._src.compile import compile_for_target
 from jax_overlap._src.targets import compile_only_mesh
-threshold, size, how = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+threshold, size, how, form = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 mesh = compile_only_mesh("h100x8", {"x": 8})
-def layer(c, w):
-  return c + jnp.tanh(c @ w[0]) @ w[1], None
-loss = lambda w, c: jnp.sum(jax.lax.scan(layer, c, w)[0].astype(jnp.float32) ** 2)
-w = jax.ShapeDtypeStruct((2, 2, size, size), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, None, None, "x")))
 c = jax.ShapeDtypeStruct((512, size), jnp.bfloat16, sharding=NamedSharding(mesh, P("x")))
+if form == "gspmd":
+  def layer(c, w):
+    return c + jnp.tanh(c @ w[0]) @ w[1], None
+  loss = lambda w, c: jnp.sum(jax.lax.scan(layer, c, w)[0].astype(jnp.float32) ** 2)
+  w = jax.ShapeDtypeStruct((2, 2, size, size), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, None, None, "x")))
+else:
+  def layer(c, w):
+    g = jax.lax.all_gather(c, "x", axis=0, tiled=True)
+    h = jnp.tanh(g @ w[0]) @ w[1]
+    return c + jax.lax.psum_scatter(h, "x", scatter_dimension=0, tiled=True), None
+  specs = (P(None, None, "x"), P(None, "x", None))
+  body = jax.shard_map(lambda w, c: jax.lax.scan(layer, c, w)[0], mesh=mesh, in_specs=(specs, P("x")), out_specs=P("x"))
+  loss = lambda w, c: jnp.sum(body(w, c).astype(jnp.float32) ** 2)
+  w = tuple(jax.ShapeDtypeStruct((2, size, size), jnp.bfloat16, sharding=NamedSharding(mesh, s)) for s in specs)
 options = {"xla_gpu_enable_latency_hiding_scheduler": True, "xla_gpu_threshold_for_windowed_einsum_mib": threshold}
 if how == "guarded":
   try:
@@ -113,11 +126,11 @@ print("COMPILED")
 """
 
 
-def _windowed_compile(threshold: int, size: int, how: str) -> str:
+def _windowed_compile(threshold: int, size: int, how: str, form: str = "gspmd") -> str:
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "LD_PRELOAD")}
   env["JAX_PLATFORMS"] = "cpu"
   p = subprocess.run(
-    [sys.executable, "-c", _WINDOWED_HELPER, str(threshold), str(size), how],
+    [sys.executable, "-c", _WINDOWED_HELPER, str(threshold), str(size), how, form],
     capture_output=True,
     text=True,
     env=env,
@@ -142,6 +155,9 @@ def test_a_nonzero_windowed_einsum_threshold_is_guarded_as_xla_acts_on_it():
   if ends:
     assert _windowed_compile(9, 2048, "xla") == "COMPILED"
     assert _windowed_compile(9, 2048, "guarded") == "COMPILED"
+  # The same layers in a shard_map: nothing for XLA to window, compiled at 0 by both.
+  assert _windowed_compile(0, 2048, "xla", "shard_map") == "COMPILED"
+  assert _windowed_compile(0, 2048, "guarded", "shard_map") == "COMPILED"
 
 
 def test_a_threshold_aborts_up_to_the_programs_largest_dot():
@@ -160,6 +176,14 @@ def test_a_threshold_aborts_up_to_the_programs_largest_dot():
     return jax.jit(lambda ws, c: layer(layer(c, ws[0])[0], ws[1])[0]).lower(ws, c)
 
   assert aborts.largest_dot_operand_bytes(lowered(True)) == 8 << 20
+  # Dots in functions the program calls, by plain or quoted name (``@"<lambda>"``).
+  inner = jax.jit(lambda ws, c: jax.lax.scan(layer, c, ws)[0])
+  called = jax.jit(lambda ws, c: inner(ws, c) * 2).lower(
+    jax.ShapeDtypeStruct((2, 2048, 2048), jnp.bfloat16),
+    jax.ShapeDtypeStruct((512, 2048), jnp.bfloat16),
+  )
+  assert 'call @"' in called.as_text()
+  assert aborts.largest_dot_operand_bytes(called) == 8 << 20
   assert aborts.largest_dot_operand_bytes(lowered(True, jnp.float32)) == 16 << 20
   for value in (0, 1, 8, "8"):
     with pytest.raises(
@@ -172,6 +196,23 @@ def test_a_threshold_aborts_up_to_the_programs_largest_dot():
     aborts.check_program(lowered(True, jnp.float32), {WINDOWED: 16}, ask=said)
   aborts.check_program(lowered(False), {WINDOWED: 0}, ask=said)  # no loop
   aborts.check_program(lowered(True), {WINDOWED: -1}, ask=said)  # below 0: windows nothing
+  # Dots inside a shard_map are the user's per-device ones, which the partitioner leaves
+  # alone: not counted; a dot outside it on the map's output is.
+  mesh = jax.make_mesh((8,), ("x",))
+  body = jax.shard_map(
+    lambda ws, c: jax.lax.scan(layer, c, ws)[0], mesh=mesh, in_specs=P(), out_specs=P()
+  )
+  ws, c = (
+    jax.ShapeDtypeStruct((2, 2048, 2048), jnp.bfloat16),
+    jax.ShapeDtypeStruct((512, 2048), jnp.bfloat16),
+  )
+  mapped = jax.jit(body).lower(ws, c)
+  assert aborts.largest_dot_operand_bytes(mapped) == 0
+  aborts.check_program(mapped, {WINDOWED: 0}, ask=said)
+  mixed = jax.jit(lambda ws, c: body(ws, c) @ ws[0]).lower(ws, c)
+  assert aborts.largest_dot_operand_bytes(mixed) == 8 << 20
+  with pytest.raises(ConfigError, match="outside shard_map"):
+    aborts.check_program(mixed, {WINDOWED: 0}, ask=said)
   # Without a program (recommendations, validation): any threshold from 0 may abort.
   assert aborts.aborting({WINDOWED: 64}, ask=said) == {WINDOWED: "segmentation fault"}
   assert aborts.aborting({WINDOWED: -1}, ask=said) == {}

@@ -15,7 +15,8 @@ registry's record decides (aborts from the first version seen on).
 * :func:`check_program` raises :class:`~jax_overlap.ConfigError` instead of compiling a
   program the options would abort on (options given per compile or in ``XLA_FLAGS``).
   For a size threshold (``Abort.up_to``), every value up to the size of the program's
-  largest dot operand aborts, not the registry's value alone.
+  largest dot operand aborts, not the registry's value alone; dots inside ``shard_map``
+  bodies are not counted (the SPMD partitioner leaves them as they are).
 """
 
 from __future__ import annotations
@@ -93,17 +94,62 @@ _DOT = re.compile(r"stablehlo\.dot(?:_general)?\b[^\n]*?: \(([^\n]*?)\) -> (tens
 _TENSOR = re.compile(r"tensor<((?:\d+x)*)[a-zA-Z]+(\d+)[a-zA-Z0-9]*>")  # bf16, f8E4M3FN, i1
 
 
+# Function names, plain or quoted (``@main``, ``@"<lambda>"``).
+_FUNC = re.compile(r'func\.func\b[^@]*@("[^"]*"|[\w.$-]+)\(')
+_CALL = re.compile(r'(?:func\.)?call @("[^"]*"|[\w.$-]+)\(')
+
+
 def largest_dot_operand_bytes(lowered) -> int:
   """The bytes of the largest operand or result of a dot in ``lowered`` (a
-  ``jax.stages.Lowered``), at the shapes the program gives them (global outside
-  ``shard_map``, where XLA's SPMD partitioner windows einsums)."""
-  largest = 0
-  for operands, result in _DOT.findall(lowered.as_text()):
-    for dims, bits in _TENSOR.findall(operands + " " + result):
-      n = max(int(bits) // 8, 1)
-      for d in dims.split("x")[:-1]:
-        n *= int(d)
-      largest = max(largest, n)
+  ``jax.stages.Lowered``) that XLA's SPMD partitioner handles: at the program's (global)
+  shapes, outside ``shard_map`` bodies, whose dots are the user's own per-device ones and
+  are never windowed. Functions are followed from ``main`` through the calls made outside
+  shard_map bodies."""
+  functions: dict[str, list[str]] = {}
+  name, depth = None, 0
+  for line in lowered.as_text().splitlines():
+    m = _FUNC.search(line) if name is None else None
+    if m:
+      name, depth = m.group(1), 0
+      functions[name] = []
+    if name is None:
+      continue
+    functions[name].append(line)
+    depth += line.count("{") - line.count("}")
+    if depth <= 0 and not m:
+      name = None
+
+  def partitioned(lines: list[str]):
+    """The lines of a function outside its shard_map bodies (``sdy.manual_computation``
+    regions)."""
+    depth, manual_until = 0, None
+    for line in lines:
+      opens = manual_until is None and "sdy.manual_computation(" in line
+      if manual_until is None and not opens:
+        yield line
+      depth += line.count("{") - line.count("}")
+      if opens and line.count("{") > line.count("}"):
+        manual_until = depth - 1  # the region ends where the depth falls back
+      elif manual_until is not None and depth <= manual_until:
+        manual_until = None
+
+  if "main" not in functions:  # not the text expected: every dot counts
+    functions, partitioned = {"main": lowered.as_text().splitlines()}, lambda lines: lines
+  largest, seen = 0, set()
+  todo = ["main"]
+  while todo:
+    f = todo.pop()
+    if f in seen or f not in functions or f.startswith("shmap_body"):
+      continue
+    seen.add(f)
+    for line in partitioned(functions[f]):
+      todo.extend(_CALL.findall(line))
+      for operands, result in _DOT.findall(line):
+        for dims, bits in _TENSOR.findall(operands + " " + result):
+          n = max(int(bits) // 8, 1)
+          for d in dims.split("x")[:-1]:
+            n *= int(d)
+          largest = max(largest, n)
   return largest
 
 
@@ -229,8 +275,8 @@ def check_program(
   largest = 0
   if sized:
     largest = largest_dot_operand_bytes(lowered)
-    for n in sized:  # XLA windows the dots at least the threshold's size, and none is
-      if float(syntax.format_value(candidates[n])) * (1 << 20) > largest:
+    for n in sized:  # XLA windows the dots at least the threshold's size: none here
+      if not largest or float(syntax.format_value(candidates[n])) * (1 << 20) > largest:
         del found[n]
   if not found:
     return
@@ -239,7 +285,10 @@ def check_program(
   def which(n: str) -> str:
     if n not in sized:
       return ""
-    return f" whose dots have an operand of at least that many MiB (the largest here: {largest / (1 << 20):.1f} MiB)"
+    return (
+      " whose dots outside shard_map have an operand of at least that many MiB (the largest "
+      f"here: {largest / (1 << 20):.1f} MiB)"
+    )
 
   parts = [
     f"{n}={syntax.format_value(candidates[n])} "
