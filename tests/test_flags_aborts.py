@@ -3,6 +3,7 @@ records is what the installed XLA does (asked in a helper process), recommendati
 such options out, validation warns, and a compile they would abort raises instead."""
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -85,61 +86,72 @@ def test_a_compile_the_options_would_abort_raises_a_config_error(monkeypatch):
 
 WINDOWED = "xla_gpu_threshold_for_windowed_einsum_mib"
 
-# A helper process: grad of a scan over layers of `size` x `size` bf16 weights split over 8
-# devices, compiled deviceless for h100x8 with the windowed-einsum threshold at argv[1] MiB,
-# first through jax_overlap's guard (argv[3]: "guarded"), else straight to XLA. argv[4]:
-# "gspmd" (jit over sharded arrays) or "shard_map" (the same layers, tensor-parallel, in a
-# shard_map: the user's per-device dots, which XLA's partitioner leaves alone).
+# A helper process: grad of a scan over layers of 2048 x 2048 bf16 weights (8 MiB) split over
+# 8 devices, compiled deviceless for h100x8 once per (threshold in MiB, how, form) of the JSON
+# list argv[1], printing one word per compile: "guarded" compiles through jax_overlap's guard
+# (REFUSED where it raises), "xla" straight through XLA; form "gspmd" (jit over sharded
+# arrays) or "shard_map" (the same layers, tensor-parallel, in a shard_map: the user's
+# per-device dots, which XLA's partitioner leaves alone).
 _WINDOWED_HELPER = r"""
-import sys
+import json, sys
 import jax, jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 from jax_overlap import ConfigError
 from jax_overlap._src.compile import compile_for_target
 from jax_overlap._src.targets import compile_only_mesh
-threshold, size, how, form = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 mesh = compile_only_mesh("h100x8", {"x": 8})
+size = 2048
 c = jax.ShapeDtypeStruct((512, size), jnp.bfloat16, sharding=NamedSharding(mesh, P("x")))
-if form == "gspmd":
-  def layer(c, w):
-    return c + jnp.tanh(c @ w[0]) @ w[1], None
-  loss = lambda w, c: jnp.sum(jax.lax.scan(layer, c, w)[0].astype(jnp.float32) ** 2)
-  w = jax.ShapeDtypeStruct((2, 2, size, size), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, None, None, "x")))
-else:
-  def layer(c, w):
-    g = jax.lax.all_gather(c, "x", axis=0, tiled=True)
-    h = jnp.tanh(g @ w[0]) @ w[1]
-    return c + jax.lax.psum_scatter(h, "x", scatter_dimension=0, tiled=True), None
-  specs = (P(None, None, "x"), P(None, "x", None))
-  body = jax.shard_map(lambda w, c: jax.lax.scan(layer, c, w)[0], mesh=mesh, in_specs=(specs, P("x")), out_specs=P("x"))
-  loss = lambda w, c: jnp.sum(body(w, c).astype(jnp.float32) ** 2)
-  w = tuple(jax.ShapeDtypeStruct((2, size, size), jnp.bfloat16, sharding=NamedSharding(mesh, s)) for s in specs)
-options = {"xla_gpu_enable_latency_hiding_scheduler": True, "xla_gpu_threshold_for_windowed_einsum_mib": threshold}
-if how == "guarded":
-  try:
-    compile_for_target(jax.jit(jax.grad(loss)), w, c, target="h100x8", xla_options=options)
-  except ConfigError as e:
-    print("REFUSED", str(e)[:200]); sys.exit(0)
-else:
-  jax.jit(jax.grad(loss)).lower(w, c).compile(options)
-print("COMPILED")
+def gspmd_layer(c, w):
+  return c + jnp.tanh(c @ w[0]) @ w[1], None
+def tp_layer(c, w):
+  g = jax.lax.all_gather(c, "x", axis=0, tiled=True)
+  h = jnp.tanh(g @ w[0]) @ w[1]
+  return c + jax.lax.psum_scatter(h, "x", scatter_dimension=0, tiled=True), None
+specs = (P(None, None, "x"), P(None, "x", None))
+body = jax.shard_map(lambda w, c: jax.lax.scan(tp_layer, c, w)[0], mesh=mesh, in_specs=(specs, P("x")), out_specs=P("x"))
+programs = {
+  "gspmd": (
+    lambda w, c: jnp.sum(jax.lax.scan(gspmd_layer, c, w)[0].astype(jnp.float32) ** 2),
+    jax.ShapeDtypeStruct((2, 2, size, size), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, None, None, "x"))),
+  ),
+  "shard_map": (
+    lambda w, c: jnp.sum(body(w, c).astype(jnp.float32) ** 2),
+    tuple(jax.ShapeDtypeStruct((2, size, size), jnp.bfloat16, sharding=NamedSharding(mesh, s)) for s in specs),
+  ),
+}
+for threshold, how, form in json.loads(sys.argv[1]):
+  loss, w = programs[form]
+  options = {"xla_gpu_enable_latency_hiding_scheduler": True, "xla_gpu_threshold_for_windowed_einsum_mib": threshold}
+  word = "COMPILED"
+  if how == "guarded":
+    try:
+      compile_for_target(jax.jit(jax.grad(loss)), w, c, target="h100x8", xla_options=options)
+    except ConfigError:
+      word = "REFUSED"
+  else:
+    jax.jit(jax.grad(loss)).lower(w, c).compile(options)
+  print("RESULT", word, flush=True)
 """
 
 
-def _windowed_compile(threshold: int, size: int, how: str, form: str = "gspmd") -> str:
+def _windowed_compiles(*compiles: tuple[int, str, str]) -> list[str]:
+  """One helper process's words for ``compiles``, in order; ENDED for the compile that
+  ended the process."""
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "LD_PRELOAD")}
   env["JAX_PLATFORMS"] = "cpu"
   p = subprocess.run(
-    [sys.executable, "-c", _WINDOWED_HELPER, str(threshold), str(size), how, form],
+    [sys.executable, "-c", _WINDOWED_HELPER, json.dumps(compiles)],
     capture_output=True,
     text=True,
     env=env,
     timeout=600,
   )
+  words = [ln.split()[1] for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
   if p.returncode < 0:
-    return "ENDED"
+    return [*words, "ENDED"]
   assert p.returncode == 0, p.stderr[-2000:]
-  return p.stdout.strip().splitlines()[-1].split()[0]
+  return words
 
 
 @pytest.mark.slow
@@ -147,17 +159,17 @@ def _windowed_compile(threshold: int, size: int, how: str, form: str = "gspmd") 
 def test_a_nonzero_windowed_einsum_threshold_is_guarded_as_xla_acts_on_it():
   # Layers of 2048 x 2048 bf16 weights (8 MiB): XLA windows their dots at thresholds up to
   # 8 MiB. Where the installed XLA ends the process at 0 (asked by the registry's probe),
-  # it does at 8 too, and the guard refuses that compile; at 9 nothing is windowed, and XLA
-  # and the guard compile it. Where XLA compiles at 0, both compile at 8.
+  # it does at 8 too (in a process of its own), and the guard refuses that compile; at 9
+  # nothing is windowed, and XLA and the guard compile it. Where XLA compiles at 0, both
+  # compile at 8. The same layers in a shard_map: nothing for XLA to window, compiled at 0
+  # by both.
   ends = aborts.aborts(WINDOWED)[0]
-  assert _windowed_compile(8, 2048, "xla") == ("ENDED" if ends else "COMPILED")
-  assert _windowed_compile(8, 2048, "guarded") == ("REFUSED" if ends else "COMPILED")
+  assert _windowed_compiles((8, "xla", "gspmd")) == ["ENDED" if ends else "COMPILED"]
+  rest = [(8, "guarded", "gspmd"), (0, "xla", "shard_map"), (0, "guarded", "shard_map")]
   if ends:
-    assert _windowed_compile(9, 2048, "xla") == "COMPILED"
-    assert _windowed_compile(9, 2048, "guarded") == "COMPILED"
-  # The same layers in a shard_map: nothing for XLA to window, compiled at 0 by both.
-  assert _windowed_compile(0, 2048, "xla", "shard_map") == "COMPILED"
-  assert _windowed_compile(0, 2048, "guarded", "shard_map") == "COMPILED"
+    rest += [(9, "xla", "gspmd"), (9, "guarded", "gspmd")]
+  want = ["REFUSED" if ends else "COMPILED"] + ["COMPILED"] * (len(rest) - 1)
+  assert _windowed_compiles(*rest) == want
 
 
 def test_a_threshold_aborts_up_to_the_programs_largest_dot():
