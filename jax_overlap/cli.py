@@ -263,7 +263,7 @@ def run() -> None:
     sys.exit(_delegate("jax_overlap._src.launch", argv[2:]))
   if len(argv) > 1 and argv[1] == "simulate":
     sys.exit(_delegate("jax_overlap._src.sim_cli", argv[2:]))
-  if any(a == "-h" or a.lstrip("-").startswith("help") and a.startswith("-") for a in argv[1:]):
+  if any(a == "-h" or (a.startswith("-") and a.lstrip("-").startswith("help")) for a in argv[1:]):
     print(usage())
     sys.exit(0)
   try:

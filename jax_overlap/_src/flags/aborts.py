@@ -99,15 +99,16 @@ _FUNC = re.compile(r'func\.func\b[^@]*@("[^"]*"|[\w.$-]+)\(')
 _CALL = re.compile(r'(?:func\.)?call @("[^"]*"|[\w.$-]+)\(')
 
 
-def largest_dot_operand_bytes(lowered) -> int:
-  """The bytes of the largest operand or result of a dot in ``lowered`` (a
-  ``jax.stages.Lowered``) that XLA's SPMD partitioner handles: at the program's (global)
-  shapes, outside ``shard_map`` bodies, whose dots are the user's own per-device ones and
-  are never windowed. Functions are followed from ``main`` through the calls made outside
-  shard_map bodies."""
+def _text(lowered) -> str:
+  """A ``jax.stages.Lowered``'s StableHLO text (or the text itself)."""
+  return lowered if isinstance(lowered, str) else lowered.as_text()
+
+
+def _functions(text: str) -> dict[str, list[str]]:
+  """The functions of StableHLO ``text``: name -> its lines, by brace depth."""
   functions: dict[str, list[str]] = {}
   name, depth = None, 0
-  for line in lowered.as_text().splitlines():
+  for line in text.splitlines():
     m = _FUNC.search(line) if name is None else None
     if m:
       name, depth = m.group(1), 0
@@ -118,23 +119,34 @@ def largest_dot_operand_bytes(lowered) -> int:
     depth += line.count("{") - line.count("}")
     if depth <= 0 and not m:
       name = None
+  return functions
 
-  def partitioned(lines: list[str]):
-    """The lines of a function outside its shard_map bodies (``sdy.manual_computation``
-    regions)."""
-    depth, manual_until = 0, None
-    for line in lines:
-      opens = manual_until is None and "sdy.manual_computation(" in line
-      if manual_until is None and not opens:
-        yield line
-      depth += line.count("{") - line.count("}")
-      if opens and line.count("{") > line.count("}"):
-        manual_until = depth - 1  # the region ends where the depth falls back
-      elif manual_until is not None and depth <= manual_until:
-        manual_until = None
 
+def _outside_shard_map(lines: list[str]):
+  """The lines of a function outside its shard_map bodies (``sdy.manual_computation``
+  regions)."""
+  depth, manual_until = 0, None
+  for line in lines:
+    opens = manual_until is None and "sdy.manual_computation(" in line
+    if manual_until is None and not opens:
+      yield line
+    depth += line.count("{") - line.count("}")
+    if opens and line.count("{") > line.count("}"):
+      manual_until = depth - 1  # the region ends where the depth falls back
+    elif manual_until is not None and depth <= manual_until:
+      manual_until = None
+
+
+def largest_dot_operand_bytes(lowered) -> int:
+  """The bytes of the largest operand or result of a dot in ``lowered`` (a
+  ``jax.stages.Lowered`` or its text) that XLA's SPMD partitioner handles: at the
+  program's (global) shapes, outside ``shard_map`` bodies, whose dots are the user's own
+  per-device ones and are never windowed. Functions are followed from ``main`` through
+  the calls made outside shard_map bodies."""
+  text = _text(lowered)
+  functions, outside = _functions(text), _outside_shard_map
   if "main" not in functions:  # not the text expected: every dot counts
-    functions, partitioned = {"main": lowered.as_text().splitlines()}, lambda lines: lines
+    functions, outside = {"main": text.splitlines()}, lambda lines: lines
   largest, seen = 0, set()
   todo = ["main"]
   while todo:
@@ -142,7 +154,7 @@ def largest_dot_operand_bytes(lowered) -> int:
     if f in seen or f not in functions or f.startswith("shmap_body"):
       continue
     seen.add(f)
-    for line in partitioned(functions[f]):
+    for line in outside(functions[f]):
       todo.extend(_CALL.findall(line))
       for operands, result in _DOT.findall(line):
         for dims, bits in _TENSOR.findall(operands + " " + result):
@@ -249,9 +261,9 @@ def aborting(
 
 
 def program_kinds(lowered) -> frozenset[str]:
-  """The :class:`.Abort` program kinds ``lowered`` (a ``jax.stages.Lowered``) is of."""
-  text = lowered.as_text()
-  return frozenset({"while_loop"} if "stablehlo.while" in text else ())
+  """The :class:`.Abort` program kinds ``lowered`` (a ``jax.stages.Lowered`` or its text) is
+  of."""
+  return frozenset({"while_loop"} if "stablehlo.while" in _text(lowered) else ())
 
 
 _WORDS = {"while_loop": "a program with a while loop (lax.scan, fori_loop, scanned layers)"}
@@ -268,13 +280,14 @@ def check_program(
     given.setdefault(name, ("in XLA_FLAGS", value))
   candidates = {n: v for n, (_, v) in given.items() if REGISTRY.get(n) and REGISTRY[n].aborts}
   found = aborting(candidates, ask=ask) if candidates else {}
+  text = lowered.as_text() if found else ""  # printed once, for both questions below
   if found:
-    kinds = program_kinds(lowered)
+    kinds = program_kinds(text)
     found = {n: why for n, why in found.items() if REGISTRY[n].aborts.programs in kinds}
   sized = {n for n in found if REGISTRY[n].aborts.up_to == "dot_operand_mib"}
   largest = 0
   if sized:
-    largest = largest_dot_operand_bytes(lowered)
+    largest = largest_dot_operand_bytes(text)
     for n in sized:  # XLA windows the dots at least the threshold's size: none here
       if not largest or float(syntax.format_value(candidates[n])) * (1 << 20) > largest:
         del found[n]
