@@ -14,7 +14,9 @@ flags; a model's estimate). Forms:
   (jax_overlap.collective_matmul's ``method="pieces"``);
 * chained: piece ``j`` of the all-gather takes piece ``j`` of the reduce-scatter through
   the add, both on the all-gather's slices; "interleaved" also issues each reduce-scatter
-  after the previous all-gather;
+  after the previous all-gather; "paced" also issues each all-gather after the up
+  projection of the piece before it (so its add waits for that GEMM, not for every GEMM
+  XLA would put first) and each up projection before the next reduce-scatter;
 * all-reduce: the output projection's pieces all-reduced and added to the gathered
   residual the block already keeps (the all-gather of ``x + r`` is ``all_gather(x) +
   psum(o @ wo)``), each all-reduce issued after the up projection two pieces back.
@@ -53,7 +55,14 @@ absl_flags.DEFINE_list("rs_pieces", ["128", "320", "576"], "Reduce-scatter slice
 absl_flags.DEFINE_list("ag_pieces", ["64", "128", "192", "256", "384"], "All-gather slices.")
 
 AXIS = "t"
-FORMS = ("one collective each", "pieces", "chained", "chained, interleaved", "all-reduce")
+FORMS = (
+  "one collective each",
+  "pieces",
+  "chained",
+  "chained, interleaved",
+  "chained, paced",
+  "all-reduce",
+)
 DN = (((1,), (0,)), ((), ()))
 
 
@@ -96,6 +105,8 @@ def block(form, sizes_rs, sizes_ag, o, x, xg, wo, w1):
     me = lax.axis_index(AXIS)
     mine = [lax.dynamic_index_in_dim(a.reshape(n, -1, a.shape[-1]), me, 0, False) for a in ars]
     return x + jnp.concatenate(mine, 0), _pieces_in_order(ups, 0, n)
+  if form == "chained, paced":
+    return _paced(sizes_ag, o, x, wo, w1)
   # chained
   rs, ag = [], []
   for j, (off, q) in enumerate(zip(offs, sizes_ag)):
@@ -109,6 +120,27 @@ def block(form, sizes_rs, sizes_ag, o, x, xg, wo, w1):
       piece, ag[-1] = lax.optimization_barrier((piece, ag[-1]))
     ag.append(lax.all_gather(piece, AXIS, axis=0, tiled=True))
   ups = [_dot(g, w1) for g in ag]
+  return x + jnp.concatenate(rs, 0), _pieces_in_order(ups, 0, n)
+
+
+def _paced(sizes, o, x, wo, w1):
+  """The chained form with the up projections between the collectives: reduce-scatter
+  ``j`` after all-gather ``j - 1`` (whose up projection then runs beside it), all-gather
+  ``j`` after up projection ``j - 1``."""
+  n = lax.axis_size(AXIS)
+  offs = [sum(sizes[:j]) for j in range(len(sizes))]
+  rs, ag, ups = [], [], []
+  for j, (off, q) in enumerate(zip(offs, sizes)):
+    y = _dot(_rows(o, n, off, q), wo)
+    if j >= 1:
+      y, ag[-1] = lax.optimization_barrier((y, ag[-1]))
+      ups.append(_dot(ag[-1], w1))
+    rs.append(lax.psum_scatter(y, AXIS, scatter_dimension=0, tiled=True))
+    piece = x[off : off + q] + rs[-1]
+    if ups:
+      piece, ups[-1] = lax.optimization_barrier((piece, ups[-1]))
+    ag.append(lax.all_gather(piece, AXIS, axis=0, tiled=True))
+  ups.append(_dot(ag[-1], w1))
   return x + jnp.concatenate(rs, 0), _pieces_in_order(ups, 0, n)
 
 
