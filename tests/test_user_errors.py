@@ -41,6 +41,23 @@ def test_analyze_keyword_and_pytree_arguments_are_described():
     jax_overlap.analyze(f, params, batch=jnp.ones((5,)), target=None)
 
 
+@pytest.mark.parametrize("api", ["overlap", "analyze"])
+def test_one_array_in_a_container_is_described_not_compared(api):
+  # A container of one array: the description tells them apart by identity (an array's ==
+  # is elementwise, and comparing it with a dict raised inside the error path).
+  def f(params, batch):
+    return jnp.mean(batch["x"] @ params["w"])
+
+  params, batch = {"w": jnp.ones((32, 16))}, {"x": jnp.ones((4, 8))}
+  call = {
+    "overlap": lambda: jax_overlap.overlap(f)(params, batch),
+    "analyze": lambda: jax_overlap.analyze(f, params, batch, target=None),
+  }[api]
+  with pytest.raises(TypeError, match=rf"{api}: .*f\(dict of 1 leaf, dict of 1 leaf\) fails") as e:
+    call()
+  assert MISMATCH in str(e.value)
+
+
 def test_overlap_reports_the_users_function():
   dec = jax_overlap.overlap(step)
   with pytest.raises(

@@ -25,8 +25,8 @@ def _describe(x: Any) -> str:
   import jax
 
   leaves = jax.tree.leaves(x)
-  if leaves and leaves != [x]:
-    return f"{type(x).__name__} of {len(leaves)} leaves"
+  if len(leaves) > 1 or (leaves and leaves[0] is not x):  # identity: arrays' == is elementwise
+    return f"{type(x).__name__} of {len(leaves)} {'leaves' if len(leaves) > 1 else 'leaf'}"
   return type(x).__name__
 
 
