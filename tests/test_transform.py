@@ -466,3 +466,83 @@ def test_a_jitted_step_keeps_its_donation():
     True,
   ]
   assert donated(jax_overlap.overlap(step)) == [False, False]
+
+
+def _static_step(scale, params, x, *, act="tanh", layers=2):
+  # A shard_map FSDP step whose static arguments choose the program: the number of
+  # layers, the activation's name and a Python scale.
+  cfg = S.Config(layers=layers, hidden=64, mlp=128, heads=4, seq=8, learning_rate=0.1)
+  return S.make_step(cfg, _mesh((8,)))(params, getattr(jax.nn, act)(x) * scale)
+
+
+def _positional(params, x, act, scale):
+  return _static_step(scale, params, x, act=act)
+
+
+@pytest.mark.parametrize(
+  "how", ["jit static_argnums", "jit static_argnames", "overlap static_argnums", "str positional"]
+)
+def test_static_arguments_choose_the_program_and_are_not_inputs(how):
+  # Static arguments (before the arrays, by keyword, strings) are hashable values that
+  # choose the program: not checked as arrays, not passed to the traced program, and
+  # kept static by the rewritten step's jit.
+  _, _, params, x = _setup("unrolled", layers=2)
+  ref, ov, args, kwargs = {
+    "jit static_argnums": lambda: (
+      jit := jax.jit(_static_step, static_argnums=0, static_argnames=("act", "layers")),
+      jax_overlap.overlap(jit, params_argnums=1),
+      (2.0, params, x),
+      {"layers": 2},
+    ),
+    "jit static_argnames": lambda: (
+      jit := jax.jit(_static_step, static_argnames=("scale", "act", "layers")),
+      jax_overlap.overlap(jit, params_argnums=1),
+      (),
+      {"scale": 0.5, "params": params, "x": x, "act": "relu"},
+    ),
+    "overlap static_argnums": lambda: (
+      jax.jit(_static_step, static_argnums=0, static_argnames="act"),
+      jax_overlap.overlap(_static_step, params_argnums=1, static_argnums=0, static_argnames="act"),
+      (3.0, params, x),
+      {"act": "gelu"},
+    ),
+    "str positional": lambda: (
+      jit := jax.jit(_positional, static_argnums=(2, 3)),
+      jax_overlap.overlap(jit),
+      (params, x, "relu", 2.0),
+      {},
+    ),
+  }[how]()
+  (p1, l1), (p2, l2) = ref(*args, **kwargs), ov(*args, **kwargs)
+  assert float(l1) == float(l2)
+  for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # The FSDP rewrite still applies: the static arguments shift no parameter position.
+  assert "prefetch" in {a.kind for a in ov.explain(*args, **kwargs).actions}
+
+
+def test_static_arguments_of_a_gspmd_step_for_a_target():
+  # Deviceless for h100x8, abstract arrays: the GSPMD step's variants, its shard_map form
+  # included, are built with the static arguments kept out of the program.
+  mesh = _mesh((8,))
+  w = jax.ShapeDtypeStruct((64, 64), jnp.float32, sharding=NamedSharding(mesh, P("fsdp")))
+  x = jax.ShapeDtypeStruct((16, 64), jnp.float32, sharding=NamedSharding(mesh, P()))
+
+  def step(layers, w, x, act):
+    def loss(w):
+      h = x
+      for _ in range(layers):
+        h = getattr(jax.nn, act)(h @ w)
+      return jnp.sum(h)
+
+    return jax.grad(loss)(w)
+
+  ov = jax_overlap.overlap(jax.jit(step, static_argnums=(0, 3)), target="h100x8", params_argnums=1)
+  e = ov.explain(2, w, x, "relu")
+  (conv,) = [n for n in e.notes if n.startswith("converted to shard_map")]
+  assert "all-gather" in conv
+  report = jax_overlap.analyze(ov, 2, w, x, "relu", target="h100x8")
+  assert report.step_time_s > 0 and report.collectives
+  # Not marked static: the error names the argument and the way to mark it.
+  with pytest.raises(TypeError, match=r"argument args\[2\] is a str, not an array.*static"):
+    jax_overlap.overlap(step, params_argnums=1)(2, jnp.ones((64, 64)), "relu", jnp.ones((16, 64)))

@@ -35,7 +35,46 @@ from jax_overlap._src.transform.variants import (
 # ---------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class _Statics:
+  """The step's static arguments (``static_argnums`` / ``static_argnames`` of a jitted
+  ``fn``, or given to ``overlap``): hashable values that choose the program, not inputs
+  of it. The traced program takes the other arguments' leaves."""
+
+  argnums: tuple[int, ...] = ()
+  argnames: tuple[str, ...] = ()
+
+  @classmethod
+  def of(cls, jitted) -> _Statics:
+    info = getattr(jitted, "_jit_info", None)
+    return cls(
+      tuple(getattr(info, "static_argnums", ()) or ()),
+      tuple(getattr(info, "static_argnames", ()) or ()),
+    )
+
+  def positions(self, n: int) -> frozenset:
+    return frozenset(i % n for i in self.argnums if -n <= i < n)
+
+  def dynamic(self, args, kwargs) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` without the static ones: what the traced program takes."""
+    static = self.positions(len(args))
+    return (
+      tuple(a for i, a in enumerate(args) if i not in static),
+      {k: v for k, v in kwargs.items() if k not in self.argnames},
+    )
+
+  def jit_kwargs(self) -> dict:
+    """``jax.jit``'s keywords that keep these arguments static."""
+    out: dict = {}
+    if self.argnums:
+      out["static_argnums"] = self.argnums
+    if self.argnames:
+      out["static_argnames"] = self.argnames
+    return out
+
+
 def _check_args(args, kwargs, mesh) -> None:
+  """Checks the step's (dynamic) arguments: arrays, laid out over their mesh's axes."""
   flat = [
     ("args" + jax.tree_util.keystr(p), leaf)
     for p, leaf in jax.tree_util.tree_flatten_with_path(tuple(args))[0]
@@ -54,7 +93,8 @@ def _check_args(args, kwargs, mesh) -> None:
     else:
       raise TypeError(
         f"overlap: argument {where} is a {type(leaf).__name__}, not an array; pass arrays "
-        "(or jax.ShapeDtypeStruct) and close over other values"
+        "(or jax.ShapeDtypeStruct), close over other values, or mark the argument static "
+        "(static_argnums / static_argnames of jax.jit or of overlap)"
       )
     sharding = getattr(leaf, "sharding", None)
     if isinstance(sharding, jax.sharding.NamedSharding):
@@ -130,19 +170,22 @@ class Overlapped:
     self._cache: dict = {}
     functools.update_wrapper(self, fn)
 
-  def _param_inputs(self, closed, args, kwargs) -> dict | None:
+  def _param_inputs(self, closed, args, kwargs, statics: _Statics) -> dict | None:
     """Positions of parameter inputs per shard_map body, from ``params_argnums``."""
-    leaves = [len(jax.tree.leaves(a)) for a in args]
-    n_all = sum(leaves) + len(jax.tree.leaves(kwargs))
+    dyn_args, dyn_kwargs = statics.dynamic(args, kwargs)
+    n_all = len(jax.tree.leaves((dyn_args, dyn_kwargs)))
     invars = closed.jaxpr.invars
     if n_all != len(invars):
       return None  # the jaxpr does not take the arguments leaf for leaf: no evidence
-    params = [invars[j] for j in self._param_leaves(args)]
+    params = [invars[j] for j in self._param_leaves(args, statics)]
     return parameter_inputs(closed.jaxpr, params) if params else None
 
-  def _param_leaves(self, args) -> list[int]:
-    """Positions, among the flattened arguments, of the leaves of ``params_argnums``."""
-    starts = np.cumsum([0, *[len(jax.tree.leaves(a)) for a in args]])
+  def _param_leaves(self, args, statics: _Statics) -> list[int]:
+    """Positions, among the flattened dynamic arguments, of the leaves of
+    ``params_argnums`` (positions among all the arguments, static ones included)."""
+    static = statics.positions(len(args))
+    counts = [0 if i in static else len(jax.tree.leaves(a)) for i, a in enumerate(args)]
+    starts = np.cumsum([0, *counts])
     return [
       j
       for i in self.settings.params_argnums
@@ -150,14 +193,22 @@ class Overlapped:
       for j in range(starts[i], starts[i + 1])
     ]
 
+  def _base(self):
+    """The step as ``jax.jit`` traces it, with its static arguments."""
+    if hasattr(self.fn, "trace"):
+      return self.fn
+    keep = ("static_argnums", "static_argnames")
+    return jax.jit(self.fn, **{k: v for k, v in self.settings.jit_kwargs.items() if k in keep})
+
   def _build(self, args, kwargs):
     st = self.settings
-    _check_args(args, kwargs, st.mesh)
+    base = self._base()
+    statics = _Statics.of(base)
+    _check_args(*statics.dynamic(args, kwargs), st.mesh)
     key = _signature(args, kwargs)
     hit = self._cache.get(key) or self._traced_hit(key, args, kwargs)
     if hit is not None:
       return hit
-    base = self.fn if hasattr(self.fn, "trace") else jax.jit(self.fn)
     traced = errors.trace_user_fn(
       "overlap", self.fn, args, kwargs, lambda: base.trace(*args, **kwargs)
     )
@@ -166,7 +217,7 @@ class Overlapped:
     annotate = st.annotate
     if annotate == "auto":
       annotate = st.target is not None or _platform(args, kwargs, st.mesh) != "cpu"
-    param_inputs = self._param_inputs(closed, args, kwargs)
+    param_inputs = self._param_inputs(closed, args, kwargs, statics)
     cfg = _Config(
       st.prefetch,
       st.reduce_scatter,
@@ -196,20 +247,21 @@ class Overlapped:
         "annotations) needs shard_map or jax_overlap.fsdp.scan_layers"
       )
       if st.converts():
-        converted = self._convert(traced, closed, args, kwargs, cfg, notes)
+        converted = self._convert(traced, closed, args, kwargs, cfg, notes, statics)
     if converted is not None:
       programs["shard_map"], cfg_sm, actions_sm, stats_sm = converted
 
     # The user's jit settings that the variants keep: donation (of a jitted step, unless
     # given to overlap itself).
-    jit_kwargs = dict(st.jit_kwargs)
+    jit_kwargs = {**st.jit_kwargs, **statics.jit_kwargs()}
     donated = tuple(getattr(traced, "donate_argnums", ()) or ())
     if donated and not {"donate_argnums", "donate_argnames"} & set(jit_kwargs):
       jit_kwargs["donate_argnums"] = donated
 
     def evaluate(cfg_: _Config):
       def rewritten(*a, **kw):
-        out = _evaluate(programs[cfg_.program], jax.tree.leaves((a, kw)), cfg_)
+        leaves = jax.tree.leaves(statics.dynamic(a, kw))
+        out = _evaluate(programs[cfg_.program], leaves, cfg_)
         return jax.tree.unflatten(out_tree, out)
 
       return rewritten
@@ -304,15 +356,15 @@ class Overlapped:
         return entry
     return None
 
-  def _convert(self, traced, closed, args, kwargs, cfg, notes):
+  def _convert(self, traced, closed, args, kwargs, cfg, notes, statics: _Statics):
     """The step's shard_map form planned like a shard_map program: (its jaxpr, config,
     actions, stats), or None with a note saying why it was not converted."""
-    leaves = jax.tree.leaves((args, kwargs))
+    leaves = jax.tree.leaves(statics.dynamic(args, kwargs))
     if len(leaves) != len(closed.jaxpr.invars):
       notes.append("not converted to shard_map: the traced program does not take the "
                    "arguments leaf for leaf")  # fmt: skip
       return None
-    params = self._param_leaves(args)
+    params = self._param_leaves(args, statics)
     out_shardings = getattr(traced, "_params", {}).get("out_shardings")
     try:
       conv = to_shard_map.convert(closed, leaves, out_shardings, params_leaves=params)
@@ -322,7 +374,7 @@ class Overlapped:
     except to_shard_map.Refused as e:
       notes.append(f"not converted to shard_map: {e}")
       return None
-    param_inputs = self._param_inputs(smap, args, kwargs)
+    param_inputs = self._param_inputs(smap, args, kwargs, statics)
     cfg_sm = dataclasses.replace(
       cfg,
       program="shard_map",
@@ -459,7 +511,10 @@ def overlap(
       as written; "convert" always uses the shard_map form (and says in ``explain()``
       why not where it cannot be converted); "as_written" never converts.
     **jit_kwargs: passed to ``jax.jit`` (e.g. ``donate_argnums``). A jitted ``fn`` keeps its
-      own donation unless ``donate_argnums``/``donate_argnames`` is given here.
+      own donation unless ``donate_argnums``/``donate_argnames`` is given here, and its
+      static arguments; ``static_argnums``/``static_argnames`` given here mark those of a
+      plain ``fn``. Static arguments choose the program (one build per value), they are
+      not its inputs.
 
   Returns:
     An :class:`Overlapped` callable with the same signature and outputs.
