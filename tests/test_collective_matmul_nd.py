@@ -357,6 +357,52 @@ def test_transform_pieces_tensor_sequence_parallel_steps(p):
     jax_overlap.overlap(f, weight_gradients="late")
 
 
+@pytest.mark.parametrize("mode", ["on", "ring", "pieces"])
+def test_a_dot_reading_two_gathered_values(mode):
+  # FSDP x sequence parallel on a 2-D mesh: a layer's weight all-gathered over "data" and
+  # its activation over "tensor" feed the same dot, and a dot of two activations gathered
+  # along their free dimensions (scores of every row against every row). Each gathered
+  # value is ready before any dot reads it, whichever decomposition computes the dot;
+  # the step computes what it computes as written, forward and backward.
+  mesh = _mesh(2)
+  layers, hidden, seq = 2, 32, 16
+
+  def loss(ws, x):
+    h = x
+    for w in ws:
+      wg = jax.lax.all_gather(w, "data", axis=0, tiled=True)  # [hidden, hidden / 2]
+      xg = jax.lax.all_gather(h, "tensor", axis=1, tiled=True)  # [b, seq, hidden]
+      y = jnp.tanh(xg @ wg)  # [b, seq, hidden / 2]
+      hg = jax.lax.all_gather(jnp.sin(h), "tensor", axis=1, tiled=True)  # [b, seq, hidden]
+      scores = jnp.einsum("bsh,bth->bst", xg, hg)  # both gathered along a free dimension
+      h = jnp.concatenate([y, y], axis=2)[:, : seq // 2] * jnp.mean(jnp.tanh(scores))
+    return jnp.sum(h**2)
+
+  def inner(ws, x):
+    value, grads = jax.value_and_grad(loss)(ws, x)
+    return jax.lax.psum(value, ("data", "tensor")), grads
+
+  spec_w, spec_x = P("data", "tensor"), P("data", "tensor")
+  f = jax.jit(
+    jax.shard_map(
+      inner, mesh=mesh, in_specs=([spec_w] * layers, spec_x), out_specs=(P(), [spec_w] * layers)
+    )
+  )
+  keys = jax.random.split(jax.random.key(0), layers + 1)
+  ws = [
+    jax.device_put(
+      jax.random.normal(k, (hidden, hidden)) * 0.2, jax.sharding.NamedSharding(mesh, spec_w)
+    )
+    for k in keys[:-1]
+  ]
+  x = jax.device_put(
+    jax.random.normal(keys[-1], (8, seq, hidden)), jax.sharding.NamedSharding(mesh, spec_x)
+  )
+  ov = jax_overlap.overlap(f, collective_matmul=mode)
+  _close(f(ws, x), ov(ws, x))
+  assert ov.explain(ws, x).of_kind("collective_matmul")
+
+
 def test_pieces_compile_to_nccl_collectives_for_h100():
   # Deviceless for h100x8 as XLA compiles it: the pieces stay separate all-gathers and
   # reduce-scatters (the data dependence between them keeps XLA's combiners off).

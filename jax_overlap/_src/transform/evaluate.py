@@ -143,17 +143,19 @@ def _run_env(
         env[eqn.outvars[0]] = given[i]
       continue
     if plan is not None and i in plan.ring_of:
-      g = plan.ring_of[i]
-      if g not in ring_done:
-        (ring,) = [plan.rings[g]]
-        ring_done[g] = _run_ring(
-          (ring[0], ring[1], [jaxpr.eqns[u] for u in ring[2]], ring[3], ring[4]),
-          env,
-          read,
-          weight_gradients_before(g),
-        )
-      if ring_done[g] and i in plan.rings[g][2]:
-        continue  # this dot's output came from the ring
+      # Every ring whose gathered value this equation reads runs first (in the order they
+      # were planned: a ring's dot may read another's gathered value).
+      for g in plan.ring_of[i]:
+        if g not in ring_done:
+          ring = plan.rings[g]
+          ring_done[g] = _run_ring(
+            (ring[0], ring[1], [jaxpr.eqns[u] for u in ring[2]], ring[3], ring[4]),
+            env,
+            read,
+            weight_gradients_before(g),
+          )
+      if any(ring_done[g] and i in plan.rings[g][2] for g in plan.ring_of[i]):
+        continue  # this dot's output came from a ring
     if plan is not None and i in plan.skipped:
       continue  # computed by the collective matmul that replaces it
     if plan is not None and i in plan.fused:

@@ -38,7 +38,7 @@ def _plan_collective_matmuls(
   fused: dict[int, tuple] = {}
   skipped: set[int] = set()
   rings: dict[int, tuple] = {}
-  ring_of: dict[int, int] = {}
+  ring_of: dict[int, list[int]] = {}
 
   def plain_dot(d):
     dn = d.params.get("dimension_numbers")
@@ -87,6 +87,13 @@ def _plan_collective_matmuls(
       if ring is None:
         continue
       dots, collect = ring
+      # A dot another ring computes (both its operands gathered) is a user like any other:
+      # this gather's value is then kept for it.
+      claimed = {d for r in rings.values() for d in r[2]}
+      if claimed & set(dots):
+        dots, collect = tuple(d for d in dots if d not in claimed), True
+        if not dots:
+          continue
       m, n, k = _ring_mnk(e, eqns, dots)
       n *= int(e.params.get("axis_size", 1))  # estimate_gain takes the global weight
       blk = e.invars[0].aval.shape[e.params["all_gather_dimension"]]
@@ -102,7 +109,7 @@ def _plan_collective_matmuls(
         {"bidirectional": bidi, "method": method, "pieces": pieces},
       )
       for u in users.get(e.outvars[0], []):
-        ring_of[u] = i
+        ring_of.setdefault(u, []).append(i)
       skipped.add(i)
       actions.append(
         Action(

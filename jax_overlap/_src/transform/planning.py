@@ -184,7 +184,7 @@ class _BodyPlan:
   fused: dict = dataclasses.field(default_factory=dict)
   skipped: frozenset = frozenset()
   # N-D gather -> dot_general rings: gather index -> (input, gather eqn, dots, collect), and
-  # each user of the gathered value -> its gather index.
+  # each user of a gathered value -> the gather indices it reads (a dot may read two).
   rings: dict = dataclasses.field(default_factory=dict)
   ring_of: dict = dataclasses.field(default_factory=dict)
   loops: int = 0  # loops over layers whose collectives are left as written
