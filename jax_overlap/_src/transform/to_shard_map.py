@@ -65,6 +65,18 @@ from jax_overlap._src.transform.layouts import (
 __all__ = ["Layout", "Converted", "Refused", "convert", "input_layouts"]
 
 
+def _scatter_dim(src: Layout, dst: Layout, red: set) -> int | None:
+  """The dimension an unreduced sum over ``red`` is reduce-scattered along on its way to
+  ``dst``: one ``dst`` splits over some of those axes (all of them, if one does) and ``src``
+  does not split; None if none does."""
+  best = None
+  for d, ax in enumerate(dst.dims):
+    if ax and set(ax) <= red and not src.dims[d]:
+      if best is None or len(ax) > len(dst.dims[best]):
+        best = d
+  return best
+
+
 @dataclasses.dataclass
 class Converted:
   """A converted step.
@@ -170,14 +182,15 @@ class _Interp:
     dims = list(src.dims)
     red = set(src.partial) - set(dst.partial)
     if red:
-      scattered = False
-      for d, ax in enumerate(dst.dims):
-        if ax and set(ax) == red and not dims[d]:
-          x = lax.psum_scatter(x, ax, scatter_dimension=d, tiled=True)
-          dims[d] = ax
-          scattered = True
-          break
-      if not scattered:
+      d = _scatter_dim(src, dst, red)
+      if d is not None:
+        # Reduce-scattered over the axes that split the result (an FSDP gradient over
+        # "fsdp"), then summed over the others on the scattered piece (over "data" where
+        # the batch is also split there): what the partitioner does for a 2-D mesh.
+        x = lax.psum_scatter(x, dst.dims[d], scatter_dimension=d, tiled=True)
+        dims[d] = dst.dims[d]
+        red = red - set(dst.dims[d])
+      if red:
         x = lax.psum(x, tuple(a for a in self.sizes if a in red))
     for d in range(len(dims)):
       a, b = dims[d], dst.dims[d]
@@ -197,8 +210,11 @@ class _Interp:
   def _count(self, src: Layout, dst: Layout) -> None:
     red = set(src.partial) - set(dst.partial)
     if red:
-      scatter = any(ax and set(ax) == red and not s for s, ax in zip(src.dims, dst.dims))
-      self.counts["reduce-scatter" if scatter else "all-reduce"] += 1
+      d = _scatter_dim(src, dst, red)
+      if d is not None:
+        self.counts["reduce-scatter"] += 1
+      if d is None or red - set(dst.dims[d]):
+        self.counts["all-reduce"] += 1
     for a, b in zip(src.dims, dst.dims):
       if a and a != b:
         self.counts["all-gather"] += 1
