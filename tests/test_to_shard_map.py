@@ -243,6 +243,17 @@ def test_refusals_name_the_reason():
 
   with pytest.raises(to_shard_map.Refused, match="side effects"):
     _convert(jax.jit(printed), (v,))
+  # A constraint on another mesh than the arguments': named as the user wrote it.
+  other = _mesh((8,), ("fsdp",))
+  constrained = jax.jit(
+    lambda v: jax.lax.with_sharding_constraint(v * 2, NamedSharding(other, P("fsdp")))
+  )
+  with pytest.raises(
+    to_shard_map.Refused,
+    match=r"a with_sharding_constraint is laid out on mesh \{'fsdp': 8\}, not the arguments' "
+    r"mesh \{'data': 2, 'fsdp': 4\}: build the step with the arguments' mesh",
+  ):
+    _convert(constrained, (v,))
   # @overlap says why and runs the step as written.
   ov = jax_overlap.overlap(printed, gspmd="convert", cache=False)
   (note,) = [n for n in ov.explain(v).notes if n.startswith("not converted to shard_map")]

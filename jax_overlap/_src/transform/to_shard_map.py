@@ -343,7 +343,11 @@ class _Interp:
   def _constraint(self, eqn, ins):
     (x, lay), (v,) = ins[0], eqn.invars[:1]
     sharding = eqn.params.get("sharding", eqn.params.get("dst_sharding"))
-    want = _layout_of(sharding, len(v.aval.shape), self.sizes, f"{eqn.primitive.name}")
+    where = {
+      "reshard": "a reshard (the jit's in_shardings or out_shardings, or jax.sharding.reshard)",
+      "sharding_constraint": "a with_sharding_constraint",
+    }.get(eqn.primitive.name, eqn.primitive.name)
+    want = _layout_of(sharding, len(v.aval.shape), self.sizes, where)
     if want is None:
       return [(x, lay)]
     if lay.partial:
@@ -516,7 +520,8 @@ def _layout_of(sharding, ndim: int, sizes: dict[str, int], where: str) -> Layout
   mesh = sharding.mesh
   if dict(mesh.shape) != sizes:
     raise Refused(
-      f"{where} is laid out on mesh {dict(mesh.shape)}, not the arguments' mesh {sizes}"
+      f"{where} is laid out on mesh {dict(mesh.shape) or '{} (no axes)'}, not the "
+      f"arguments' mesh {sizes}: build the step with the arguments' mesh"
     )
   dims: list[Axes] = []
   spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
