@@ -80,3 +80,52 @@ def test_xla_schedules_by_the_profiles_costs(tmp_path, analysed):
   costly = schedule(1e3, "costly.pbtxt")
   assert cheap == schedule(1e-3, "cheap_again.pbtxt")
   assert cheap != costly
+
+
+def test_a_conditional_costs_its_counted_branch_and_xla_misses_nothing(tmp_path, capfd):
+  # Gradient clipping under lax.cond: the conditional is one node of XLA's schedule. The
+  # profile gives it the cost of the branch the analysis counted, and XLA's scheduler,
+  # reading the profile back, finds every instruction it costs (it logs those it misses).
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  mesh = jax_overlap.targets.compile_only_mesh("h100x8", ("fsdp",))
+  w = jax.ShapeDtypeStruct((512, 512), jnp.float32, sharding=NamedSharding(mesh, P("fsdp")))
+  x = jax.ShapeDtypeStruct((64, 512), jnp.float32, sharding=NamedSharding(mesh, P("fsdp")))
+
+  @jax.jit
+  def step(w, x):
+    g = jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(w)
+    norm = jnp.sqrt(jnp.sum(g * g))
+    g = jax.lax.cond(norm > 1.0, lambda g: jnp.tanh(g @ g.T) @ g / norm, lambda g: g, g)
+    return w - 0.1 * g
+
+  opts = jax_overlap.flags.as_compiler_options(target="h100x8")
+  report = jax_overlap.analyze(step, w, x, target="h100x8", xla_options=opts)
+  from jax_overlap._src import hlo
+
+  module = hlo.parse_module(report.hlo_text)
+  (cond,) = [i for c in module.computations.values() for i in c.instructions
+             if i.opcode == "conditional"]  # fmt: skip
+  text = jax_overlap.latency_profile.profile_text(report)
+  costs = {n: float(us) for n, us in re.findall(r'name: "([^"]+)" cost_us: ([0-9.]+)', text)}
+  items = {k.name.split("@")[0]: k.time_s * 1e6 for k in [*report.kernels, *report.collectives]}
+  branches = [
+    sum(items.get(i.name, 0.0) for i in module.computations[b].instructions) for b in cond.called
+  ]
+  assert max(branches) > 0
+  assert costs[cond.name] == pytest.approx(max(branches), abs=2e-3)
+
+  def misses(profile: str) -> bool:
+    path = tmp_path / f"{len(profile)}.pbtxt"
+    path.write_text(profile)
+    capfd.readouterr()
+    opts_p = {**opts, jax_overlap.latency_profile.OPTION: str(path)}
+    jax_overlap.analyze(step, w, x, target="h100x8", xla_options=opts_p)
+    return "instructions from the profile" in capfd.readouterr().err
+
+  assert not misses(text)
+  # Without the conditional's entry XLA says so (what the check above would see).
+  assert misses("".join(line + "\n" for line in text.splitlines() if cond.name not in line))

@@ -190,7 +190,7 @@ class Instruction:
   @property
   def called(self) -> list[str]:
     out = []
-    for key in ("calls", "to_apply", "body", "condition"):
+    for key in ("calls", "to_apply", "body", "condition", "true_computation", "false_computation"):
       if key in self.attrs:
         out.extend(re.findall(r"%?([\w.\-]+)", self.attrs[key]))
     if "branch_computations" in self.attrs:

@@ -31,16 +31,49 @@ def profile_text(report: report_lib.Report) -> str:
   """The ``ProfiledInstructionsProto`` text of ``report``'s kernel and collective costs.
 
   Loop bodies appear once per iteration in a report (``name@i``); the profile
-  names each instruction once.
+  names each instruction once. A ``conditional`` (a ``lax.cond``, ``lax.switch``) is
+  one node of XLA's schedule: it costs what its branch the analysis counted (the most
+  expensive) costs, the sum of that branch's kernels and collectives, a loop in it counted
+  for one iteration (XLA warns of every instruction its scheduler costs that a profile
+  leaves out).
   """
-  lines, seen = [], set()
+  costs: dict[str, float] = {}
   for item in [*report.kernels, *report.collectives]:
     name = item.name.split("@")[0]
-    if name in seen or not name:
-      continue
-    seen.add(name)
-    lines.append(f'costs {{ name: "{name}" cost_us: {item.time_s * 1e6:.3f} }}')
+    if name and name not in costs:
+      costs[name] = item.time_s
+  costs.update(_conditional_costs(report, costs))
+  lines = [f'costs {{ name: "{n}" cost_us: {t * 1e6:.3f} }}' for n, t in costs.items()]
   return "\n".join(lines) + "\n"
+
+
+def _conditional_costs(report: report_lib.Report, costs: dict[str, float]) -> dict[str, float]:
+  """Each conditional of ``report``'s module: its costliest branch's instructions' costs
+  (the analysis walks only that branch, so the others' are not in ``costs``)."""
+  from jax_overlap._src import hlo
+
+  if "conditional" not in (report.hlo_text or ""):
+    return {}
+  module = hlo.parse_module(report.hlo_text)
+
+  def total(comp: str, seen: frozenset = frozenset()) -> float:
+    if comp not in module.computations or comp in seen:
+      return 0.0
+    out = 0.0
+    for instr in module.computations[comp].instructions:
+      if instr.opcode in ("while", "call", "conditional"):
+        inner = [total(c, seen | {comp}) for c in instr.called]
+        out += max(inner, default=0.0) if instr.opcode == "conditional" else sum(inner)
+      else:
+        out += costs.get(instr.name, 0.0)
+    return out
+
+  return {
+    i.name: max((total(c) for c in i.called), default=0.0)
+    for comp in module.computations.values()
+    for i in comp.instructions
+    if i.opcode == "conditional"
+  }
 
 
 def _directory() -> str:
