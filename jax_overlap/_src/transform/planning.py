@@ -311,7 +311,7 @@ def _plan_body(
       Action(
         "left_alone",
         where,
-        f"{kept_loops} loop(s) over layers keep their collectives "
+        f"{kept_loops} lax.scan loop(s) keep their collectives "
         "as written; their per-iteration sizes set the combine thresholds",
       )
     )
