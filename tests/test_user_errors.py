@@ -100,3 +100,35 @@ def test_compile_stage_errors_are_still_compile_errors():
   with pytest.raises(RuntimeError, match="XLA could not compile the function for h100x8") as e:
     jax_overlap.analyze(step, W, x, target="h100x8", xla_options={"xla_no_such_option_xyz": 1})
   assert "fails when traced" not in str(e.value)
+
+
+def test_analyze_arguments_that_are_not_what_it_takes():
+  with pytest.raises(TypeError, match="xla_options must be a mapping.*parse_xla_flags"):
+    jax_overlap.analyze(step, W, W, target="h100x8", xla_options="--xla_gpu_enable_x=true")
+  with pytest.raises(TypeError, match="cost_model must be a jax_overlap.analysis.CostModel"):
+    jax_overlap.analyze(step, W, W, target="h100x8", cost_model="fast")
+
+
+@pytest.mark.parametrize("target", ["h100x16", "h100x4"])
+def test_analyze_a_shard_map_step_for_a_target_of_another_size(target):
+  # A shard_map body is traced for its mesh's per-device shapes: analysed for a target
+  # with another device count, the error says so (XLA's verifier printed a page of
+  # StableHLO), while a GSPMD step scales its mesh to the target.
+  from jax.sharding import AxisType, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Auto,))
+
+  def body(w, x):
+    w = jax.lax.all_gather(w, "fsdp", axis=0, tiled=True)
+    return jax.lax.pmean(jnp.mean(jnp.tanh(x @ w)), "fsdp")
+
+  fn = jax.shard_map(body, mesh=mesh, in_specs=(P("fsdp"), P("fsdp")), out_specs=P())
+  args = [
+    jax.ShapeDtypeStruct(s, jnp.float32, sharding=NamedSharding(mesh, P("fsdp")))
+    for s in ((128, 128), (64, 128))
+  ]
+  with pytest.raises(ValueError, match=r"shard_map runs on mesh \{'fsdp': 8\} \(8 devices\)"):
+    jax_overlap.analyze(fn, *args, target=target)
+  report = jax_overlap.analyze(lambda w, x: jnp.mean(jnp.tanh(x @ w)), *args, target=target)
+  assert report.collectives

@@ -61,6 +61,8 @@ def analyze(
 
   Raises:
     ValueError: for an unknown target or shardings naming axes the target mesh lacks.
+    TypeError: for ``xla_options`` that is not a mapping or a ``cost_model`` that is
+      not a :class:`CostModel`.
     TypeError, ValueError, ...: if ``fn`` cannot be traced on ``args`` (wrong
       arity, shapes or shardings), with the kind of error the trace raised.
     RuntimeError: if XLA cannot compile ``fn`` for the target.
@@ -71,6 +73,21 @@ def analyze(
   """
   if not callable(fn):
     raise TypeError(f"analyze: fn must be callable, got {type(fn).__name__}")
+  if xla_options is not None and not isinstance(xla_options, Mapping):
+    raise TypeError(
+      f"analyze: xla_options must be a mapping of XLA option names to values, got "
+      f"{type(xla_options).__name__}"
+      + (
+        "; an XLA_FLAGS string reads as one with jax_overlap.flags.parse_xla_flags(text)[0]"
+        if isinstance(xla_options, str)
+        else ""
+      )
+    )
+  if cost_model is not None and not isinstance(cost_model, cm.CostModel):
+    raise TypeError(
+      f"analyze: cost_model must be a jax_overlap.analysis.CostModel (or None for the "
+      f"default), got {type(cost_model).__name__} {cost_model!r}"
+    )
   topo = targets_lib.get(target) if target is not None else None
   if topo is not None and not topo.gpu.deviceless:
     raise ValueError(

@@ -128,9 +128,27 @@ def _retarget_params(value, mesh: Mesh):
 def _retarget_jaxpr(jaxpr, mesh: Mesh):
   new_eqns = []
   for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "shard_map":
+      _check_same_sizes(eqn.params.get("mesh"), mesh)
     params = {k: _retarget_params(v, mesh) for k, v in eqn.params.items()}
     new_eqns.append(eqn.replace(params=params))
   return jaxpr.replace(eqns=new_eqns)
+
+
+def _check_same_sizes(source, mesh: Mesh) -> None:
+  """A ``shard_map`` body is traced for its mesh's per-device shapes: it runs on a target
+  mesh only with the same axis sizes."""
+  shape = dict(getattr(source, "shape", {}) or {})
+  if not shape or shape == dict(mesh.shape):
+    return
+  raise ValueError(
+    f"the program's shard_map runs on mesh {shape} ({math.prod(shape.values())} devices), "
+    f"but the target's mesh is {dict(mesh.shape)} ({mesh.devices.size} devices): a "
+    "shard_map body is traced for its own mesh's per-device shapes, so it is analysed "
+    "for a target with the same axis sizes; build the step on the target's mesh "
+    "(jax_overlap.targets.compile_only_mesh(target, {axis: size, ...})) or choose a "
+    "target with as many GPUs"
+  )
 
 
 def _has_concrete_mesh(jaxpr) -> bool:
