@@ -308,3 +308,9 @@ Total bytes used: 464
     assert cats["fragmentation"] == 400 - 356
     assert sum(cats.values()) == 400
     assert peak[0] == ("ag", "gathered_weights", 256)
+
+
+def test_breakdown_names_an_unknown_target():
+  fn, args = _make(_cpu_mesh())
+  with pytest.raises(ValueError, match=r"breakdown: unknown target 'h100-8'.*platform of this"):
+    memory.breakdown(fn, *args, target="h100-8")

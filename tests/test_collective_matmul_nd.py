@@ -271,6 +271,30 @@ def test_bidirectional_needs_an_even_block():
     jax.jit(g)(x, w)
 
 
+def test_dimensions_that_the_dots_do_not_have_are_refused():
+  # A gathered dimension the dots contract, or one x does not have, and a scatter
+  # dimension the output does not have: named, before any trace of the ring.
+  mesh = _mesh(2)
+  x, w = jnp.ones((1, 8, 4)), jnp.ones((4, 3))
+  dn = (((2,), (0,)), ((), ()))
+  dots = [(w, True, dn, None, None, (1, 16, 3), jnp.float32)]
+  cases = [
+    (lambda x, w: cm.all_gather_dot_generals(x, dots, axis="tensor", gather_dim=2),
+     r"gather_dim 2 is a contracting dimension of dots\[0\]"),
+    (lambda x, w: cm.all_gather_dot_generals(x, dots, axis="tensor", gather_dim=7),
+     r"gather_dim must be a dimension of x \(0 to 2\), got 7"),
+    (lambda x, w: cm.all_gather_dot_generals(x, [dots[0][:3]], axis="tensor", gather_dim=1),
+     r"dots\[0\] must be \(w, x_is_lhs, dimension_numbers"),
+    (lambda x, w: cm.dot_general_reduce_scatter(
+        x, w, dimension_numbers=dn, axis="tensor", scatter_dim=5),
+     r"scatter_dim must be a dimension of the dot's 3-D output \(0 to 2\), got 5"),
+  ]  # fmt: skip
+  for fn, message in cases:
+    g = jax.shard_map(fn, mesh=mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False)
+    with pytest.raises(ValueError, match=message):
+      jax.jit(g)(x, w)
+
+
 @pytest.mark.parametrize(
   "pieces, message",
   [

@@ -163,6 +163,13 @@ def test_validate_env_variables_and_warnings():
   ]
   (w,) = flags.validate("--xla_gpu_enable_highest_priority_async_stream=false")
   assert w.severity == "warning" and "priority" in w.message
+  # NCCL's older channel names are known; other NCCL variables are not XLA's to check and
+  # nothing XLA aborts on: a warning that says so, not an error.
+  assert flags.validate({"NCCL_MAX_NCHANNELS": "8", "NCCL_MIN_NCHANNELS": "4"}) == []
+  (d,) = flags.validate({"NCCL_DEBUG": "INFO"})
+  assert (d.severity, d.kind) == ("warning", "unknown") and "not checked" in d.message
+  (x,) = flags.validate({"NCCL_DEBUGG": "INFO", "xla_gpu_enable_latency_hiding_scheduler": True})
+  assert x.name == "NCCL_DEBUGG" and x.severity == "warning"
 
 
 def test_validate_good_flags_and_types():

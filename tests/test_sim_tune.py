@@ -203,8 +203,13 @@ def test_plan_naming_missing_kernels():
   bad = {"version": 1, "kernels": [{"match": "attention_*", "blocks_per_sm": 1}]}
   with pytest.raises(ValueError, match=r"plan kernels\[0\] \('attention_\*'\) names no kernel"):
     sim.simulate(wl, target="h100", policy=bad)
-  with pytest.raises(ValueError, match=r"exactly one of 'match' or 'regex'"):
+  with pytest.raises(ValueError, match=r"exactly one of 'match' (\(glob\) )?or 'regex'"):
     sim.policy_from_plan({"kernels": [{"blocks_per_sm": 1}]}, wl)
+  # Read as the runtime reads a plan: a key it does not know is refused, not ignored.
+  with pytest.raises(ValueError, match=r"unknown key 'priority'; valid keys: .*streams"):
+    sim.simulate(wl, target="h100", policy={"priority": "highest"})
+  with pytest.raises(TypeError, match=r"workload must be a sim.Workload, got dict"):
+    sim.tune({"items": []}, target="h100")
 
 
 def test_plan_rules_use_launch_names_and_one_setting_per_function():

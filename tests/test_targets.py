@@ -87,6 +87,11 @@ def test_compile_only_mesh_shapes():
     targets.compile_only_mesh("h100x8", {"fsdp": 3, "tensor": 2})
   with pytest.raises(ValueError, match="only available for NVIDIA"):
     targets.compile_only_mesh("mi250xx8")
+  # One axis is a one-name sequence: a string is not read letter by letter.
+  with pytest.raises(TypeError, match=r"got the string 'fsdp'; write \('fsdp',\)"):
+    targets.compile_only_mesh("h100x8", "fsdp")
+  with pytest.raises(ValueError, match="axis names must differ"):
+    targets.compile_only_mesh("h100x8", ("fsdp", "fsdp"), (4, 2))
 
 
 @pytest.mark.parametrize("name", ["a40x8", "a100x8", "h100x8", "h200x8"])

@@ -563,7 +563,9 @@ def compile_only_mesh(
     with shardings on it compile for the target on this machine.
 
   Raises:
-    ValueError: if the axis sizes do not multiply to the device count.
+    ValueError: if the axis sizes do not multiply to the device count, or two axes
+      share a name.
+    TypeError: if ``axes`` is a string (one axis is ``("fsdp",)``).
 
   Example:
     >>> mesh = compile_only_mesh("h100x8", {"fsdp": 4, "tensor": 2})  # doctest: +SKIP
@@ -572,6 +574,11 @@ def compile_only_mesh(
   from jax.sharding import Mesh
 
   topo = get(target)
+  if isinstance(axes, str):
+    raise TypeError(
+      f"compile_only_mesh: axes must be a sequence of axis names or a mapping of name to "
+      f"size, got the string {axes!r}; write ({axes!r},)"
+    )
   if isinstance(axes, dict):
     names_, sizes = tuple(axes), tuple(int(v) for v in axes.values())
   else:
@@ -584,6 +591,8 @@ def compile_only_mesh(
     raise ValueError(
       f"compile_only_mesh: need one size per axis name, got axes={names_} shape={sizes}"
     )
+  if len(set(names_)) != len(names_):
+    raise ValueError(f"compile_only_mesh: axis names must differ, got {names_}")
   if int(np.prod(sizes)) != topo.num_devices:
     raise ValueError(
       f"compile_only_mesh: mesh shape {dict(zip(names_, sizes))} has {int(np.prod(sizes))} "

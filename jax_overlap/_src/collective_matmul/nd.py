@@ -64,6 +64,7 @@ def all_gather_dot_generals(
   Returns:
     (list of the dots' outputs, the gathered value or None).
   """
+  _check_gather(x, dots, gather_dim)
   if method == "pieces":
     return _ag_pieces(x, dots, axis, gather_dim, collect, pieces)
   if method != "ring":
@@ -147,10 +148,23 @@ def dot_general_reduce_scatter(
     )
   n = int(lax.axis_size(axis))
   d = lax.axis_index(axis)
-  (lc, rc), (lb, rb) = dimension_numbers
+  try:
+    (lc, rc), (lb, rb) = dimension_numbers
+  except (TypeError, ValueError):
+    raise ValueError(
+      "dot_general_reduce_scatter: dimension_numbers must be ((lhs_contracting, "
+      "rhs_contracting), (lhs_batch, rhs_batch)) as for lax.dot_general, got "
+      f"{dimension_numbers!r}"
+    ) from None
   l_free = [i for i in range(lhs.ndim) if i not in lc and i not in lb]
   r_free = [i for i in range(rhs.ndim) if i not in rc and i not in rb]
   nb = len(lb)
+  out_ndim = nb + len(l_free) + len(r_free)
+  if not isinstance(scatter_dim, int) or not 0 <= scatter_dim < out_ndim:
+    raise ValueError(
+      f"dot_general_reduce_scatter: scatter_dim must be a dimension of the dot's "
+      f"{out_ndim}-D output (0 to {out_ndim - 1}), got {scatter_dim!r}"
+    )
   if scatter_dim < nb:
     raise ValueError("dot_general_reduce_scatter: scatter_dim is a batch dimension of the dot")
   if scatter_dim < nb + len(l_free):
@@ -209,3 +223,28 @@ def dot_general_reduce_scatter(
       for j, (a, dj) in enumerate(zip(accs, dirs))
     ]
   return accs[0] if len(accs) == 1 else jnp.concatenate(accs, axis=scatter_dim)
+
+
+def _check_gather(x, dots, gather_dim) -> None:
+  """Refuses a ``dots`` entry of the wrong form, or a ``gather_dim`` that is not a free
+  dimension of ``x`` in every dot."""
+  api = "all_gather_dot_generals"
+  if not isinstance(gather_dim, int) or not 0 <= gather_dim < x.ndim:
+    raise ValueError(
+      f"{api}: gather_dim must be a dimension of x (0 to {x.ndim - 1}), got {gather_dim!r}"
+    )
+  for i, dot in enumerate(dots):
+    if not isinstance(dot, (tuple, list)) or len(dot) != 7:
+      raise ValueError(
+        f"{api}: dots[{i}] must be (w, x_is_lhs, dimension_numbers, precision, "
+        f"preferred_element_type, out_shape, out_dtype), got {dot!r}"
+      )
+    _, lhs, dn, *_ = dot
+    (lc, rc), (lb, rb) = dn
+    taken = (tuple(lc) + tuple(lb)) if lhs else (tuple(rc) + tuple(rb))
+    if gather_dim in taken:
+      role = "contracting" if gather_dim in (lc if lhs else rc) else "batch"
+      raise ValueError(
+        f"{api}: gather_dim {gather_dim} is a {role} dimension of dots[{i}] "
+        f"(dimension_numbers {dn}); the gathered dimension must be free in every dot"
+      )

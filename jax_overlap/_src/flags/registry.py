@@ -536,6 +536,20 @@ ENTRIES: tuple[Flag, ...] = (
     "Lower bound on NCCL channels (CTAs) per communicator.",
   ),
   _f(
+    "NCCL_MAX_NCHANNELS",
+    "env",
+    "int",
+    "Upper bound on NCCL channels per communicator (the older name of NCCL_MAX_CTAS, "
+    "still read): fewer channels take fewer SMs beside the GEMMs and make each "
+    "collective slower (sim.realize's channels= simulates it).",
+  ),
+  _f(
+    "NCCL_MIN_NCHANNELS",
+    "env",
+    "int",
+    "Lower bound on NCCL channels per communicator (the older name of NCCL_MIN_CTAS).",
+  ),
+  _f(
     "NCCL_NCHANNELS_PER_NET_PEER",
     "env",
     "int",

@@ -72,6 +72,7 @@ def version_tuple(v: str) -> tuple[int, ...]:
   return tuple(int(p) for p in re.findall(r"\d+", v)[:3])
 
 
+_ENV_PREFIXES = ("NCCL_", "CUDA_", "CUBLAS_", "CUDNN_")
 _ABORTS = "in XLA_FLAGS it aborts the process at backend start"
 _TYPE_WORDS = {
   "bool": "a bool (true, false, 1 or 0)",
@@ -235,6 +236,19 @@ def _read_mapping(options: Mapping[Any, Any], problems: list[Problem]) -> list[s
     flag = REGISTRY.get(name)
     if flag is not None and flag.kind == "env":
       problems.extend(_env_problems(flag, v))
+      continue
+    if flag is None and name.startswith(_ENV_PREFIXES):
+      # NCCL and CUDA read many more variables than the registry knows (NCCL_DEBUG,
+      # NCCL_IB_HCA ...): not XLA's to check, and nothing XLA aborts on.
+      problems.append(
+        Problem(
+          name,
+          "unknown",
+          f"{name!r} is an environment variable jax_overlap does not know: not checked "
+          "(set it in the environment; XLA does not read it)",
+          severity="warning",
+        )
+      )
       continue
     if flag is None and not name.startswith("xla_"):
       problems.append(

@@ -135,6 +135,11 @@ def policy_from_plan(plan, wl: Workload) -> Policy:
     raise TypeError(
       f"jax_overlap.sim: a plan must be a dict or JSON text, got {type(plan).__name__}"
     )
+  # Read as the runtime reads it (unknown keys and bad values refused; the version may be
+  # left out of a plan written for the simulator).
+  from jax_overlap._src import plan as plan_lib
+
+  plan_lib.Plan.from_json({"version": plan_lib.PLAN_VERSION, **plan})
   rules = plan.get("kernels", [])
   names = [it.name for it in wl.items if not isinstance(it, Collective)]
   shaping: dict[str, object] = {}

@@ -370,6 +370,15 @@ def tune(
     >>> res.plan["streams"]["priority"] in ("highest", "default")
     True
   """
+  if not isinstance(workload, Workload):
+    hint = (
+      "; a jax_overlap.analyze Report becomes one with sim.workload_from_report(report)"
+      if hasattr(workload, "kernels") and hasattr(workload, "collectives")
+      else ""
+    )
+    raise TypeError(
+      f"sim.tune: workload must be a sim.Workload, got {type(workload).__name__}{hint}"
+    )
   if baseline not in ("priority", "concurrent"):
     raise ValueError(f"sim.tune: baseline must be 'priority' or 'concurrent', got {baseline!r}")
   if method not in ("auto", "exhaustive", "coordinate"):

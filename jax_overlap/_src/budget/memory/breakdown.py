@@ -147,6 +147,11 @@ def _compile(lowered, options: dict, target: str | None, notes: list[str]):
   return compiled, retry
 
 
+def _local_platforms() -> set[str]:
+  """The platforms this process has devices of (a target may name one: ``"cpu"``)."""
+  return {d.platform for d in jax.devices()}
+
+
 def _place_on_target(args: Sequence[Any], target: str | None) -> list[Any]:
   """Gives leaves without a sharding one compile-only device of ``target``."""
   if target is None:
@@ -221,6 +226,16 @@ def breakdown(
       raise ValueError(
         f"budget.memory.breakdown: arg_kinds entries must be one of {_KINDS} or None, got {bad}"
       )
+  if target is not None and target not in _local_platforms():
+    from jax_overlap._src import targets as _targets
+
+    try:
+      _targets.get(target)
+    except ValueError as e:
+      raise ValueError(
+        f"budget.memory.breakdown: {e}, or a platform of this machine "
+        f"({', '.join(sorted(_local_platforms()))})"
+      ) from None
   args = _place_on_target(args, target)
   jitted = (
     fn if hasattr(fn, "lower") else jax.jit(fn, donate_argnums=donate_argnums, keep_unused=True)
