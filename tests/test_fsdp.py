@@ -417,6 +417,28 @@ def test_mesh_argument_wraps_shard_map():
   _assert_close(ref, got, 1e-5, 1e-5)
 
 
+@pytest.mark.parametrize("axis_type", ["Explicit", "Auto"])
+def test_the_docstring_example_on_both_kinds_of_mesh(axis_type):
+  # jax.make_mesh's default axes are Explicit (shard_map then takes its inputs laid out
+  # as its in_specs say): scan_layers lays them out itself, eagerly and under jit.
+  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(getattr(jax.sharding.AxisType, axis_type),))
+
+  def layer(p, x):
+    h = jnp.tanh(x @ p["w"])
+    return h, jnp.mean(h, axis=-1)  # one value per example
+
+  w = jnp.ones((4, 16, 16)) * 0.1
+  x = jnp.arange(8 * 16, dtype=jnp.float32).reshape(8, 16) / 128
+  ref = lax.scan(lambda c, w: layer({"w": w}, c), x, w)
+  _assert_close(ref, scan_layers(layer, {"w": w}, x, mesh=mesh), 1e-6, 1e-6)
+  jitted = jax.jit(lambda w, x: scan_layers(layer, {"w": w}, x, mesh=mesh))
+  _assert_close(ref, jitted(w, x), 1e-6, 1e-6)
+  # A scalar per layer (a mean over this device's rows) has no batch dimension for the
+  # default ys_spec: the error says what to return or pass instead.
+  with pytest.raises(ValueError, match=r"layer_fn returns y: shape \(\) per layer.*ys_spec"):
+    scan_layers(lambda p, x: (jnp.tanh(x @ p["w"]), jnp.mean(x)), {"w": w}, x, mesh=mesh)
+
+
 @pytest.mark.slow
 @settings(max_examples=6, deadline=None)
 @given(

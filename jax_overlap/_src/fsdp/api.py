@@ -113,7 +113,7 @@ def scan_layers(
     >>> mesh = jax.make_mesh((8,), ("fsdp",))  # doctest: +SKIP
     >>> def layer(p, x):
     ...   h = jnp.tanh(x @ p["w"])
-    ...   return h, jnp.mean(h)
+    ...   return h, jnp.mean(h, axis=-1)  # one value per example
     >>> w = jnp.ones((4, 16, 16)) * 0.1  # 4 layers of 16 x 16
     >>> x = jnp.ones((8, 16))
     >>> out, ys = scan_layers(layer, {"w": w}, x, mesh=mesh)  # doctest: +SKIP
@@ -196,6 +196,11 @@ def _scan_layers_mesh(layer_fn, stacked, carry, cfg: _Config, mesh, carry_spec, 
     carry_spec = jax.tree.map(lambda _: P(cfg.axis), carry)
   if ys_spec is None:
     ys_spec = P(None, cfg.axis)
+    _check_default_ys(layer_fn, stacked, carry, cfg)
+  if _explicit(mesh):
+    # A mesh with Explicit axes (jax.make_mesh's default) takes arrays already laid out
+    # as shard_map's in_specs say: put them so.
+    stacked, carry = _laid_out(mesh, (stacked, carry), (param_specs, carry_spec))
 
   def body(p, c):
     return _scan_layers_local(layer_fn, p, c, cfg)
@@ -208,3 +213,44 @@ def _scan_layers_mesh(layer_fn, stacked, carry, cfg: _Config, mesh, carry_spec, 
     check_vma=False,
   )
   return fn(stacked, carry)
+
+
+def _explicit(mesh) -> bool:
+  explicit = getattr(jax.sharding.AxisType, "Explicit", None)
+  return explicit is not None and explicit in tuple(getattr(mesh, "axis_types", ()) or ())
+
+
+def _laid_out(mesh, trees, specs):
+  """``trees`` resharded to ``specs`` (PartitionSpecs, or pytree prefixes of them)."""
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  def put(spec, subtree):
+    sharding = NamedSharding(mesh, spec)
+    return jax.tree.map(lambda x: jax.sharding.reshard(x, sharding), subtree)
+
+  return jax.tree.map(put, specs, trees, is_leaf=lambda x: isinstance(x, P))
+
+
+def _check_default_ys(layer_fn, stacked, carry, cfg: _Config) -> None:
+  """The default ``ys_spec`` stacks per-example outputs (a batch dimension split like the
+  carry's): a per-layer output without one (a scalar such as a mean over this device's
+  rows) needs a ``ys_spec`` of its own, which the error says."""
+  one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], x.dtype), stacked)
+  shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), carry)
+  try:
+    _, ys = jax.eval_shape(layer_fn, one, shapes)
+  except Exception:  # noqa: BLE001 - e.g. collectives over the axis: shard_map will say
+    return
+  flat = jax.tree_util.tree_flatten_with_path(ys)[0]
+  scalars = [
+    f"y{_keystr(path) if path else ''}: shape {tuple(y.shape)}" for path, y in flat if not y.shape
+  ]
+  if scalars:
+    raise ValueError(
+      f"{_API}: with mesh=, the per-layer outputs are stacked as P(None, {cfg.axis!r}) by "
+      f"default (a batch dimension split like the carry's), but layer_fn returns "
+      f"{'; '.join(scalars)} per layer; return per-example values (e.g. a mean over the "
+      f"last dimension only), or pass ys_spec (P() keeps one device's value: reduce it "
+      f"over {cfg.axis!r} in layer_fn first, e.g. with lax.pmean)"
+    )
