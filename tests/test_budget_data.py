@@ -83,6 +83,23 @@ class TestScores:
       )
     with pytest.raises(KeyError, match="score 'excess_loss' is not available"):
       data.combine({"loss": jnp.zeros(2)}, "excess_loss")
+    # A mask is over token positions: of their shape, and only where there are some.
+    with pytest.raises(
+      ValueError, match=r"mask .* shape of the per-token loss, \(4, 6\).*\(4, 5\)"
+    ):
+      data.per_example_scores(
+        jnp.zeros((4, 6, 3)), jnp.zeros((4, 6), jnp.int32), mask=jnp.ones((4, 5))
+      )
+    with pytest.raises(ValueError, match="these logits have no token axis"):
+      data.per_example_scores(jnp.zeros((4, 3)), jnp.zeros(4, jnp.int32), mask=jnp.ones(4))
+    # Labels outside the classes would score a zero loss (one_hot of nothing).
+    with pytest.raises(ValueError, match=r"labels must be in \[0, 3\).*from 0 to 12"):
+      data.per_example_scores(jnp.zeros((2, 3)), jnp.array([0, 12]))
+    with pytest.raises(ValueError, match="labels must be integers, got float32"):
+      data.per_example_scores(jnp.zeros((2, 3)), jnp.zeros(2))
+    # Under jit the values are not known: shapes are still checked, the range is not.
+    jitted = jax.jit(data.per_example_scores)
+    assert jitted(jnp.zeros((2, 3)), jnp.array([0, 2]))["loss"].shape == (2,)
 
   def test_scores_cost_little_inside_a_sharded_step(self):
     mesh = _auto_mesh()

@@ -42,6 +42,23 @@ def _reduce_to_batch(x: jax.Array, mask: jax.Array | None) -> jax.Array:
   return jnp.sum(x * m, axis=axes) / jnp.maximum(jnp.sum(m, axis=axes), 1)
 
 
+def _check_labels(labels, classes: int) -> None:
+  """Integer labels in ``[0, classes)`` (checked where their values are known: not
+  under ``jit``, where ``one_hot`` would give an out-of-range label a zero loss)."""
+  if not jnp.issubdtype(jnp.result_type(labels), jnp.integer):
+    raise ValueError(
+      f"per_example_scores: classification labels must be integers, got {jnp.result_type(labels)}"
+    )
+  if isinstance(labels, jax.core.Tracer):
+    return
+  lo, hi = int(jnp.min(labels)), int(jnp.max(labels))
+  if lo < 0 or hi >= classes:
+    raise ValueError(
+      f"per_example_scores: classification labels must be in [0, {classes}) (the logits' "
+      f"{classes} classes), got values from {lo} to {hi}"
+    )
+
+
 def per_example_scores(
   logits: jax.Array,
   labels: jax.Array,
@@ -73,7 +90,9 @@ def per_example_scores(
     ``el2n`` and ``excess_loss`` are under ``stop_gradient``.
 
   Raises:
-    ValueError: for an unknown ``kind`` or mismatched shapes.
+    ValueError: for an unknown ``kind``, mismatched shapes (labels, mask, reference),
+      or classification labels that are not integers in ``[0, classes)`` (their range is
+      checked where their values are known, outside ``jit``).
 
   Example:
     >>> import jax.numpy as jnp
@@ -96,6 +115,7 @@ def per_example_scores(
           "per_example_scores: classification labels must have the logits' shape without the "
           f"class axis, expected {z.shape[:-1]}, got {labels.shape}"
         )
+      _check_labels(labels, z.shape[-1])
       logp = jax.nn.log_softmax(z, axis=-1)
       onehot = jax.nn.one_hot(labels, z.shape[-1], dtype=z.dtype)
       loss = -jnp.sum(logp * onehot, axis=-1)
@@ -112,6 +132,17 @@ def per_example_scores(
     return 0.5 * jnp.sum(err * err, axis=-1), jnp.sqrt(jnp.sum(err * err, axis=-1))
 
   loss_t, err_t = token_terms(logits)
+  if mask is not None and loss_t.ndim == 1:
+    raise ValueError(
+      "per_example_scores: mask weighs token positions, and these logits have no token "
+      f"axis (one loss per example, {loss_t.shape}); weigh the examples' scores instead"
+    )
+  if mask is not None and tuple(jnp.shape(mask)) != loss_t.shape:
+    raise ValueError(
+      "per_example_scores: mask weighs token positions and must have the shape of the "
+      f"per-token loss, {loss_t.shape} (the logits without the class axis), got "
+      f"{tuple(jnp.shape(mask))}"
+    )
   out = {"loss": _reduce_to_batch(loss_t, mask), "el2n": _reduce_to_batch(err_t, mask)}
   if reference_logits is not None:
     reference_loss = _reduce_to_batch(token_terms(jax.lax.stop_gradient(reference_logits))[0], mask)
