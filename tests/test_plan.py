@@ -111,7 +111,13 @@ BAD_PLANS = [
   (
     {"version": 1, "target": "h1000"},
     ValueError,
-    "'target': unknown GPU 'h1000'; valid choices: a100, a100-40, a40, h100, h200, mi250x",
+    "'target': unknown GPU 'h1000'; a plan's target names the GPU, one of: a100, a100-40, a40, "
+    "h100, h200, mi250x",
+  ),
+  (
+    {"version": 1, "target": "h100x8"},
+    ValueError,
+    "unknown GPU 'h100x8' ('h100x8' is a topology: its GPU is 'h100')",
   ),
   ({"version": 1, "target": "mi250x"}, ValueError, "is not an NVIDIA GPU"),
   ({"version": 1, "kernels": {"match": "x"}}, TypeError, "'kernels' must be a list of rules"),

@@ -456,9 +456,13 @@ class Plan:
     try:
       gpu = targets.get_gpu(self.target)
     except ValueError:
+      try:  # a topology such as "h100x8", as analyze and sim take it
+        hint = f" ({self.target!r} is a topology: its GPU is {targets.get(self.target).gpu.name!r})"
+      except ValueError:
+        hint = ""
       raise ValueError(
-        f"{_API}: 'target': unknown GPU {self.target!r}; valid choices: "
-        f"{', '.join(targets.names())}"
+        f"{_API}: 'target': unknown GPU {self.target!r}{hint}; a plan's target names the GPU, "
+        f"one of: {', '.join(targets.names())}"
       ) from None
     if gpu.vendor != "nvidia":
       raise ValueError(
