@@ -201,7 +201,14 @@ def _cmd_analyze(args: Sequence[str]) -> int:
   options: dict = {}
   if FLAGS.recommended:
     options.update(flags_lib.as_compiler_options(target=FLAGS.target, workload=FLAGS.workload))
-  options.update(_parse_options(FLAGS["xla-option"].value))
+  given = _parse_options(FLAGS["xla-option"].value)
+  if given:
+    # A misspelt or malformed option is the user's: said as a usage error, before any
+    # compile (XLA would refuse it with a RuntimeError of its own).
+    errors = [p for p in flags_lib.validate(given) if p.severity == "error"]
+    if errors:
+      raise UsageError("; ".join(f"--xla-option {p.name}: {p.message}" for p in errors))
+  options.update(given)
   built = builder()
   if not (isinstance(built, tuple) and len(built) == 2):
     raise UsageError(f"{args[0]} must return (fn, args), got {type(built).__name__}")

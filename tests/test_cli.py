@@ -180,6 +180,17 @@ _BAD_INPUT = [
   (("launch", "--plan", "/no_such_plan.json", "--", "true"), 2, "no plan file"),
   (("launch", "--plan", "/", "--", "true"), 2, "--plan / is a directory"),
   (("simulate", "--target", "h999x8"), 2, "unknown target 'h999x8'"),
+  (
+    (
+      "analyze",
+      "jax_overlap.examples.fsdp_mlp:build",
+      "-X",
+      "xla_gpu_enable_latency_hidng_scheduler=1",
+    ),
+    2,
+    "--xla-option xla_gpu_enable_latency_hidng_scheduler: xla_gpu_enable_latency_hidng_scheduler "
+    "is not an option of jaxlib",
+  ),
 ]
 
 
