@@ -132,3 +132,8 @@ def test_analyze_a_shard_map_step_for_a_target_of_another_size(target):
     jax_overlap.analyze(fn, *args, target=target)
   report = jax_overlap.analyze(lambda w, x: jnp.mean(jnp.tanh(x @ w)), *args, target=target)
   assert report.collectives
+  # Scaled to 6 GPUs the mesh splits 128 rows six ways: said before any trace.
+  with pytest.raises(ValueError, match=r"split along dimension 0 .* \{'fsdp': 6\} \(the "
+                     r"arguments' mesh \{'fsdp': 8\} scaled to the target\): 128 does not "
+                     r"divide by 6"):  # fmt: skip
+    jax_overlap.analyze(lambda w, x: jnp.mean(x @ w), *args, target="h100x6")

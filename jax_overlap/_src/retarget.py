@@ -71,6 +71,27 @@ def _retarget_sharding(s, mesh: Mesh):
   return s
 
 
+def _check_divisible(shape, sharding: NamedSharding, source) -> None:
+  """An argument's dimensions split over the target mesh's axes (whose sizes may differ
+  from its own mesh's, scaled to the target's device count) divide by them."""
+  sizes = dict(sharding.mesh.shape)
+  for d, entry in enumerate(tuple(sharding.spec)[: len(shape)]):
+    axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+    n = math.prod(sizes[a] for a in axes if a in sizes)
+    if n > 1 and shape[d] % n:
+      was = (
+        f" (the arguments' mesh {dict(source.shape)} scaled to the target)"
+        if (isinstance(source, Mesh) and dict(source.shape) != sizes)
+        else ""
+      )
+      raise ValueError(
+        f"an argument of shape {tuple(shape)} is split along dimension {d} over {axes} of "
+        f"the target mesh {sizes}{was}: {shape[d]} does not divide by {n}; choose a target "
+        "whose device count divides the argument's dimensions, or pass mesh= with sizes "
+        "that do"
+      )
+
+
 def _spec_axes(spec) -> list[str]:
   out = []
   for entry in spec:
@@ -89,9 +110,12 @@ def retarget_arg(x, mesh: Mesh | None):
   ):
     sharding = getattr(x, "sharding", None)
     if mesh is not None:
+      source = getattr(sharding, "mesh", None)
       sharding = _retarget_sharding(sharding, mesh) if sharding is not None else None
       if sharding is not None and not isinstance(sharding, NamedSharding):
         sharding = None
+      if sharding is not None:
+        _check_divisible(np.shape(x), sharding, source)
     return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
   return x
 
