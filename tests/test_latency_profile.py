@@ -82,10 +82,12 @@ def test_xla_schedules_by_the_profiles_costs(tmp_path, analysed):
   assert cheap != costly
 
 
-def test_a_conditional_costs_its_counted_branch_and_xla_misses_nothing(tmp_path, capfd):
+def test_a_conditional_costs_its_counted_branch_and_xla_misses_nothing_it_costs(tmp_path, capfd):
   # Gradient clipping under lax.cond: the conditional is one node of XLA's schedule. The
-  # profile gives it the cost of the branch the analysis counted, and XLA's scheduler,
-  # reading the profile back, finds every instruction it costs (it logs those it misses).
+  # profile gives it the cost of the branch the analysis counted, names every instruction
+  # as XLA's scheduler knows it (XLA 0.11 renames a collective it makes synchronous after
+  # scheduling), and XLA, reading the profile back, misses none the analysis costs: at
+  # most the instructions of the branch it does not count (XLA's own estimate for them).
   import jax
   import jax.numpy as jnp
   from jax.sharding import NamedSharding
@@ -112,20 +114,27 @@ def test_a_conditional_costs_its_counted_branch_and_xla_misses_nothing(tmp_path,
   text = jax_overlap.latency_profile.profile_text(report)
   costs = {n: float(us) for n, us in re.findall(r'name: "([^"]+)" cost_us: ([0-9.]+)', text)}
   items = {k.name.split("@")[0]: k.time_s * 1e6 for k in [*report.kernels, *report.collectives]}
-  branches = [
-    sum(items.get(i.name, 0.0) for i in module.computations[b].instructions) for b in cond.called
-  ]
-  assert max(branches) > 0
-  assert costs[cond.name] == pytest.approx(max(branches), abs=2e-3)
+  branches = {
+    b: sum(items.get(i.name, 0.0) for i in module.computations[b].instructions) for b in cond.called
+  }
+  counted = max(branches, key=branches.get)
+  assert branches[counted] > 0
+  assert costs[cond.name] == pytest.approx(branches[counted], abs=2e-3)
+  uncounted = {
+    i.name for b in cond.called if b != counted for i in module.computations[b].instructions
+  }
 
-  def misses(profile: str) -> bool:
+  def missed(profile: str) -> set[str]:
+    """The instructions XLA's scheduler found no cost for in ``profile``."""
     path = tmp_path / f"{len(profile)}.pbtxt"
     path.write_text(profile)
     capfd.readouterr()
     opts_p = {**opts, jax_overlap.latency_profile.OPTION: str(path)}
     jax_overlap.analyze(step, w, x, target="h100x8", xla_options=opts_p)
-    return "instructions from the profile" in capfd.readouterr().err
+    err = capfd.readouterr().err
+    return set(re.findall(r"profile_guided_latency_estimator\.cc:\d+\]   (\S+)", err))
 
-  assert not misses(text)
+  assert missed(text) <= uncounted
   # Without the conditional's entry XLA says so (what the check above would see).
-  assert misses("".join(line + "\n" for line in text.splitlines() if cond.name not in line))
+  without = "".join(line + "\n" for line in text.splitlines() if cond.name not in line)
+  assert cond.name in missed(without)

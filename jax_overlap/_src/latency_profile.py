@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import tempfile
 
 from jax_overlap._src import cache as cache_lib
@@ -31,7 +32,7 @@ def profile_text(report: report_lib.Report) -> str:
   """The ``ProfiledInstructionsProto`` text of ``report``'s kernel and collective costs.
 
   Loop bodies appear once per iteration in a report (``name@i``); the profile
-  names each instruction once. A ``conditional`` (a ``lax.cond``, ``lax.switch``) is
+  names each instruction once, by the name XLA's scheduler knows it by. A ``conditional`` (a ``lax.cond``, ``lax.switch``) is
   one node of XLA's schedule: it costs what its branch the analysis counted (the most
   expensive) costs, the sum of that branch's kernels and collectives, a loop in it counted
   for one iteration (XLA warns of every instruction its scheduler costs that a profile
@@ -43,8 +44,22 @@ def profile_text(report: report_lib.Report) -> str:
     if name and name not in costs:
       costs[name] = item.time_s
   costs.update(_conditional_costs(report, costs))
-  lines = [f'costs {{ name: "{n}" cost_us: {t * 1e6:.3f} }}' for n, t in costs.items()]
+  # XLA's scheduler knows an instruction by the name it had then (``scheduling_name`` in
+  # its metadata): XLA 0.11 turns a collective with nothing beside it into a synchronous
+  # one after scheduling ("all-reduce.3", scheduled as "all-reduce-start").
+  names = _scheduling_names(report.hlo_text or "")
+  lines = [
+    f'costs {{ name: "{names.get(n, n)}" cost_us: {t * 1e6:.3f} }}' for n, t in costs.items()
+  ]
   return "\n".join(lines) + "\n"
+
+
+_SCHEDULING_NAME = re.compile(r'^\s*(?:ROOT )?%([^\s=]+) = [^\n]*?scheduling_name="([^"]+)"', re.M)
+
+
+def _scheduling_names(hlo_text: str) -> dict[str, str]:
+  """Instruction name -> the name XLA's scheduler gave it, where the two differ."""
+  return {a: b for a, b in _SCHEDULING_NAME.findall(hlo_text) if a != b}
 
 
 def _conditional_costs(report: report_lib.Report, costs: dict[str, float]) -> dict[str, float]:
