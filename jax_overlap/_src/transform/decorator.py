@@ -193,17 +193,22 @@ class Overlapped:
       for j in range(starts[i], starts[i + 1])
     ]
 
+  @functools.cached_property
   def _base(self):
-    """The step as ``jax.jit`` traces it, with its static arguments."""
+    """The step as ``jax.jit`` traces it, with its static arguments (made once: every
+    call of the step asks)."""
     if hasattr(self.fn, "trace"):
       return self.fn
     keep = ("static_argnums", "static_argnames")
     return jax.jit(self.fn, **{k: v for k, v in self.settings.jit_kwargs.items() if k in keep})
 
+  @functools.cached_property
+  def _statics(self) -> _Statics:
+    return _Statics.of(self._base)
+
   def _build(self, args, kwargs):
     st = self.settings
-    base = self._base()
-    statics = _Statics.of(base)
+    base, statics = self._base, self._statics
     _check_args(*statics.dynamic(args, kwargs), st.mesh)
     key = _signature(args, kwargs)
     hit = self._cache.get(key) or self._traced_hit(key, args, kwargs)
