@@ -32,11 +32,11 @@ def profile_text(report: report_lib.Report) -> str:
   """The ``ProfiledInstructionsProto`` text of ``report``'s kernel and collective costs.
 
   Loop bodies appear once per iteration in a report (``name@i``); the profile
-  names each instruction once, by the name XLA's scheduler knows it by. A ``conditional`` (a ``lax.cond``, ``lax.switch``) is
-  one node of XLA's schedule: it costs what its branch the analysis counted (the most
-  expensive) costs, the sum of that branch's kernels and collectives, a loop in it counted
-  for one iteration (XLA warns of every instruction its scheduler costs that a profile
-  leaves out).
+  names each instruction once, by the name XLA's scheduler knows it by. A
+  ``conditional`` (a ``lax.cond``, ``lax.switch``) is one node of XLA's schedule: it
+  costs what its branch the analysis counted (the most expensive) costs, the sum of that
+  branch's kernels and collectives, a loop in it counted for one iteration (XLA warns of
+  every instruction its scheduler costs that a profile leaves out).
   """
   costs: dict[str, float] = {}
   for item in [*report.kernels, *report.collectives]:
