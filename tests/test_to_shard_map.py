@@ -473,3 +473,22 @@ def test_overlap_shard_map_form_keeps_requested_out_shardings(how):
   got = ov(*args)
   _assert_same(got, want, rtol=1e-4, atol=1e-5)
   assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(got[0]))
+
+
+def test_host_arrays_are_laid_out_as_the_jits_in_shardings_say():
+  # jax.jit(step, in_shardings=...) called with host (numpy) arrays: the layouts come from
+  # the jit, so the step is converted, and computes what it computes as written.
+  mesh = _mesh((8,), ("fsdp",))
+  w_s, x_s = NamedSharding(mesh, P("fsdp")), NamedSharding(mesh, P("fsdp"))
+
+  def step(w, x):
+    g = jax.grad(lambda w: jnp.mean(jnp.tanh(x @ w) ** 2))(w)
+    return w - 0.1 * g
+
+  fn = jax.jit(step, in_shardings=(w_s, x_s), out_shardings=w_s)
+  w = np.asarray(jax.random.normal(jax.random.key(0), (64, 64))) / 8
+  x = np.asarray(jax.random.normal(jax.random.key(1), (16, 64)))
+  ov = jax_overlap.overlap(fn, gspmd="convert", cache=False)
+  notes = ov.explain(w, x).notes
+  assert any(n.startswith("converted to shard_map") for n in notes), notes
+  np.testing.assert_allclose(np.asarray(ov(w, x)), np.asarray(fn(w, x)), rtol=2e-6, atol=2e-7)

@@ -127,6 +127,20 @@ def _check_args(args, kwargs, mesh) -> None:
           )
 
 
+def _laid_out_by_jit(leaves: list, in_shardings) -> list:
+  """Arguments with no layout of their own (host arrays) laid out as the step's jit says
+  (its ``in_shardings``), for the conversion to shard_map to follow."""
+  if not in_shardings or len(in_shardings) != len(leaves):
+    return leaves
+  return [
+    jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s)
+    if isinstance(s, jax.sharding.NamedSharding)
+    and not isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding)
+    else x
+    for x, s in zip(leaves, in_shardings)
+  ]
+
+
 def _platform(args, kwargs, mesh) -> str:
   """The platform the step compiles for, read from the arguments' shardings."""
   for x in jax.tree.leaves((args, kwargs)):
@@ -370,7 +384,9 @@ class Overlapped:
                    "arguments leaf for leaf")  # fmt: skip
       return None
     params = self._param_leaves(args, statics)
-    out_shardings = getattr(traced, "_params", {}).get("out_shardings")
+    jit_params = getattr(traced, "_params", {})
+    leaves = _laid_out_by_jit(leaves, jit_params.get("in_shardings"))
+    out_shardings = jit_params.get("out_shardings")
     try:
       conv = to_shard_map.convert(closed, leaves, out_shardings, params_leaves=params)
       avals = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
