@@ -475,20 +475,23 @@ def test_overlap_shard_map_form_keeps_requested_out_shardings(how):
   assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(got[0]))
 
 
-def test_host_arrays_are_laid_out_as_the_jits_in_shardings_say():
-  # jax.jit(step, in_shardings=...) called with host (numpy) arrays: the layouts come from
-  # the jit, so the step is converted, and computes what it computes as written.
+def test_host_arrays_and_scalars_are_laid_out_as_the_jits_in_shardings_say():
+  # jax.jit(step, in_shardings=...) called with host (numpy) arrays and a Python float:
+  # the layouts come from the jit, so the step is converted (a scalar argument crashed
+  # the conversion), and computes what it computes as written.
   mesh = _mesh((8,), ("fsdp",))
   w_s, x_s = NamedSharding(mesh, P("fsdp")), NamedSharding(mesh, P("fsdp"))
 
-  def step(w, x):
+  def step(w, x, lr):
     g = jax.grad(lambda w: jnp.mean(jnp.tanh(x @ w) ** 2))(w)
-    return w - 0.1 * g
+    return w - lr * g
 
-  fn = jax.jit(step, in_shardings=(w_s, x_s), out_shardings=w_s)
+  fn = jax.jit(step, in_shardings=(w_s, x_s, None), out_shardings=w_s)
   w = np.asarray(jax.random.normal(jax.random.key(0), (64, 64))) / 8
   x = np.asarray(jax.random.normal(jax.random.key(1), (16, 64)))
   ov = jax_overlap.overlap(fn, gspmd="convert", cache=False)
-  notes = ov.explain(w, x).notes
+  notes = ov.explain(w, x, 0.1).notes
   assert any(n.startswith("converted to shard_map") for n in notes), notes
-  np.testing.assert_allclose(np.asarray(ov(w, x)), np.asarray(fn(w, x)), rtol=2e-6, atol=2e-7)
+  np.testing.assert_allclose(
+    np.asarray(ov(w, x, 0.1)), np.asarray(fn(w, x, 0.1)), rtol=2e-6, atol=2e-7
+  )

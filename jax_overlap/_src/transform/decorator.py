@@ -127,18 +127,27 @@ def _check_args(args, kwargs, mesh) -> None:
           )
 
 
-def _laid_out_by_jit(leaves: list, in_shardings) -> list:
-  """Arguments with no layout of their own (host arrays) laid out as the step's jit says
-  (its ``in_shardings``), for the conversion to shard_map to follow."""
-  if not in_shardings or len(in_shardings) != len(leaves):
-    return leaves
-  return [
-    jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s)
-    if isinstance(s, jax.sharding.NamedSharding)
-    and not isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding)
-    else x
-    for x, s in zip(leaves, in_shardings)
-  ]
+def _abstract_leaves(leaves: list, invars, in_shardings) -> list:
+  """The arguments as the traced program takes them (shape, dtype and weak type from its
+  inputs: a Python scalar is one too), each with its own layout or, for one without
+  (host arrays, scalars), the layout the step's jit gives it (``in_shardings``)."""
+  named = jax.sharding.NamedSharding
+  jit_sharding = list(in_shardings or ())
+  if len(jit_sharding) != len(leaves):
+    jit_sharding = [None] * len(leaves)
+  out = []
+  for x, v, s in zip(leaves, invars, jit_sharding):
+    own = getattr(x, "sharding", None)
+    sharding = own if isinstance(own, named) or not isinstance(s, named) else s
+    out.append(
+      jax.ShapeDtypeStruct(
+        v.aval.shape,
+        v.aval.dtype,
+        weak_type=bool(getattr(v.aval, "weak_type", False)),
+        sharding=sharding,
+      )
+    )
+  return out
 
 
 def _platform(args, kwargs, mesh) -> str:
@@ -385,12 +394,10 @@ class Overlapped:
       return None
     params = self._param_leaves(args, statics)
     jit_params = getattr(traced, "_params", {})
-    leaves = _laid_out_by_jit(leaves, jit_params.get("in_shardings"))
+    avals = _abstract_leaves(leaves, closed.jaxpr.invars, jit_params.get("in_shardings"))
     out_shardings = jit_params.get("out_shardings")
     try:
-      conv = to_shard_map.convert(closed, leaves, out_shardings, params_leaves=params)
-      avals = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
-               for x in leaves]  # fmt: skip
+      conv = to_shard_map.convert(closed, avals, out_shardings, params_leaves=params)
       smap = jax.make_jaxpr(conv.fn)(*avals)
     except to_shard_map.Refused as e:
       notes.append(f"not converted to shard_map: {e}")
