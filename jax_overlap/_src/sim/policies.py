@@ -127,45 +127,36 @@ def policy_from_plan(plan, wl: Workload) -> Policy:
   Raises:
     ValueError: for a rule that matches no kernel of the workload, or a malformed plan.
   """
-  if hasattr(plan, "to_dict"):
-    plan = plan.to_dict()
-  elif isinstance(plan, str):
-    plan = json.loads(plan)
-  if not isinstance(plan, Mapping):
-    raise TypeError(
-      f"jax_overlap.sim: a plan must be a dict or JSON text, got {type(plan).__name__}"
-    )
-  # Read as the runtime reads it (unknown keys and bad values refused; the version may be
-  # left out of a plan written for the simulator).
   from jax_overlap._src import plan as plan_lib
 
-  plan_lib.Plan.from_json({"version": plan_lib.PLAN_VERSION, **plan})
-  rules = plan.get("kernels", [])
+  if isinstance(plan, str):
+    plan = json.loads(plan)
+  if isinstance(plan, Mapping):
+    # Read as the runtime reads it (unknown keys and bad values refused); the version may
+    # be left out of a plan written for the simulator.
+    plan = plan_lib.Plan.from_json({"version": plan_lib.PLAN_VERSION, **plan})
+  if not isinstance(plan, plan_lib.Plan):
+    raise TypeError(
+      f"jax_overlap.sim: a plan must be a runtime.Plan, a dict or JSON text, got "
+      f"{type(plan).__name__}"
+    )
   names = [it.name for it in wl.items if not isinstance(it, Collective)]
   shaping: dict[str, object] = {}
-  for i, rule in enumerate(rules):
-    if not isinstance(rule, Mapping) or ("match" in rule) == ("regex" in rule):
-      raise ValueError(
-        f"jax_overlap.sim: plan kernels[{i}] needs exactly one of 'match' or 'regex', got {rule!r}"
-      )
-    if "match" in rule:
-      hits = [n for n in names if fnmatch.fnmatchcase(n, rule["match"])]
+  for i, rule in enumerate(plan.kernels):
+    if rule.match is not None:
+      hits = [n for n in names if fnmatch.fnmatchcase(n, rule.match)]
     else:
-      rx = re.compile(rule["regex"])
+      rx = re.compile(rule.regex)
       hits = [n for n in names if rx.search(n)]
     if not hits:
       raise ValueError(
-        f"jax_overlap.sim: plan kernels[{i}] ({rule.get('match', rule.get('regex'))!r}) "
-        f"names no kernel of workload {wl.name!r}"
+        f"jax_overlap.sim: plan kernels[{i}] ({rule.pattern!r}) names no kernel of workload "
+        f"{wl.name!r}"
       )
-    spec = {k: rule[k] for k in ("blocks_per_sm", "padding_bytes") if k in rule}
+    spec = {k: getattr(rule, k) for k in ("blocks_per_sm", "padding_bytes") if getattr(rule, k)}
     for n in hits:
       shaping.setdefault(n, spec)
-  prio = plan.get("streams", {}).get("priority", "default")
-  if prio not in ("highest", "default"):
-    raise ValueError(
-      f"jax_overlap.sim: plan streams.priority must be 'highest' or 'default', got {prio!r}"
-    )
+  prio = plan.streams.priority
   return Policy("plan", priority=prio == "highest", shaping=shaping)
 
 
