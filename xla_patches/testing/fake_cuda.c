@@ -4,6 +4,9 @@
  * programs use, checks launches against the device limits the way the driver
  * does, and records what it receives.
  *
+ * (Over 500 lines: one short fake per driver entry point the runtime library
+ * resolves, each checking what the driver checks.)
+ *
  * Environment:
  *   FAKE_CUDA_DEVICE  "h100" (default) or "a100": per-SM limits to report.
  *   FAKE_CUDA_LIMITS  overrides, "key=value,...", keys: sm, smem_sm, optin,

@@ -5,6 +5,8 @@ jaxlib versions that accept it (removed and renamed flags included, with what
 replaces them) and why jax_overlap recommends the value it does. Parsing,
 asking the installed jaxlib, validation and configuration live in the sibling
 modules of :mod:`jax_overlap._src.flags`.
+
+(Over 500 lines: most of it is the registry's entries, each with its versions and reason.)
 """
 
 from __future__ import annotations

@@ -7,6 +7,9 @@ with their replacements, flags newer than the installed jaxlib, values that
 work against overlap, and values outside a meaningful range. A problem of
 severity ``"error"`` is exactly one that makes XLA abort the process at
 backend start; ``"warning"`` marks what XLA accepts but is likely a mistake.
+
+(Over 500 lines: one short function per kind of problem, each with the message a user
+reads, beside the two readers of the input they check.)
 """
 
 from __future__ import annotations

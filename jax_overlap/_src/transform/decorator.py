@@ -1,13 +1,12 @@
 """``jax_overlap.overlap``: the decorator, what it builds per input signature (trace, plan,
 convert a GSPMD step, choose a variant with :mod:`.variants`) and how it is called.
-Its keywords are checked in :mod:`.settings`; the variants, their selection and the plan
-live in their own modules."""
+Its keywords are checked in :mod:`.settings` and its arguments read in :mod:`.arguments`;
+the variants, their selection and the plan live in their own modules."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +15,7 @@ import numpy as np
 
 from jax_overlap._src import errors, kernel_cache, selection_cache
 from jax_overlap._src import flags as flags_lib
-from jax_overlap._src.transform import to_shard_map, variants
+from jax_overlap._src.transform import arguments, to_shard_map, variants
 from jax_overlap._src.transform.evaluate import _collect, _Config, _evaluate
 from jax_overlap._src.transform.explain import Action, Explanation
 from jax_overlap._src.transform.planning import parameter_avals, parameter_inputs
@@ -35,150 +34,6 @@ from jax_overlap._src.transform.variants import (
 # ---------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class _Statics:
-  """The step's static arguments (``static_argnums`` / ``static_argnames`` of a jitted
-  ``fn``, or given to ``overlap``): hashable values that choose the program, not inputs
-  of it. The traced program takes the other arguments' leaves."""
-
-  argnums: tuple[int, ...] = ()
-  argnames: tuple[str, ...] = ()
-
-  @classmethod
-  def of(cls, jitted) -> _Statics:
-    info = getattr(jitted, "_jit_info", None)
-    return cls(
-      tuple(getattr(info, "static_argnums", ()) or ()),
-      tuple(getattr(info, "static_argnames", ()) or ()),
-    )
-
-  def positions(self, n: int) -> frozenset:
-    return frozenset(i % n for i in self.argnums if -n <= i < n)
-
-  def dynamic(self, args, kwargs) -> tuple[tuple, dict]:
-    """``(args, kwargs)`` without the static ones: what the traced program takes."""
-    static = self.positions(len(args))
-    return (
-      tuple(a for i, a in enumerate(args) if i not in static),
-      {k: v for k, v in kwargs.items() if k not in self.argnames},
-    )
-
-  def jit_kwargs(self) -> dict:
-    """``jax.jit``'s keywords that keep these arguments static."""
-    out: dict = {}
-    if self.argnums:
-      out["static_argnums"] = self.argnums
-    if self.argnames:
-      out["static_argnames"] = self.argnames
-    return out
-
-
-def _check_args(args, kwargs, mesh) -> None:
-  """Checks the step's (dynamic) arguments: arrays, laid out over their mesh's axes."""
-  flat = [
-    ("args" + jax.tree_util.keystr(p), leaf)
-    for p, leaf in jax.tree_util.tree_flatten_with_path(tuple(args))[0]
-  ]
-  flat += [
-    ("kwargs" + jax.tree_util.keystr(p), leaf)
-    for p, leaf in jax.tree_util.tree_flatten_with_path(dict(kwargs))[0]
-  ]
-  for where, leaf in flat:
-    if isinstance(
-      leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic, int, float, bool, complex)
-    ):
-      pass
-    elif hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
-      pass
-    else:
-      raise TypeError(
-        f"overlap: argument {where} is a {type(leaf).__name__}, not an array; pass arrays "
-        "(or jax.ShapeDtypeStruct), close over other values, or mark the argument static "
-        "(static_argnums / static_argnames of jax.jit or of overlap)"
-      )
-    sharding = getattr(leaf, "sharding", None)
-    if isinstance(sharding, jax.sharding.NamedSharding):
-      m = sharding.mesh
-      for dim, entry in enumerate(sharding.spec):
-        if entry is None:
-          continue
-        axes = entry if isinstance(entry, tuple) else (entry,)
-        for a in axes:
-          if a not in m.axis_names:
-            raise ValueError(
-              f"overlap: argument {where} is sharded over mesh axis {a!r}, which the mesh "
-              f"{dict(m.shape)} does not have"
-            )
-        size = math.prod(m.shape[a] for a in axes)
-        if leaf.shape[dim] % size:
-          raise ValueError(
-            f"overlap: argument {where} has dimension {dim} of size {leaf.shape[dim]}, not "
-            f"divisible by the mesh axes {axes} ({size} devices)"
-          )
-  if mesh is not None:
-    for where, leaf in flat:
-      sharding = getattr(leaf, "sharding", None)
-      if isinstance(sharding, jax.sharding.NamedSharding):
-        missing = [a for a in sharding.mesh.axis_names if a not in mesh.axis_names]
-        if missing:
-          raise ValueError(
-            f"overlap: argument {where} uses mesh axes {missing} that "
-            f"mesh= {dict(mesh.shape)} does not have"
-          )
-
-
-def _abstract_leaves(leaves: list, invars, in_shardings) -> list:
-  """The arguments as the traced program takes them (shape, dtype and weak type from its
-  inputs: a Python scalar is one too), each with its own layout or, for one without
-  (host arrays, scalars), the layout the step's jit gives it (``in_shardings``)."""
-  named = jax.sharding.NamedSharding
-  jit_sharding = list(in_shardings or ())
-  if len(jit_sharding) != len(leaves):
-    jit_sharding = [None] * len(leaves)
-  out = []
-  for x, v, s in zip(leaves, invars, jit_sharding):
-    own = getattr(x, "sharding", None)
-    sharding = own if isinstance(own, named) or not isinstance(s, named) else s
-    out.append(
-      jax.ShapeDtypeStruct(
-        v.aval.shape,
-        v.aval.dtype,
-        weak_type=bool(getattr(v.aval, "weak_type", False)),
-        sharding=sharding,
-      )
-    )
-  return out
-
-
-def _platform(args, kwargs, mesh) -> str:
-  """The platform the step compiles for, read from the arguments' shardings."""
-  for x in jax.tree.leaves((args, kwargs)):
-    if isinstance(x, jax.core.Tracer):
-      # Traced under an outer jit: the abstract mesh still names the platform.
-      mesh_ = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
-      platform = getattr(getattr(mesh_, "abstract_device", None), "platform", None)
-      if platform:
-        return str(platform)
-      continue
-    devices = getattr(getattr(x, "sharding", None), "_device_assignment", None)
-    if devices:
-      return str(devices[0].platform)
-  if mesh is not None and getattr(mesh, "devices", None) is not None and mesh.devices.size:
-    return str(mesh.devices.flat[0].platform)
-  return jax.default_backend()
-
-
-def _signature(args, kwargs):
-  leaves, tree = jax.tree.flatten((args, kwargs))
-  sig = []
-  for x in leaves:
-    if hasattr(x, "shape") and hasattr(x, "dtype"):
-      sig.append((tuple(x.shape), str(x.dtype), str(getattr(x, "sharding", None))))
-    else:
-      sig.append(("static", repr(x)))
-  return tree, tuple(sig)
-
-
 class Overlapped:
   """A step function rewritten for overlap; call it like the original.
 
@@ -193,7 +48,7 @@ class Overlapped:
     self._cache: dict = {}
     functools.update_wrapper(self, fn)
 
-  def _param_inputs(self, closed, args, kwargs, statics: _Statics) -> dict | None:
+  def _param_inputs(self, closed, args, kwargs, statics: arguments.Statics) -> dict | None:
     """Positions of parameter inputs per shard_map body, from ``params_argnums``."""
     dyn_args, dyn_kwargs = statics.dynamic(args, kwargs)
     n_all = len(jax.tree.leaves((dyn_args, dyn_kwargs)))
@@ -203,7 +58,7 @@ class Overlapped:
     params = [invars[j] for j in self._param_leaves(args, statics)]
     return parameter_inputs(closed.jaxpr, params) if params else None
 
-  def _param_leaves(self, args, statics: _Statics) -> list[int]:
+  def _param_leaves(self, args, statics: arguments.Statics) -> list[int]:
     """Positions, among the flattened dynamic arguments, of the leaves of
     ``params_argnums`` (positions among all the arguments, static ones included)."""
     static = statics.positions(len(args))
@@ -226,14 +81,14 @@ class Overlapped:
     return jax.jit(self.fn, **{k: v for k, v in self.settings.jit_kwargs.items() if k in keep})
 
   @functools.cached_property
-  def _statics(self) -> _Statics:
-    return _Statics.of(self._base)
+  def _statics(self) -> arguments.Statics:
+    return arguments.Statics.of(self._base)
 
   def _build(self, args, kwargs):
     st = self.settings
     base, statics = self._base, self._statics
-    _check_args(*statics.dynamic(args, kwargs), st.mesh)
-    key = _signature(args, kwargs)
+    arguments.check_args(*statics.dynamic(args, kwargs), st.mesh)
+    key = arguments.signature(args, kwargs)
     hit = self._cache.get(key) or self._traced_hit(key, args, kwargs)
     if hit is not None:
       return hit
@@ -244,7 +99,7 @@ class Overlapped:
     out_tree = jax.tree.structure(out_info)
     annotate = st.annotate
     if annotate == "auto":
-      annotate = st.target is not None or _platform(args, kwargs, st.mesh) != "cpu"
+      annotate = st.target is not None or arguments.platform(args, kwargs, st.mesh) != "cpu"
     param_inputs = self._param_inputs(closed, args, kwargs, statics)
     cfg = _Config(
       st.prefetch,
@@ -384,7 +239,7 @@ class Overlapped:
         return entry
     return None
 
-  def _convert(self, traced, closed, args, kwargs, cfg, notes, statics: _Statics):
+  def _convert(self, traced, closed, args, kwargs, cfg, notes, statics: arguments.Statics):
     """The step's shard_map form planned like a shard_map program: (its jaxpr, config,
     actions, stats), or None with a note saying why it was not converted."""
     leaves = jax.tree.leaves(statics.dynamic(args, kwargs))
@@ -394,7 +249,7 @@ class Overlapped:
       return None
     params = self._param_leaves(args, statics)
     jit_params = getattr(traced, "_params", {})
-    avals = _abstract_leaves(leaves, closed.jaxpr.invars, jit_params.get("in_shardings"))
+    avals = arguments.abstract_leaves(leaves, closed.jaxpr.invars, jit_params.get("in_shardings"))
     out_shardings = jit_params.get("out_shardings")
     try:
       conv = to_shard_map.convert(closed, avals, out_shardings, params_leaves=params)
