@@ -199,3 +199,40 @@ def test_old_lock_files_go_with_the_pruning(store):
   compile_store.save("some step", {"hlo": "text"})
   assert not old.exists() and fresh.exists()
   assert len(_entries(store)) == 1
+
+
+def test_a_file_option_is_keyed_by_what_the_file_holds(store, tmp_path, monkeypatch):
+  # A latency profile XLA schedules by: the same profile in two folders is one compile (a
+  # notebook and a CLI run with cache folders of their own), a profile rewritten in place is
+  # another compile, in the process and in the store.
+  from jax_overlap._src import latency_profile
+
+  fn, args = _step()
+  text = latency_profile.profile_text(jax_overlap.analyze(fn, *args, target="h100x8"))
+  a, b = tmp_path / "a" / "profile.pbtxt", tmp_path / "b" / "profile.pbtxt"
+  for p in (a, b):
+    p.parent.mkdir()
+    p.write_text(text)
+  compiles = []
+  original = compile_lib.compile_lowered
+  monkeypatch.setattr(
+    compile_lib, "compile_lowered", lambda *x, **k: compiles.append(1) or original(*x, **k)
+  )
+
+  def scheduled(path):
+    opts = {latency_profile.OPTION: str(path)}
+    return compile_lib.compile_for_target(fn, *args, target="h100x8", xla_options=opts)
+
+  first, second = scheduled(a), scheduled(b)
+  assert len(compiles) == 1 and second.hlo_text == first.hlo_text
+  compile_lib.clear_memo()
+  assert scheduled(b).compiled is None and len(compiles) == 1  # read from the store
+  a.write_text(text.replace("cost_us: ", "cost_us: 1"))
+  scheduled(a)
+  assert len(compiles) == 2
+  # A folder XLA picks a profile from is keyed by its files.
+  compile_lib.clear_memo()
+  scheduled(b.parent)
+  (b.parent / "other.pbtxt").write_text(text)
+  scheduled(b.parent)
+  assert len(compiles) == 4

@@ -263,15 +263,41 @@ def _memo_key(lowered, options: Mapping[str, Any], topo) -> str | None:
 
   # A kernel cache is named by being there, not by its path (each compile of a selection
   # has a file of its own): the kernel names of a compile that may take kernels from one
-  # are not the step's own, so those compiles are kept apart from the others.
+  # are not the step's own, so those compiles are kept apart from the others. An option
+  # naming a file or folder XLA reads (a latency profile, autotuning results) is keyed by
+  # what is in it: the same profile under another cache folder is the same compile, and a
+  # profile rewritten in place is another.
   opts = sorted(
-    (k, "<kernel cache>" if k == kernel_cache.OPTION else repr(v))
+    (k, "<kernel cache>" if k == kernel_cache.OPTION else _option_key(v))
     for k, v in options.items()
     if k != "xla_dump_to"
   )
   h = hashlib.sha256(text.encode())
   h.update(repr((opts, topo.name, jax.__version__)).encode())
   return h.hexdigest()
+
+
+def _option_key(value: Any) -> str:
+  """An option's value as a compile's key: a path's contents (a file's bytes, or a folder's
+  files by name) for an existing file or folder, else the value's ``repr``."""
+  if isinstance(value, str) and value and os.path.exists(value):
+    h = hashlib.sha256()
+    try:
+      if os.path.isdir(value):
+        for root, dirs, files in os.walk(value):
+          dirs.sort()
+          for name in sorted(files):
+            path = os.path.join(root, name)
+            h.update(os.path.relpath(path, value).encode() + b"\0")
+            with open(path, "rb") as f:
+              h.update(hashlib.sha256(f.read()).digest())
+      else:
+        with open(value, "rb") as f:
+          h.update(f.read())
+    except OSError:
+      return repr(value)  # unreadable here: XLA will say so; keyed by the path
+    return f"<contents {h.hexdigest()}>"
+  return repr(value)
 
 
 def _claim(key: str | None) -> tuple[CompiledStep | None, threading.Event | None]:
