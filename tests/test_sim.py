@@ -656,3 +656,25 @@ def test_kernel_dtype_spellings_simulate_alike():
   assert f32[0][1] > 2 * bf16[0][1]  # FP32 runs off the tensor cores
   with pytest.raises(TypeError, match="dtype must be a name"):
     sim.Kernel.gemm("g", 64, 64, 64, dtype=object())
+
+
+@pytest.mark.parametrize(
+  "build, kwargs, error, message",
+  [
+    (sim.transformer_step, {"layers": 0}, ValueError, r"transformer_step: layers must be at least 1, got 0"),
+    (sim.transformer_step, {"layers": 2.5}, TypeError, r"transformer_step: layers must be an int, got float"),
+    (sim.transformer_step, {"seq": 0}, ValueError, r"transformer_step: seq must be at least 1"),
+    (sim.transformer_step, {"group_size": 0}, ValueError, r"transformer_step: group_size must be at least 1"),
+    (sim.tp_chain, {"n": 0}, ValueError, r"tp_chain: n must be at least 1, got 0"),
+    (sim.tp_chain, {"lag": -1}, ValueError, r"tp_chain: lag must be at least 0, got -1"),
+    (sim.tail_effect, {"gpu_sms": 8}, ValueError, r"tail_effect: gpu_sms must be at least 12, got 8"),
+    (sim.large_step, {"comm_every": 0}, ValueError, r"large_step: comm_every must be at least 1"),
+    (sim.random_workload, {"seed": 0, "streams": 0}, ValueError, r"random_workload: streams must be at least 1"),
+    (lambda **k: sim.attention("a", **k), {"tokens": 8, "d": 128, "seq": 0}, ValueError, r"attention: seq must be at least 1"),
+  ],
+)  # fmt: skip
+def test_workload_builders_refuse_counts_that_build_nothing(build, kwargs, error, message):
+  # A transformer of no layers was a workload of one all-gather, a zero sequence an
+  # attention kernel of no work: the step simulated was not the one asked for.
+  with pytest.raises(error, match=message):
+    build(**kwargs)

@@ -20,7 +20,7 @@ import dataclasses
 import random as _random
 from collections.abc import Sequence
 
-from jax_overlap._src.sim.model import Collective, Kernel, Workload, dtype_bytes
+from jax_overlap._src.sim.model import Collective, Kernel, Workload, _check_int, dtype_bytes
 
 __all__ = [
   "synthetic",
@@ -117,6 +117,8 @@ def attention(
   head dim 128). Causal: ``2 * tokens * seq * d`` flops forward (half of the full
   ``4 * tokens * seq * d``); backward 2.5 times that.
   """
+  for field, value in (("tokens", tokens), ("d", d), ("seq", seq)):
+    _check_int("sim.attention", field, value, 1)
   heads = max(1, d // 128)
   grid = max(1, -(-tokens // 128)) * heads
   flops = 2.0 * tokens * seq * d * (2.5 if backward else 1.0)
@@ -157,6 +159,10 @@ def tp_chain(
   ``i + lag`` consumes reduce-scatter ``i`` (the collective is on the critical path).
   ``kernel(i)`` may supply the compute kernel instead of a GEMM (named ``<its name>.<i>``).
   """
+  for field, value in (("n", n), ("m", m), ("d", d), ("group_size", group_size)):
+    _check_int("sim.tp_chain", field, value, 1)
+  if lag is not None:
+    _check_int("sim.tp_chain", "lag", lag, 0)
   elt = dtype_bytes(dtype)
   items: list = []
   for i in range(n):
@@ -205,6 +211,9 @@ def transformer_step(
   Returns:
     A Workload on two streams (0 compute, 1 communication).
   """
+  for field, value in (("layers", layers), ("d", d), ("tokens", tokens), ("seq", seq)):
+    _check_int("sim.transformer_step", field, value, 1)
+  _check_int("sim.transformer_step", "group_size", group_size, 1)
   elt = dtype_bytes(dtype)
   wbytes = 12 * d * d * elt
   items: list = []
@@ -266,6 +275,9 @@ def tail_effect(
   The all-gather's CTAs take ``channels`` SMs first, so the GEMM's last blocks wait for a
   second wave (the "tail effect" seen on H100, BACKGROUND section 2).
   """
+  _check_int("sim.tail_effect", "gpu_sms", gpu_sms, 12)
+  _check_int("sim.tail_effect", "channels", channels, 1)
+  _check_int("sim.tail_effect", "k", k, 1)
   n_tiles = gpu_sms
   # Hopper 128x256 tiles: a (128 * 12) x (256 * 11) GEMM is 132 tiles.
   m, n = 128 * 12, 256 * (n_tiles // 12)
@@ -280,6 +292,8 @@ def random_workload(
   seed: int, *, n_items: int = 8, max_grid: int = 400, streams: int = 3
 ) -> Workload:
   """A small random workload (tests): kernels with random launch configurations that fit."""
+  for field, value in (("n_items", n_items), ("max_grid", max_grid), ("streams", streams)):
+    _check_int("sim.random_workload", field, value, 1)
   rng = _random.Random(seed)
   items: list = []
   for i in range(n_items):
@@ -326,6 +340,8 @@ def large_step(
   A mix of GEMM-like kernels (1 block/SM tiles) and elementwise fusions, with a collective on
   stream 1 every ``comm_every`` kernels that the kernel ``comm_every`` later waits for.
   """
+  for field, value in (("n_kernels", n_kernels), ("blocks", blocks), ("comm_every", comm_every)):
+    _check_int("sim.large_step", field, value, 1)
   rng = _random.Random(seed)
   per = blocks / n_kernels
   items: list = []
