@@ -149,6 +149,22 @@ class TestGovernor:
     with pytest.raises(ValueError, match="flops is cumulative and must not decrease"):
       gov.update(flops=1e14, loss=1.0)
 
+  def test_a_loss_that_is_not_a_real_scalar_is_refused(self):
+    # float("1.5") would have taken a string for a loss; a batch of losses, or None, is
+    # named as what it is. One-element arrays (a jitted step's loss) are taken.
+    gov = ComputeGovernor(flop_budget=1e18, min_gain_per_pflop=0.0, log=False)
+    assert gov.update(flops=1e14, loss=jnp.float32(2.0)).loss == 2.0
+    assert gov.update(flops=2e14, loss=np.array([1.5])).loss == 1.5
+    for loss, what in [("1.5", "str '1.5'"), (jnp.ones(3), r"an array of shape \(3,\)"),
+                       (None, "NoneType None"), (1 + 2j, r"complex \(1\+2j\)")]:  # fmt: skip
+      with pytest.raises(
+        TypeError, match=f"ComputeGovernor.update: loss must be a real scalar.*got {what}"
+      ):
+        gov.update(flops=3e14, loss=loss)
+    with pytest.raises(TypeError, match="flops must be a real scalar.*got str '3e15'"):
+      gov.update(flops="3e15", loss=1.0)
+    assert len(gov.decisions) == 2
+
   @pytest.mark.parametrize(
     "kwargs, message",
     [

@@ -311,11 +311,13 @@ class ComputeGovernor:
       The :class:`Decision`.
 
     Raises:
+      TypeError: if ``flops`` or ``loss`` is not a real scalar (a string, an array of
+        several values).
       ValueError: if ``flops`` is negative, not finite, or smaller than before.
       FloatingPointError: for a NaN/inf loss with ``on_nan="raise"``.
     """
-    flops = float(flops)
-    loss = float(loss)
+    flops = _scalar("flops", flops)
+    loss = _scalar("loss", loss)
     if not math.isfinite(flops) or flops < 0:
       raise ValueError(f"ComputeGovernor.update: flops must be finite and >= 0, got {flops!r}")
     if self._points and flops < self._points[-1][0]:
@@ -356,6 +358,26 @@ class ComputeGovernor:
   def summary(self) -> str:
     """All decisions, one per line."""
     return "\n".join(str(d) for d in self.decisions)
+
+
+def _scalar(field: str, value: Any) -> float:
+  """``value`` as a float, for a real number or a one-element NumPy/JAX array."""
+  size = getattr(value, "size", 1)
+  kind = getattr(getattr(value, "dtype", None), "kind", "f")
+  if isinstance(value, (str, bytes)) or size != 1 or kind in "cSUOV":
+    shape = getattr(value, "shape", None)
+    what = f"an array of shape {tuple(shape)}" if shape is not None else type(value).__name__
+    raise TypeError(
+      f"ComputeGovernor.update: {field} must be a real scalar (a Python number or a "
+      f"one-element array), got {what} {value!r:.60}"
+    )
+  try:
+    return float(value.reshape(()) if hasattr(value, "reshape") else value)
+  except (TypeError, ValueError):
+    raise TypeError(
+      f"ComputeGovernor.update: {field} must be a real scalar, got "
+      f"{type(value).__name__} {value!r:.60}"
+    ) from None
 
 
 def keep_fraction_for_budget(
