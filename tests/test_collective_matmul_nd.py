@@ -272,8 +272,9 @@ def test_bidirectional_needs_an_even_block():
 
 
 def test_dimensions_that_the_dots_do_not_have_are_refused():
-  # A gathered dimension the dots contract, or one x does not have, and a scatter
-  # dimension the output does not have: named, before any trace of the ring.
+  # A gathered dimension the dots contract, or one x does not have, an output shape that
+  # is not the dot's, and a scatter dimension the output does not have: named, before any
+  # trace of the ring.
   mesh = _mesh(2)
   x, w = jnp.ones((1, 8, 4)), jnp.ones((4, 3))
   dn = (((2,), (0,)), ((), ()))
@@ -285,6 +286,10 @@ def test_dimensions_that_the_dots_do_not_have_are_refused():
      r"gather_dim must be a dimension of x \(0 to 2\), got 7"),
     (lambda x, w: cm.all_gather_dot_generals(x, [dots[0][:3]], axis="tensor", gather_dim=1),
      r"dots\[0\] must be \(w, x_is_lhs, dimension_numbers"),
+    (lambda x, w: cm.all_gather_dot_generals(
+        x, [(*dots[0][:5], (1, 8, 3), jnp.float32)], axis="tensor", gather_dim=1),
+     r"dots\[0\] gives out_shape \(1, 8, 3\), but the dot of the gathered value "
+     r"\(1, 16, 4\) with w \(4, 3\) is \(1, 16, 3\)"),
     (lambda x, w: cm.dot_general_reduce_scatter(
         x, w, dimension_numbers=dn, axis="tensor", scatter_dim=5),
      r"scatter_dim must be a dimension of the dot's 3-D output \(0 to 2\), got 5"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -43,7 +44,7 @@ def all_gather_dot_generals(
     x: this device's block of the gathered value.
     dots: one ``(w, x_is_lhs, dimension_numbers, precision, preferred_element_type,
       out_shape, out_dtype)`` per dot, with ``dimension_numbers`` as for the gathered value
-      and ``out_shape`` the full dot output's.
+      and ``out_shape`` the full dot output's (checked against the dot; None: not checked).
     axis: the mesh axis of the gather.
     gather_dim: the dimension of ``x`` gathered; must be free (neither contracting nor
       batch) in every dot.
@@ -65,6 +66,7 @@ def all_gather_dot_generals(
     (list of the dots' outputs, the gathered value or None).
   """
   _check_gather(x, dots, gather_dim)
+  _check_out_shapes(x, dots, gather_dim, int(lax.axis_size(axis)))
   if method == "pieces":
     return _ag_pieces(x, dots, axis, gather_dim, collect, pieces)
   if method != "ring":
@@ -223,6 +225,28 @@ def dot_general_reduce_scatter(
       for j, (a, dj) in enumerate(zip(accs, dirs))
     ]
   return accs[0] if len(accs) == 1 else jnp.concatenate(accs, axis=scatter_dim)
+
+
+def _check_out_shapes(x, dots, gather_dim: int, n: int) -> None:
+  """Refuses an ``out_shape`` other than the shape of the dot of the gathered value."""
+  shape = list(x.shape)
+  shape[gather_dim] *= n
+  full = jax.ShapeDtypeStruct(tuple(shape), x.dtype)
+  for i, (w, lhs, dn, _, preferred, out_shape, _) in enumerate(dots):
+    if out_shape is None:
+      continue
+    ws = jax.ShapeDtypeStruct(tuple(w.shape), w.dtype)
+    want = jax.eval_shape(
+      lambda a, b, dn=dn, pt=preferred: lax.dot_general(a, b, dn, preferred_element_type=pt),
+      full if lhs else ws,
+      ws if lhs else full,
+    ).shape
+    if tuple(out_shape) != tuple(want):
+      raise ValueError(
+        f"all_gather_dot_generals: dots[{i}] gives out_shape {tuple(out_shape)}, but the dot "
+        f"of the gathered value {tuple(shape)} with w {tuple(w.shape)} is {tuple(want)} "
+        "(the full output's shape, or None)"
+      )
 
 
 def _check_gather(x, dots, gather_dim) -> None:
