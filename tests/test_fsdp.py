@@ -555,6 +555,29 @@ def test_error_sharded_dim_not_divisible():
     scan_layers(_layer_w, {"w": jnp.ones((3, 12, 16))}, jnp.ones((8, 16)), mesh=_mesh())
 
 
+def test_error_carry_batch_not_divisible():
+  # The carry is split over the axis along its batch: a batch of 6 on 8 devices is named
+  # with scan_layers' remedy (shard_map's own error speaks of sharding specs).
+  w = {"w": jnp.ones((3, 16, 16))}
+  with pytest.raises(
+    ValueError,
+    match=r"scan_layers: carry dimension 0 has size 6, not divisible by 'fsdp' \(8 devices\); "
+    r"the carry is split over the axis along its first \(batch\) dimension by default",
+  ):
+    scan_layers(_layer_w, w, jnp.ones((6, 16)), mesh=_mesh())
+  with pytest.raises(ValueError, match=r"carry\['h'\] dimension 1 has size 3, .* in carry_spec"):
+    scan_layers(
+      lambda p, c: ({"h": c["h"]}, None),
+      w,
+      {"h": jnp.ones((8, 3))},
+      mesh=_mesh(),
+      carry_spec={"h": P(None, "fsdp")},
+    )
+  # Kept whole on every device, the same batch runs.
+  out, _ = scan_layers(_layer_w, w, jnp.ones((6, 16)), mesh=_mesh(), carry_spec=P(), ys_spec=P())
+  assert out.shape == (6, 16)
+
+
 def test_error_gather_dim_out_of_range():
   with pytest.raises(ValueError, match=r"gather_dim for stacked_params\['w'\] must index .* got 2"):
     scan_layers(

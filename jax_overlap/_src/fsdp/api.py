@@ -192,8 +192,10 @@ def _scan_layers_mesh(layer_fn, stacked, carry, cfg: _Config, mesh, carry_spec, 
       f"({size}), got {'; '.join(bad)}"
     )
   param_specs = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(stacked), specs)
-  if carry_spec is None:
+  default_carry = carry_spec is None
+  if default_carry:
     carry_spec = jax.tree.map(lambda _: P(cfg.axis), carry)
+  _check_carry_divides(carry, carry_spec, mesh, default_carry)
   if ys_spec is None:
     ys_spec = P(None, cfg.axis)
     _check_default_ys(layer_fn, stacked, carry, cfg)
@@ -213,6 +215,45 @@ def _scan_layers_mesh(layer_fn, stacked, carry, cfg: _Config, mesh, carry_spec, 
     check_vma=False,
   )
   return fn(stacked, carry)
+
+
+def _check_carry_divides(carry, carry_spec, mesh, default: bool) -> None:
+  """Refuses a carry whose split dimensions do not divide by their mesh axes."""
+  from jax.sharding import PartitionSpec as P
+
+  is_spec = lambda x: isinstance(x, P) or x is None  # noqa: E731
+  try:
+    full = jax.tree.map(
+      lambda spec, sub: jax.tree.map(lambda _: spec, sub), carry_spec, carry, is_leaf=is_spec
+    )
+    specs = jax.tree.leaves(full, is_leaf=is_spec)
+  except (ValueError, TypeError):
+    return  # carry_spec is not a prefix of carry: shard_map names that
+  leaves = jax.tree_util.tree_flatten_with_path(carry)[0]
+  if len(specs) != len(leaves):
+    return
+  bad = []
+  for (path, leaf), spec in zip(leaves, specs):
+    shape = np.shape(leaf)
+    for d, entry in enumerate(spec or ()):
+      axes = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+      axes = tuple(a for a in axes if a in mesh.axis_names)
+      size = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+      if d < len(shape) and shape[d] % size:
+        bad.append(
+          f"carry{jax.tree_util.keystr(path)} dimension {d} has size {shape[d]}, not "
+          f"divisible by {axes if len(axes) > 1 else axes[0]!r} ({size} devices)"
+        )
+  if bad:
+    hint = (
+      "the carry is split over the axis along its first (batch) dimension by default: "
+      "make the batch a multiple of the axis size, or pass carry_spec (e.g. P() to keep "
+      "it whole on every device)"
+      if default
+      else "make the dimension a multiple of the axis size, or split it over fewer devices "
+      "in carry_spec"
+    )
+    raise ValueError(f"{_API}: {'; '.join(bad)}; {hint}")
 
 
 def _explicit(mesh) -> bool:
