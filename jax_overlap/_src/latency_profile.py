@@ -35,14 +35,19 @@ def profile_text(report: report_lib.Report) -> str:
   names each instruction once, by the name XLA's scheduler knows it by. A
   ``conditional`` (a ``lax.cond``, ``lax.switch``) is one node of XLA's schedule: it
   costs what its branch the analysis counted (the most expensive) costs, the sum of that
-  branch's kernels and collectives, a loop in it counted for one iteration (XLA warns of
-  every instruction its scheduler costs that a profile leaves out).
+  branch's kernels and collectives, a loop in it counted for one iteration; the other
+  branches' instructions have their own costs too (``Report.uncounted_costs``: XLA
+  schedules them, and warns of every instruction its scheduler costs that a profile
+  leaves out).
   """
   costs: dict[str, float] = {}
   for item in [*report.kernels, *report.collectives]:
     name = item.name.split("@")[0]
     if name and name not in costs:
       costs[name] = item.time_s
+  # The branches of a conditional the analysis does not count: XLA schedules them too.
+  for name, t in getattr(report, "uncounted_costs", {}).items():
+    costs.setdefault(name, t)
   costs.update(_conditional_costs(report, costs))
   # XLA's scheduler knows an instruction by the name it had then (``scheduling_name`` in
   # its metadata): XLA 0.11 turns a collective with nothing beside it into a synchronous

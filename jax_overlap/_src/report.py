@@ -50,6 +50,8 @@ class Report:
     notes: anything the analysis assumed or could not model.
     compile_time_s: time XLA took to compile.
     loops: while loops with their trip counts.
+    uncounted_costs: estimated cost (s) of each kernel and collective in the branches of a
+      conditional the step does not count (all but the most expensive), by instruction name.
   """
 
   name: str
@@ -70,6 +72,9 @@ class Report:
   loops: list[dict] = dataclasses.field(default_factory=list)
   topology: Any = dataclasses.field(default=None, repr=False, compare=False)
   hlo_text: str = dataclasses.field(default="", repr=False, compare=False)
+  uncounted_costs: dict[str, float] = dataclasses.field(
+    default_factory=dict, repr=False, compare=False
+  )
 
   # Simulator interface: the topology object behind ``target``.
   @property

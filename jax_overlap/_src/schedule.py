@@ -174,11 +174,16 @@ class Op:
 
 @dataclasses.dataclass
 class Schedule:
+  """The step's operations in order. ``uncounted``: the cost (s) of each kernel and
+  collective in a conditional's branches the step does not count (all but the most
+  expensive), by instruction name: XLA schedules them too (a latency profile names them)."""
+
   ops: list[Op]
   kernels: list[KernelInfo]
   collectives: list[CollectiveInfo]
   notes: list[str]
   loops: list[dict[str, Any]]
+  uncounted: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 _THUNK_KERNEL = re.compile(
@@ -508,6 +513,9 @@ def build_schedule(
           best = max(branches, key=lambda c: module.computation_flops(c)[0])
           if len(branches) > 1:
             notes.append(f"conditional {instr.name}: the most expensive branch ({best}) is counted")
+          for other in branches:
+            if other != best:
+              walk_uncounted(other, suffix, depth + 1)
           walk(best, suffix, depth + 1)
         continue
       kind = _async_collective_kind(module, instr)
@@ -542,9 +550,21 @@ def build_schedule(
         continue
       add_kernel(instr, comp, suffix)
 
+  uncounted: dict[str, float] = {}
+
+  def walk_uncounted(comp_name: str, suffix: str, depth: int) -> None:
+    """A branch the step does not count: its kernels' and collectives' costs are kept in
+    ``uncounted``, and nothing of it stays in the step."""
+    marks = len(ops), len(kernels), len(collectives), len(notes), len(loops)
+    walk(comp_name, suffix, depth)
+    for item in [*kernels[marks[1] :], *collectives[marks[2] :]]:
+      uncounted.setdefault(item.name.split("@")[0], item.time_s)
+    del ops[marks[0] :], kernels[marks[1] :], collectives[marks[2] :]
+    del notes[marks[3] :], loops[marks[4] :]
+
   sync_starts: set[str] = set()
   walk(module.entry, "", 0)
-  return Schedule(ops, kernels, collectives, notes, loops)
+  return Schedule(ops, kernels, collectives, notes, loops, uncounted)
 
 
 @dataclasses.dataclass(frozen=True)
