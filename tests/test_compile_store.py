@@ -230,6 +230,10 @@ def test_a_file_option_is_keyed_by_what_the_file_holds(store, tmp_path, monkeypa
   a.write_text(text.replace("cost_us: ", "cost_us: 1"))
   scheduled(a)
   assert len(compiles) == 2
+  # A path XLA does not read as input (an installation, a dump or a cache XLA writes) is
+  # keyed by the path, never read.
+  assert compile_lib._option_key("xla_gpu_cuda_data_dir", str(tmp_path)) == repr(str(tmp_path))
+  assert compile_lib._option_key(latency_profile.OPTION, str(a)).startswith("<contents ")
   # A folder XLA picks a profile from is keyed by its files.
   compile_lib.clear_memo()
   scheduled(b.parent)

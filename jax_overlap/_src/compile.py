@@ -264,11 +264,11 @@ def _memo_key(lowered, options: Mapping[str, Any], topo) -> str | None:
   # A kernel cache is named by being there, not by its path (each compile of a selection
   # has a file of its own): the kernel names of a compile that may take kernels from one
   # are not the step's own, so those compiles are kept apart from the others. An option
-  # naming a file or folder XLA reads (a latency profile, autotuning results) is keyed by
-  # what is in it: the same profile under another cache folder is the same compile, and a
-  # profile rewritten in place is another.
+  # naming a file or folder XLA reads as input (a latency profile, autotuning results) is
+  # keyed by what is in it: the same profile under another cache folder is the same
+  # compile, and a profile rewritten in place is another.
   opts = sorted(
-    (k, "<kernel cache>" if k == kernel_cache.OPTION else _option_key(v))
+    (k, "<kernel cache>" if k == kernel_cache.OPTION else _option_key(k, v))
     for k, v in options.items()
     if k != "xla_dump_to"
   )
@@ -277,27 +277,37 @@ def _memo_key(lowered, options: Mapping[str, Any], topo) -> str | None:
   return h.hexdigest()
 
 
-def _option_key(value: Any) -> str:
-  """An option's value as a compile's key: a path's contents (a file's bytes, or a folder's
-  files by name) for an existing file or folder, else the value's ``repr``."""
-  if isinstance(value, str) and value and os.path.exists(value):
-    h = hashlib.sha256()
-    try:
-      if os.path.isdir(value):
-        for root, dirs, files in os.walk(value):
-          dirs.sort()
-          for name in sorted(files):
-            path = os.path.join(root, name)
-            h.update(os.path.relpath(path, value).encode() + b"\0")
-            with open(path, "rb") as f:
-              h.update(hashlib.sha256(f.read()).digest())
-      else:
-        with open(value, "rb") as f:
-          h.update(f.read())
-    except OSError:
-      return repr(value)  # unreadable here: XLA will say so; keyed by the path
-    return f"<contents {h.hexdigest()}>"
-  return repr(value)
+# Options whose value names a file or folder XLA reads as the compile's input. Others that
+# name paths are outputs (dumps, autotuning results written), caches XLA fills as it goes,
+# or installations (``xla_gpu_cuda_data_dir``): keyed by the path.
+_INPUT_PATH_OPTIONS = frozenset(
+  {"xla_gpu_pgle_profile_file_or_directory_path", "xla_gpu_load_autotune_results_from"}
+)
+
+
+def _option_key(name: str, value: Any) -> str:
+  """An option's value as a compile's key: for an input file or folder that exists, what is
+  in it (a file's bytes, a folder's files by name); else the value's ``repr``."""
+  if name not in _INPUT_PATH_OPTIONS or not isinstance(value, str) or not value:
+    return repr(value)
+  if not os.path.exists(value):
+    return repr(value)
+  h = hashlib.sha256()
+  try:
+    if os.path.isdir(value):
+      for root, dirs, files in os.walk(value):
+        dirs.sort()
+        for file in sorted(files):
+          path = os.path.join(root, file)
+          h.update(os.path.relpath(path, value).encode() + b"\0")
+          with open(path, "rb") as f:
+            h.update(hashlib.sha256(f.read()).digest())
+    else:
+      with open(value, "rb") as f:
+        h.update(f.read())
+  except OSError:
+    return repr(value)  # unreadable here: XLA will say so; keyed by the path
+  return f"<contents {h.hexdigest()}>"
 
 
 def _claim(key: str | None) -> tuple[CompiledStep | None, threading.Event | None]:
