@@ -202,5 +202,5 @@ def analyze_hlo(
     loops=sched.loops,
     topology=topo,
     hlo_text=hlo_text,
-    uncounted_costs=dict(sched.uncounted),
+    uncounted_costs=sched.uncounted,
   )

@@ -46,7 +46,7 @@ def profile_text(report: report_lib.Report) -> str:
     if name and name not in costs:
       costs[name] = item.time_s
   # The branches of a conditional the analysis does not count: XLA schedules them too.
-  for name, t in getattr(report, "uncounted_costs", {}).items():
+  for name, t in report.uncounted_costs.items():
     costs.setdefault(name, t)
   costs.update(_conditional_costs(report, costs))
   # XLA's scheduler knows an instruction by the name it had then (``scheduling_name`` in

@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from jax_overlap._src import targets as targets_lib
 
-__all__ = ["meshes_in", "retarget_arg", "retargeted", "target_mesh_like"]
+__all__ = ["undivided_dims", "meshes_in", "retarget_arg", "retargeted", "target_mesh_like"]
 
 
 def meshes_in(tree) -> list[Mesh]:
@@ -71,25 +71,35 @@ def _retarget_sharding(s, mesh: Mesh):
   return s
 
 
+def undivided_dims(shape, spec, sizes: Mapping[str, int]) -> list[tuple[int, tuple, int]]:
+  """``(dimension, mesh axes, devices)`` for each dimension of ``shape`` that ``spec`` (a
+  ``PartitionSpec`` or None) splits over axes of ``sizes`` whose device count does not divide
+  it; axes not in ``sizes`` are left out of the count."""
+  out = []
+  for d, entry in enumerate(tuple(spec or ())[: len(shape)]):
+    axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+    n = math.prod(sizes[a] for a in axes if a in sizes)
+    if n > 1 and shape[d] % n:
+      out.append((d, axes, n))
+  return out
+
+
 def _check_divisible(shape, sharding: NamedSharding, source) -> None:
   """An argument's dimensions split over the target mesh's axes (whose sizes may differ
   from its own mesh's, scaled to the target's device count) divide by them."""
   sizes = dict(sharding.mesh.shape)
-  for d, entry in enumerate(tuple(sharding.spec)[: len(shape)]):
-    axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
-    n = math.prod(sizes[a] for a in axes if a in sizes)
-    if n > 1 and shape[d] % n:
-      was = (
-        f" (the arguments' mesh {dict(source.shape)} scaled to the target)"
-        if (isinstance(source, Mesh) and dict(source.shape) != sizes)
-        else ""
-      )
-      raise ValueError(
-        f"an argument of shape {tuple(shape)} is split along dimension {d} over {axes} of "
-        f"the target mesh {sizes}{was}: {shape[d]} does not divide by {n}; choose a target "
-        "whose device count divides the argument's dimensions, or pass mesh= with sizes "
-        "that do"
-      )
+  for d, axes, n in undivided_dims(shape, sharding.spec, sizes)[:1]:
+    was = (
+      f" (the arguments' mesh {dict(source.shape)} scaled to the target)"
+      if (isinstance(source, Mesh) and dict(source.shape) != sizes)
+      else ""
+    )
+    raise ValueError(
+      f"an argument of shape {tuple(shape)} is split along dimension {d} over {axes} of "
+      f"the target mesh {sizes}{was}: {shape[d]} does not divide by {n}; choose a target "
+      "whose device count divides the argument's dimensions, or pass mesh= with sizes "
+      "that do"
+    )
 
 
 def _spec_axes(spec) -> list[str]:

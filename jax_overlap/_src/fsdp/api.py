@@ -9,6 +9,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jax_overlap._src import retarget
 from jax_overlap._src.fsdp.checks import (
   _API,
   AxisName,
@@ -235,15 +236,12 @@ def _check_carry_divides(carry, carry_spec, mesh, default: bool) -> None:
   bad = []
   for (path, leaf), spec in zip(leaves, specs):
     shape = np.shape(leaf)
-    for d, entry in enumerate(spec or ()):
-      axes = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
-      axes = tuple(a for a in axes if a in mesh.axis_names)
-      size = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
-      if d < len(shape) and shape[d] % size:
-        bad.append(
-          f"carry{jax.tree_util.keystr(path)} dimension {d} has size {shape[d]}, not "
-          f"divisible by {axes if len(axes) > 1 else axes[0]!r} ({size} devices)"
-        )
+    for d, axes, size in retarget.undivided_dims(shape, spec, dict(mesh.shape)):
+      axes = tuple(a for a in axes if a in mesh.shape)
+      bad.append(
+        f"carry{jax.tree_util.keystr(path)} dimension {d} has size {shape[d]}, not "
+        f"divisible by {axes if len(axes) > 1 else axes[0]!r} ({size} devices)"
+      )
   if bad:
     hint = (
       "the carry is split over the axis along its first (batch) dimension by default: "

@@ -211,9 +211,15 @@ def transformer_step(
   Returns:
     A Workload on two streams (0 compute, 1 communication).
   """
-  for field, value in (("layers", layers), ("d", d), ("tokens", tokens), ("seq", seq)):
+  counts = (
+    ("layers", layers),
+    ("d", d),
+    ("tokens", tokens),
+    ("seq", seq),
+    ("group_size", group_size),
+  )
+  for field, value in counts:
     _check_int("sim.transformer_step", field, value, 1)
-  _check_int("sim.transformer_step", "group_size", group_size, 1)
   elt = dtype_bytes(dtype)
   wbytes = 12 * d * d * elt
   items: list = []
