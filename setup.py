@@ -5,7 +5,7 @@ and the XLA FFI handler library (``libjax_overlap_ffi.so``) are compiled with th
 system C++ compiler into ``jax_overlap/_lib`` (also under ``pip install -e .``).
 Neither needs a CUDA toolkit. The FFI library needs jax's FFI headers; when jax
 is not importable at build time (isolated builds) it is skipped here and built
-on first use instead (``jax_overlap._src.runtime.library_path``). A failed build
+on first use instead (``jax_overlap._src.runtime.library.library_path``). A failed build
 never fails the install: the Python side builds on first use and says why if
 it cannot. The recipe lives in ``jax_overlap/_lib/__init__.py``; the Bazel
 ``BUILD`` file lists the same sources.

@@ -21,8 +21,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_overlap._src import hlo, schedule
-from jax_overlap._src.compile import compile_for_target
+from jax_overlap._src.analysis import hlo, schedule
+from jax_overlap._src.compile.compiler import compile_for_target
 from jax_overlap.fsdp import scan_layers
 from jax_overlap.targets import compile_only_mesh
 

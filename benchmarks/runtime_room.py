@@ -42,8 +42,9 @@ CHANNELS = {"NCCL default (544 threads)": 544, "NCCL_NTHREADS=256 (288 threads)"
 
 def launches(target: str, cc: tuple[int, int]):
   """(kind, launch name, threads, dynamic smem, registers, static smem) per kernel launch."""
-  from jax_overlap._src import analysis, ptx
-  from jax_overlap._src import compile as compile_lib
+  from jax_overlap._src.analysis import analyze as analysis
+  from jax_overlap._src.compile import compiler as compile_lib
+  from jax_overlap._src.compile import ptx
   from jax_overlap.examples import fsdp_transformer
 
   fn, args = fsdp_transformer.build(target)

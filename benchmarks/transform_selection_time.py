@@ -11,7 +11,7 @@ remembered choice read back; JAX's trace cache is warm, so a restarted job also 
 one trace of the step). Wall-clock on this machine, one run each.
 Each form's first selection is also timed with every variant compiled on its own
 (``JAX_OVERLAP_SHARED_KERNELS=0``), in the same run, so the two compare on one machine:
-by default the variants share XLA's kernel cache (``jax_overlap._src.kernel_cache``).
+by default the variants share XLA's kernel cache (``jax_overlap._src.compile.kernel_cache``).
 
 Writes benchmarks/results/transform_selection_time.{json,md}.
 """

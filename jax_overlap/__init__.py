@@ -38,11 +38,11 @@ _SUBMODULES = (
   "transform",
 )
 _NAMES = {
-  "analyze": "jax_overlap._src.analysis",
+  "analyze": "jax_overlap._src.analysis.analyze",
   "ConfigError": "jax_overlap._src.errors",
-  "occupancy": "jax_overlap._src.regions",
-  "Report": "jax_overlap._src.report",
-  "compare": "jax_overlap._src.report",
+  "occupancy": "jax_overlap._src.runtime.regions",
+  "Report": "jax_overlap._src.analysis.report",
+  "compare": "jax_overlap._src.analysis.report",
   "overlap": "jax_overlap._src.transform",
   "priority": "jax_overlap._src.transform",
 }
@@ -59,11 +59,11 @@ if TYPE_CHECKING:
   from jax_overlap import sim as sim
   from jax_overlap import targets as targets
   from jax_overlap import transform as transform
-  from jax_overlap._src.analysis import analyze as analyze
+  from jax_overlap._src.analysis.analyze import analyze as analyze
+  from jax_overlap._src.analysis.report import Report as Report
+  from jax_overlap._src.analysis.report import compare as compare
   from jax_overlap._src.errors import ConfigError as ConfigError
-  from jax_overlap._src.regions import occupancy as occupancy
-  from jax_overlap._src.report import Report as Report
-  from jax_overlap._src.report import compare as compare
+  from jax_overlap._src.runtime.regions import occupancy as occupancy
   from jax_overlap._src.transform import overlap as overlap
   from jax_overlap._src.transform import priority as priority
 

@@ -1,16 +1,16 @@
 """Deviceless schedule analysis: how a step's collectives overlap on a GPU target."""
 
-from jax_overlap._src.analysis import analyze as analyze
-from jax_overlap._src.analysis import analyze_compiled as analyze_compiled
-from jax_overlap._src.analysis import analyze_hlo as analyze_hlo
-from jax_overlap._src.cost_model import CostModel as CostModel
-from jax_overlap._src.cost_model import collective_time as collective_time
-from jax_overlap._src.cost_model import kernel_time as kernel_time
-from jax_overlap._src.report import Comparison as Comparison
-from jax_overlap._src.report import Report as Report
-from jax_overlap._src.report import compare as compare
-from jax_overlap._src.schedule import CollectiveInfo as CollectiveInfo
-from jax_overlap._src.schedule import KernelInfo as KernelInfo
+from jax_overlap._src.analysis.analyze import analyze as analyze
+from jax_overlap._src.analysis.analyze import analyze_compiled as analyze_compiled
+from jax_overlap._src.analysis.analyze import analyze_hlo as analyze_hlo
+from jax_overlap._src.analysis.cost_model import CostModel as CostModel
+from jax_overlap._src.analysis.cost_model import collective_time as collective_time
+from jax_overlap._src.analysis.cost_model import kernel_time as kernel_time
+from jax_overlap._src.analysis.report import Comparison as Comparison
+from jax_overlap._src.analysis.report import Report as Report
+from jax_overlap._src.analysis.report import compare as compare
+from jax_overlap._src.analysis.schedule import CollectiveInfo as CollectiveInfo
+from jax_overlap._src.analysis.schedule import KernelInfo as KernelInfo
 
 __all__ = [
   "CollectiveInfo",

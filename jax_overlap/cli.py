@@ -195,8 +195,8 @@ def _cmd_analyze(args: Sequence[str]) -> int:
   _check_target_and_workload()
   _check_output_paths("json", "perfetto", "plot")
   builder = _load_builder(args[0])
-  from jax_overlap._src import analysis
   from jax_overlap._src import flags as flags_lib
+  from jax_overlap._src.analysis import analyze as analysis
 
   options: dict = {}
   if FLAGS.recommended:
@@ -267,9 +267,9 @@ def run() -> None:
   _define_flags()
   # Commands that pass the rest of the line through parse their own arguments.
   if len(argv) > 1 and argv[1] == "launch":
-    sys.exit(_delegate("jax_overlap._src.launch", argv[2:]))
+    sys.exit(_delegate("jax_overlap._src.runtime.launch", argv[2:]))
   if len(argv) > 1 and argv[1] == "simulate":
-    sys.exit(_delegate("jax_overlap._src.sim_cli", argv[2:]))
+    sys.exit(_delegate("jax_overlap._src.sim.cli", argv[2:]))
   if any(a == "-h" or (a.startswith("-") and a.lstrip("-").startswith("help")) for a in argv[1:]):
     print(usage())
     sys.exit(0)

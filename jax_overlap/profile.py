@@ -1,8 +1,8 @@
 """Overlap measured from real profiler traces."""
 
-from jax_overlap._src.profile import COMM_PATTERN as COMM_PATTERN
-from jax_overlap._src.profile import Measured as Measured
-from jax_overlap._src.profile import load_trace as load_trace
-from jax_overlap._src.profile import measure as measure
+from jax_overlap._src.analysis.profile import COMM_PATTERN as COMM_PATTERN
+from jax_overlap._src.analysis.profile import Measured as Measured
+from jax_overlap._src.analysis.profile import load_trace as load_trace
+from jax_overlap._src.analysis.profile import measure as measure
 
 __all__ = ["COMM_PATTERN", "Measured", "load_trace", "measure"]

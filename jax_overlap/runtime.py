@@ -9,33 +9,33 @@ library applies them when the program runs under ``jax-overlap launch``;
 from typing import TYPE_CHECKING
 
 from jax_overlap._src import lazy_names
-from jax_overlap._src.plan import CommBlock as CommBlock
-from jax_overlap._src.plan import KernelRule as KernelRule
-from jax_overlap._src.plan import Plan as Plan
-from jax_overlap._src.plan import PlanCheck as PlanCheck
-from jax_overlap._src.plan import RegionRule as RegionRule
-from jax_overlap._src.plan import StreamPolicy as StreamPolicy
-from jax_overlap._src.plan import check_plan as check_plan
-from jax_overlap._src.plan import region_id as region_id
-from jax_overlap._src.residency import blocks_per_sm as blocks_per_sm
-from jax_overlap._src.residency import padded_dynamic_smem as padded_dynamic_smem
-from jax_overlap._src.residency import residency_limits as residency_limits
-from jax_overlap._src.residency import room_cap as room_cap
-from jax_overlap._src.residency import shaped_dynamic_smem as shaped_dynamic_smem
-from jax_overlap._src.runtime import Counters as Counters
-from jax_overlap._src.runtime import Status as Status
-from jax_overlap._src.runtime import library_path as library_path
-from jax_overlap._src.runtime import status as status
+from jax_overlap._src.runtime.library import Counters as Counters
+from jax_overlap._src.runtime.library import Status as Status
+from jax_overlap._src.runtime.library import library_path as library_path
+from jax_overlap._src.runtime.library import status as status
+from jax_overlap._src.runtime.plan import CommBlock as CommBlock
+from jax_overlap._src.runtime.plan import KernelRule as KernelRule
+from jax_overlap._src.runtime.plan import Plan as Plan
+from jax_overlap._src.runtime.plan import PlanCheck as PlanCheck
+from jax_overlap._src.runtime.plan import RegionRule as RegionRule
+from jax_overlap._src.runtime.plan import StreamPolicy as StreamPolicy
+from jax_overlap._src.runtime.plan import check_plan as check_plan
+from jax_overlap._src.runtime.plan import region_id as region_id
+from jax_overlap._src.runtime.residency import blocks_per_sm as blocks_per_sm
+from jax_overlap._src.runtime.residency import padded_dynamic_smem as padded_dynamic_smem
+from jax_overlap._src.runtime.residency import residency_limits as residency_limits
+from jax_overlap._src.runtime.residency import room_cap as room_cap
+from jax_overlap._src.runtime.residency import shaped_dynamic_smem as shaped_dynamic_smem
 
 if TYPE_CHECKING:
-  from jax_overlap._src.regions import Occupancy as Occupancy
-  from jax_overlap._src.regions import occupancy as occupancy
-  from jax_overlap._src.regions import region_events as region_events
+  from jax_overlap._src.runtime.regions import Occupancy as Occupancy
+  from jax_overlap._src.runtime.regions import occupancy as occupancy
+  from jax_overlap._src.runtime.regions import region_events as region_events
 
 # The regions (custom calls in a jitted program) need JAX; plans and the library's status
 # do not, so the launcher and plan checks start without importing it.
 _REGIONS = {
-  name: "jax_overlap._src.regions" for name in ("Occupancy", "occupancy", "region_events")
+  name: "jax_overlap._src.runtime.regions" for name in ("Occupancy", "occupancy", "region_events")
 }
 __getattr__, __dir__ = lazy_names.attach(__name__, globals(), (), _REGIONS)
 

@@ -39,8 +39,8 @@ hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatabl
 def fsdp_h100_dump():
   """The FSDP transformer example compiled deviceless for h100x8, once per session:
   (analysis report, XLA's dump directory). Shared by the tests that read the dump."""
-  from jax_overlap._src import analysis
-  from jax_overlap._src import compile as compile_lib
+  from jax_overlap._src.analysis import analyze as analysis
+  from jax_overlap._src.compile import compiler as compile_lib
   from jax_overlap.examples import fsdp_transformer
 
   fn, args = fsdp_transformer.build()

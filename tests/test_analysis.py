@@ -11,9 +11,9 @@ from jax.sharding import PartitionSpec as P
 
 import jax_overlap
 from jax_overlap import targets
-from jax_overlap._src import cost_model as cm
-from jax_overlap._src import hlo
-from jax_overlap._src.compile import compile_for_target
+from jax_overlap._src.analysis import cost_model as cm
+from jax_overlap._src.analysis import hlo
+from jax_overlap._src.compile.compiler import compile_for_target
 
 H100 = targets.get("h100x8")
 MODEL = cm.CostModel()
@@ -287,7 +287,7 @@ def test_bad_input_messages():
 
 
 def test_collective_brackets_and_while_bodies():
-  from jax_overlap._src import schedule
+  from jax_overlap._src.analysis import schedule
 
   mesh = targets.compile_only_mesh("h100x8")
 
@@ -336,7 +336,7 @@ def test_deviceless_gemm_tiling_failure_falls_back_to_cublas():
   assert report.kernels and report.step_time_s > 0
   # The transform's variants compile through the same path; once one has fallen back, the
   # variants compiled after it start with the fallback instead of failing first.
-  from jax_overlap._src import compile as compile_lib
+  from jax_overlap._src.compile import compiler as compile_lib
 
   failed_first = []
   original = compile_lib.fallback_for
@@ -469,7 +469,7 @@ def test_the_same_compile_from_two_threads_runs_once(monkeypatch):
   import threading
   import time
 
-  from jax_overlap._src import compile as compile_lib
+  from jax_overlap._src.compile import compiler as compile_lib
 
   compile_lib.clear_memo()
   mesh = targets.compile_only_mesh("h100x8", ("fsdp",))
@@ -520,7 +520,7 @@ def test_the_same_compile_from_two_threads_runs_once(monkeypatch):
 def test_deviceless_compiles_are_remembered_in_the_process(monkeypatch):
   # The same program, options and target compiled again reuse XLA's result; other options,
   # another program or a kept dump compile anew.
-  from jax_overlap._src import compile as compile_lib
+  from jax_overlap._src.compile import compiler as compile_lib
 
   compile_lib.clear_memo()
   mesh = targets.compile_only_mesh("h100x8", ("fsdp",))

@@ -158,7 +158,7 @@ def test_every_public_name_is_there_and_jax_is_imported_on_first_use():
     jax_overlap.runtime.no_such_name  # noqa: B018
   code = (
     "import sys, jax_overlap, jax_overlap.runtime, jax_overlap.cli\n"
-    "from jax_overlap._src import launch\n"
+    "from jax_overlap._src.runtime import launch\n"
     "from jax_overlap.runtime import Plan\n"
     "Plan(kernels=[{'match': 'gemm_*', 'blocks_per_sm': 2}]).to_rules()\n"
     "print('jax' in sys.modules)\n"

@@ -1,7 +1,9 @@
 """The codebase keeps its modules a size a reader takes in: one over 500 lines says why at
 its top, in the words "(Over 500 lines: <reason>)"."""
 
+import ast
 import pathlib
+import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 LIMIT = 500
@@ -38,3 +40,86 @@ def test_the_check_reads_a_reason_where_it_is_written():
   assert _says_why(['"""The registry (data).', "", "(Over 500 lines: entries.)", '"""'])
   assert _says_why(["/* A fake libcuda.", " *", " * (Over 500 lines: one fake per entry", " */"])
   assert not _says_why(['"""A module."""'] + ["x = 1"] * 30 + ["# (Over 500 lines: too late)"])
+
+
+# The stages of the data flow, one package each under jax_overlap/_src, and the modules
+# every stage shares (the GPU catalogue, errors, where files go).
+STAGES = {"transform", "collective_matmul", "fsdp", "flags", "compile", "analysis", "sim"}
+STAGES |= {"budget", "runtime"}
+SHARED = {"targets", "errors", "deprecations", "cache", "lazy_names"}
+SRC = ROOT / "jax_overlap" / "_src"
+
+
+def _stage(module: str) -> str | None:
+  """The stage package (or shared module) of a dotted name under jax_overlap._src."""
+  parts = module.split(".")
+  return parts[2] if parts[:2] == ["jax_overlap", "_src"] and len(parts) > 2 else None
+
+
+def _private_crossings(path: pathlib.Path) -> list[str]:
+  """Private names ``path`` takes from another stage: ``from <stage> import _name``, or
+  ``mod._name`` on a module imported from another stage."""
+  module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+  here = _stage(module)
+  tree = ast.parse(path.read_text())
+  out, modules = [], {}
+  for node in ast.walk(tree):
+    if not (
+      isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jax_overlap._src")
+    ):
+      continue
+    for alias in node.names:
+      full = f"{node.module}.{alias.name}"
+      as_path = ROOT / full.replace(".", "/")
+      if as_path.with_suffix(".py").exists() or as_path.is_dir():
+        modules[alias.asname or alias.name] = full
+      elif alias.name.startswith("_") and _stage(node.module) != here:
+        out.append(f"{path.name}:{node.lineno} from {node.module} import {alias.name}")
+  for node in ast.walk(tree):
+    if (
+      isinstance(node, ast.Attribute)
+      and isinstance(node.value, ast.Name)
+      and node.value.id in modules
+      and node.attr.startswith("_")
+      and not node.attr.startswith("__")
+      and _stage(modules[node.value.id]) != here
+    ):
+      out.append(f"{path.name}:{node.lineno} {modules[node.value.id]}.{node.attr}")
+  return out
+
+
+def test_src_is_one_package_per_stage():
+  loose = {p.stem for p in SRC.glob("*.py")} - {"__init__"}
+  packages = {p.name for p in SRC.iterdir() if (p / "__init__.py").exists()}
+  assert loose == SHARED, f"modules of _src outside a stage package: {loose - SHARED}"
+  assert packages == STAGES, f"stage packages {packages ^ STAGES} differ from the data flow's"
+  # Each package says at its top what its modules do.
+  for name in packages:
+    assert ast.get_docstring(ast.parse((SRC / name / "__init__.py").read_text())), name
+
+
+def test_no_stage_takes_another_stages_private_names():
+  sources = sorted(SRC.rglob("*.py"))
+  assert len(sources) > 60
+  crossings = [c for p in sources for c in _private_crossings(p)]
+  assert not crossings, f"private names used across stages (make them public there): {crossings}"
+
+
+def test_the_stage_check_finds_a_crossing(tmp_path, monkeypatch):
+  fake_root = tmp_path
+  mod = fake_root / "jax_overlap" / "_src" / "sim"
+  mod.mkdir(parents=True)
+  (fake_root / "jax_overlap" / "_src" / "analysis").mkdir()
+  (fake_root / "jax_overlap" / "_src" / "analysis" / "hlo.py").write_text("")
+  src = mod / "x.py"
+  src.write_text(
+    "from jax_overlap._src.analysis import hlo\n"
+    "from jax_overlap._src.analysis.hlo import _split_top\n"
+    "from jax_overlap._src.sim import _same_stage\n"
+    "hlo._parse_instruction\n"
+  )
+  monkeypatch.setattr(sys.modules[__name__], "ROOT", fake_root)
+  assert _private_crossings(src) == [
+    "x.py:2 from jax_overlap._src.analysis.hlo import _split_top",
+    "x.py:4 jax_overlap._src.analysis.hlo._parse_instruction",
+  ]

@@ -10,7 +10,8 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_overlap._src import nccl, targets
+from jax_overlap._src import targets
+from jax_overlap._src.analysis import nccl
 from jax_overlap.collective_matmul import (
   GainEstimate,
   all_gather_matmul,
@@ -298,8 +299,8 @@ _HAS_CUDA_PLUGIN = importlib.util.find_spec("jax_plugins.xla_cuda13") is not Non
 def test_schedule_h100_permutes_interleave_with_dots(bidirectional):
   # value_and_grad of a Megatron MLP block: the forward all-gather and
   # reduce-scatter rings and the two backward rings (their transposes).
-  from jax_overlap._src import hlo, schedule
-  from jax_overlap._src.compile import compile_for_target
+  from jax_overlap._src.analysis import hlo, schedule
+  from jax_overlap._src.compile.compiler import compile_for_target
   from jax_overlap._src.targets import compile_only_mesh
 
   mesh = compile_only_mesh("h100x8", {"tensor": 8})

@@ -337,7 +337,7 @@ def test_rings_assemble_their_outputs_with_one_gather_each_and_try_cublas():
   # Compiled deviceless for h100x8 as XLA runs it: every ring's output (and the gathered
   # activation kept for the backward) is put in order by one gather, not by a copy of
   # each step's slice into a buffer; the selection also tries the rings on cuBLAS GEMMs.
-  from jax_overlap._src import hlo
+  from jax_overlap._src.analysis import hlo
   from jax_overlap.examples import tp_sp
 
   fn, args = tp_sp.build("h100x8", layers=1, hidden=256, mlp=512, heads=8, seq=256)
@@ -435,7 +435,7 @@ def test_a_dot_reading_two_gathered_values(mode):
 def test_pieces_compile_to_nccl_collectives_for_h100():
   # Deviceless for h100x8 as XLA compiles it: the pieces stay separate all-gathers and
   # reduce-scatters (the data dependence between them keeps XLA's combiners off).
-  from jax_overlap._src import hlo
+  from jax_overlap._src.analysis import hlo
   from jax_overlap.examples import tp_sp
 
   fn, args = tp_sp.build("h100x8", layers=1, hidden=1024, mlp=4096, heads=8, seq=4096)

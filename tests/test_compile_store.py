@@ -12,8 +12,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_overlap
-from jax_overlap._src import analysis, compile_store
-from jax_overlap._src import compile as compile_lib
+from jax_overlap._src.analysis import analyze as analysis
+from jax_overlap._src.compile import compiler as compile_lib
+from jax_overlap._src.compile import store as compile_store
 
 
 @pytest.fixture
@@ -125,7 +126,8 @@ _TWO_PROCESSES = """
 import json, os, sys, time
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from jax_overlap._src import compile as compile_lib, compile_store
+from jax_overlap._src.compile import compiler as compile_lib
+from jax_overlap._src.compile import store as compile_store
 
 role, folder = sys.argv[1], sys.argv[2]
 compiled_marker, waiting_marker = (os.path.join(folder, n) for n in ("compiled", "waiting"))
@@ -205,7 +207,7 @@ def test_a_file_option_is_keyed_by_what_the_file_holds(store, tmp_path, monkeypa
   # A latency profile XLA schedules by: the same profile in two folders is one compile (a
   # notebook and a CLI run with cache folders of their own), a profile rewritten in place is
   # another compile, in the process and in the store.
-  from jax_overlap._src import latency_profile
+  from jax_overlap._src.analysis import latency_profile
 
   fn, args = _step()
   text = latency_profile.profile_text(jax_overlap.analyze(fn, *args, target="h100x8"))

@@ -313,7 +313,7 @@ def test_configure_before_start_reaches_the_compile():
     """
       import json, jax, jax.numpy as jnp, jax_overlap
       from jax.sharding import NamedSharding, PartitionSpec as P
-      from jax_overlap._src.compile import compile_for_target
+      from jax_overlap._src.compile.compiler import compile_for_target
       applied = jax_overlap.flags.configure("a100x8", "fsdp")
       mesh = jax_overlap.targets.compile_only_mesh("a100x8")
       x = jax.ShapeDtypeStruct((64, 64), jnp.float32, sharding=NamedSharding(mesh, P("fsdp")))
@@ -333,7 +333,7 @@ def test_configure_before_start_reaches_the_compile():
 
 
 def test_sharded_step_for_h100_has_async_collective_pairs():
-  from jax_overlap._src.compile import compile_for_target
+  from jax_overlap._src.compile.compiler import compile_for_target
 
   mesh = targets.compile_only_mesh("h100x8")
   ps = NamedSharding(mesh, P("fsdp"))
@@ -364,8 +364,8 @@ def test_sharded_step_for_h100_has_async_collective_pairs():
   hlo = step.hlo_text
   # jaxlib 0.10 writes all-gather-start/-done, later ones an async-start wrapping the gather
   # (and a gather with nothing beside it synchronous): read as the analysis reads them.
-  from jax_overlap._src import hlo as hlo_lib
-  from jax_overlap._src import schedule
+  from jax_overlap._src.analysis import hlo as hlo_lib
+  from jax_overlap._src.analysis import schedule
 
   pairs = schedule.collective_brackets(hlo_lib.parse_module(hlo))
   assert any(b.kind == "all-gather" and b.gemms and not b.synchronous for b in pairs), pairs

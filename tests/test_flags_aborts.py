@@ -97,7 +97,7 @@ import json, sys
 import jax, jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 from jax_overlap import ConfigError
-from jax_overlap._src.compile import compile_for_target
+from jax_overlap._src.compile.compiler import compile_for_target
 from jax_overlap._src.targets import compile_only_mesh
 mesh = compile_only_mesh("h100x8", {"x": 8})
 size = 2048

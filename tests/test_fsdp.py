@@ -645,8 +645,8 @@ SCHEDULE_FLAGS = {
 @functools.cache
 def _compiled_schedule(prefetch, flags):
   """The collectives of each while-loop body of grad(scan_layers stack) on h100x8."""
-  from jax_overlap._src import hlo, schedule
-  from jax_overlap._src.compile import compile_for_target
+  from jax_overlap._src.analysis import hlo, schedule
+  from jax_overlap._src.compile.compiler import compile_for_target
   from jax_overlap._src.targets import compile_only_mesh
 
   mesh = compile_only_mesh("h100x8", {"fsdp": 8})

@@ -8,8 +8,9 @@ import os
 
 import pytest
 
-from jax_overlap._src import compile as compile_lib
-from jax_overlap._src import hlo, schedule, targets
+from jax_overlap._src import targets
+from jax_overlap._src.analysis import hlo, schedule
+from jax_overlap._src.compile import compiler as compile_lib
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 _HAS_CUDA_PLUGIN = importlib.util.find_spec("jax_plugins.xla_cuda13") is not None

@@ -9,8 +9,10 @@ import shutil
 
 import pytest
 
-from jax_overlap._src import analysis, kernel_cache, schedule
-from jax_overlap._src import compile as compile_lib
+from jax_overlap._src.analysis import analyze as analysis
+from jax_overlap._src.analysis import schedule
+from jax_overlap._src.compile import compiler as compile_lib
+from jax_overlap._src.compile import kernel_cache
 from jax_overlap.examples import fsdp_transformer
 
 

@@ -106,7 +106,7 @@ def test_a_conditional_costs_its_counted_branch_and_xla_misses_nothing_it_costs(
 
   opts = jax_overlap.flags.as_compiler_options(target="h100x8")
   report = jax_overlap.analyze(step, w, x, target="h100x8", xla_options=opts)
-  from jax_overlap._src import hlo
+  from jax_overlap._src.analysis import hlo
 
   module = hlo.parse_module(report.hlo_text)
   (cond,) = [i for c in module.computations.values() for i in c.instructions

@@ -12,8 +12,8 @@ import sys
 import pytest
 
 from jax_overlap import runtime, sim
-from jax_overlap._src import launch
-from jax_overlap._src import runtime as runtime_impl
+from jax_overlap._src.runtime import launch
+from jax_overlap._src.runtime import library as runtime_impl
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -124,7 +124,9 @@ def test_usage_errors(tmp_path, capsys):
 
 
 def _launch_in_subprocess(args, env=None, timeout=180):
-  code = "import sys; from jax_overlap._src.launch import main; sys.exit(main(sys.argv[1:]))"
+  code = (
+    "import sys; from jax_overlap._src.runtime.launch import main; sys.exit(main(sys.argv[1:]))"
+  )
   e = {k: v for k, v in os.environ.items() if not k.startswith("JAX_OVERLAP_RT")}
   e.pop("LD_PRELOAD", None)
   e.update(env or {})

@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from jax_overlap._src import runtime
+from jax_overlap._src.runtime import library as runtime
 
 # Names of entry points that create, update or launch kernels (or capture launches).
 KERNEL_PATH = re.compile(

@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jax_overlap import runtime
-from jax_overlap._src import residency, targets
+from jax_overlap._src import targets
+from jax_overlap._src.runtime import residency
 
 GOOD = {
   "version": 1,

@@ -12,7 +12,7 @@ from jax.experimental import io_callback
 from jax.sharding import PartitionSpec as P
 
 import jax_overlap.runtime as rt
-from jax_overlap._src import regions
+from jax_overlap._src.runtime import regions
 
 
 @pytest.fixture(autouse=True)

@@ -20,7 +20,7 @@ import pytest
 from fake_cuda import harness
 
 from jax_overlap import runtime, sim
-from jax_overlap._src import ptx
+from jax_overlap._src.compile import ptx
 from jax_overlap._src.sim import tune as tune_mod
 
 pytestmark = pytest.mark.skipif(shutil.which("ptxas") is None, reason="needs ptxas (CUDA toolkit)")

@@ -13,8 +13,10 @@ import pytest
 from fake_cuda import harness
 
 from jax_overlap import runtime as public_runtime
-from jax_overlap._src import plan as plan_lib
-from jax_overlap._src import residency, runtime, targets
+from jax_overlap._src import targets
+from jax_overlap._src.runtime import library as runtime
+from jax_overlap._src.runtime import plan as plan_lib
+from jax_overlap._src.runtime import residency
 
 MODES = ["direct", "dlopen", "procaddr", "procaddr1"]
 PATH_COUNTER = {

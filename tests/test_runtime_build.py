@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from jax_overlap import _lib
-from jax_overlap._src import runtime
+from jax_overlap._src.runtime import library as runtime
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 

@@ -8,8 +8,10 @@ import jax
 import pytest
 
 import jax_overlap
-from jax_overlap._src import analysis, latency_profile, selection_cache
-from jax_overlap._src import compile as compile_lib
+from jax_overlap._src.analysis import analyze as analysis
+from jax_overlap._src.analysis import latency_profile
+from jax_overlap._src.compile import compiler as compile_lib
+from jax_overlap._src.transform import selection_cache
 from jax_overlap.examples import fsdp_transformer as G
 from jax_overlap.examples import shard_map_fsdp as S
 

@@ -12,7 +12,7 @@ from jax._src import compiler
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_overlap._src import compile as compile_lib
+from jax_overlap._src.compile import compiler as compile_lib
 
 _UNOPTIMISED = os.environ.get("JAX_OVERLAP_TEST_CPU_OPT") != "1"
 _SETTABLE = (

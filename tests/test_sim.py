@@ -8,7 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jax_overlap import sim
-from jax_overlap._src import cost_model, targets
+from jax_overlap._src import targets
+from jax_overlap._src.analysis import cost_model
 from jax_overlap._src.sim import engine, policies
 
 H100 = targets.get_gpu("h100")

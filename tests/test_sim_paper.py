@@ -7,7 +7,7 @@ import pathlib
 import pytest
 
 from jax_overlap import sim
-from jax_overlap._src import sim_cli
+from jax_overlap._src.sim import cli as sim_cli
 from jax_overlap._src.sim import paper
 
 

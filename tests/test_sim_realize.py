@@ -6,7 +6,8 @@ import types
 import pytest
 
 from jax_overlap import sim
-from jax_overlap._src import schedule, targets
+from jax_overlap._src import targets
+from jax_overlap._src.analysis import schedule
 
 
 def _kernel(name, kind, index, grid_blocks, threads_per_block, smem_bytes=0, regs=None, *,

@@ -123,7 +123,7 @@ def test_plan_dict_json_round_trip():
     "comm_block": "auto",
   }
   assert json.loads(json.dumps(d)) == d
-  from jax_overlap._src import plan as plan_mod
+  from jax_overlap._src.runtime import plan as plan_mod
 
   p = plan_mod.Plan.from_json(d)
   assert p.kernels[0].blocks_per_sm == 1 and p.streams.priority == "highest"
@@ -137,7 +137,8 @@ def test_plan_rejected_by_runtime_raises():
 
 
 def test_shaping_matches_runtime_arithmetic():
-  from jax_overlap._src import residency, targets
+  from jax_overlap._src import targets
+  from jax_overlap._src.runtime import residency
 
   for gpu in ("a40", "a100", "h100"):
     g = targets.get_gpu(gpu)

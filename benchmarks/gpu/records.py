@@ -43,7 +43,7 @@ def resources(path: str, log_path: str, gpu: str) -> int:
   """Fills registers of the benchmark's own kernels from ptxas and their residency on ``gpu``
   (the runtime library's arithmetic), where the benchmark could not ask the driver."""
   from jax_overlap import runtime
-  from jax_overlap._src import ptx
+  from jax_overlap._src.compile import ptx
 
   data = _load(path)
   with open(log_path) as f:

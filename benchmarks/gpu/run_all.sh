@@ -47,7 +47,7 @@ note() { echo "[run_all] $*" >&2; SUMMARY+=("$*"); }
 T0=$SECONDS
 
 # 1. Runtime library.
-LIB="$("$PY" -c 'from jax_overlap._src import runtime; print(runtime.library_path())')"
+LIB="$("$PY" -c 'from jax_overlap._src.runtime import library; print(library.library_path())')"
 note "runtime library: $LIB"
 
 # 2. Plans.
@@ -116,7 +116,7 @@ XLA_CHECK_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0 --xla_gpu_determinist
 "${JAX_ENV[@]}" XLA_FLAGS="$XLA_CHECK_FLAGS" timeout 240 "$PY" "$HERE/jax_check.py" run "$BUILD/plain.npz" \
   > "$BUILD/jax_plain.json"
 "${JAX_ENV[@]}" XLA_FLAGS="$XLA_CHECK_FLAGS" timeout 240 "$PY" -c \
-  'import sys; from jax_overlap._src.launch import main; sys.exit(main(sys.argv[1:]))' \
+  'import sys; from jax_overlap._src.runtime.launch import main; sys.exit(main(sys.argv[1:]))' \
   --plan "$HERE/plan_shape_all.json" -- "$PY" "$HERE/jax_check.py" run "$BUILD/shaped.npz" \
   > "$BUILD/jax_shaped.json"
 "$PY" "$HERE/jax_check.py" compare "$BUILD/plain.npz" "$BUILD/shaped.npz" >&2

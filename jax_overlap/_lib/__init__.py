@@ -1,7 +1,7 @@
 """Native libraries of jax_overlap: where they are built and from what.
 
 ``setup.py`` builds them here (``libjax_overlap_rt.so``, ``libjax_overlap_ffi.so``);
-when they are missing or older than their sources, :mod:`jax_overlap._src.runtime`
+when they are missing or older than their sources, :mod:`jax_overlap._src.runtime.library`
 builds them on first use into a cache directory. Both read the recipe below, and
 a test keeps the top-level Bazel ``BUILD`` file in step with it. Paths are
 relative to the repository root.

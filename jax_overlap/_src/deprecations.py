@@ -16,14 +16,14 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["JaxOverlapDeprecationWarning", "keyword_only", "merged_overrides", "renamed"]
+__all__ = ["JaxOverlapDeprecationWarning", "keyword_only", "merged_overrides", "renamed", "warn"]
 
 
 class JaxOverlapDeprecationWarning(DeprecationWarning):
   """An argument spelled the way an earlier release of jax_overlap spelled it."""
 
 
-def _warn(api: str, message: str) -> None:
+def warn(api: str, message: str) -> None:
   """Warns, attributed to the first caller outside jax_overlap."""
   frame, level = sys._getframe(0), 1
   while frame is not None and frame.f_globals.get("__name__", "").startswith("jax_overlap."):
@@ -58,7 +58,7 @@ def keyword_only(*names: str, api: str) -> Callable:
           if name in kwargs:
             raise TypeError(f"{api}() got {name!r} both by position and as {name}=")
           kwargs[name] = value
-        _warn(
+        warn(
           api,
           "pass " + ", ".join(f"{n}=" for n in names[: len(extra)]) + " by keyword; "
           "positional values are deprecated",
@@ -83,7 +83,7 @@ def renamed(mapping: Mapping[str, str], *, api: str) -> Callable:
           if new in kwargs:
             raise TypeError(f"{api}() got both {old}= and {new}=; pass only {new}=")
           kwargs[new] = kwargs.pop(old)
-          _warn(api, f"{old}= is deprecated; use {new}=")
+          warn(api, f"{old}= is deprecated; use {new}=")
       return fn(*args, **kwargs)
 
     return call
@@ -94,7 +94,7 @@ def renamed(mapping: Mapping[str, str], *, api: str) -> Callable:
 def merged_overrides(api: str, xla_options: Mapping[str, Any] | None, overrides: dict) -> dict:
   """``xla_options`` with XLA options given the earlier way, as ``**overrides``, added."""
   if overrides:
-    _warn(
+    warn(
       api,
       f"XLA options as keyword arguments ({', '.join(sorted(overrides))}) are deprecated; "
       "pass xla_options={...}",

@@ -14,7 +14,7 @@ import os
 import jaxlib
 
 import jax_overlap
-from jax_overlap._src import compile as compile_lib
+from jax_overlap._src.compile import compiler as compile_lib
 from jax_overlap.examples import shard_map_fsdp
 
 CONFIG = dict(form="scan", layers=4, hidden=256, mlp=704, heads=4, seq=256)

@@ -11,7 +11,7 @@ import pathlib
 import re
 import subprocess
 
-from jax_overlap._src import runtime
+from jax_overlap._src.runtime import library as runtime
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 TESTING = REPO / "xla_patches" / "testing"

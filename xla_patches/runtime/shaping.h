@@ -45,7 +45,7 @@
 // (JorNoRoom bits): the kernel is register-, thread-, shared-memory- or
 // block-limited and padding it cannot make room.
 //
-// The Python mirror is jax_overlap/_src/residency.py (blocks_per_sm,
+// The Python mirror is jax_overlap/_src/runtime/residency.py (blocks_per_sm,
 // shaped_dynamic_smem, room_cap); a test keeps the two equal, and the test
 // suite's fake driver checks residency against its own implementation of
 // NVIDIA's rules.

@@ -79,7 +79,7 @@ def step_flops(compiled_or_fn: Any, *args: Any, target: str | None = None, **kwa
       # Arguments on a compile-only (deviceless GPU) mesh: XLA's executable would have no
       # cost analysis, so the one compile is the analysis's, which counts the HLO's FLOPs
       # (one device's, like XLA's per-partition count below).
-      from jax_overlap._src.analysis import analyze
+      from jax_overlap._src.analysis.analyze import analyze
 
       report = analyze(compiled_or_fn, *args, target=target or "h100x8", **kwargs)
       return float(report.flops) * report.topology.num_devices

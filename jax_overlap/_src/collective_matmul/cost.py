@@ -1,6 +1,7 @@
-"""Cost model (:func:`estimate_gain`), the analysis's own (:mod:`.cost_model`: roofline
-kernels with achievable fractions of peak, alpha-beta collectives at the achievable link
-bandwidth, a launch overhead per kernel), for ``y = x @ w`` with global shapes
+"""Cost model (:func:`estimate_gain`), the analysis's own
+(:mod:`jax_overlap._src.analysis.cost_model`: roofline kernels with achievable fractions
+of peak, alpha-beta collectives at the achievable link bandwidth, a launch overhead per
+kernel), for ``y = x @ w`` with global shapes
 ``x: (m, k)``, ``w: (k, n)`` on an axis of ``N`` devices:
 
 * per-device GEMM ``T_c = kernel_time(2 m k n / N, B)`` with ``B`` the bytes the
@@ -26,7 +27,7 @@ bandwidth, a launch overhead per kernel), for ``y = x @ w`` with global shapes
   into its slices and its pieces' outputs joined.
 
 The exchange of a ring step is an NCCL send/recv, which NCCL runs on a few of its
-channels (4 of 24 for a 16 MiB step on 8 H100s, ``nccl.py``), so at the analysis's
+channels (4 of 24 for a 16 MiB step on 8 H100s, ``analysis/nccl.py``), so at the analysis's
 per-channel rate a large step travels well below the link's bandwidth; a piece is an NCCL
 all-gather or reduce-scatter on all of them. Where steps are large the pieces win.
 
@@ -43,9 +44,9 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from jax_overlap._src import cost_model as _cost
 from jax_overlap._src import deprecations
 from jax_overlap._src import targets as _targets
+from jax_overlap._src.analysis import cost_model as _cost
 
 # The simulator's short dtype names (glossary: `dtype`).
 _DTYPE_NAMES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "f64": "float64"}

@@ -55,7 +55,7 @@ def all_gather_dot_generals(
       all-gather issued as ``pieces`` all-gathers of a slice of every block each, one
       after the other, each piece's dots running while the next piece travels. A piece
       is an NCCL all-gather, on all of the collective's channels, where a ring step is a
-      send/recv on a few (see ``nccl.py``).
+      send/recv on a few (see ``analysis/nccl.py``).
     pieces: the ``"pieces"`` method's all-gathers: a count of equal slices (default: the
       axis size; the largest count up to it that divides the block along ``gather_dim``),
       or the slices' sizes along ``gather_dim``, in issue order, adding up to the block

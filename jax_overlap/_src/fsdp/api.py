@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jax_overlap._src import retarget
+from jax_overlap._src.compile import retarget
 from jax_overlap._src.fsdp.checks import (
   _API,
   AxisName,

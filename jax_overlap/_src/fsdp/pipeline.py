@@ -189,12 +189,12 @@ def _one_by_one(op, tree, dims, order):
   for i in order:
     if dims[i] is None:
       continue
-    x = leaves[i] if prev is None else _after(leaves[i], prev)
+    x = leaves[i] if prev is None else after(leaves[i], prev)
     out[i] = prev = op(x, dims[i])
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def _after(x, prev):
+def after(x, prev):
   """``x``, ordered after ``prev`` by an optimization barrier.
 
   Only between values that vary over the same mesh axes (the barrier would

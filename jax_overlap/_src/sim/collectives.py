@@ -39,7 +39,8 @@ its p2p kernel of ``NCCL_MAX_NTHREADS`` (640) threads per CTA. On an 8-GPU H100 
 
 from __future__ import annotations
 
-from jax_overlap._src import nccl, targets
+from jax_overlap._src import targets
+from jax_overlap._src.analysis import nccl
 from jax_overlap._src.sim.model import Collective, Constants
 
 __all__ = ["link_bytes_and_steps", "channel_work", "alone_time", "nccl_p2p_channels"]
@@ -52,7 +53,7 @@ def nccl_p2p_channels(
   const: Constants,
   spans_hosts: bool | None = None,
 ) -> int:
-  """:func:`jax_overlap._src.nccl.p2p_channels` with the collective channels of ``const``."""
+  """:func:`jax_overlap._src.analysis.nccl.p2p_channels` with the collective channels of ``const``."""
   return nccl.p2p_channels(peer_bytes, group_size, topo, int(const.channels), spans_hosts)
 
 

@@ -8,7 +8,8 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
-from jax_overlap._src import cost_model, nccl, targets
+from jax_overlap._src import targets
+from jax_overlap._src.analysis import cost_model, nccl
 
 __all__ = ["Constants", "PROVENANCE", "constants_for", "provenance_markdown"]
 

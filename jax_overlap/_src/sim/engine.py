@@ -72,7 +72,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from jax_overlap._src import cost_model, targets
+from jax_overlap._src import targets
+from jax_overlap._src.analysis import cost_model
 from jax_overlap._src.sim import steady
 from jax_overlap._src.sim.dispatch_state import _Batch, _Compiled, _Group
 from jax_overlap._src.sim.model import (

@@ -133,7 +133,7 @@ def dtype_bytes(dtype) -> int:
 def residency_limits(gpu: targets.Gpu, threads: int, regs_per_thread: int, smem_bytes: int) -> dict:
   """Blocks per SM allowed by each limit: the runtime library's arithmetic
   (``residency.residency_limits``), with at least one register per thread."""
-  from jax_overlap._src import residency
+  from jax_overlap._src.runtime import residency
 
   return residency.residency_limits(gpu, threads, max(int(regs_per_thread), 1), int(smem_bytes))
 
@@ -144,7 +144,7 @@ def residency(gpu: targets.Gpu, threads: int, regs_per_thread: int, smem_bytes: 
   The runtime library's arithmetic (``residency.blocks_per_sm``); a kernel always holds
   at least one register per thread here.
   """
-  from jax_overlap._src import residency
+  from jax_overlap._src.runtime import residency
 
   return residency.blocks_per_sm(gpu, threads, max(int(regs_per_thread), 1), int(smem_bytes))
 
@@ -163,7 +163,7 @@ def shaped_smem(gpu: targets.Gpu, smem_bytes: int, blocks_per_sm: int) -> int:
   """
   if blocks_per_sm < 1:
     raise ValueError(f"sim.shaped_smem: blocks_per_sm must be at least 1, got {blocks_per_sm}")
-  from jax_overlap._src import residency
+  from jax_overlap._src.runtime import residency
 
   need = residency.capping_smem(gpu, blocks_per_sm)
   return max(int(smem_bytes), min(need, gpu.smem_per_block_optin))

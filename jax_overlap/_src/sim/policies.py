@@ -127,7 +127,7 @@ def policy_from_plan(plan, wl: Workload) -> Policy:
   Raises:
     ValueError: for a rule that matches no kernel of the workload, or a malformed plan.
   """
-  from jax_overlap._src import plan as plan_lib
+  from jax_overlap._src.runtime import plan as plan_lib
 
   if isinstance(plan, str):
     plan = json.loads(plan)
@@ -195,7 +195,7 @@ def _launch(k, gpu):
 
 def comm_block(c: Collective, const: Constants):
   """The launch footprint of one CTA of collective ``c`` (a ``plan.CommBlock``)."""
-  from jax_overlap._src import plan
+  from jax_overlap._src.runtime import plan
 
   return plan.CommBlock(
     int(c.threads or const.comm_threads),
@@ -218,7 +218,7 @@ def comm_blocks(wl: Workload, const: Constants) -> dict[str, set]:
 
 def _room(wl: Workload, target, constants: Constants | None):
   """(kernel -> cap with room, kernel -> limits when none) for kernels beside collectives."""
-  from jax_overlap._src import residency
+  from jax_overlap._src.runtime import residency
 
   topo = engine.resolve_target(target)
   gpu = topo.gpu

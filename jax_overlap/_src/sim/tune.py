@@ -17,7 +17,7 @@ The result is a plan in the runtime library's JSON format::
    "kernels": [{"match": "<kernel name>", "blocks_per_sm": 1}, ...],
    "streams": {"priority": "highest" | "default"}}
 
-the format :class:`jax_overlap._src.plan.Plan` reads (its ``streams.priority`` promotes the
+the format :class:`jax_overlap._src.runtime.plan.Plan` reads (its ``streams.priority`` promotes the
 communication streams). When that module is importable the plan is validated through
 ``Plan.from_json`` (NVIDIA targets; the runtime library shapes CUDA launches only).
 """
@@ -31,8 +31,9 @@ import time
 from collections.abc import Mapping
 from typing import Literal
 
-from jax_overlap._src import deprecations, residency
-from jax_overlap._src import plan as plan_lib
+from jax_overlap._src import deprecations
+from jax_overlap._src.runtime import plan as plan_lib
+from jax_overlap._src.runtime import residency
 from jax_overlap._src.sim import engine
 from jax_overlap._src.sim.model import Constants, Kernel, Workload
 from jax_overlap._src.sim.policies import (
@@ -298,7 +299,7 @@ class _Progress:
 def _priority_on(priority) -> bool:
   """``sim.tune(priority=)``: the runtime plan's spelling; the earlier bool warns."""
   if isinstance(priority, bool):
-    deprecations._warn(
+    deprecations.warn(
       "jax_overlap.sim.tune",
       f"priority={priority} is spelled priority={'highest' if priority else 'default'!r} now "
       "(as in a runtime plan's streams.priority)",

@@ -13,9 +13,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from jax_overlap._src import errors, kernel_cache, selection_cache
+from jax_overlap._src import errors
 from jax_overlap._src import flags as flags_lib
-from jax_overlap._src.transform import arguments, to_shard_map, variants
+from jax_overlap._src.compile import kernel_cache
+from jax_overlap._src.transform import arguments, selection_cache, to_shard_map, variants
 from jax_overlap._src.transform.evaluate import _collect, _Config, _evaluate
 from jax_overlap._src.transform.explain import Action, Explanation
 from jax_overlap._src.transform.planning import parameter_avals, parameter_inputs

@@ -10,7 +10,7 @@ from typing import Any
 import jax
 from jax.experimental.xla_metadata import set_xla_metadata
 
-from jax_overlap._src.fsdp.pipeline import _after
+from jax_overlap._src.fsdp.pipeline import after
 from jax_overlap._src.transform import scan_pipeline
 from jax_overlap._src.transform.explain import Action
 from jax_overlap._src.transform.jaxprs import _OPAQUE, _has_collectives, _is_var, scan_sizes
@@ -47,9 +47,10 @@ def _environment(jaxpr, consts, args):
 
 
 def _after_all(x, prevs: list):
-  """``x``, ordered after every value in ``prevs`` (see :func:`_after`)."""
+  """``x``, ordered after every value in ``prevs`` (see
+  :func:`~jax_overlap._src.fsdp.pipeline.after`)."""
   for p in prevs:
-    x = _after(x, p)
+    x = after(x, p)
   return x
 
 
@@ -201,7 +202,7 @@ def _run_env(
     invals = [read(v) for v in eqn.invars]
     prev = plan.chain_prev.get(i) if plan is not None else None
     if prev is not None and invals:
-      invals[0] = _after(invals[0], read(jaxpr.eqns[prev].outvars[0]))
+      invals[0] = after(invals[0], read(jaxpr.eqns[prev].outvars[0]))
     outs = _eval_eqn(eqn, invals, md)
     if plan is not None and i in plan.wgrad_before:  # its users wait for the weight gradients
       outs = [_after_all(outs[0], weight_gradients_before(i))]

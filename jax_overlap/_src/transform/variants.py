@@ -17,8 +17,9 @@ import threading
 from typing import Any
 
 from jax_overlap._src import flags as flags_lib
-from jax_overlap._src import kernel_cache, latency_profile, selection_cache
-from jax_overlap._src.transform import gspmd
+from jax_overlap._src.analysis import latency_profile
+from jax_overlap._src.compile import kernel_cache
+from jax_overlap._src.transform import gspmd, selection_cache
 from jax_overlap._src.transform.evaluate import RewriteStats, _Config
 
 _LOOP_PIPELINER = (
@@ -352,8 +353,8 @@ def _analyze_all(settings, jobs, make, args, kwargs, errors, kernels=None):
   Variants share the program's dots: once one compile needed the fallback for XLA's
   deviceless Triton tiling failure (``compile.TILING_FALLBACK``), the variants compiled
   after it start with it instead of failing first, unless they set those options."""
-  from jax_overlap._src import analysis
-  from jax_overlap._src import compile as compile_lib
+  from jax_overlap._src.analysis import analyze as analysis
+  from jax_overlap._src.compile import compiler as compile_lib
 
   kernels = kernels or kernel_cache.Shared(enabled=False)
   learned: dict = {}
@@ -462,7 +463,7 @@ def gspmd_candidates(settings, cfg, make, args, kwargs, notes, known, kernels=No
   """Option variants for a program without shard_map, built for the collectives the
   partitioner inserted (read from the step compiled as written for the target, which
   seeds ``kernels``, the selection's shared kernel cache, when given)."""
-  from jax_overlap._src import analysis
+  from jax_overlap._src.analysis import analyze as analysis
 
   as_written = cfg.as_written()
   base = recommended(settings)

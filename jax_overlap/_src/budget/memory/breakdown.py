@@ -16,7 +16,6 @@ from typing import Any
 import jax
 from absl import logging
 
-from jax_overlap._src import compile as compile_lib
 from jax_overlap._src import deprecations, errors
 from jax_overlap._src.budget.memory.dump import (
   CATEGORIES,
@@ -26,6 +25,7 @@ from jax_overlap._src.budget.memory.dump import (
   _parse_live_ranges,
   _read_dump,
 )
+from jax_overlap._src.compile import compiler as compile_lib
 
 _OPT_KEYS = ("opt", "optim", "mu", "nu", "momentum", "adam", "velocity", "moment", "count")
 

@@ -176,7 +176,7 @@ def _estimate(
   if estimator is not None:
     return float(estimator(fn, *args, target=target))
   # The analysis of the HLO this candidate was just compiled to (no second compile).
-  from jax_overlap._src import analysis
+  from jax_overlap._src.analysis import analyze as analysis
 
   return float(analysis.analyze_hlo(b.hlo_text, target=target).step_time_s)
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from jax_overlap._src.schedule import CollectiveInfo, Schedule
+from jax_overlap._src.analysis.schedule import CollectiveInfo, Schedule
 
 __all__ = ["Event", "Placement", "place"]
 

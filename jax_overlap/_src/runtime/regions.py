@@ -35,7 +35,7 @@ import jax
 import numpy as np
 from jax.experimental.xla_metadata import set_xla_metadata
 
-from jax_overlap._src.plan import region_id as _region_id
+from jax_overlap._src.runtime.plan import region_id as _region_id
 
 __all__ = ["occupancy", "Occupancy", "region_events", "clear_region_events"]
 
@@ -59,7 +59,7 @@ def _library() -> ctypes.CDLL:
   with _lock:
     if _ffi_lib is not None:
       return _ffi_lib
-    from jax_overlap._src.runtime import FFI_LIBRARY, library_path
+    from jax_overlap._src.runtime.library import FFI_LIBRARY, library_path
 
     lib = ctypes.CDLL(str(library_path(FFI_LIBRARY)))
     for platform, (begin, end) in _HANDLERS.items():

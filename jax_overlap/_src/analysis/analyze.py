@@ -1,7 +1,7 @@
 """``analyze``: how a step will schedule on a GPU target, from a laptop.
 
 Data flow: ``fn`` -> compile for the target (deviceless for NVIDIA topologies,
-``compile.py``) -> XLA's scheduled HLO and thunk listing -> the flat kernel and
+``compile/compiler.py``) -> XLA's scheduled HLO and thunk listing -> the flat kernel and
 collective sequence with per-op costs (``schedule.py``, ``cost_model.py``) ->
 placement on streams (``timeline.py``) -> :class:`Report`.
 """
@@ -11,13 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from jax_overlap._src import compile as compile_lib
-from jax_overlap._src import cost_model as cm
-from jax_overlap._src import hlo as hlo_lib
-from jax_overlap._src import schedule as schedule_lib
 from jax_overlap._src import targets as targets_lib
-from jax_overlap._src import timeline as timeline_lib
-from jax_overlap._src.report import Report
+from jax_overlap._src.analysis import cost_model as cm
+from jax_overlap._src.analysis import hlo as hlo_lib
+from jax_overlap._src.analysis import schedule as schedule_lib
+from jax_overlap._src.analysis import timeline as timeline_lib
+from jax_overlap._src.analysis.report import Report
+from jax_overlap._src.compile import compiler as compile_lib
 
 __all__ = ["analyze", "analyze_compiled", "analyze_hlo"]
 

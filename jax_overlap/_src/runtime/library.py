@@ -28,7 +28,7 @@ from typing import Any
 
 from jax_overlap import _lib
 from jax_overlap._src import cache as cache_lib
-from jax_overlap._src.plan import Plan
+from jax_overlap._src.runtime.plan import Plan
 
 __all__ = [
   "RUNTIME_LIBRARY",

@@ -10,7 +10,7 @@ following ``ncclTopoComputeP2pChannels`` (src/graph/paths.cc) and ``addP2pToPlan
 ``NCCL_MAX_NTHREADS`` (640) threads per CTA. On an 8-GPU H100 node a 16 MiB ring step
 uses 4 CTAs where an all-gather uses 24.
 
-The analysis (:func:`jax_overlap._src.cost_model.collective_time`) and the simulator
+The analysis (:func:`jax_overlap._src.analysis.cost_model.collective_time`) and the simulator
 (:mod:`jax_overlap._src.sim.collectives`) both take a point-to-point operation's channel
 count from here.
 """

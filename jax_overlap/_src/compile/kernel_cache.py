@@ -11,7 +11,7 @@ compile a copy of its own, so that compiles running at once never write one file
 
 What a kernel taken from the cache changes in XLA's artefacts: it keeps the name the
 seed gave it, so the thunk listing's kernel names are not those a compile of the step
-alone gives the driver (:attr:`.compile.CompiledStep.reused_kernels`). Launch
+alone gives the driver (:attr:`.compiler.CompiledStep.reused_kernels`). Launch
 configurations are read through XLA's thunk metadata (thunk -> HLO instruction) rather
 than by name; a report from such a compile leaves kernel launch names unknown.
 """

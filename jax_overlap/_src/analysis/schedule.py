@@ -24,8 +24,8 @@ import dataclasses
 import re
 from typing import Any
 
-from jax_overlap._src import cost_model as cm
-from jax_overlap._src import hlo as hlo_lib
+from jax_overlap._src.analysis import cost_model as cm
+from jax_overlap._src.analysis import hlo as hlo_lib
 
 __all__ = [
   "KernelInfo",

@@ -32,9 +32,10 @@ _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 @functools.cache
 def _code_fingerprint() -> str:
-  """A hash of jax_overlap's own sources: a new version of the cost model is a miss."""
+  """A hash of jax_overlap's own sources (all of ``_src``): a new version of the cost model
+  is a miss."""
   h = hashlib.sha256()
-  here = os.path.dirname(os.path.abspath(__file__))
+  here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   for path in sorted(glob.glob(os.path.join(here, "**", "*.py"), recursive=True)):
     with open(path, "rb") as f:
       h.update(path[len(here) :].encode() + b"\0" + f.read())

@@ -7,8 +7,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from jax_overlap._src.schedule import CollectiveInfo, KernelInfo
-from jax_overlap._src.timeline import Event
+from jax_overlap._src.analysis.schedule import CollectiveInfo, KernelInfo
+from jax_overlap._src.analysis.timeline import Event
 
 __all__ = ["Report", "Comparison", "compare"]
 

@@ -2,7 +2,7 @@
 
 (Over 500 lines: the plan's schema, each section's validation with its error messages,
 and its two serializations, JSON and the runtime library's rules text, which change
-together; the residency arithmetic is in :mod:`jax_overlap._src.residency`.)
+together; the residency arithmetic is in :mod:`jax_overlap._src.runtime.residency`.)
 
 A plan is a versioned JSON document, written by hand or by the simulator's tuner
 through ``Plan(...).to_json()``::
@@ -29,7 +29,7 @@ alone and counted (``runtime.status().counters.no_room``).
 (``libjax_overlap_rt.so``) as compact rules (:meth:`Plan.to_rules`).
 
 The residency arithmetic the runtime library applies at launch (``xla_patches/runtime/
-shaping.h``) is in :mod:`jax_overlap._src.residency`.
+shaping.h``) is in :mod:`jax_overlap._src.runtime.residency`.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 from jax_overlap._src import targets
-from jax_overlap._src.residency import _is_int
+from jax_overlap._src.runtime.residency import _is_int
 
 __all__ = [
   "PLAN_VERSION",

@@ -21,7 +21,7 @@ import re
 import tempfile
 
 from jax_overlap._src import cache as cache_lib
-from jax_overlap._src import report as report_lib
+from jax_overlap._src.analysis import report as report_lib
 
 __all__ = ["OPTION", "profile_text", "write_profile"]
 
@@ -70,7 +70,7 @@ def _scheduling_names(hlo_text: str) -> dict[str, str]:
 def _conditional_costs(report: report_lib.Report, costs: dict[str, float]) -> dict[str, float]:
   """Each conditional of ``report``'s module: its costliest branch's instructions' costs
   (the analysis walks only that branch, so the others' are not in ``costs``)."""
-  from jax_overlap._src import hlo
+  from jax_overlap._src.analysis import hlo
 
   if "conditional" not in (report.hlo_text or ""):
     return {}

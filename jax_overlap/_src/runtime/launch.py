@@ -19,9 +19,9 @@ import shlex
 import sys
 from collections.abc import Mapping
 
-from jax_overlap._src import runtime
 from jax_overlap._src.flags import syntax
-from jax_overlap._src.plan import Plan
+from jax_overlap._src.runtime import library as runtime
+from jax_overlap._src.runtime.plan import Plan
 
 __all__ = ["main", "launch_environment"]
 

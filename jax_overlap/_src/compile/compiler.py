@@ -31,8 +31,10 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from jax_overlap._src import compile_store, errors, kernel_cache, retarget
+from jax_overlap._src import errors
 from jax_overlap._src import targets as targets_lib
+from jax_overlap._src.compile import kernel_cache, retarget
+from jax_overlap._src.compile import store as compile_store
 from jax_overlap._src.flags import aborts as aborts_lib
 from jax_overlap._src.flags import per_compile
 
@@ -246,7 +248,7 @@ def _parse_debug_options(text: str) -> dict[str, str]:
 # compile is deterministic for the same module, options and target; option values that
 # name files (latency profiles) are named by their content. Only GPU targets, whose
 # compile-only executables cannot run, and only compiles whose dump is not kept. Other
-# processes find the same results on disk (:mod:`.compile_store`).
+# processes find the same results on disk (:mod:`.store`).
 _MEMO: collections.OrderedDict = collections.OrderedDict()
 _MEMO_SIZE = 48
 _MEMO_LOCK = threading.Lock()

@@ -3,7 +3,7 @@
 The arguments' shardings are moved onto the target mesh with the same axis names
 (:func:`retarget_arg`, :func:`target_mesh_like`), and meshes captured inside the
 function (``shard_map(mesh=...)``, sharding constraints, nested ``jit`` shardings) are
-swapped in its jaxpr (:func:`retargeted`), so that :mod:`.compile` can lower it for
+swapped in its jaxpr (:func:`retargeted`), so that :mod:`.compiler` can lower it for
 the target.
 """
 

@@ -48,8 +48,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jax_overlap._src import deprecations, nccl
+from jax_overlap._src import deprecations
 from jax_overlap._src import targets as targets_lib
+from jax_overlap._src.analysis import nccl
 
 __all__ = ["CostModel", "HOST_CPU", "collective_time", "kernel_time"]
 

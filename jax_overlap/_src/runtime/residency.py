@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from jax_overlap._src import targets
 
 if TYPE_CHECKING:
-  from jax_overlap._src.plan import CommBlock
+  from jax_overlap._src.runtime.plan import CommBlock
 
 __all__ = [
   "blocks_per_sm",
@@ -200,7 +200,7 @@ def room_cap(
     dynamic_smem=dynamic_smem,
     blocks_per_sm=blocks_per_sm,
   )
-  from jax_overlap._src.plan import CommBlock  # here: plan imports this module
+  from jax_overlap._src.runtime.plan import CommBlock  # here: plan imports this module
 
   if not isinstance(comm, CommBlock):
     raise TypeError(f"jax_overlap.runtime.room_cap: comm must be a CommBlock, got {comm!r}")
