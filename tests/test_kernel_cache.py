@@ -72,6 +72,56 @@ def test_variants_from_a_shared_cache_report_what_their_own_compiles_report(smal
   shutil.rmtree(seed.dump_dir, ignore_errors=True)
 
 
+def test_a_finished_variants_kernels_serve_the_variants_after_it(small_step):
+  # The seed is the step as written; a variant with XLA's dot merger off has GEMM fusions
+  # the seed has not. Once it is done, a variant with the same fusions (scheduled
+  # differently) takes them from the cache instead of compiling them again.
+  fn, args = small_step
+  unmerged = {"xla_gpu_dot_merger_threshold_mb": 0}
+  steps = []
+  with kernel_cache.Shared() as kernels:
+
+    def compiled(options):
+      steps.append(
+        compile_lib.compile_for_target(
+          fn, *args, target="h100x8", xla_options=options, keep_dump=True
+        )
+      )
+      return steps[-1]
+
+    compiled(kernels.seed({}))
+    first = kernels.copy(unmerged)
+    new_in_first = _ptx_files(compiled(first))
+    assert new_in_first > 0
+    # Copied from the seed before the first is done: its kernels compiled again.
+    later = {**unmerged, "xla_gpu_enable_latency_hiding_scheduler": False}
+    sibling = kernels.copy({**later, "xla_gpu_all_gather_combine_threshold_bytes": 12345})
+    assert _ptx_files(compiled(sibling)) == new_in_first
+    kernels.done(first)
+    kernels.done(sibling)  # copied from a file that is no longer the newest: not taken in
+    assert _ptx_files(compiled(kernels.copy(later))) < new_in_first
+  for step in steps:
+    shutil.rmtree(step.dump_dir, ignore_errors=True)
+
+
+def test_only_a_copy_of_the_newest_file_becomes_the_newest(tmp_path):
+  # Two compiles copied from one file: the first to finish is taken in, the second is
+  # not (its file lacks the first's kernels, and two siblings' files are never merged).
+  with kernel_cache.Shared() as kernels:
+    seed = kernels.seed({})[kernel_cache.OPTION]
+    open(seed, "wb").write(b"seed")
+    a = kernels.copy({})
+    b = kernels.copy({})
+    open(a[kernel_cache.OPTION], "ab").write(b"+a")
+    open(b[kernel_cache.OPTION], "ab").write(b"+b")
+    kernels.done(a)
+    kernels.done(b)
+    assert open(kernels.copy({})[kernel_cache.OPTION], "rb").read() == b"seed+a"
+    kernels.done({})  # options without a file of this cache: nothing changes
+    kernels.done({kernel_cache.OPTION: str(tmp_path / "other.bin")})
+    assert open(kernels.copy({})[kernel_cache.OPTION], "rb").read() == b"seed+a"
+
+
 def test_thunk_metadata_finds_the_launches_the_kernel_names_find(fsdp_h100_dump):
   # XLA's own listings of one compile (an 8-layer step whose identical fusions share
   # kernels): every launch found by kernel name is found through the metadata with the

@@ -7,6 +7,14 @@ kernel there skips its code generation and ``ptxas``. :class:`Shared` gives the 
 compile of a selection (the seed) an empty cache file that XLA fills, and every later
 compile a copy of its own, so that compiles running at once never write one file.
 
+The copies are taken from the newest file of one line of descent: a compile that
+finished (:meth:`Shared.done`) and was copied from the file that is still the newest
+becomes the newest itself (XLA writes back what it loaded and what it compiled), so the
+kernels of one variant serve the variants compiled after it -- the rewritten forms of a
+GSPMD step share few fusions with the step as written that seeded the cache, and many with
+each other. Files are never merged: XLA gives a kernel it compiles a name no kernel of its
+cache file has, which holds along one line of descent but not between two siblings.
+
 ``JAX_OVERLAP_SHARED_KERNELS=0`` compiles every variant on its own.
 
 What a kernel taken from the cache changes in XLA's artefacts: it keeps the name the
@@ -72,7 +80,9 @@ class Shared:
     self._dir: str | None = None  # made by the first compile that asks for a file
     self._seed_given = False
     self._count = 0
-    self._lock = threading.Lock()
+    self._newest = "seed.bin"  # the file copies are taken from
+    self._copied_from: dict[str, str] = {}  # each copy's path -> the file it came from
+    self._lock = threading.RLock()
 
   def _file(self, name: str) -> str:
     with self._lock:
@@ -101,22 +111,34 @@ class Shared:
     return self._seed_given and has_kernels(self._file("seed.bin"))
 
   def copy(self, options: Mapping[str, Any]) -> dict[str, Any]:
-    """``options`` with a private copy of the seed's kernels as the kernel cache (an empty
-    one when the seed compiled nothing, e.g. it was read back from the compile store, so
-    that this compile is remembered as the others of its kind); unchanged when sharing is
-    off, the user named a cache, or kernels cannot be mapped back."""
+    """``options`` with a private copy of the newest kernels (the seed's and those of the
+    compiles :meth:`done` took in) as the kernel cache (an empty one when the seed
+    compiled nothing, e.g. it was read back from the compile store, so that this compile
+    is remembered as the others of its kind); unchanged when sharing is off, the user
+    named a cache, or kernels cannot be mapped back."""
     if not self._gives(options):
       return dict(options)
     with self._lock:
       self._count += 1
-      count = self._count
-    path = self._file(f"copy{count}.bin")
-    if self.seeded():
+      path = self._file(f"copy{self._count}.bin")
+      newest = self._newest
+      self._copied_from[path] = newest
+    if self._seed_given and has_kernels(self._file(newest)):
       try:
-        shutil.copyfile(self._file("seed.bin"), path)
+        shutil.copyfile(self._file(newest), path)
       except OSError:
         pass  # a full disk: compiled from an empty cache
     return {**options, OPTION: path}
+
+  def done(self, options: Mapping[str, Any]) -> None:
+    """Called when the compile given ``options`` (from :meth:`copy`) succeeded: its file
+    becomes the newest if it was copied from the file that still is (no other compile
+    finished in between; otherwise the other's kernels stay the newest)."""
+    path = options.get(OPTION)
+    with self._lock:
+      origin = self._copied_from.pop(path, None) if path is not None else None
+      if origin is not None and origin == self._newest and has_kernels(path):
+        self._newest = os.path.basename(path)
 
   def close(self) -> None:
     with self._lock:

@@ -347,8 +347,8 @@ def _workers() -> int:
 
 def _analyze_all(settings, jobs, make, args, kwargs, errors, kernels=None):
   """Reports (or the exception) for ``jobs`` [(name, cfg, options)], in their order,
-  compiled by :func:`_workers` threads. With ``kernels`` (a :class:`kernel_cache.Shared`),
-  the first job seeds it when no compile has, alone, and the others start from its kernels.
+  compiled by :func:`_workers` threads. ``kernels`` (a :class:`kernel_cache.Shared`): seeded
+  by the first job alone if no compile has; the others take the kernels of those before.
 
   Variants share the program's dots: once one compile needed the fallback for XLA's
   deviceless Triton tiling failure (``compile.TILING_FALLBACK``), the variants compiled
@@ -378,6 +378,7 @@ def _analyze_all(settings, jobs, make, args, kwargs, errors, kernels=None):
       )
     except errors as e:
       return e
+    kernels.done(compile_options)
     fell_back = {
       k: v for k, v in report.xla_options.items() if k in fallback_keys and k not in options
     }
