@@ -1,6 +1,7 @@
 """Reading XLA's memory dumps (``*buffer-assignment.txt``, ``*live-range.txt``, the
 optimized HLO): the values live when each temp allocation is fullest, classified by
-their defining instruction."""
+their defining instruction (the HLO and its shapes read by the analysis' reader,
+:mod:`jax_overlap._src.analysis.hlo`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import dataclasses
 import glob
 import os
 import re
+
+from jax_overlap._src.analysis import hlo as hlo_lib
 
 CATEGORIES = (
   "weights",
@@ -30,12 +33,6 @@ _VALUE_RE = re.compile(
 )
 
 _LIVE_RE = re.compile(r"^\s+([^\s{]+)(\{[\d,]*\}):(\d+)-(\d+)\s*$")
-
-_INSTR_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([^\s=]+)\s*=\s*(.*)$")
-
-_OPCODE_RE = re.compile(r"[\s)\]}]([a-z][a-z0-9\-_]*)\(")
-
-_SHAPE_RE = re.compile(r"^([a-z]+\d*)\[([\d,]*)\]")
 
 
 @dataclasses.dataclass
@@ -87,24 +84,18 @@ def _parse_live_ranges(text: str) -> dict[str, tuple[int, int]]:
 
 def _parse_hlo(text: str) -> dict[str, tuple[str, str]]:
   """Instruction name -> (opcode, op_name metadata) over every computation."""
-  out = {}
-  for line in text.splitlines():
-    m = _INSTR_RE.match(line)
-    if not m or line.lstrip().startswith(("HloModule", "//")):
-      continue
-    rest = m.group(2)
-    op = _OPCODE_RE.search(" " + rest)
-    opname = re.search(r'op_name="([^"]*)"', rest)
-    out[m.group(1)] = (op.group(1) if op else "", opname.group(1) if opname else "")
-  return out
+  module = hlo_lib.parse_module(text)
+  return {
+    i.name: (i.opcode, i.metadata.get("op_name", ""))
+    for comp in module.computations.values()
+    for i in comp.instructions
+  }
 
 
 def _dims(shape: str) -> tuple[str, tuple[int, ...]] | None:
-  m = _SHAPE_RE.match(shape.strip())
-  if not m:
-    return None
-  dims = tuple(int(d) for d in m.group(2).split(",") if d)
-  return m.group(1), dims
+  """(dtype, dims) of an array shape; None for a tuple."""
+  arrays = hlo_lib.array_shapes(shape)
+  return arrays[0] if len(arrays) == 1 and not shape.lstrip().startswith("(") else None
 
 
 _COLLECTIVES = (
