@@ -12,11 +12,9 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 def use_cpu_devices(count: int = 8) -> None:
   """CPU platform (unless set) with ``count`` virtual devices; call before JAX starts."""
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-      os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={count}"
-    ).strip()
+  from jax_overlap.examples.cpu_devices import use_cpu_devices as use
+
+  use(count)
 
 
 def baseline_reports(fn, args, target: str, workload: str = "fsdp") -> dict:

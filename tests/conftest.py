@@ -7,7 +7,8 @@ import tempfile
 
 import pytest
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+from jax_overlap.examples.cpu_devices import use_cpu_devices  # imports no JAX
+
 # A cache directory of the session's own: remembered variant choices, option
 # probes and latency profiles from other runs or other code do not leak in.
 _cache = tempfile.mkdtemp(prefix="jax_overlap_tests_")
@@ -18,9 +19,7 @@ atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 # with the same options gives the same artefacts whichever process asks.
 if not os.environ.get("JAX_OVERLAP_COMPILE_CACHE_DIR"):
   os.environ["JAX_OVERLAP_COMPILE_CACHE_DIR"] = os.path.join(_cache, "compiles")
-_flags = os.environ.get("XLA_FLAGS", "")
-if "--xla_force_host_platform_device_count" not in _flags:
-  os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+use_cpu_devices(8)
 
 
 import cpu_setting  # noqa: E402 - after the environment above

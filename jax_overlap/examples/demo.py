@@ -19,11 +19,9 @@ from __future__ import annotations
 import os
 
 # The demo trains on 8 virtual CPU devices; set this before JAX starts.
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-  ).strip()
+from jax_overlap.examples.cpu_devices import use_cpu_devices  # noqa: E402 - imports no JAX
+
+use_cpu_devices(8)
 
 import json  # noqa: E402
 import time  # noqa: E402

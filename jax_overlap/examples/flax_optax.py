@@ -11,8 +11,6 @@ numbers as the undecorated one.
 
 from __future__ import annotations
 
-import os
-
 __all__ = ["require", "make_model", "init", "init_opt_state", "make_train_step"]
 
 
@@ -126,11 +124,9 @@ def init_opt_state(tx, params, mesh):
 
 
 def main():
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-      os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
+  from jax_overlap.examples.cpu_devices import use_cpu_devices
+
+  use_cpu_devices(8)
   import jax
   import numpy as np
   from jax.sharding import AxisType, NamedSharding

@@ -85,11 +85,9 @@ def main(argv) -> None:
   del argv
   if FLAGS.local_devices:
     os.environ["JAX_PLATFORMS"] = "cpu"
-    flags_ = os.environ.get("XLA_FLAGS", "")
-    if "--xla_force_host_platform_device_count" not in flags_:
-      os.environ["XLA_FLAGS"] = (
-        f"{flags_} --xla_force_host_platform_device_count={FLAGS.local_devices}".strip()
-      )
+    from jax_overlap.examples.cpu_devices import use_cpu_devices
+
+    use_cpu_devices(FLAGS.local_devices)
   import jax
 
   if FLAGS.local_devices:
