@@ -18,7 +18,7 @@ cache file has, which holds along one line of descent but not between two siblin
 ``JAX_OVERLAP_SHARED_KERNELS=0`` compiles every variant on its own.
 
 What a kernel taken from the cache changes in XLA's artefacts: it keeps the name the
-seed gave it, so the thunk listing's kernel names are not those a compile of the step
+compile that made it gave it, so the thunk listing's kernel names are not those a compile of the step
 alone gives the driver (:attr:`.compiler.CompiledStep.reused_kernels`). Launch
 configurations are read through XLA's thunk metadata (thunk -> HLO instruction) rather
 than by name; a report from such a compile leaves kernel launch names unknown.
