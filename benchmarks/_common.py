@@ -7,14 +7,10 @@ import json
 import os
 import platform
 
+# Virtual CPU devices for the scripts, set before JAX starts (imports no JAX).
+from jax_overlap.examples.cpu_devices import use_cpu_devices  # noqa: F401
+
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-
-
-def use_cpu_devices(count: int = 8) -> None:
-  """CPU platform (unless set) with ``count`` virtual devices; call before JAX starts."""
-  from jax_overlap.examples.cpu_devices import use_cpu_devices as use
-
-  use(count)
 
 
 def baseline_reports(fn, args, target: str, workload: str = "fsdp") -> dict:

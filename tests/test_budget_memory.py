@@ -314,3 +314,9 @@ def test_breakdown_names_an_unknown_target():
   fn, args = _make(_cpu_mesh())
   with pytest.raises(ValueError, match=r"breakdown: unknown target 'h100-8'.*platform of this"):
     memory.breakdown(fn, *args, target="h100-8")
+
+
+def test_a_missing_hlo_dump_leaves_instructions_unnamed():
+  from jax_overlap._src.budget.memory import dump as impl
+
+  assert impl._parse_hlo("") == {}

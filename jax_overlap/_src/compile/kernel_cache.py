@@ -121,11 +121,11 @@ class Shared:
     with self._lock:
       self._count += 1
       path = self._file(f"copy{self._count}.bin")
-      newest = self._newest
-      self._copied_from[path] = newest
-    if self._seed_given and has_kernels(self._file(newest)):
+      newest = self._file(self._newest)
+      self._copied_from[path] = self._newest
+    if has_kernels(newest):
       try:
-        shutil.copyfile(self._file(newest), path)
+        shutil.copyfile(newest, path)
       except OSError:
         pass  # a full disk: compiled from an empty cache
     return {**options, OPTION: path}

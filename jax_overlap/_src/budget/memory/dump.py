@@ -83,7 +83,10 @@ def _parse_live_ranges(text: str) -> dict[str, tuple[int, int]]:
 
 
 def _parse_hlo(text: str) -> dict[str, tuple[str, str]]:
-  """Instruction name -> (opcode, op_name metadata) over every computation."""
+  """Instruction name -> (opcode, op_name metadata) over every computation ({} where XLA
+  dumped no optimized HLO)."""
+  if not text.strip():
+    return {}
   module = hlo_lib.parse_module(text)
   return {
     i.name: (i.opcode, i.metadata.get("op_name", ""))
