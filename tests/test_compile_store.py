@@ -242,3 +242,59 @@ def test_a_file_option_is_keyed_by_what_the_file_holds(store, tmp_path, monkeypa
   (b.parent / "other.pbtxt").write_text(text)
   scheduled(b.parent)
   assert len(compiles) == 4
+
+
+_JAX_CACHE = """
+import json, os, sys, warnings
+from jax_overlap.examples.cpu_devices import use_cpu_devices
+use_cpu_devices(8)
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+from jax_overlap._src.compile import compiler as compile_lib
+mesh = Mesh(np.array(jax.devices()[:8]), ("fsdp",))
+x = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P("fsdp")))
+w = jax.ShapeDtypeStruct((512, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P("fsdp")))
+def deviceless_step(x, w):
+  return jnp.tanh(x @ w).sum()
+with warnings.catch_warnings(record=True) as caught:
+  warnings.simplefilter("always")
+  # keep_dump: never read back from the project's own store, so XLA compiles each time.
+  steps = [compile_lib.compile_for_target(deviceless_step, x, w, target="h100x8", keep_dump=True)
+           for _ in range(2)]
+  local = jax.jit(lambda a: a * 2 + 1)(jnp.arange(8.0))
+print(json.dumps({
+  "entries": sorted(os.listdir(sys.argv[1])),
+  "warnings": [str(c.message) for c in caught],
+  "hlo": [len(s.hlo_text) for s in steps],
+}))
+"""
+
+
+def test_deviceless_compiles_stay_out_of_jaxs_persistent_cache(tmp_path):
+  # With the user's JAX compilation cache on, a compile for the local devices is kept there;
+  # a deviceless one is not (JAX cannot load it back: it warned on every later compile of
+  # the same step, and a process with the GPUs could have been handed it), and each such
+  # compile still dumps what the analysis reads.
+  import json
+  import subprocess
+  import sys
+
+  script = tmp_path / "jax_cache.py"
+  script.write_text(_JAX_CACHE)
+  cache = tmp_path / "jax_cache"
+  out = subprocess.run(
+    [sys.executable, str(script), str(cache)],
+    stdout=subprocess.PIPE,
+    env=dict(os.environ),
+    timeout=180,
+    check=True,
+  )
+  got = json.loads(out.stdout)
+  # The local compiles' entries alone (the deviceless ones are named after the retargeted
+  # wrapper, 'jit_call').
+  names = {e.split("-")[0] for e in got["entries"]}
+  assert "jit__lambda" in names and "jit_call" not in names, got["entries"]
+  assert not [w for w in got["warnings"] if "compilation cache" in w], got["warnings"]
+  assert all(n > 0 for n in got["hlo"])

@@ -197,19 +197,39 @@ def compile_lowered(
   """
   options = per_compile.spelled(options)
   aborts_lib.check_program(lowered, options)
-  try:
-    return lowered.compile(options), {}
-  except Exception as first:  # noqa: BLE001 - XLA raises JaxRuntimeError and others
-    fallback = fallback_for(first, topo, options)
-    if fallback is None:
-      raise
-    retry = {**options, **fallback}
-    if retry_dump_to is not None:
-      retry["xla_dump_to"] = retry_dump_to
+  with _kept_from_jax_cache() if topo is not None else contextlib.nullcontext():
     try:
-      return lowered.compile(retry), fallback
-    except Exception:  # noqa: BLE001
-      raise first from None
+      return lowered.compile(options), {}
+    except Exception as first:  # noqa: BLE001 - XLA raises JaxRuntimeError and others
+      fallback = fallback_for(first, topo, options)
+      if fallback is None:
+        raise
+      retry = {**options, **fallback}
+      if retry_dump_to is not None:
+        retry["xla_dump_to"] = retry_dump_to
+      try:
+        return lowered.compile(retry), fallback
+      except Exception:  # noqa: BLE001
+        raise first from None
+
+
+def _kept_from_jax_cache():
+  """A context in which this thread's compiles are not written to JAX's persistent
+  compilation cache (``jax_compilation_cache_dir``), where the user has one.
+
+  A deviceless executable cannot be loaded: JAX would warn on every later read of its
+  entry, and a process with the GPUs whose compile has the same key (XLA's dump options
+  are not part of it) would be handed an executable XLA never autotuned. JAX decides
+  whether to write by the compile's time against ``jax_persistent_cache_min_compile_time_secs``,
+  a per-thread setting here made unreachable. Where the installed JAX has no such
+  setting, nothing changes.
+  """
+  try:
+    from jax._src import config as jax_config
+
+    return jax_config.persistent_cache_min_compile_time_secs(float("inf"))
+  except (ImportError, AttributeError, TypeError):
+    return contextlib.nullcontext()
 
 
 def failure(api: str, error: Exception, topo) -> RuntimeError:
