@@ -336,5 +336,8 @@ def test_losses_say_which_resource_the_step_waits_for():
   assert alone.compute_slowdown_s == pytest.approx(0.0, abs=1e-9)
   assert alone.collective_wait_s == pytest.approx(0.0, abs=1e-9)
   assert alone.collective_stretch_s == pytest.approx(0.0, abs=1e-7)
-  with pytest.raises(KeyError, match="'sequential' was not simulated; simulated: concurrent"):
-    res.losses("sequential")
+  for api in ("losses", "contention", "gap"):
+    with pytest.raises(
+      KeyError, match=rf"{api}: policy 'sequential' was not simulated; simulated: concurrent"
+    ):
+      getattr(res, api)("sequential")

@@ -347,12 +347,7 @@ class RealizeResult:
     Raises:
       KeyError: if ``policy`` was not simulated.
     """
-    if policy not in self.results:
-      raise KeyError(
-        f"RealizeResult.losses: policy {policy!r} was not simulated; simulated: "
-        f"{', '.join(self.results)}"
-      )
-    r = self.results[policy]
+    r = self._simulated("losses", policy)
     iso = r.isolated_s or {}
     compute = sum(
       max(t.duration_s - iso[t.name], 0.0)
@@ -370,12 +365,29 @@ class RealizeResult:
     )
 
   def contention(self, policy: str = "concurrent") -> float:
-    """Simulated over contention-free (simulator's own isolated times) step time, minus one."""
-    return self.results[policy].makespan_s / self.ideal_s - 1.0
+    """Simulated over contention-free (simulator's own isolated times) step time, minus one.
+
+    Raises:
+      KeyError: if ``policy`` was not simulated.
+    """
+    return self._simulated("contention", policy).makespan_s / self.ideal_s - 1.0
 
   def gap(self, policy: str = "concurrent") -> float:
-    """Simulated over analysis step time, minus one (how optimistic the analysis is)."""
-    return self.results[policy].makespan_s / self.analysis_s - 1.0
+    """Simulated over analysis step time, minus one (how optimistic the analysis is).
+
+    Raises:
+      KeyError: if ``policy`` was not simulated.
+    """
+    return self._simulated("gap", policy).makespan_s / self.analysis_s - 1.0
+
+  def _simulated(self, api: str, policy: str):
+    """``policy``'s SimResult, or a KeyError naming the policies that were simulated."""
+    if policy not in self.results:
+      raise KeyError(
+        f"RealizeResult.{api}: policy {policy!r} was not simulated; simulated: "
+        f"{', '.join(self.results)}"
+      )
+    return self.results[policy]
 
   @property
   def best(self) -> str:
