@@ -122,6 +122,56 @@ def test_only_a_copy_of_the_newest_file_becomes_the_newest(tmp_path):
     assert open(kernels.copy({})[kernel_cache.OPTION], "rb").read() == b"seed+a"
 
 
+def test_the_first_variant_of_each_program_compiles_alone(monkeypatch):
+  # A selection's variants of a program not compiled yet take their kernels from its first
+  # variant: that one starts after every variant before it has finished, with none beside
+  # it; the rest of the program's variants still compile two at a time.
+  import dataclasses
+  import threading
+  import time
+  import types
+
+  from jax_overlap._src.transform import evaluate, variants
+
+  monkeypatch.setenv("JAX_OVERLAP_SELECT_WORKERS", "2")
+  monkeypatch.setattr(kernel_cache, "_UNSUPPORTED", [False])
+  lock, running, started, ended = threading.Lock(), set(), {}, {}
+  pair = threading.Barrier(2, timeout=30)
+
+  def fake_analyze(fn, *args, name, xla_options, **kwargs):
+    assert kernel_cache.OPTION in xla_options  # every variant compiles with the shared cache
+    with lock:
+      started[name] = (time.monotonic(), frozenset(running))
+      running.add(name)
+    if name in ("r1", "r2"):
+      pair.wait()  # fails unless the two run at the same time
+    time.sleep(0.02)
+    with lock:
+      running.discard(name)
+      ended[name] = time.monotonic()
+    return types.SimpleNamespace(xla_options={}, notes=[])
+
+  monkeypatch.setattr(analysis, "analyze", fake_analyze)
+  rewritten = evaluate._Config(prefetch=1, reduce_scatter="per_layer", annotate=False)
+  written = rewritten.as_written()
+  converted = dataclasses.replace(written, program="shard_map")
+  jobs = [("w0", written, {}), ("w1", written, {}), ("w2", written, {})]
+  jobs += [("r0", rewritten, {}), ("r1", rewritten, {}), ("r2", rewritten, {})]
+  jobs += [("s0", converted, {}), ("s1", converted, {})]
+  settings = types.SimpleNamespace(target="h100x8")
+  with kernel_cache.Shared() as kernels:
+    out = variants._analyze_all(
+      settings, jobs, lambda cfg, options: None, (), {}, (ValueError,), kernels
+    )
+  assert len(out) == len(jobs) and not any(isinstance(r, Exception) for r in out)
+  for first, before in (("w0", []), ("r0", ["w0", "w1", "w2"]), ("s0", ["r0", "r1", "r2"])):
+    at, beside = started[first]
+    assert not beside, (first, beside)
+    assert all(ended[b] <= at for b in before), first
+  # Once a program's first variant is done, the others start from the kernels it left.
+  assert started["w1"][0] >= ended["w0"] and started["r1"][0] >= ended["r0"]
+
+
 def test_thunk_metadata_finds_the_launches_the_kernel_names_find(fsdp_h100_dump):
   # XLA's own listings of one compile (an 8-layer step whose identical fusions share
   # kernels): every launch found by kernel name is found through the metadata with the

@@ -83,6 +83,7 @@ class Shared:
     self._newest = "seed.bin"  # the file copies are taken from
     self._copied_from: dict[str, str] = {}  # each copy's path -> the file it came from
     self._lock = threading.RLock()
+    self._programs: set = set()  # first_of's keys
 
   def _file(self, name: str) -> str:
     with self._lock:
@@ -94,6 +95,17 @@ class Shared:
 
   def _gives(self, options: Mapping[str, Any]) -> bool:
     return self._on and OPTION not in options and supported()
+
+  def sharing(self) -> bool:
+    """Whether compiles share kernels here."""
+    return self._on and supported()
+
+  def first_of(self, program) -> bool:
+    """True the first time ``program`` (any hashable key) is asked about while sharing."""
+    with self._lock:
+      first = self.sharing() and program not in self._programs
+      self._programs.add(program)
+      return first
 
   def needs_seed(self) -> bool:
     """Whether the next compile should be the seed (sharing on and no seed given yet)."""

@@ -348,7 +348,8 @@ def _workers() -> int:
 def _analyze_all(settings, jobs, make, args, kwargs, errors, kernels=None):
   """Reports (or the exception) for ``jobs`` [(name, cfg, options)], in their order,
   compiled by :func:`_workers` threads. ``kernels`` (a :class:`kernel_cache.Shared`): seeded
-  by the first job alone if no compile has; the others take the kernels of those before.
+  by the first job alone if no compile has; the others take the kernels of those before,
+  and the first job of a program not compiled yet (:func:`_program`) runs alone.
 
   Variants share the program's dots: once one compile needed the fallback for XLA's
   deviceless Triton tiling failure (``compile.TILING_FALLBACK``), the variants compiled
@@ -395,12 +396,36 @@ def _analyze_all(settings, jobs, make, args, kwargs, errors, kernels=None):
 
   first: list = []
   if jobs and kernels.needs_seed():
+    kernels.first_of(_program(jobs[0][1]))
     first, jobs = [one(jobs[0], seed=True)], jobs[1:]
   workers = min(_workers(), len(jobs))
-  if workers <= 1:
-    return first + [one(j) for j in jobs]
+  if workers <= 1 or not kernels.sharing():
+    if workers <= 1:
+      return first + [one(j) for j in jobs]
+    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jax_overlap") as pool:
+      return first + list(pool.map(one, jobs))
+  # The first variant of a program not compiled yet runs alone, after those before it: the
+  # variants after it then start from its kernels (two that started together from the same
+  # file would each compile the new program's kernels, and only one's would be kept).
+  out: list = [None] * len(jobs)
   with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jax_overlap") as pool:
-    return first + list(pool.map(one, jobs))
+    running: dict[int, concurrent.futures.Future] = {}
+    for i, job in enumerate(jobs):
+      if kernels.first_of(_program(job[1])):
+        concurrent.futures.wait(running.values())
+        out[i] = one(job)
+      else:
+        running[i] = pool.submit(one, job)
+    for i, f in running.items():
+      out[i] = f.result()
+  return first + out
+
+
+def _program(cfg) -> tuple:
+  """Which program a variant compiles, as far as its kernels go: the step as traced or its
+  shard_map form, as written or rewritten (variants differing in the options only, or in
+  how the rewrite orders the collectives, share most kernels)."""
+  return (cfg.program, cfg == cfg.as_written(), cfg.collective_matmul, cfg.loops)
 
 
 def select(settings, candidates, make, args, kwargs, known=None, kernels=None):
