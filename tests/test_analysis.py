@@ -352,10 +352,10 @@ def test_deviceless_gemm_tiling_failure_falls_back_to_cublas():
       fn, target="h100x8", schedule_from_estimates=False, cache=False
     ).explain(*args)
   assert all(t < float("inf") for _, t in e.candidates)
-  from jax_overlap._src.transform import variants
+  from jax_overlap._src.transform import compiles
 
   # At most the compiles already running when the first fell back fail first.
-  assert len(e.candidates) >= 4 and 1 <= sum(failed_first) <= variants._workers(), failed_first
+  assert len(e.candidates) >= 4 and 1 <= sum(failed_first) <= compiles.workers(), failed_first
 
 
 _PARTIAL_READS = """HloModule m, is_scheduled=true

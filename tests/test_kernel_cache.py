@@ -131,7 +131,7 @@ def test_the_first_variant_of_each_program_compiles_alone(monkeypatch):
   import time
   import types
 
-  from jax_overlap._src.transform import evaluate, variants
+  from jax_overlap._src.transform import compiles, evaluate
 
   monkeypatch.setenv("JAX_OVERLAP_SELECT_WORKERS", "2")
   monkeypatch.setattr(kernel_cache, "_UNSUPPORTED", [False])
@@ -160,7 +160,7 @@ def test_the_first_variant_of_each_program_compiles_alone(monkeypatch):
   jobs += [("s0", converted, {}), ("s1", converted, {})]
   settings = types.SimpleNamespace(target="h100x8")
   with kernel_cache.Shared() as kernels:
-    out = variants._analyze_all(
+    out = compiles.analyze_all(
       settings, jobs, lambda cfg, options: None, (), {}, (ValueError,), kernels
     )
   assert len(out) == len(jobs) and not any(isinstance(r, Exception) for r in out)

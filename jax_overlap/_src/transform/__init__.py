@@ -45,7 +45,8 @@ collective matmul sites in :mod:`.matmul_sites`, the jaxpr helpers all share in
 :mod:`.evaluate` re-evaluates the program with the plan, :mod:`.scan_pipeline`
 and :mod:`.gspmd` handle loops and partitioned programs, :mod:`.to_shard_map`
 converts a partitioned program to shard_map, :mod:`.decorator` holds
-``overlap``, :mod:`.variants` the variants and the choice among them, :mod:`.explain` what it reports."""
+``overlap``, :mod:`.variants` the variants and the choice among them (:mod:`.compiles`
+compiles them), :mod:`.explain` what it reports."""
 
 from jax_overlap._src.transform.annotations import priority as priority
 from jax_overlap._src.transform.decorator import (

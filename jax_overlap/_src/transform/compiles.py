@@ -1,0 +1,109 @@
+"""Compiling a selection's variants: on a few threads (XLA compiles without holding Python's
+lock), sharing the kernels they have in common through XLA's kernel cache
+(:class:`~jax_overlap._src.compile.kernel_cache.Shared`), and passing on the fallback for
+XLA's deviceless Triton tiling failure once one variant needed it."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+
+from jax_overlap._src.compile import kernel_cache
+
+
+def workers() -> int:
+  """Variants compiled at once: XLA compiles without holding Python's lock, so a second
+  core compiles a second variant (``JAX_OVERLAP_SELECT_WORKERS`` overrides)."""
+  env = os.environ.get("JAX_OVERLAP_SELECT_WORKERS")
+  if env is not None:
+    try:
+      return max(1, int(env))
+    except ValueError:
+      raise ValueError(
+        f"JAX_OVERLAP_SELECT_WORKERS must be a positive integer, got {env!r}"
+      ) from None
+  return max(1, min(4, os.cpu_count() or 1))
+
+
+def analyze_all(settings, jobs, make, args, kwargs, errors, kernels=None):
+  """Reports (or the exception) for ``jobs`` [(name, cfg, options)], in their order,
+  compiled by :func:`workers` threads. ``kernels`` (a :class:`kernel_cache.Shared`): seeded
+  by the first job alone if no compile has; the others take the kernels of those before,
+  and the first job of a program not compiled yet (:func:`program`) runs alone.
+
+  Variants share the program's dots: once one compile needed the fallback for XLA's
+  deviceless Triton tiling failure (``compile.TILING_FALLBACK``), the variants compiled
+  after it start with it instead of failing first, unless they set those options."""
+  from jax_overlap._src.analysis import analyze as analysis
+  from jax_overlap._src.compile import compiler as compile_lib
+
+  kernels = kernels or kernel_cache.Shared(enabled=False)
+  learned: dict = {}
+  lock = threading.Lock()
+  fallback_keys = set(compile_lib.TILING_FALLBACK)
+
+  def one(job, seed=False):
+    name, cfg_c, options = job
+    with lock:
+      inherited = dict(learned) if not fallback_keys & set(options) else {}
+    compile_options = {**options, **inherited}
+    compile_options = kernels.seed(compile_options) if seed else kernels.copy(compile_options)
+    try:
+      report = analysis.analyze(
+        make(cfg_c, options),
+        *args,
+        target=settings.target,
+        name=name,
+        xla_options=compile_options,
+        **kwargs,
+      )
+    except errors as e:
+      return e
+    kernels.done(compile_options)
+    fell_back = {
+      k: v for k, v in report.xla_options.items() if k in fallback_keys and k not in options
+    }
+    if inherited:
+      report.notes.append(
+        f"compiled with {compile_lib.spelled(inherited)} from the start: XLA's Triton GEMM "
+        "emitter found no tile sizes for a dot in an earlier variant of this selection "
+        "(GEMMs are cuBLAS calls in this report)"
+      )
+    elif fell_back:
+      with lock:
+        learned.update(fell_back)
+    return report
+
+  first: list = []
+  if jobs and kernels.needs_seed():
+    kernels.first_of(program(jobs[0][1]))
+    first, jobs = [one(jobs[0], seed=True)], jobs[1:]
+  threads = min(workers(), len(jobs))
+  if threads <= 1 or not kernels.sharing():
+    if threads <= 1:
+      return first + [one(j) for j in jobs]
+    with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="jax_overlap") as pool:
+      return first + list(pool.map(one, jobs))
+  # The first variant of a program not compiled yet runs alone, after those before it: the
+  # variants after it then start from its kernels (two that started together from the same
+  # file would each compile the new program's kernels, and only one's would be kept).
+  out: list = [None] * len(jobs)
+  with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="jax_overlap") as pool:
+    running: dict[int, concurrent.futures.Future] = {}
+    for i, job in enumerate(jobs):
+      if kernels.first_of(program(job[1])):
+        concurrent.futures.wait(running.values())
+        out[i] = one(job)
+      else:
+        running[i] = pool.submit(one, job)
+    for i, f in running.items():
+      out[i] = f.result()
+  return first + out
+
+
+def program(cfg) -> tuple:
+  """Which program a variant compiles, as far as its kernels go: the step as traced or its
+  shard_map form, as written or rewritten (variants differing in the options only, or in
+  how the rewrite orders the collectives, share most kernels)."""
+  return (cfg.program, cfg == cfg.as_written(), cfg.collective_matmul, cfg.loops)
