@@ -122,10 +122,12 @@ def test_only_a_copy_of_the_newest_file_becomes_the_newest(tmp_path):
     assert open(kernels.copy({})[kernel_cache.OPTION], "rb").read() == b"seed+a"
 
 
-def test_the_first_variant_of_each_program_compiles_alone(monkeypatch):
+@pytest.mark.parametrize("threads", [2, 3])
+def test_the_first_variant_of_each_program_compiles_alone_on_two_threads(monkeypatch, threads):
   # A selection's variants of a program not compiled yet take their kernels from its first
-  # variant: that one starts after every variant before it has finished, with none beside
-  # it; the rest of the program's variants still compile two at a time.
+  # variant: on two threads that one starts after every variant before it has finished,
+  # with none beside it, and the rest of the program's variants compile two at a time. On
+  # more threads nothing waits (the others would idle).
   import dataclasses
   import threading
   import time
@@ -133,18 +135,19 @@ def test_the_first_variant_of_each_program_compiles_alone(monkeypatch):
 
   from jax_overlap._src.transform import compiles, evaluate
 
-  monkeypatch.setenv("JAX_OVERLAP_SELECT_WORKERS", "2")
+  monkeypatch.setenv("JAX_OVERLAP_SELECT_WORKERS", str(threads))
   monkeypatch.setattr(kernel_cache, "_UNSUPPORTED", [False])
   lock, running, started, ended = threading.Lock(), set(), {}, {}
-  pair = threading.Barrier(2, timeout=30)
+  together = ("r1", "r2") if threads == 2 else ("w1", "w2", "r0")
+  meet = threading.Barrier(len(together), timeout=30)
 
   def fake_analyze(fn, *args, name, xla_options, **kwargs):
     assert kernel_cache.OPTION in xla_options  # every variant compiles with the shared cache
     with lock:
       started[name] = (time.monotonic(), frozenset(running))
       running.add(name)
-    if name in ("r1", "r2"):
-      pair.wait()  # fails unless the two run at the same time
+    if name in together:
+      meet.wait()  # fails unless these run at the same time
     time.sleep(0.02)
     with lock:
       running.discard(name)
@@ -164,12 +167,14 @@ def test_the_first_variant_of_each_program_compiles_alone(monkeypatch):
       settings, jobs, lambda cfg, options: None, (), {}, (ValueError,), kernels
     )
   assert len(out) == len(jobs) and not any(isinstance(r, Exception) for r in out)
-  for first, before in (("w0", []), ("r0", ["w0", "w1", "w2"]), ("s0", ["r0", "r1", "r2"])):
-    at, beside = started[first]
-    assert not beside, (first, beside)
-    assert all(ended[b] <= at for b in before), first
-  # Once a program's first variant is done, the others start from the kernels it left.
-  assert started["w1"][0] >= ended["w0"] and started["r1"][0] >= ended["r0"]
+  assert not started["w0"][1]  # the seed
+  if threads == 2:
+    for first, before in (("r0", ["w0", "w1", "w2"]), ("s0", ["r0", "r1", "r2"])):
+      at, beside = started[first]
+      assert not beside, (first, beside)
+      assert all(ended[b] <= at for b in before), first
+    # Once a program's first variant is done, the others start from the kernels it left.
+    assert started["r1"][0] >= ended["r0"] and started["s1"][0] >= ended["s0"]
 
 
 def test_thunk_metadata_finds_the_launches_the_kernel_names_find(fsdp_h100_dump):

@@ -11,6 +11,13 @@ import threading
 
 from jax_overlap._src.compile import kernel_cache
 
+# Up to this many threads, a program's first variant compiles alone (see analyze_all). With
+# two, a program's variants take as long either way (its first compile alone, then the rest
+# two by two from its kernels, against the first two together, each compiling the new
+# kernels) and about a third of the ptxas runs go; with more, the other threads would idle
+# while it compiles.
+_LEADER_ALONE_MAX_THREADS = 2
+
 
 def workers() -> int:
   """Variants compiled at once: XLA compiles without holding Python's lock, so a second
@@ -30,7 +37,8 @@ def analyze_all(settings, jobs, make, args, kwargs, errors, kernels=None):
   """Reports (or the exception) for ``jobs`` [(name, cfg, options)], in their order,
   compiled by :func:`workers` threads. ``kernels`` (a :class:`kernel_cache.Shared`): seeded
   by the first job alone if no compile has; the others take the kernels of those before,
-  and the first job of a program not compiled yet (:func:`program`) runs alone.
+  and, on two threads, the first job of a program not compiled yet (:func:`program`) runs
+  alone.
 
   Variants share the program's dots: once one compile needed the fallback for XLA's
   deviceless Triton tiling failure (``compile.TILING_FALLBACK``), the variants compiled
@@ -80,9 +88,9 @@ def analyze_all(settings, jobs, make, args, kwargs, errors, kernels=None):
     kernels.first_of(program(jobs[0][1]))
     first, jobs = [one(jobs[0], seed=True)], jobs[1:]
   threads = min(workers(), len(jobs))
-  if threads <= 1 or not kernels.sharing():
-    if threads <= 1:
-      return first + [one(j) for j in jobs]
+  if threads <= 1:
+    return first + [one(j) for j in jobs]
+  if threads > _LEADER_ALONE_MAX_THREADS or not kernels.sharing():
     with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="jax_overlap") as pool:
       return first + list(pool.map(one, jobs))
   # The first variant of a program not compiled yet runs alone, after those before it: the
