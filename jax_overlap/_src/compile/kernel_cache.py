@@ -94,7 +94,7 @@ class Shared:
       return os.path.join(self._dir, name)
 
   def _gives(self, options: Mapping[str, Any]) -> bool:
-    return self._on and OPTION not in options and supported()
+    return self.sharing() and OPTION not in options
 
   def sharing(self) -> bool:
     """Whether compiles share kernels here."""
@@ -109,7 +109,7 @@ class Shared:
 
   def needs_seed(self) -> bool:
     """Whether the next compile should be the seed (sharing on and no seed given yet)."""
-    return self._on and not self._seed_given and supported()
+    return self.sharing() and not self._seed_given
 
   def seed(self, options: Mapping[str, Any]) -> dict[str, Any]:
     """``options`` with the seed file (filled by this compile) as the kernel cache."""
