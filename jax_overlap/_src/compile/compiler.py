@@ -197,7 +197,7 @@ def compile_lowered(
   """
   options = per_compile.spelled(options)
   aborts_lib.check_program(lowered, options)
-  with _kept_from_jax_cache() if topo is not None else contextlib.nullcontext():
+  with _kept_from_jax_cache(topo):
     try:
       return lowered.compile(options), {}
     except Exception as first:  # noqa: BLE001 - XLA raises JaxRuntimeError and others
@@ -213,17 +213,15 @@ def compile_lowered(
         raise first from None
 
 
-def _kept_from_jax_cache():
-  """A context in which this thread's compiles are not written to JAX's persistent
-  compilation cache (``jax_compilation_cache_dir``), where the user has one.
-
-  A deviceless executable cannot be loaded: JAX would warn on every later read of its
-  entry, and a process with the GPUs whose compile has the same key (XLA's dump options
-  are not part of it) would be handed an executable XLA never autotuned. JAX decides
-  whether to write by the compile's time against ``jax_persistent_cache_min_compile_time_secs``,
-  a per-thread setting here made unreachable. Where the installed JAX has no such
-  setting, nothing changes.
-  """
+def _kept_from_jax_cache(topo):
+  """A context keeping this thread's deviceless compiles (``topo`` not None) out of JAX's
+  persistent compilation cache, where the user has one: JAX cannot load them (it warned on
+  every later read), and a process with the GPUs whose compile has the same key (dump
+  options are not in it) would get an executable XLA never autotuned. JAX writes when the
+  compile took ``jax_persistent_cache_min_compile_time_secs`` (a per-thread setting, here
+  made unreachable); a JAX without that setting is left as it is."""
+  if topo is None:
+    return contextlib.nullcontext()
   try:
     from jax._src import config as jax_config
 

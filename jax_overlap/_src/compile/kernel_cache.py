@@ -68,7 +68,8 @@ def supported() -> bool:
 
 class Shared:
   """One selection's kernel cache: :meth:`seed` for the first compile, :meth:`copy` for
-  each later one. A context manager; the files go when it closes.
+  each later one, :meth:`done` when one finished; :meth:`first_of` tells the first compile
+  of a program the kernels have not seen. A context manager; the files go when it closes.
 
   Args:
     enabled: False gives the options back unchanged (e.g. when the user's own options
@@ -111,8 +112,11 @@ class Shared:
     """Whether the next compile should be the seed (sharing on and no seed given yet)."""
     return self.sharing() and not self._seed_given
 
-  def seed(self, options: Mapping[str, Any]) -> dict[str, Any]:
-    """``options`` with the seed file (filled by this compile) as the kernel cache."""
+  def seed(self, options: Mapping[str, Any], program=None) -> dict[str, Any]:
+    """``options`` with the seed file (filled by this compile) as the kernel cache;
+    ``program`` (a :meth:`first_of` key) is the seed's, compiled from here on."""
+    if program is not None:
+      self.first_of(program)
     if not self._gives(options):
       return dict(options)
     self._seed_given = True

@@ -18,8 +18,8 @@ The result is a plan in the runtime library's JSON format::
    "streams": {"priority": "highest" | "default"}}
 
 the format :class:`jax_overlap._src.runtime.plan.Plan` reads (its ``streams.priority`` promotes the
-communication streams). When that module is importable the plan is validated through
-``Plan.from_json`` (NVIDIA targets; the runtime library shapes CUDA launches only).
+communication streams). The plan is validated through ``Plan.from_json`` (NVIDIA
+targets; the runtime library shapes CUDA launches only).
 """
 
 from __future__ import annotations

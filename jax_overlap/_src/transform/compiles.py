@@ -56,7 +56,9 @@ def analyze_all(settings, jobs, make, args, kwargs, errors, kernels=None):
     with lock:
       inherited = dict(learned) if not fallback_keys & set(options) else {}
     compile_options = {**options, **inherited}
-    compile_options = kernels.seed(compile_options) if seed else kernels.copy(compile_options)
+    compile_options = (
+      kernels.seed(compile_options, program(cfg_c)) if seed else kernels.copy(compile_options)
+    )
     try:
       report = analysis.analyze(
         make(cfg_c, options),
@@ -85,7 +87,6 @@ def analyze_all(settings, jobs, make, args, kwargs, errors, kernels=None):
 
   first: list = []
   if jobs and kernels.needs_seed():
-    kernels.first_of(program(jobs[0][1]))
     first, jobs = [one(jobs[0], seed=True)], jobs[1:]
   threads = min(workers(), len(jobs))
   if threads <= 1:

@@ -402,7 +402,7 @@ def gspmd_candidates(settings, cfg, make, args, kwargs, notes, known, kernels=No
     *args,
     target=settings.target,
     name=name,
-    xla_options=kernels.seed(base) if kernels is not None else base,
+    xla_options=kernels.seed(base, compiles.program(as_written)) if kernels is not None else base,
     **kwargs,
   )
   found = gspmd.found(report)
