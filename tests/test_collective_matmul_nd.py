@@ -183,6 +183,57 @@ def test_reduce_scatter_ring_equals_dot_then_psum_scatter(
   _close(run["plain"], run["ring"])
 
 
+@pytest.mark.parametrize("method", ["pieces", "ring"])
+def test_work_beside_the_last_reduce_scatter(method):
+  # `beside=(fn, operands)`: fn(*operands) comes back with the reduce-scatter's block (in
+  # pieces, traced between the last piece's dot and the use of its reduce-scatter); both,
+  # and the gradients through both, are what the plain program computes.
+  mesh = _mesh(4)
+  key = jax.random.key(3)
+  h = jax.random.normal(key, (2, 16, 8))
+  w = jax.random.normal(jax.random.fold_in(key, 1), (8, 6)) * 0.3
+  dn = (((2,), (0,)), ((), ()))
+
+  def plain(h, w):
+    y = jax.lax.psum_scatter(
+      jax.lax.dot_general(h, w, dn), "tensor", scatter_dimension=1, tiled=True
+    )
+    return y, jnp.concatenate([h, 2 * h], axis=1)
+
+  def split(h, w):
+    return cm.dot_general_reduce_scatter(
+      h,
+      w,
+      dimension_numbers=dn,
+      axis="tensor",
+      scatter_dim=1,
+      method=method,
+      pieces=(1, 3) if method == "pieces" else None,
+      beside=(lambda a, b: jnp.concatenate([a, b], axis=1), (h, 2 * h)),
+    )
+
+  def loss(fn):
+    def value(h, w):
+      y, extra = fn(h, w)
+      return jax.lax.psum(jnp.sum(jnp.tanh(y)) + jnp.sum(jnp.sin(extra)), "tensor")
+
+    return value
+
+  run = {
+    name: jax.jit(
+      jax.shard_map(
+        jax.value_and_grad(loss(fn), argnums=(0, 1)),
+        mesh=mesh,
+        in_specs=(P(None, None, "tensor"), P("tensor")),
+        out_specs=(P(), (P(None, None, "tensor"), P("tensor"))),
+        check_vma=False,
+      )
+    )(h, w)
+    for name, fn in (("plain", plain), ("split", split))
+  }
+  _close(run["plain"], run["split"])
+
+
 def _tp_sp_step(p, n_layers, qkv_separate):
   mesh = _mesh(p)
   S, H = 4 * p, 8
@@ -370,6 +421,10 @@ def test_transform_pieces_tensor_sequence_parallel_steps(p):
   done = [a.detail for a in ov.explain(params, x).of_kind("collective_matmul")]
   assert len(done) >= 2 * 2 and all("chained" in d for d in done), done
   assert any("feeding 3 matmul(s)" in d and "also kept" in d for d in done)
+  # The kept gathered values are put in order beside a later reduce-scatter's last piece
+  # (the numerics above include them).
+  kept = [a.detail for a in ov.explain(params, x).of_kind("kept_gather")]
+  assert kept and re.match(r"\d+ gathered value\(s\) kept .* while the last piece", kept[0]), kept
   # At these sizes the cost model splits the blocks unequally (the numerics above cover
   # those pieces, forward and backward).
   assert any(re.search(r"chained \S+ of slices \(\d+, \d+\)", d) for d in done), done
@@ -462,6 +517,38 @@ def test_pieces_compile_to_nccl_collectives_for_h100():
     for c in gathers
   ]
   assert sum(beside) >= len(gathers) // 2, beside
+  # The gathered values kept for the backward pass (x [1, 4096, 1024] bf16, 8 MiB) are put
+  # in order while a reduce-scatter's last piece travels: the concatenation, reading and
+  # writing them, lies between that reduce-scatter's start and done.
+  kept = ov.explain(*args).of_kind("kept_gather")
+  n_kept = int(re.match(r"(\d+) gathered value", kept[0].detail).group(1))
+  assert n_kept == 3, kept
+  scatters = [c for c in report.collectives if c.kind == "reduce-scatter"]
+  hidden = [
+    c
+    for c in scatters
+    if any(
+      report.kernels[i].op_name.endswith("concatenate")
+      and report.kernels[i].bytes_accessed == 2 * 4096 * 1024 * 2
+      for i in range(c.start_index, c.done_index)
+    )
+  ]
+  assert len(hidden) == n_kept, [(c.name, c.start_index, c.done_index) for c in scatters]
+
+
+def test_kept_gathered_values_go_where_the_reduce_scatters_leave_most_time():
+  # The TP+SP step at hidden 8192 (planned only, nothing compiled): four gathered values
+  # are kept in the forward pass and two in the backward. The forward's output-projection
+  # reduce-scatters end on a 72 MiB piece, the MLP's on an 8 MiB one: the first layer's
+  # MLP input goes beside the second layer's output projection rather than the first
+  # reduce-scatter after it, so six values share five reduce-scatters.
+  from jax_overlap.examples import tp_sp
+
+  fn, args = tp_sp.build("h100x8", layers=2, hidden=8192, mlp=28672, heads=64, seq=8192)
+  ov = jax_overlap.overlap(fn, target="h100x8", select="rewrite")
+  (kept,) = ov.explain(*args).of_kind("kept_gather")
+  m = re.match(r"(\d+) gathered value\(s\) .* the last piece of (\d+) later", kept.detail)
+  assert m and (int(m.group(1)), int(m.group(2))) == (6, 5), kept.detail
 
 
 @pytest.mark.slow

@@ -4,7 +4,9 @@ along a free dimension; as a ring or in pieces."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -65,10 +67,40 @@ def all_gather_dot_generals(
   Returns:
     (list of the dots' outputs, the gathered value or None).
   """
+  outs, kept = gather_dots_kept(
+    x,
+    dots,
+    axis=axis,
+    gather_dim=gather_dim,
+    bidirectional=bidirectional,
+    method=method,
+    pieces=pieces,
+  )
+  return outs, kept.assemble() if collect else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Kept:
+  """The gathered value of an :func:`all_gather_dot_generals` as its pieces arrived:
+  ``assemble(parts)`` puts them in the gathered order (one concatenation), so a caller
+  may choose where that copy runs (e.g. beside a reduce-scatter with nothing else to
+  hide it: :func:`dot_general_reduce_scatter`'s ``beside``)."""
+
+  parts: tuple
+  put_in_order: Callable
+
+  def assemble(self, parts=None):
+    """The gathered value from ``parts`` (default: the pieces as they arrived)."""
+    return self.put_in_order(list(self.parts if parts is None else parts))
+
+
+def gather_dots_kept(x, dots, *, axis, gather_dim, bidirectional=False, method="ring", pieces=None):
+  """:func:`all_gather_dot_generals` returning the gathered value unassembled:
+  (the dots' outputs, :class:`Kept`)."""
   _check_gather(x, dots, gather_dim)
   _check_out_shapes(x, dots, gather_dim, int(lax.axis_size(axis)))
   if method == "pieces":
-    return _ag_pieces(x, dots, axis, gather_dim, collect, pieces)
+    return _ag_pieces(x, dots, axis, gather_dim, pieces)
   if method != "ring":
     raise ValueError(f"all_gather_dot_generals: method must be 'ring' or 'pieces', got {method!r}")
   n = int(lax.axis_size(axis))
@@ -101,13 +133,17 @@ def all_gather_dot_generals(
           preferred_element_type=preferred,
         )
         parts[j].append(part.astype(dtype))
-      if collect:
-        held.append(piece)
+      held.append(piece)
     pieces = nxt
   order, inverse = _ring_order(n, d, dirs)
   outs = [_in_gathered_order(ps, order, inverse, od) for ps, od in zip(parts, pos)]
-  full = _in_gathered_order(held, order, inverse, gather_dim) if collect else None
-  return outs, full
+  return outs, Kept(
+    tuple(held), functools.partial(_ring_assembled, order=order, inverse=inverse, dim=gather_dim)
+  )
+
+
+def _ring_assembled(held: list, *, order, inverse, dim: int):
+  return _in_gathered_order(held, order, inverse, dim)
 
 
 def dot_general_reduce_scatter(
@@ -123,6 +159,7 @@ def dot_general_reduce_scatter(
   bidirectional: bool = False,
   method: str = "ring",
   pieces: int | Sequence[int] | None = None,
+  beside: tuple[Callable, Sequence] | None = None,
 ):
   """``psum_scatter(dot_general(lhs, rhs), axis, scatter_dimension=scatter_dim, tiled=True)``
   as a ppermute ring of partial dots, for N-D operands.
@@ -140,9 +177,15 @@ def dot_general_reduce_scatter(
   few). ``pieces`` is their count (equal slices; default the axis size) or the slices'
   sizes along ``scatter_dim`` in issue order, adding up to this device's block (e.g.
   ``(512, 256, 128, 128)``: the last reduce-scatter, the only one no dot hides, small).
+  ``beside=(fn, operands)`` gives the compute stream work for that last reduce-scatter:
+  ``fn(*operands)`` is traced to run after the last dot and before the output is used,
+  i.e. while the last reduce-scatter travels (e.g. putting a kept gathered value in order,
+  a copy with no dot of its own to hide behind); with ``method="ring"`` it runs where XLA
+  places it.
 
   Returns:
-    This device's block of the summed output.
+    This device's block of the summed output; with ``beside``, (that block,
+    ``fn(*operands)``).
   """
   if method not in ("ring", "pieces"):
     raise ValueError(
@@ -195,6 +238,7 @@ def dot_general_reduce_scatter(
       precision=precision,
       preferred=preferred_element_type,
       out_dtype=out_dtype,
+      beside=beside,
     )
   dirs = (1, -1) if bidirectional else (1,)
   if block % len(dirs):
@@ -224,7 +268,8 @@ def dot_general_reduce_scatter(
       lax.ppermute(a, axis, _perm(n, dj)) + part(s, j, dj)
       for j, (a, dj) in enumerate(zip(accs, dirs))
     ]
-  return accs[0] if len(accs) == 1 else jnp.concatenate(accs, axis=scatter_dim)
+  out = accs[0] if len(accs) == 1 else jnp.concatenate(accs, axis=scatter_dim)
+  return out if beside is None else (out, beside[0](*beside[1]))
 
 
 def _check_out_shapes(x, dots, gather_dim: int, n: int) -> None:

@@ -3,6 +3,8 @@ collectives of a slice of every block, each beside the dots of the previous slic
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 from jax import lax
 
@@ -10,16 +12,19 @@ from jax_overlap._src.collective_matmul.rings import (
   _out_dim,
 )
 from jax_overlap._src.collective_matmul.validate import (
-  _piece_sizes,
+  piece_sizes,
 )
 
 
-def _ag_pieces(x, dots, axis, gather_dim, collect, pieces):
+def _ag_pieces(x, dots, axis, gather_dim, pieces):
   """``all_gather_dot_generals`` as chained all-gathers of a slice of every block (the
-  slices' sizes from ``pieces``: a count of equal slices, or the sizes)."""
+  slices' sizes from ``pieces``: a count of equal slices, or the sizes): (the dots'
+  outputs, the gathered pieces as ``nd.Kept``)."""
+  from jax_overlap._src.collective_matmul.nd import Kept
+
   n = int(lax.axis_size(axis))
   m = x.shape[gather_dim]
-  sizes = _piece_sizes("all_gather_dot_generals", pieces, n, m)
+  sizes = piece_sizes("all_gather_dot_generals", pieces, n, m)
   c = len(sizes)
   pos = [_out_dim(x.ndim, w.ndim, lhs, dn, gather_dim) for (w, lhs, dn, *_) in dots]
   # Every slice is cut before the first gather: a gather then waits for nothing on the
@@ -53,8 +58,7 @@ def _ag_pieces(x, dots, axis, gather_dim, collect, pieces):
       )
       parts[i][j] = part.astype(dtype)
   outs = [_pieces_in_order(ps, od, n) for ps, od in zip(parts, pos)]
-  full = _pieces_in_order(gathered, gather_dim, n) if collect else None
-  return outs, full
+  return outs, Kept(tuple(gathered), functools.partial(_pieces_in_order, dim=gather_dim, n=n))
 
 
 def _pieces_in_order(parts: list, dim: int, n: int):
@@ -84,18 +88,21 @@ def _rs_pieces(
   precision,
   preferred,
   out_dtype,
+  beside=None,
 ):
   """``dot_general_reduce_scatter`` as chained reduce-scatters of a slice of every
   device's block (the slices' sizes from ``pieces``: a count of equal slices, or the
-  sizes)."""
-  sizes = _piece_sizes("dot_general_reduce_scatter", pieces, n, block)
+  sizes). ``beside``: ``(fn, operands)`` traced after the last slice's dot and before the
+  last reduce-scatter's result is used (the result is then ``(output, fn(*operands))``)."""
+  sizes = piece_sizes("dot_general_reduce_scatter", pieces, n, block)
   op = lhs if slice_lhs else rhs
   shape = op.shape
   grouped = op.reshape(shape[:op_dim] + (n, block) + shape[op_dim + 1 :])
   # lax.split's transpose is a concatenation: the backward assembles, it does not pad.
   slices = lax.split(grouped, sizes, axis=op_dim + 1)
   outs: list = []
-  for sl, q in zip(slices, sizes):
+  extra = None
+  for j, (sl, q) in enumerate(zip(slices, sizes)):
     sl = sl.reshape(shape[:op_dim] + (n * q,) + shape[op_dim + 1 :])
     a, b = (sl, rhs) if slice_lhs else (lhs, sl)
     a, b = lax.optimization_barrier((a, b))  # one dot per piece (see _step_dot)
@@ -106,5 +113,16 @@ def _rs_pieces(
       # One reduce-scatter after the other (and none combined with another by XLA); the
       # dot itself does not wait. The barrier's outputs are what the rest uses.
       y, outs[-1] = lax.optimization_barrier((y, outs[-1]))
-    outs.append(lax.psum_scatter(y, axis, scatter_dimension=scatter_dim, tiled=True))
-  return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=scatter_dim)
+    if beside is None or j + 1 < len(sizes):
+      outs.append(lax.psum_scatter(y, axis, scatter_dimension=scatter_dim, tiled=True))
+      continue
+    # The last reduce-scatter is the one no dot hides: ``beside``'s work starts after its
+    # dot (its operands wait for it) and its result waits for that work, so XLA runs the
+    # work on the compute stream while the reduce-scatter travels.
+    fn, operands = beside
+    y, operands = lax.optimization_barrier((y, tuple(operands)))
+    last = lax.psum_scatter(y, axis, scatter_dimension=scatter_dim, tiled=True)
+    last, extra = lax.optimization_barrier((last, fn(*operands)))
+    outs.append(last)
+  out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=scatter_dim)
+  return out if beside is None else (out, extra)

@@ -57,7 +57,7 @@ def _directions(api: str, rows: int, what: str, bidirectional: bool, chunks) -> 
   return (1,) * int(chunks)
 
 
-def _piece_sizes(api: str, pieces, n: int, block: int) -> list[int]:
+def piece_sizes(api: str, pieces, n: int, block: int) -> list[int]:
   """The sizes (along the gathered or scattered dimension of one device's block) of the
   pieces ``pieces`` asks for: a count (equal pieces; the largest count up to it that
   divides the block; default the axis size ``n``) or the sizes themselves."""

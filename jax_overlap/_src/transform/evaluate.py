@@ -10,6 +10,7 @@ from typing import Any
 import jax
 from jax.experimental.xla_metadata import set_xla_metadata
 
+from jax_overlap._src.collective_matmul.nd import gather_dots_kept
 from jax_overlap._src.fsdp.pipeline import after
 from jax_overlap._src.transform import scan_pipeline
 from jax_overlap._src.transform.explain import Action
@@ -54,10 +55,10 @@ def _after_all(x, prevs: list):
   return x
 
 
-def _run_ring(ring, env, read, wait_for: list) -> bool:
+def _run_ring(ring, env, read, wait_for: list, kept: dict) -> bool:
   """Runs an N-D gather -> dots ring; False (and the plain gather) if a weight is not ready.
-  The ring's dots wait for ``wait_for`` (weight gradients run while it travels)."""
-  from jax_overlap._src import collective_matmul as cm_lib
+  The ring's dots wait for ``wait_for`` (weight gradients run while it travels). A
+  gathered value also needed elsewhere goes to ``kept`` unassembled (``nd.Kept``)."""
 
   x, gather, dots, collect, opts = ring
   eqns_w = []
@@ -82,19 +83,28 @@ def _run_ring(ring, env, read, wait_for: list) -> bool:
     )
   axis = gather.params["axis_name"]
   axis = axis[0] if isinstance(axis, tuple) else axis
-  outs, full = cm_lib.all_gather_dot_generals(
-    read(x),
-    eqns_w,
-    axis=axis,
-    gather_dim=gather.params["all_gather_dimension"],
-    collect=collect,
-    **opts,
+  outs, held = gather_dots_kept(
+    read(x), eqns_w, axis=axis, gather_dim=gather.params["all_gather_dimension"], **opts
   )
   for d, o in zip(dots, outs):
     env[d.outvars[0]] = o
   if collect:
-    env[gather.outvars[0]] = full
+    kept[gather.outvars[0]] = held
   return True
+
+
+def _assembled_beside(kept: dict, vs: list, kw: dict) -> None:
+  """Takes the kept values ``vs`` out of ``kept`` to be put in order beside the last
+  reduce-scatter of the collective matmul called with ``kw`` (sets its ``beside``)."""
+  held = [kept.pop(v) for v in vs]
+  cuts = [0]
+  for h in held:
+    cuts.append(cuts[-1] + len(h.parts))
+
+  def assemble(*parts):
+    return tuple(h.assemble(parts[a:b]) for h, a, b in zip(held, cuts, cuts[1:]))
+
+  kw["beside"] = (assemble, tuple(p for h in held for p in h.parts))
 
 
 def _run(jaxpr, consts, args, plan: _BodyPlan | None):
@@ -129,9 +139,15 @@ def _run_env(
 ):
   """Evaluates ``jaxpr`` under ``plan``; (its environment, its reader). Equations in
   ``skip`` are not run: their outputs come from ``given`` (eqn index -> value), if there."""
-  env, read = _environment(jaxpr, consts, args)
+  env, read_env = _environment(jaxpr, consts, args)
   order = plan.order if plan is not None else range(len(jaxpr.eqns))
   ring_done: dict[int, bool] = {}
+  kept: dict = {}  # gathered values rings keep, not yet put in order (nd.Kept)
+
+  def read(v):
+    if _is_var(v) and v in kept:  # read before a reduce-scatter took it: assembled here
+      env[v] = kept.pop(v).assemble()
+    return read_env(v)
 
   def weight_gradients_before(g: int) -> list:
     """The weight gradients all-gather ``g``'s users wait for (none without a plan)."""
@@ -154,6 +170,7 @@ def _run_env(
             env,
             read,
             weight_gradients_before(g),
+            kept,
           )
       if any(ring_done[g] and i in plan.rings[g][2] for g in plan.ring_of[i]):
         continue  # this dot's output came from a ring
@@ -182,7 +199,16 @@ def _run_env(
         "reduce_scatter": cm_lib.matmul_reduce_scatter,
         "reduce_scatter_nd": cm_lib.dot_general_reduce_scatter,
       }[kind]
-      env[eqn.outvars[0]] = fn(read(lhs), read(rhs), **kw)
+      a, b = read(lhs), read(rhs)
+      vs = [jaxpr.eqns[g].outvars[0] for g in plan.assemble_beside.get(i, ())]
+      vs = [v for v in vs if v in kept]
+      if vs:
+        kw = dict(kw)
+        _assembled_beside(kept, vs, kw)
+        env[eqn.outvars[0]], fulls = fn(a, b, **kw)
+        env.update(zip(vs, fulls))
+      else:
+        env[eqn.outvars[0]] = fn(a, b, **kw)
       continue
     if plan is not None and (i in plan.scans or i in plan.loop_bodies):
       invals = [read(v) for v in eqn.invars]
@@ -208,6 +234,8 @@ def _run_env(
       outs = [_after_all(outs[0], weight_gradients_before(i))]
     for v, o in zip(eqn.outvars, outs):
       env[v] = o
+  for v in list(kept):  # kept for the body's outputs or for nothing this order reached
+    env[v] = kept.pop(v).assemble()
   return env, read
 
 

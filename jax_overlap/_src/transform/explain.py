@@ -11,7 +11,7 @@ class Action:
   """One thing the transform did (or left alone, with the reason)."""
 
   # "convert", "classify", "prefetch", "reduce_scatter", "collective_matmul",
-  # "weight_gradient", "annotate", "compiler_option", "left_alone"
+  # "kept_gather", "weight_gradient", "annotate", "compiler_option", "left_alone"
   kind: str
   where: str
   detail: str
@@ -38,6 +38,7 @@ class Explanation:
       "prefetch",
       "reduce_scatter",
       "collective_matmul",
+      "kept_gather",
       "weight_gradient",
       "annotate",
       "compiler_option",

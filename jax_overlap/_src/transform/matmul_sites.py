@@ -399,3 +399,71 @@ def _ring_mnk(e, eqns, dots) -> tuple[int, int, int]:
       math.prod(w.aval.shape[a] for a in range(w.aval.ndim) if a not in wc and a not in wb)
     )
   return m, n_total, k
+
+
+def kept_assembly_sites(
+  eqns, order, rings: dict, ring_of: dict, fused: dict, outvars: set, target=None
+) -> tuple[dict[int, tuple[int, ...]], float, float]:
+  """Where the gathered values rings keep (``collect``) are put in order: (a reduce-scatter
+  in pieces -> the rings whose kept value is assembled beside its last reduce-scatter, the
+  one no dot hides (``dot_general_reduce_scatter``'s ``beside``); the copies' time and
+  those reduce-scatters' time, by the cost model).
+
+  A kept value may go to any such site after its ring in ``order`` and before anything
+  reads it (in the forward pass the backward's weight gradient reads it, much later).
+  Taken in ring order, each goes to the site with the most room left: the cost model's
+  time of the site's last reduce-scatter less the copies already given to it; none when
+  no site has room (it is then put in order where it is read)."""
+  from jax_overlap._src import targets as targets_lib
+  from jax_overlap._src.analysis import cost_model as cost
+  from jax_overlap._src.collective_matmul.validate import piece_sizes
+
+  topo = targets_lib.get(target or "h100x8")
+  pending: dict = {}  # gathered value -> its ring (gather index)
+  windows: dict[int, list[int]] = {}  # ring -> the sites it may go to, in order
+  room: dict[int, float] = {}
+  run: set[int] = set()
+  for i in order:
+    for g in ring_of.get(i, ()):
+      if g not in run:
+        run.add(g)
+        v = eqns[g].outvars[0]
+        if rings[g][3] and v not in outvars:
+          pending[v] = g
+          windows[g] = []
+    reads = list(eqns[i].invars) + (list(fused[i][1:3]) if i in fused else [])
+    for v in reads:
+      if _is_var(v) and v in pending and i not in rings[pending[v]][2]:
+        del pending[v]  # read here: put in order where it is read
+    site = fused.get(i)
+    if pending and site and site[0] == "reduce_scatter_nd" and site[3].get("method") == "pieces":
+      e = eqns[i]
+      n = int(e.params.get("axis_size", 1))
+      block = e.outvars[0].aval.shape[site[3]["scatter_dim"]]
+      last = piece_sizes("dot_general_reduce_scatter", site[3].get("pieces"), n, block)[-1] / block
+      room[i] = cost.collective_time("reduce-scatter", _nbytes(e.invars[0].aval) * last, n, topo)
+      for g in pending.values():
+        windows[g].append(i)
+  sites: dict[int, list[int]] = {}
+  copies_s = 0.0
+  for g, cands in windows.items():
+    best = max(cands, key=lambda i: room[i], default=None)  # the first of equals
+    if best is None or room[best] <= 0:
+      continue
+    aval = eqns[g].outvars[0].aval
+    copy = cost.kernel_time(0.0, 2.0 * _nbytes(aval), topo.gpu, dtype=_short(aval.dtype))
+    room[best] -= copy
+    copies_s += copy
+    sites.setdefault(best, []).append(g)
+  room_s = sum(room[i] for i in sites) + copies_s
+  return {i: tuple(gs) for i, gs in sites.items()}, copies_s, room_s
+
+
+def _nbytes(aval) -> int:
+  return int(math.prod(aval.shape)) * aval.dtype.itemsize
+
+
+def _short(dtype) -> str:
+  """The cost model's dtype name (bf16, f16, f32...)."""
+  name = getattr(dtype, "name", str(dtype))
+  return {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "float64": "f64"}.get(name, name)

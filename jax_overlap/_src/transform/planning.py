@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 
-from jax_overlap._src.transform import scan_pipeline, weight_gradients
+from jax_overlap._src.transform import matmul_sites, scan_pipeline, weight_gradients
 from jax_overlap._src.transform.explain import Action
 from jax_overlap._src.transform.jaxprs import (
   _COLLECTIVES,
@@ -192,6 +192,9 @@ class _BodyPlan:
   scans: dict = dataclasses.field(default_factory=dict)
   # Activation all-gather index -> the weight-gradient dots its users wait for.
   wgrad_before: dict = dataclasses.field(default_factory=dict)
+  # Reduce-scatter in pieces -> the rings whose kept gathered value is put in order while
+  # its last reduce-scatter travels (kept_assembly_sites).
+  assemble_beside: dict = dataclasses.field(default_factory=dict)
   # lax.scan equations whose body runs with a plan of its own: eqn index -> _BodyPlan.
   loop_bodies: dict = dataclasses.field(default_factory=dict)
   reverse: bool = False  # this is a loop body, of a reversed scan (a backward pass's)
@@ -523,6 +526,23 @@ def _plan_body(
         "the all-gather's input, and the all-gather's users wait for it",
       )
     )
+  # 6. Gathered values kept for the backward pass are put in order beside the next
+  # reduce-scatter whose last piece has nothing else to hide it.
+  beside, copies_s, room_s = matmul_sites.kept_assembly_sites(
+    eqns, order, rings, ring_of, fused, set(v for v in jaxpr.outvars if _is_var(v)), target
+  )
+  if beside:
+    actions.append(
+      Action(
+        "kept_gather",
+        where,
+        f"{sum(map(len, beside.values()))} gathered value(s) kept for the backward pass put "
+        f"in order (copies, {copies_s * 1e3:.2f} ms by the cost model) while the last piece "
+        f"of {len(beside)} later reduce-scatter(s) travels ({room_s * 1e3:.2f} ms), each "
+        "beside the one with the most time left, instead of where the backward pass reads "
+        "them",
+      )
+    )
   single_gather = max((_nbytes(eqns[i].outvars[0].aval) for g in groups for i in g), default=0)
   scatter_out = max(
     (_nbytes(e.outvars[0].aval) for e in eqns if e.primitive.name == _SCATTER), default=0
@@ -551,6 +571,7 @@ def _plan_body(
     loops=nested.loops,
     scans=scans,
     wgrad_before=wgrad_before,
+    assemble_beside=beside,
     loop_bodies=loop_bodies,
   )
 
@@ -599,7 +620,7 @@ def _loop_body_plan(
   )
   if not (inner.fused or inner.rings or inner.wgrad_before or inner.loop_bodies):
     return None
-  keep = ("collective_matmul", "weight_gradient", "classify", "left_alone")
+  keep = ("collective_matmul", "kept_gather", "weight_gradient", "classify", "left_alone")
   inner.actions[:] = [a for a in inner.actions if a.kind in keep]
   inner.reverse = bool(e.params.get("reverse"))
   return inner
