@@ -168,19 +168,24 @@ def test_reduce_scatter_ring_equals_dot_then_psum_scatter(
   def loss(fn):
     return lambda h, w: jax.lax.psum(jnp.sum(jnp.tanh(fn(h, w))), "tensor")
 
-  run = {
-    name: jax.jit(
+  _close(*_values_and_grads(mesh, wspec, h, w, loss(plain), loss(ring)))
+
+
+def _values_and_grads(mesh, wspec, h, w, *losses):
+  """Each loss and its gradients in (h, w), h sharded along its last dimension and w by
+  ``wspec`` over the mesh's "tensor" axis."""
+  return [
+    jax.jit(
       jax.shard_map(
-        jax.value_and_grad(loss(fn), argnums=(0, 1)),
+        jax.value_and_grad(loss, argnums=(0, 1)),
         mesh=mesh,
         in_specs=(P(None, None, "tensor"), wspec),
         out_specs=(P(), (P(None, None, "tensor"), wspec)),
         check_vma=False,
       )
     )(h, w)
-    for name, fn in (("plain", plain), ("ring", ring))
-  }
-  _close(run["plain"], run["ring"])
+    for loss in losses
+  ]
 
 
 @pytest.mark.parametrize("method", ["pieces", "ring"])
@@ -188,29 +193,20 @@ def test_work_beside_the_last_reduce_scatter(method):
   # `beside=(fn, operands)`: fn(*operands) comes back with the reduce-scatter's block (in
   # pieces, traced between the last piece's dot and the use of its reduce-scatter); both,
   # and the gradients through both, are what the plain program computes.
-  mesh = _mesh(4)
   key = jax.random.key(3)
   h = jax.random.normal(key, (2, 16, 8))
   w = jax.random.normal(jax.random.fold_in(key, 1), (8, 6)) * 0.3
   dn = (((2,), (0,)), ((), ()))
+  join = lambda a, b: jnp.concatenate([a, b], axis=1)  # noqa: E731
+  pieces = (1, 3) if method == "pieces" else None
 
   def plain(h, w):
-    y = jax.lax.psum_scatter(
-      jax.lax.dot_general(h, w, dn), "tensor", scatter_dimension=1, tiled=True
-    )
-    return y, jnp.concatenate([h, 2 * h], axis=1)
+    y = jax.lax.dot_general(h, w, dn)
+    return jax.lax.psum_scatter(y, "tensor", scatter_dimension=1, tiled=True), join(h, 2 * h)
 
   def split(h, w):
-    return cm.dot_general_reduce_scatter(
-      h,
-      w,
-      dimension_numbers=dn,
-      axis="tensor",
-      scatter_dim=1,
-      method=method,
-      pieces=(1, 3) if method == "pieces" else None,
-      beside=(lambda a, b: jnp.concatenate([a, b], axis=1), (h, 2 * h)),
-    )
+    kw = dict(dimension_numbers=dn, axis="tensor", scatter_dim=1, method=method, pieces=pieces)
+    return cm.dot_general_reduce_scatter(h, w, beside=(join, (h, 2 * h)), **kw)
 
   def loss(fn):
     def value(h, w):
@@ -219,19 +215,7 @@ def test_work_beside_the_last_reduce_scatter(method):
 
     return value
 
-  run = {
-    name: jax.jit(
-      jax.shard_map(
-        jax.value_and_grad(loss(fn), argnums=(0, 1)),
-        mesh=mesh,
-        in_specs=(P(None, None, "tensor"), P("tensor")),
-        out_specs=(P(), (P(None, None, "tensor"), P("tensor"))),
-        check_vma=False,
-      )
-    )(h, w)
-    for name, fn in (("plain", plain), ("split", split))
-  }
-  _close(run["plain"], run["split"])
+  _close(*_values_and_grads(_mesh(4), P("tensor"), h, w, loss(plain), loss(split)))
 
 
 def _tp_sp_step(p, n_layers, qkv_separate):
