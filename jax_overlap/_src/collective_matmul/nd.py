@@ -138,12 +138,9 @@ def gather_dots_kept(x, dots, *, axis, gather_dim, bidirectional=False, method="
   order, inverse = _ring_order(n, d, dirs)
   outs = [_in_gathered_order(ps, order, inverse, od) for ps, od in zip(parts, pos)]
   return outs, Kept(
-    tuple(held), functools.partial(_ring_assembled, order=order, inverse=inverse, dim=gather_dim)
+    tuple(held),
+    functools.partial(_in_gathered_order, order=order, inverse=inverse, axis=gather_dim),
   )
-
-
-def _ring_assembled(held: list, *, order, inverse, dim: int):
-  return _in_gathered_order(held, order, inverse, dim)
 
 
 def dot_general_reduce_scatter(

@@ -15,6 +15,7 @@ from jax_overlap._src.transform.jaxprs import (
   _SCATTER,
   _gathered_dim_role,
   _is_var,
+  _nbytes,
   _var_users,
 )
 
@@ -451,19 +452,9 @@ def kept_assembly_sites(
     if best is None or room[best] <= 0:
       continue
     aval = eqns[g].outvars[0].aval
-    copy = cost.kernel_time(0.0, 2.0 * _nbytes(aval), topo.gpu, dtype=_short(aval.dtype))
+    copy = cost.kernel_time(0.0, 2.0 * _nbytes(aval), topo.gpu)  # reads and writes it
     room[best] -= copy
     copies_s += copy
     sites.setdefault(best, []).append(g)
   room_s = sum(room[i] for i in sites) + copies_s
   return {i: tuple(gs) for i, gs in sites.items()}, copies_s, room_s
-
-
-def _nbytes(aval) -> int:
-  return int(math.prod(aval.shape)) * aval.dtype.itemsize
-
-
-def _short(dtype) -> str:
-  """The cost model's dtype name (bf16, f16, f32...)."""
-  name = getattr(dtype, "name", str(dtype))
-  return {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "float64": "f64"}.get(name, name)
