@@ -414,7 +414,11 @@ def kept_assembly_sites(
   reads it (in the forward pass the backward's weight gradient reads it, much later).
   Taken in ring order, each goes to the site with the most room left: the cost model's
   time of the site's last reduce-scatter less the copies already given to it; none when
-  no site has room (it is then put in order where it is read)."""
+  no site has room (it is then put in order where it is read). A kept value that is an
+  output of the body (a loop body's residual) stays where XLA puts it: it fuses the
+  concatenation into the write of the loop's stacked output, which a copy tied beside a
+  reduce-scatter would make a second one (scanned TP+SP step, hidden 8192, h100x8:
+  41.63 -> 41.82 ms, 0.38 ms more compute)."""
   from jax_overlap._src import targets as targets_lib
   from jax_overlap._src.analysis import cost_model as cost
   from jax_overlap._src.collective_matmul.validate import piece_sizes
