@@ -4,7 +4,6 @@ along a free dimension; as a ring or in pieces."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 
@@ -14,6 +13,7 @@ from jax import lax
 
 from jax_overlap._src.collective_matmul.pieces import _ag_pieces, _rs_pieces
 from jax_overlap._src.collective_matmul.rings import (
+  Kept,
   _in_gathered_order,
   _out_dim,
   _perm,
@@ -77,21 +77,6 @@ def all_gather_dot_generals(
     pieces=pieces,
   )
   return outs, kept.assemble() if collect else None
-
-
-@dataclasses.dataclass(frozen=True)
-class Kept:
-  """The gathered value of an :func:`all_gather_dot_generals` as its pieces arrived:
-  ``assemble(parts)`` puts them in the gathered order (one concatenation), so a caller
-  may choose where that copy runs (e.g. beside a reduce-scatter with nothing else to
-  hide it: :func:`dot_general_reduce_scatter`'s ``beside``)."""
-
-  parts: tuple
-  put_in_order: Callable
-
-  def assemble(self, parts=None):
-    """The gathered value from ``parts`` (default: the pieces as they arrived)."""
-    return self.put_in_order(list(self.parts if parts is None else parts))
 
 
 def gather_dots_kept(x, dots, *, axis, gather_dim, bidirectional=False, method="ring", pieces=None):

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_overlap._src.collective_matmul.rings import (
+  Kept,
   _out_dim,
 )
 from jax_overlap._src.collective_matmul.validate import (
@@ -19,9 +20,7 @@ from jax_overlap._src.collective_matmul.validate import (
 def _ag_pieces(x, dots, axis, gather_dim, pieces):
   """``all_gather_dot_generals`` as chained all-gathers of a slice of every block (the
   slices' sizes from ``pieces``: a count of equal slices, or the sizes): (the dots'
-  outputs, the gathered pieces as ``nd.Kept``)."""
-  from jax_overlap._src.collective_matmul.nd import Kept
-
+  outputs, the gathered pieces as ``Kept``)."""
   n = int(lax.axis_size(axis))
   m = x.shape[gather_dim]
   sizes = piece_sizes("all_gather_dot_generals", pieces, n, m)

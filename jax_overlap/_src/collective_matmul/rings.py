@@ -3,11 +3,28 @@ results put in the gathered order once (one fusible gather, its transpose the in
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+
+@dataclasses.dataclass(frozen=True)
+class Kept:
+  """The gathered value of an :func:`.nd.all_gather_dot_generals` as its pieces arrived:
+  ``assemble(parts)`` puts them in the gathered order (one concatenation), so a caller
+  may choose where that copy runs (e.g. beside a reduce-scatter with nothing else to
+  hide it: :func:`.nd.dot_general_reduce_scatter`'s ``beside``)."""
+
+  parts: tuple
+  put_in_order: Callable
+
+  def assemble(self, parts=None):
+    """The gathered value from ``parts`` (default: the pieces as they arrived)."""
+    return self.put_in_order(list(self.parts if parts is None else parts))
 
 
 def _perm(n: int, direction: int) -> list[tuple[int, int]]:

@@ -58,7 +58,7 @@ def _after_all(x, prevs: list):
 def _run_ring(ring, env, read, wait_for: list, kept: dict) -> bool:
   """Runs an N-D gather -> dots ring; False (and the plain gather) if a weight is not ready.
   The ring's dots wait for ``wait_for`` (weight gradients run while it travels). A
-  gathered value also needed elsewhere goes to ``kept`` unassembled (``nd.Kept``)."""
+  gathered value also needed elsewhere goes to ``kept`` unassembled (``rings.Kept``)."""
 
   x, gather, dots, collect, opts = ring
   eqns_w = []
@@ -93,9 +93,9 @@ def _run_ring(ring, env, read, wait_for: list, kept: dict) -> bool:
   return True
 
 
-def _assembled_beside(kept: dict, vs: list, kw: dict) -> None:
-  """Takes the kept values ``vs`` out of ``kept`` to be put in order beside the last
-  reduce-scatter of the collective matmul called with ``kw`` (sets its ``beside``)."""
+def _assembled_beside(kept: dict, vs: list) -> tuple:
+  """Takes the kept values ``vs`` out of ``kept``: the ``beside`` of a reduce-scatter in
+  pieces that puts them in order while its last piece travels."""
   held = [kept.pop(v) for v in vs]
   cuts = [0]
   for h in held:
@@ -104,7 +104,7 @@ def _assembled_beside(kept: dict, vs: list, kw: dict) -> None:
   def assemble(*parts):
     return tuple(h.assemble(parts[a:b]) for h, a, b in zip(held, cuts, cuts[1:]))
 
-  kw["beside"] = (assemble, tuple(p for h in held for p in h.parts))
+  return assemble, tuple(p for h in held for p in h.parts)
 
 
 def _run(jaxpr, consts, args, plan: _BodyPlan | None):
@@ -142,7 +142,7 @@ def _run_env(
   env, read_env = _environment(jaxpr, consts, args)
   order = plan.order if plan is not None else range(len(jaxpr.eqns))
   ring_done: dict[int, bool] = {}
-  kept: dict = {}  # gathered values rings keep, not yet put in order (nd.Kept)
+  kept: dict = {}  # gathered values rings keep, not yet put in order (rings.Kept)
 
   def read(v):
     if _is_var(v) and v in kept:  # read before a reduce-scatter took it: assembled here
@@ -203,9 +203,7 @@ def _run_env(
       vs = [jaxpr.eqns[g].outvars[0] for g in plan.assemble_beside.get(i, ())]
       vs = [v for v in vs if v in kept]
       if vs:
-        kw = dict(kw)
-        _assembled_beside(kept, vs, kw)
-        env[eqn.outvars[0]], fulls = fn(a, b, **kw)
+        env[eqn.outvars[0]], fulls = fn(a, b, **kw, beside=_assembled_beside(kept, vs))
         env.update(zip(vs, fulls))
       else:
         env[eqn.outvars[0]] = fn(a, b, **kw)

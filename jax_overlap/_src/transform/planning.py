@@ -322,9 +322,10 @@ def _plan_body(
   # 3. Collective matmuls: an activation all-gather feeding a matmul, or a matmul
   # feeding a reduce-scatter, become ppermute rings of partial matmuls where the
   # cost model says they win.
+  body_outputs = set(v for v in jaxpr.outvars if _is_var(v))
   fused, skipped, rings, ring_of = _plan_collective_matmuls(
     eqns,
-    set(v for v in jaxpr.outvars if _is_var(v)),
+    body_outputs,
     collective_matmul,
     target,
     where,
@@ -529,7 +530,7 @@ def _plan_body(
   # 6. Gathered values kept for the backward pass are put in order beside the next
   # reduce-scatter whose last piece has nothing else to hide it.
   beside, copies_s, room_s = matmul_sites.kept_assembly_sites(
-    eqns, order, rings, ring_of, fused, set(v for v in jaxpr.outvars if _is_var(v)), target
+    eqns, order, rings, ring_of, fused, body_outputs, target
   )
   if beside:
     actions.append(
