@@ -239,7 +239,7 @@ def test_gpu_benchmark_dry_run(tmp_path):
   assert "plan ok: plan_shape_all.json" in out.stderr
   assert "SKIP overlap_bench run: dry run" in out.stderr
   assert "outputs identical with and without shaping" in out.stderr
-  assert "fake driver: XLA-like dlopen launch shaped (launches_shaped=1)" in out.stderr
+  assert "CUDA-runtime-like CUkernel launch shaped (launches_shaped=2)" in out.stderr
   # The sweep's output is what sim.calibrate reads: every kind x cap x priority, the
   # registers from ptxas, and (dry run) the simulator's predictions, marked as such.
   data = json.loads((tmp_path / "overlap_bench.json").read_text())

@@ -74,6 +74,29 @@ def test_shapes_selected_kernel_on_every_path(fake, mode, tmp_path):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_context_less_kernel_handles_are_shaped_through_their_function(fake, mode, tmp_path):
+  # The CUDA runtime (CUDA 12+) launches CUkernel handles, which cuFuncGetAttribute
+  # refuses (seen on an H200, driver 580: every runtime-launched kernel fell back).
+  r = harness.run_app(
+    fake,
+    mode,
+    ["klaunch:gemm_fusion_1:256:0:3", "launch:gemm_fusion_1:256:0", "klaunch:nccl_proxy:640:0"],
+    rules=rules("kernel\tglob\tgemm_fusion_*\tblocks_per_sm\t2"),
+    tmp=tmp_path,
+  )
+  assert r.returncode == 0, r.stderr
+  assert r.launch_dyn("gemm_fusion_1") == [H100_SMEM_SM // 3 + 1 - 1024 - 1024] * 4
+  assert r.launch_dyn("nccl_proxy") == [0]
+  c = r.counters
+  assert c["launches_shaped"] == 4
+  assert c["launches_fallback"] == 0
+  assert c["launches_kernel_handle"] == 4
+  # Classified once per handle: one refused attribute query each, not one per launch.
+  assert sum("kernel_handle=1" in line for line in r.log) == 2
+  assert not any("error api=cuFuncSetAttribute" in line for line in r.log)
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_nothing_changes_without_a_plan(fake, mode, tmp_path):
   r = harness.run_app(
     fake,
@@ -266,8 +289,9 @@ def test_failed_attribute_queries_are_not_repeated_on_every_launch(fake, tmp_pat
   assert r.returncode == 0, r.stderr
   assert r.counters["launches_fallback"] == 50
   assert r.launch_dyn("gemm_fusion_1") == [0] * 50
-  # One query (its first attribute fails), not one per launch.
-  assert sum("error api=cuFuncGetAttribute" in line for line in r.log) == 1
+  # Two queries (what kind of handle it is, then its attributes, the first failing), not
+  # one per launch.
+  assert sum("error api=cuFuncGetAttribute" in line for line in r.log) == 2
   # New rules ask again.
   (tmp_path / "r.txt").write_text(rules("kernel\tglob\tgemm_fusion_*\tblocks_per_sm\t3"))
   again = harness.run_app(
@@ -278,7 +302,7 @@ def test_failed_attribute_queries_are_not_repeated_on_every_launch(fake, tmp_pat
     env={"FAKE_CUDA_FAIL": "cuFuncGetAttribute"},
     tmp=tmp_path,
   )
-  assert sum("error api=cuFuncGetAttribute" in line for line in again.log) == 2
+  assert sum("error api=cuFuncGetAttribute" in line for line in again.log) == 3
   assert r.counters["launches_shaped"] == 0
 
 

@@ -58,6 +58,7 @@ done
 
 # 3. The CUDA benchmark.
 HAVE_GPU=0
+CHECK_FAILED=0
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then HAVE_GPU=1; fi
 if [[ $DRY_RUN -eq 0 && $HAVE_GPU -eq 0 ]]; then
   echo "run_all.sh: no GPU found (nvidia-smi -L failed); use --dry-run" >&2; exit 1
@@ -99,7 +100,9 @@ else
   note "overlap_bench done: $BENCH_JSON"
   "${RECORDS[@]}" resources "$BENCH_JSON" "$BUILD/ptxas.log" "$GPU_KEY" >&2
   "${RECORDS[@]}" names "$BENCH_JSON" "$BUILD/runtime.log" >&2
-  "${RECORDS[@]}" check "$BENCH_JSON" >&2
+  # A configuration meant to shape that shaped nothing fails the run, after the JAX check
+  # and with the results written (marked), so that one call to a GPU shows everything.
+  "${RECORDS[@]}" check "$BENCH_JSON" >&2 || CHECK_FAILED=1
 fi
 
 # 4. Calibration reads the output as it is.
@@ -115,10 +118,10 @@ XLA_CHECK_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0 --xla_gpu_determinist
 [[ $DRY_RUN -eq 1 || $HAVE_GPU -eq 0 ]] && XLA_CHECK_FLAGS="${XLA_FLAGS:-}"
 "${JAX_ENV[@]}" XLA_FLAGS="$XLA_CHECK_FLAGS" timeout 240 "$PY" "$HERE/jax_check.py" run "$BUILD/plain.npz" \
   > "$BUILD/jax_plain.json"
-"${JAX_ENV[@]}" XLA_FLAGS="$XLA_CHECK_FLAGS" timeout 240 "$PY" -c \
+"${JAX_ENV[@]}" XLA_FLAGS="$XLA_CHECK_FLAGS" JAX_OVERLAP_RT_VERBOSE=2 timeout 240 "$PY" -c \
   'import sys; from jax_overlap._src.runtime.launch import main; sys.exit(main(sys.argv[1:]))' \
   --plan "$HERE/plan_shape_all.json" -- "$PY" "$HERE/jax_check.py" run "$BUILD/shaped.npz" \
-  > "$BUILD/jax_shaped.json"
+  > "$BUILD/jax_shaped.json" 2> "$BUILD/jax_shaped.log" || { tail -n 20 "$BUILD/jax_shaped.log" >&2; exit 1; }
 "$PY" "$HERE/jax_check.py" compare "$BUILD/plain.npz" "$BUILD/shaped.npz" >&2
 note "JAX check: identical outputs; shaped run: $(tail -n1 "$BUILD/jax_shaped.json")"
 
@@ -131,9 +134,9 @@ if [[ $DRY_RUN -eq 1 ]]; then
   cc -O1 -o "$FAKE/fake_app" "$REPO/xla_patches/testing/fake_app.c" -ldl -lpthread
   OUT="$(LD_LIBRARY_PATH="$FAKE" LD_PRELOAD="$LIB" FAKE_CUDA_FUNCS="gemm_fusion_1:static=1024:regs=32" \
     JAX_OVERLAP_RT_RULES="$("$PY" -c 'from jax_overlap.runtime import Plan; print(Plan(kernels=[{"match": "gemm_*", "blocks_per_sm": 2}]).to_rules(), end="")')" \
-    "$FAKE/fake_app" dlopen launch:gemm_fusion_1:256:0 | tail -n1)"
-  echo "$OUT" | grep -q '"launches_shaped": 1' || { echo "run_all.sh: fake-driver launch was not shaped: $OUT" >&2; exit 1; }
-  note "fake driver: XLA-like dlopen launch shaped (launches_shaped=1)"
+    "$FAKE/fake_app" dlopen launch:gemm_fusion_1:256:0 klaunch:gemm_fusion_1:256:0 | tail -n1)"
+  echo "$OUT" | grep -q '"launches_shaped": 2' || { echo "run_all.sh: fake-driver launches were not shaped: $OUT" >&2; exit 1; }
+  note "fake driver: an XLA-like dlopen launch and a CUDA-runtime-like CUkernel launch shaped (launches_shaped=2)"
   note "dry run done in $((SECONDS - T0)) s; sweep output $BENCH_JSON; no results written"
   exit 0
 fi
@@ -143,13 +146,12 @@ mkdir -p "$RESULTS"
 SLUG="$(echo "$GPU_NAME" | tr 'A-Z' 'a-z' | tr -cs 'a-z0-9' '_' | sed 's/_$//')"
 DATE="$(date -u +%Y-%m-%d)"
 RESULT="$RESULTS/runtime_${SLUG}_${DATE}.json"
-"$PY" - "$BENCH_JSON" "$BUILD/jax_plain.json" "$BUILD/jax_shaped.json" "$RESULT" "$GPU_NAME" <<'EOF'
+"$PY" - "$BENCH_JSON" "$BUILD/jax_plain.json" "$BUILD/jax_shaped.json" "$RESULT" "$GPU_NAME" "$CHECK_FAILED" <<'EOF'
 import datetime, json, subprocess, sys
-bench, plain, shaped, out, gpu = sys.argv[1:]
+bench, plain, shaped, out, gpu, check_failed = sys.argv[1:]
 import jax
 shaped_run = json.loads(open(shaped).read().splitlines()[-1])
-if shaped_run["launches_shaped"] + shaped_run["graph_nodes_shaped"] == 0:
-  sys.exit("run_all.sh: the JAX program under the shaping plan shaped no launch")
+shaped_none = shaped_run["launches_shaped"] + shaped_run["graph_nodes_shaped"] == 0
 result = json.load(open(bench))
 result.update({
   "gpu": gpu,
@@ -159,8 +161,15 @@ result.update({
   "jax": jax.__version__,
   "jax_check": {"identical": True, "plain": json.loads(open(plain).read().splitlines()[-1]),
                 "shaped": shaped_run},
+  "shaping_check_failed": check_failed == "1",
 })
 json.dump(result, open(out, "w"), indent=1)
 print(out)
+if shaped_none:
+  sys.exit("run_all.sh: the JAX program under the shaping plan shaped no launch")
 EOF
 note "results: $RESULT ($((SECONDS - T0)) s)"
+if [[ $CHECK_FAILED -eq 1 ]]; then
+  echo "run_all.sh: configurations meant to shape shaped nothing (records.py check)" >&2
+  exit 1
+fi

@@ -57,8 +57,9 @@ std::atomic<int64_t> g_stream_index{0};
 }  // namespace
 
 Decision Decide(CUfunction f, CUstream stream, bool known_stream, unsigned threads, unsigned dyn,
-                bool skip, unsigned* new_dyn) {
+                bool skip, unsigned* new_dyn, CUfunction* launch_f) {
   *new_dyn = dyn;
+  *launch_f = f;
   const Rules* rules = CurrentRules();
   const int64_t region_blocks = CurrentRegionBlocks(stream, known_stream);
   if (region_blocks > 0) Count(kCounter_launches_in_region);
@@ -71,6 +72,7 @@ Decision Decide(CUfunction f, CUstream stream, bool known_stream, unsigned threa
   }();
   if (rules == nullptr) rules = kEmpty;
   if (f == nullptr) return kPass;
+  f = Launchable(f);
   FuncLite* lite = &TlsFunc(f);
   std::string name;
   if (lite->f != f || lite->generation != rules->generation ||
@@ -150,6 +152,7 @@ Decision Decide(CUfunction f, CUstream stream, bool known_stream, unsigned threa
   if (!EnsureMaxDynamic(f, lite, shaped)) return kFallback;
   if (status == JOR_SHAPE_CAPPED) Count(kCounter_launches_capped);
   *new_dyn = static_cast<unsigned>(shaped);
+  *launch_f = f;
   Log(3, "launch %s: %u threads, dynamic smem %u -> %u", name.c_str(), threads,
       dyn, *new_dyn);
   return kShape;

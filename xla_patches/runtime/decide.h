@@ -15,9 +15,11 @@ enum Decision { kPass, kShape, kFallback };
 // Decides the dynamic shared memory of one launch: kShape with *new_dyn set,
 // kPass to launch unchanged, kFallback when the driver could not answer.
 // `skip` marks launches that must keep their configuration (cooperative,
-// clusters); `known_stream` is false for graph nodes.
+// clusters); `known_stream` is false for graph nodes. With kShape, *launch_f is
+// the function to launch: `f`, or for a context-less kernel handle its function
+// in the current context (driver_info.h, Launchable), whose attributes were raised.
 Decision Decide(CUfunction f, CUstream stream, bool known_stream, unsigned threads, unsigned dyn,
-                bool skip, unsigned* new_dyn);
+                bool skip, unsigned* new_dyn, CUfunction* launch_f);
 
 // The index of the next stream the program creates (0, 1, ...).
 int64_t NextStreamIndex();

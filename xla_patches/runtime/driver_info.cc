@@ -25,16 +25,21 @@ std::mutex g_device_mu;
 std::shared_mutex g_func_mu;
 std::unordered_map<CUfunction, FuncInfo>* g_funcs = nullptr;
 
-bool QueryFunc(CUfunction f, FuncInfo* info) {
+// JOR_CUDA_SUCCESS, or the driver's error for the first attribute it refused.
+CUresult QueryFunc(CUfunction f, FuncInfo* info) {
   auto get_attr = REAL(cuFuncGetAttribute);
-  if (get_attr == nullptr) return false;
-  if (get_attr(&info->static_smem, JOR_CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, f) !=
-          JOR_CUDA_SUCCESS ||
-      get_attr(&info->regs, JOR_CU_FUNC_ATTRIBUTE_NUM_REGS, f) != JOR_CUDA_SUCCESS ||
-      get_attr(&info->max_dynamic_smem,
-               JOR_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-               f) != JOR_CUDA_SUCCESS) {
-    return false;
+  if (get_attr == nullptr) return JOR_CUDA_ERROR_NOT_INITIALIZED;
+  const struct {
+    int attr;
+    int* field;
+  } wanted[] = {
+      {JOR_CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, &info->static_smem},
+      {JOR_CU_FUNC_ATTRIBUTE_NUM_REGS, &info->regs},
+      {JOR_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, &info->max_dynamic_smem},
+  };
+  for (const auto& w : wanted) {
+    CUresult r = get_attr(w.field, w.attr, f);
+    if (r != JOR_CUDA_SUCCESS) return r;
   }
   // Compile-time cluster dimensions make every launch of the function a cluster
   // launch, whatever the launch call says. Drivers before CUDA 12 do not know
@@ -54,7 +59,37 @@ bool QueryFunc(CUfunction f, FuncInfo* info) {
   } else {
     info->name = "";
   }
-  return true;
+  return JOR_CUDA_SUCCESS;
+}
+
+// Handle kinds (Launchable): shared map, per-thread direct-mapped copy.
+enum HandleKind : uint8_t { kKindUnknown = 0, kKindFunction = 1, kKindKernel = 2 };
+std::shared_mutex g_kind_mu;
+std::unordered_map<CUfunction, uint8_t>* g_kinds = nullptr;
+struct KindSlot {
+  CUfunction f = nullptr;
+  uint64_t epoch = 0;
+  uint8_t kind = kKindUnknown;
+};
+thread_local KindSlot t_kinds[16];
+
+uint8_t Classify(CUfunction f) {
+  // Only a handle the function API calls invalid is asked about as a kernel: the
+  // driver is never handed a module's function as a CUkernel.
+  int regs = 0;
+  auto get_attr = REAL(cuFuncGetAttribute);
+  if (get_attr == nullptr ||
+      get_attr(&regs, JOR_CU_FUNC_ATTRIBUTE_NUM_REGS, f) != JOR_CUDA_ERROR_INVALID_HANDLE) {
+    return kKindFunction;
+  }
+  auto get_function = REAL(cuKernelGetFunction);
+  CUfunction g = nullptr;
+  if (get_function != nullptr &&
+      get_function(&g, reinterpret_cast<CUkernel>(f)) == JOR_CUDA_SUCCESS && g != nullptr) {
+    Log(2, "kernel handle %p: a context-less kernel (CUkernel), shaped through its function", f);
+    return kKindKernel;
+  }
+  return kKindFunction;  // FuncFor reports what the driver said
 }
 
 constexpr int kTlsFuncs = 16;
@@ -183,12 +218,14 @@ bool FuncFor(CUfunction f, const Rules* rules, FuncInfo* out, bool want_name) {
     }
   }
   if (!info.queried) {
-    if (!QueryFunc(f, &info)) {
+    const CUresult r = QueryFunc(f, &info);
+    if (r != JOR_CUDA_SUCCESS) {
       // Remember the failure: a function the driver cannot describe (say a CUkernel
       // handle it does not resolve) is not asked about again on every launch.
       info.failed = true;
       info.generation = rules->generation;
-      Log(1, "kernel %p: the driver did not report its attributes; launched unchanged", f);
+      Log(1, "kernel %p: the driver did not report its attributes (error %d); launched unchanged",
+          f, r);
       std::unique_lock<std::shared_mutex> lock(g_func_mu);
       if (g_funcs == nullptr) g_funcs = new std::unordered_map<CUfunction, FuncInfo>();
       (*g_funcs)[f] = info;
@@ -214,6 +251,40 @@ bool FuncFor(CUfunction f, const Rules* rules, FuncInfo* out, bool want_name) {
   (*g_funcs)[f] = info;
   *out = info;
   return true;
+}
+
+CUfunction Launchable(CUfunction f) {
+  if (f == nullptr) return f;
+  KindSlot& slot = t_kinds[(reinterpret_cast<uintptr_t>(f) >> 4) % 16];
+  const uint64_t epoch = g_func_epoch.load(std::memory_order_acquire);
+  if (slot.f != f || slot.epoch != epoch) {
+    uint8_t kind = kKindUnknown;
+    {
+      std::shared_lock<std::shared_mutex> lock(g_kind_mu);
+      if (g_kinds != nullptr) {
+        auto it = g_kinds->find(f);
+        if (it != g_kinds->end()) kind = it->second;
+      }
+    }
+    if (kind == kKindUnknown) {
+      kind = Classify(f);
+      std::unique_lock<std::shared_mutex> lock(g_kind_mu);
+      if (g_kinds == nullptr) g_kinds = new std::unordered_map<CUfunction, uint8_t>();
+      (*g_kinds)[f] = kind;
+    }
+    slot.f = f;
+    slot.epoch = epoch;
+    slot.kind = kind;
+  }
+  if (slot.kind != kKindKernel) return f;
+  Count(kCounter_launches_kernel_handle);
+  auto get_function = REAL(cuKernelGetFunction);
+  CUfunction g = nullptr;
+  if (get_function != nullptr &&
+      get_function(&g, reinterpret_cast<CUkernel>(f)) == JOR_CUDA_SUCCESS && g != nullptr) {
+    return g;
+  }
+  return f;  // no function in this context: described (and refused) as it is
 }
 
 FuncLite& TlsFunc(CUfunction f) {
@@ -307,6 +378,10 @@ int64_t DriverChecked(CUfunction f, unsigned threads, unsigned dyn, int64_t prop
 }
 
 void ForgetFunctions() {
+  {
+    std::unique_lock<std::shared_mutex> lock(g_kind_mu);
+    if (g_kinds != nullptr) g_kinds->clear();
+  }
   {
     std::unique_lock<std::shared_mutex> lock(g_func_mu);
     if (g_funcs != nullptr) g_funcs->clear();

@@ -33,6 +33,16 @@ struct FuncInfo {
   int rule = -1;            // index into Rules::kernels, -1: none
 };
 
+// The function to describe, shape and launch for the handle a launch names. The
+// CUDA runtime of CUDA 12 and later, and libraries built on it (cuBLAS, NCCL),
+// launch context-less kernels (CUkernel, from cuLibraryGetKernel) through
+// cuLaunchKernel; the driver accepts them there but cuFuncGetAttribute,
+// cuFuncSetAttribute and the occupancy calculator answer
+// CUDA_ERROR_INVALID_HANDLE. Such a handle stands for its function in the
+// current context (cuKernelGetFunction), asked at every launch since the answer
+// depends on the context; a module's CUfunction (XLA's kernels) is itself.
+CUfunction Launchable(CUfunction f);
+
 // Looks up (or queries) `f` and its matching kernel rule under `rules`.
 // The name is copied only when `want_name` (logging): the per-launch path
 // copies a few integers under a shared lock. False: the driver could not

@@ -58,10 +58,11 @@ CUresult LaunchKernelHook JOR_LAUNCH_PARAMS {
   CountPath(kPath);
   unsigned dyn = sharedMemBytes;
   const unsigned threads = blockDimX * blockDimY * blockDimZ;
-  Decision d = Decide(f, hStream, true, threads, sharedMemBytes, false, &dyn);
+  CUfunction g = f;
+  Decision d = Decide(f, hStream, true, threads, sharedMemBytes, false, &dyn, &g);
   if (d == kFallback) Count(kCounter_launches_fallback);
   if (d != kShape) return real JOR_LAUNCH_ARGS;
-  CUresult r = real(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ,
+  CUresult r = real(g, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ,
                     dyn, hStream, kernelParams, extra);
   if (r == JOR_CUDA_SUCCESS) {
     Count(kCounter_launches_shaped);
@@ -93,13 +94,14 @@ CUresult LaunchKernelExHook JOR_LAUNCH_EX_PARAMS {
   if (config == nullptr) return real JOR_LAUNCH_EX_ARGS;
   unsigned dyn = config->sharedMemBytes;
   const unsigned threads = config->blockDimX * config->blockDimY * config->blockDimZ;
+  CUfunction g = f;
   Decision d = Decide(f, config->hStream, true, threads, config->sharedMemBytes,
-                      SkipLaunchEx(config), &dyn);
+                      SkipLaunchEx(config), &dyn, &g);
   if (d == kFallback) Count(kCounter_launches_fallback);
   if (d != kShape) return real JOR_LAUNCH_EX_ARGS;
   CUlaunchConfig shaped = *config;
   shaped.sharedMemBytes = dyn;
-  CUresult r = real(&shaped, f, kernelParams, extra);
+  CUresult r = real(&shaped, g, kernelParams, extra);
   if (r == JOR_CUDA_SUCCESS) {
     Count(kCounter_launches_shaped);
     return r;
@@ -115,11 +117,13 @@ bool ShapeNode(const Params* p, Params* shaped) {
   Count(kCounter_graph_nodes_seen);
   if (p == nullptr || p->func == nullptr) return false;
   unsigned dyn = p->sharedMemBytes;
+  CUfunction g = p->func;
   Decision d = Decide(p->func, nullptr, false, p->blockDimX * p->blockDimY * p->blockDimZ,
-                      p->sharedMemBytes, false, &dyn);
+                      p->sharedMemBytes, false, &dyn, &g);
   if (d == kFallback) Count(kCounter_launches_fallback);
   if (d != kShape) return false;
   *shaped = *p;
+  shaped->func = g;
   shaped->sharedMemBytes = dyn;
   return true;
 }
@@ -241,7 +245,8 @@ CUresult LaunchCooperativeHook JOR_COOP_PARAMS {
   Count(kCounter_launches_seen);
   CountPath(kPath);
   unsigned dyn = sharedMemBytes;
-  Decide(f, hStream, true, blockDimX * blockDimY * blockDimZ, sharedMemBytes, true, &dyn);
+  CUfunction g = f;
+  Decide(f, hStream, true, blockDimX * blockDimY * blockDimZ, sharedMemBytes, true, &dyn, &g);
   return real JOR_COOP_ARGS;
 }
 

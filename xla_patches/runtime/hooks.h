@@ -102,6 +102,8 @@
     (pi, attrib, hfunc))                                                        \
   X(cuFuncGetName, CUresult, (const char** name, CUfunction hfunc),             \
     (name, hfunc))                                                              \
+  X(cuKernelGetFunction, CUresult, (CUfunction * pFunc, CUkernel kernel),      \
+    (pFunc, kernel))                                                            \
   X(cuDeviceGetAttribute, CUresult, (int* pi, int attrib, CUdevice dev),        \
     (pi, attrib, dev))                                                          \
   X(cuCtxGetDevice, CUresult, (CUdevice * device), (device))                    \
@@ -132,6 +134,7 @@
   X(launches_direct, "launches through the exported symbol")                   \
   X(launches_dlsym, "launches through a pointer from dlsym on libcuda")        \
   X(launches_procaddr, "launches through a pointer from cuGetProcAddress")     \
+  X(launches_kernel_handle, "launches under a plan naming a context-less kernel (CUkernel)") \
   X(graph_nodes_seen, "kernel graph nodes added or updated")                   \
   X(graph_nodes_shaped, "kernel graph nodes given more shared memory")         \
   X(func_attr_raised, "MAX_DYNAMIC_SHARED_SIZE_BYTES raises")                  \

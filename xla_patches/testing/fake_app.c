@@ -8,6 +8,8 @@
  *                 as the CUDA runtime, cuBLAS and CuPy do,
  *       procaddr1 cuGetProcAddress (v1) with legacy-stream variants.
  * ACTION: launch:NAME:THREADS:DYN[:COUNT]     cuLaunchKernel
+ *         klaunch:NAME:THREADS:DYN[:COUNT]    cuLaunchKernel of a context-less kernel
+ *                                             (cuLibraryGetKernel), as the CUDA runtime does
  *         launchex:NAME:THREADS:DYN[:coop|cluster]  cuLaunchKernelEx
  *         graph:NAME:THREADS:DYN              cuGraphAddKernelNode (_v2 ABI)
  *         graphset:NAME:THREADS:DYN           cuGraphExecKernelNodeSetParams
@@ -211,6 +213,17 @@ static CUfunction get_function(const char* name) {
   return f;
 }
 
+/* A context-less kernel handle (CUkernel) for NAME, as the CUDA runtime of CUDA 12 and
+ * later launches its kernels. */
+static CUfunction get_kernel(const char* name) {
+  typedef CUresult (*PFN_getkernel)(CUkernel*, void*, const char*);
+  void* h = must(dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD), "libcuda.so.1");
+  PFN_getkernel get = (PFN_getkernel)must(dlsym(h, "cuLibraryGetKernel"), "cuLibraryGetKernel");
+  CUkernel k = NULL;
+  if (get(&k, NULL, name) != 0) { fprintf(stderr, "fake_app: no kernel %s\n", name); exit(3); }
+  return (CUfunction)k;
+}
+
 /* A kernel node's parameters from NAME:THREADS:DYN (fields[1..3]), grid 8. */
 static void kernel_node(CUDA_KERNEL_NODE_PARAMS_v2* p, char** fields) {
   memset(p, 0, sizeof(*p));
@@ -284,8 +297,8 @@ int main(int argc, char** argv) {
       fields[nf++] = t;
     }
     const char* act = fields[0];
-    if (!strcmp(act, "launch") && nf >= 4) {
-      CUfunction f = get_function(fields[1]);
+    if ((!strcmp(act, "launch") || !strcmp(act, "klaunch")) && nf >= 4) {
+      CUfunction f = act[0] == 'k' ? get_kernel(fields[1]) : get_function(fields[1]);
       int count = nf >= 5 ? atoi(fields[4]) : 1;
       int fails = 0;
       CUresult last = 0;

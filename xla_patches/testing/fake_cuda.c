@@ -267,9 +267,7 @@ EXPORT CUresult cuModuleLoadData(CUmodule* m, const void* image) {
   *m = (CUmodule)(uintptr_t)0x1000;
   return 0;
 }
-EXPORT CUresult cuModuleGetFunction(CUfunction* f, CUmodule m, const char* name) {
-  (void)m;
-  CHECK_FAIL("cuModuleGetFunction");
+static FakeFunc* find_or_add(const char* name) {
   pthread_mutex_lock(&g_mu);
   FakeFunc* found = NULL;
   for (int i = 0; i < g_num_funcs; ++i) {
@@ -281,10 +279,60 @@ EXPORT CUresult cuModuleGetFunction(CUfunction* f, CUmodule m, const char* name)
     found = add_func(spec);
   }
   pthread_mutex_unlock(&g_mu);
+  return found;
+}
+
+EXPORT CUresult cuModuleGetFunction(CUfunction* f, CUmodule m, const char* name) {
+  (void)m;
+  CHECK_FAIL("cuModuleGetFunction");
+  FakeFunc* found = find_or_add(name);
   if (!found) return JOR_CUDA_ERROR_NOT_FOUND;
   *f = (CUfunction)found;
   return 0;
 }
+
+/* Context-less kernels (CUkernel), which the CUDA runtime of CUDA 12 and later
+ * launches: one handle per function, distinct from it. cuLaunchKernel accepts
+ * either; the function-attribute entry points and the occupancy calculator
+ * refuse a kernel handle with CUDA_ERROR_INVALID_HANDLE, as the driver does;
+ * cuKernelGetFunction gives its function in the (one) context. */
+typedef struct FakeKernel {
+  FakeFunc* func;
+} FakeKernel;
+static FakeKernel g_kernels[MAX_FUNCS];
+
+static FakeFunc* kernel_func(const void* h) {
+  const FakeKernel* k = (const FakeKernel*)h;
+  if (k < g_kernels || k >= g_kernels + MAX_FUNCS) return NULL;
+  return k->func;
+}
+
+EXPORT CUresult cuLibraryGetKernel(CUkernel* k, void* lib, const char* name) {
+  (void)lib;
+  CHECK_FAIL("cuLibraryGetKernel");
+  FakeFunc* f = find_or_add(name);
+  if (!f) return JOR_CUDA_ERROR_NOT_FOUND;
+  FakeKernel* kernel = &g_kernels[f - g_funcs];
+  kernel->func = f;
+  *k = (CUkernel)kernel;
+  return 0;
+}
+
+EXPORT CUresult cuKernelGetFunction(CUfunction* f, CUkernel k) {
+  CHECK_FAIL("cuKernelGetFunction");
+  FakeFunc* func = kernel_func(k);
+  if (!func) return JOR_CUDA_ERROR_INVALID_HANDLE;
+  *f = (CUfunction)func;
+  return 0;
+}
+
+#define REFUSE_KERNEL_HANDLE(api, h)                              \
+  do {                                                            \
+    if (kernel_func(h)) {                                         \
+      logf_("error api=%s kernel_handle=1", api);                 \
+      return JOR_CUDA_ERROR_INVALID_HANDLE;                       \
+    }                                                             \
+  } while (0)
 
 static void reload_funcs(const char* specs) {
   char buf[8192];
@@ -326,6 +374,7 @@ EXPORT CUresult cuLibraryUnload(void* lib) {
 
 EXPORT CUresult cuFuncGetAttribute(int* pi, int attrib, CUfunction hf) {
   CHECK_FAIL("cuFuncGetAttribute");
+  REFUSE_KERNEL_HANDLE("cuFuncGetAttribute", hf);
   FakeFunc* f = (FakeFunc*)hf;
   if (!f) return JOR_CUDA_ERROR_INVALID_VALUE;
   switch (attrib) {
@@ -344,6 +393,7 @@ EXPORT CUresult cuFuncGetAttribute(int* pi, int attrib, CUfunction hf) {
 
 EXPORT CUresult cuFuncSetAttribute(CUfunction hf, int attrib, int value) {
   CHECK_FAIL("cuFuncSetAttribute");
+  REFUSE_KERNEL_HANDLE("cuFuncSetAttribute", hf);
   FakeFunc* f = (FakeFunc*)hf;
   if (!f) return JOR_CUDA_ERROR_INVALID_VALUE;
   if (attrib == JOR_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES) {
@@ -364,6 +414,7 @@ EXPORT CUresult cuFuncSetAttribute(CUfunction hf, int attrib, int value) {
 
 EXPORT CUresult cuFuncGetName(const char** name, CUfunction hf) {
   CHECK_FAIL("cuFuncGetName");
+  REFUSE_KERNEL_HANDLE("cuFuncGetName", hf);
   if (!hf) return JOR_CUDA_ERROR_INVALID_VALUE;
   *name = ((FakeFunc*)hf)->name;
   return 0;
@@ -399,6 +450,7 @@ EXPORT CUresult cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags(int* n, CUf
                                                                      unsigned flags) {
   (void)flags;
   CHECK_FAIL("cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags");
+  REFUSE_KERNEL_HANDLE("cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags", hf);
   FakeFunc* f = (FakeFunc*)hf;
   if (!f || !n) return JOR_CUDA_ERROR_INVALID_VALUE;
   *n = occupancy(f, block, (long)dyn);
@@ -408,7 +460,7 @@ EXPORT CUresult cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags(int* n, CUf
 static CUresult do_launch(const char* api, CUfunction hf, unsigned gx, unsigned gy,
                           unsigned gz, unsigned bx, unsigned by, unsigned bz, unsigned dyn,
                           CUstream s) {
-  FakeFunc* f = (FakeFunc*)hf;
+  FakeFunc* f = kernel_func(hf) ? kernel_func(hf) : (FakeFunc*)hf;
   if (!f) return JOR_CUDA_ERROR_INVALID_VALUE;
   unsigned threads = bx * by * bz;
   CUresult r = 0;
@@ -648,6 +700,8 @@ static void* lookup_proc(const char* symbol, int version, cuuint64_t flags) {
       {"cuFuncGetAttribute", (void*)cuFuncGetAttribute},
       {"cuFuncSetAttribute", (void*)cuFuncSetAttribute},
       {"cuFuncGetName", (void*)cuFuncGetName},
+      {"cuLibraryGetKernel", (void*)cuLibraryGetKernel},
+      {"cuKernelGetFunction", (void*)cuKernelGetFunction},
   };
   for (size_t i = 0; i < sizeof(table) / sizeof(table[0]); ++i) {
     if (!strcmp(symbol, table[i].name)) return table[i].fn;

@@ -285,6 +285,7 @@ class Counters:
   launches_direct: int = 0
   launches_dlsym: int = 0
   launches_procaddr: int = 0
+  launches_kernel_handle: int = 0
   graph_nodes_seen: int = 0
   graph_nodes_shaped: int = 0
   func_attr_raised: int = 0

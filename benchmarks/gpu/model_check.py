@@ -1,0 +1,438 @@
+"""The analysis' cost model against a GPU: estimated kernel times beside measured ones.
+
+  python model_check.py run OUT.json [--sizes large,medium,large+scan_remat] [--steps 10]
+  python model_check.py run OUT.json --sizes tiny                          # anywhere (CPU)
+  python model_check.py render IN.json OUT.md                              # the table
+
+The program is one device's compute of the tensor + sequence parallel step that
+``benchmarks/transform_tp.py`` analyses on h100x8 (``jax_overlap.examples.tp_sp``, 2 blocks,
+bf16, value and gradient): the same einsums at the shapes one of 8 devices runs (the
+gathered sequence, 1/8 of the heads, 1/8 of the MLP), without the collectives, so that one
+GPU runs it. Per size:
+
+* measured: the step's wall-clock time (median of ``--steps`` runs after warm-up) and, from
+  a ``jax.profiler`` trace of 3 steps, each kernel's GPU time grouped by the HLO instruction
+  that launched it (the trace's ``hlo_op``);
+* estimated on the same program: XLA's optimised HLO and thunk listing of this very compile
+  (``xla_dump_to``), read by ``analyze_hlo`` for the target named by ``--target`` (the
+  GPU's catalogue entry, one device), so each estimate has a measured twin;
+* estimated deviceless: ``jax_overlap.analyze(..., target=...)`` on abstract arguments, the
+  figure a user gets on a laptop.
+
+Nothing is fitted here: the estimates use the catalogue's and the cost model's defaults.
+On CPU (no GPU) the run checks the script end to end with the host cost model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+
+from _common import TP_SIZES  # noqa: E402
+
+DEVICES = 8  # the h100x8 step whose per-device compute this is
+FORMS = ("", "scan_remat")  # "large+scan_remat": blocks under lax.scan and jax.checkpoint
+
+
+def local_sizes(size: str) -> dict:
+  s = TP_SIZES[size]
+  return dict(
+    hidden=s["hidden"],
+    heads=s["heads"] // DEVICES,
+    head_dim=s["hidden"] // s["heads"],
+    mlp=s["mlp"] // DEVICES,
+    seq=s["seq"],
+    layers=2,
+  )
+
+
+def build(size: str, scanned: bool = False):
+  """(step, (params, x)) with random inputs on the default device; ``scanned``: the blocks
+  under ``lax.scan`` over stacked weights, each under ``jax.checkpoint`` (as scanned,
+  rematerialised models are written)."""
+  import jax
+  import jax.numpy as jnp
+
+  d = local_sizes(size)
+  hk = d["heads"] * d["head_dim"]  # this device's share of the projections
+  shapes = {
+    "wqkv": (d["hidden"], 3 * hk),
+    "wo": (hk, d["hidden"]),
+    "w1": (d["hidden"], d["mlp"]),
+    "w2": (d["mlp"], d["hidden"]),
+  }
+
+  def block(x, w):
+    qkv = jnp.einsum("bsh,hk->bsk", x, w["wqkv"])
+    b, s, _ = qkv.shape
+    q, k, v = jnp.split(qkv.reshape(b, s, 3, d["heads"], d["head_dim"]), 3, axis=2)
+    q, k, v = (t[:, :, 0] for t in (q, k, v))
+    att = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / d["head_dim"] ** 0.5
+    att = jax.nn.softmax(att, -1)
+    o = jnp.einsum("bhqk,bkhd->bqhd", att.astype(x.dtype), v).reshape(b, s, hk)
+    x = x + jnp.einsum("bsk,kh->bsh", o, w["wo"])
+    h = jax.nn.gelu(jnp.einsum("bsh,hf->bsf", x, w["w1"]))
+    return x + jnp.einsum("bsf,fh->bsh", h, w["w2"])
+
+  def loss(params, x):
+    if scanned:
+      x = jax.lax.scan(lambda x, w: (jax.checkpoint(block)(x, w), None), x, params)[0]
+    else:
+      for w in params:
+        x = block(x, w)
+    return jnp.mean(jnp.square(x.astype(jnp.float32)))
+
+  step = jax.jit(jax.value_and_grad(loss))
+  keys = iter(jax.random.split(jax.random.key(0), 4 * d["layers"] + 1))
+  params = [
+    {n: jax.random.normal(next(keys), sh, jnp.bfloat16) / sh[0] ** 0.5 for n, sh in shapes.items()}
+    for _ in range(d["layers"])
+  ]
+  x = jax.random.normal(next(keys), (1, d["seq"], d["hidden"]), jnp.bfloat16)
+  if scanned:
+    params = jax.tree.map(lambda *ws: jnp.stack(ws), *params)
+  return step, (params, x), d
+
+
+def _base(name: str) -> str:
+  return name.split("@", 1)[0]
+
+
+def _kernel_events(trace_dir: str) -> list[dict]:
+  """The trace's device kernel events (GPU stream lanes; CPU executor events with hlo_op)."""
+  from jax_overlap import profile
+
+  data, _ = profile.load_trace(trace_dir)
+  events = data["traceEvents"]
+  procs = {
+    e["pid"]: e.get("args", {}).get("name", "")
+    for e in events
+    if e.get("ph") == "M" and e.get("name") == "process_name"
+  }
+  threads = {
+    (e["pid"], e.get("tid")): e.get("args", {}).get("name", "")
+    for e in events
+    if e.get("ph") == "M" and e.get("name") == "thread_name"
+  }
+  gpu = {pid for pid, name in procs.items() if "/device:GPU" in name}
+  out = []
+  for e in events:
+    if e.get("ph") != "X" or "dur" not in e:
+      continue
+    if gpu:
+      lane = threads.get((e["pid"], e.get("tid")), "").lower()
+      if e["pid"] in gpu and lane.startswith("stream"):
+        out.append(e)
+    elif "hlo_op" in e.get("args", {}) and "device_ordinal" in e.get("args", {}):
+      out.append(e)
+  return out
+
+
+def measure(step, args, steps: int, trace_dir: str) -> dict:
+  import jax
+
+  for _ in range(3):
+    jax.block_until_ready(step(*args))
+  wall = []
+  for _ in range(steps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(step(*args))
+    wall.append(time.perf_counter() - t0)
+  traced = 3
+  with jax.profiler.trace(trace_dir):
+    for _ in range(traced):
+      jax.block_until_ready(step(*args))
+  per_op: dict[str, float] = {}
+  names: dict[str, set] = {}
+  unattributed = 0.0
+  for e in _kernel_events(trace_dir):
+    op = e.get("args", {}).get("hlo_op", "")
+    if op.startswith("command_buffer"):
+      # Kernels replayed from a command buffer (CUDA graph) carry the buffer's name:
+      # they are found by kernel name (the thunk listing's launch names) instead.
+      op = "kernel:" + e.get("name", "")
+    dur = e["dur"] * 1e-6 / traced
+    if not op:
+      unattributed += dur
+      continue
+    per_op[op] = per_op.get(op, 0.0) + dur
+    names.setdefault(op, set()).add(e.get("name", ""))
+  return {
+    "wall_s": statistics.median(wall),
+    "wall_all_s": wall,
+    "kernel_s": sum(per_op.values()) + unattributed,
+    "unattributed_s": unattributed,
+    "per_op_s": per_op,
+    "kernel_names": {op: sorted(n)[:3] for op, n in names.items()},
+  }
+
+
+def estimate_same_compile(step, args, target: str | None) -> tuple[dict, dict]:
+  """The cost model on XLA's HLO and thunk listing of the compile that runs here."""
+  from jax_overlap._src.compile import compiler
+  from jax_overlap.analysis import analyze_hlo
+
+  compiled = compiler.compile_for_target(step, *args, target=None)
+  report = analyze_hlo(
+    compiled.hlo_text,
+    compiled.thunk_text,
+    thunk_metadata=compiled.thunk_metadata,
+    target=target,
+    name="same compile",
+  )
+  per_op: dict[str, dict] = {}
+  for k in report.kernels:
+    row = per_op.setdefault(
+      _base(k.name),
+      {"est_s": 0.0, "kind": k.kind, "flops": 0.0, "bytes": 0.0, "launch_name": k.launch_name},
+    )
+    row["est_s"] += k.time_s
+    row["flops"] += k.flops
+    row["bytes"] += k.bytes_accessed
+    if k.gemm_mnk:
+      row["gemm_mnk"] = list(k.gemm_mnk)
+  summary = {
+    "compute_s": report.compute_time_s,
+    "step_s": report.step_time_s,
+    "flops": report.flops,
+    "kernels": len(report.kernels),
+    "notes": list(report.notes),
+  }
+  return summary, per_op
+
+
+def estimate_deviceless(step, args, target: str) -> dict:
+  import jax
+
+  import jax_overlap
+
+  abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
+  t0 = time.perf_counter()
+  report = jax_overlap.analyze(step, *abstract, target=target, name="deviceless")
+  return {
+    "compute_s": report.compute_time_s,
+    "step_s": report.step_time_s,
+    "flops": report.flops,
+    "kernels": len(report.kernels),
+    "seconds": time.perf_counter() - t0,
+  }
+
+
+def compare(per_op_est: dict, per_op_meas: dict) -> dict:
+  """Estimated and measured time per kernel kind and per instruction.
+
+  Measured kernels are matched to instructions by the trace's ``hlo_op``, or for kernels
+  replayed from a command buffer by kernel name (the launch names of XLA's thunk listing).
+  Library kernels inside a command buffer (cuBLAS) have the library's names: they are
+  compared together with the instructions left without a measured kernel."""
+  by_launch = {e["launch_name"]: op for op, e in per_op_est.items() if e.get("launch_name")}
+  measured: dict[str, float] = {}
+  missing: dict[str, float] = {}
+  for key, t in per_op_meas.items():
+    op = by_launch.get(key[len("kernel:") :]) if key.startswith("kernel:") else key
+    if op in per_op_est:
+      measured[op] = measured.get(op, 0.0) + t
+    else:
+      missing[key] = t
+  rows = []
+  for op, est in per_op_est.items():
+    rows.append({"op": op, **est, "measured_s": measured.get(op)})
+  left = [r for r in rows if r["measured_s"] is None]
+  library = {
+    "instructions": len(left),
+    "est_s": sum(r["est_s"] for r in left),
+    "measured_s": sum(missing.values()),
+    "kernels": sorted(missing, key=lambda k: -missing[k])[:10],
+  }
+  by_kind: dict[str, dict] = {}
+  for r in rows:
+    if r["measured_s"] is None:
+      continue
+    k = by_kind.setdefault(r["kind"], {"est_s": 0.0, "measured_s": 0.0, "count": 0})
+    k["est_s"] += r["est_s"]
+    k["measured_s"] += r["measured_s"]
+    k["count"] += 1
+  rows.sort(key=lambda r: -(r["measured_s"] or 0.0))
+  matched = sum(r["measured_s"] or 0.0 for r in rows)
+  return {
+    "by_kind": by_kind,
+    "top": rows[:15],
+    "unmatched_estimates": [r["op"] for r in left],
+    "measured_not_estimated_s": missing,
+    "matched_measured_s": matched,
+    "left_over": library,
+  }
+
+
+def run(out: str, sizes: list[str], steps: int, target: str | None, deviceless: bool) -> int:
+  import jax
+  import jaxlib
+
+  dev = jax.devices()[0]
+  on_gpu = dev.platform == "gpu"
+  if target is None and on_gpu:
+    name = dev.device_kind.lower()
+    target = next((f"{g}x1" for g in ("h200", "h100", "a100") if g in name), None)
+    if target is None:
+      print(f"model_check: {dev.device_kind} is not in the catalogue", file=sys.stderr)
+      return 1
+  result = {
+    "device": dev.device_kind,
+    "platform": dev.platform,
+    "jax": jax.__version__,
+    "jaxlib": jaxlib.__version__,
+    "target": target,
+    "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    "programs": {},
+  }
+  for name in sizes:
+    size, _, form = name.partition("+")
+    t0 = time.perf_counter()
+    step, args, dims = build(size, scanned=form == "scan_remat")
+    summary, per_op_est = estimate_same_compile(step, args, target)
+    with tempfile.TemporaryDirectory(prefix="model_check_") as trace_dir:
+      meas = measure(step, args, steps, trace_dir)
+    entry = {
+      "sizes": dims,
+      "estimate": summary,
+      "measured": {k: v for k, v in meas.items() if k not in ("per_op_s",)},
+      "comparison": compare(per_op_est, meas["per_op_s"]),
+    }
+    if deviceless and target is not None:
+      try:
+        entry["deviceless"] = estimate_deviceless(step, args, target)
+      except Exception as e:  # noqa: BLE001 - recorded, the rest still runs
+        entry["deviceless"] = {"error": f"{type(e).__name__}: {e}"[:500]}
+    entry["seconds"] = time.perf_counter() - t0
+    result["programs"][name] = entry
+    est, m = summary["compute_s"], meas["kernel_s"]
+    print(
+      f"model_check {name}: measured step {meas['wall_s'] * 1e3:.3f} ms (kernels "
+      f"{m * 1e3:.3f} ms), estimated compute {est * 1e3:.3f} ms "
+      f"(estimate / measured kernels {est / m if m else float('nan'):.3f})",
+      flush=True,
+    )
+    with open(out, "w") as f:
+      json.dump(result, f, indent=1)
+  return 0
+
+
+def render(path: str, out: str) -> int:
+  with open(path) as f:
+    r = json.load(f)
+  lines = [
+    f"# Cost model against a measured {r['device']}",
+    "",
+    f"{r['date']}, jax {r['jax']} / jaxlib {r['jaxlib']}, estimates for `{r['target']}` with "
+    "the catalogue's and the cost model's defaults (nothing fitted to this run). Program: one "
+    "device's compute of the h100x8 tensor + sequence parallel step (`transform_tp.py`), "
+    "2 blocks, bf16, value and gradient, without the collectives "
+    "(`benchmarks/gpu/model_check.py`). Measured: wall-clock median and kernel time from a "
+    "`jax.profiler` trace (per HLO instruction, `hlo_op`). Estimated: `analyze_hlo` on the "
+    "HLO and thunk listing of the same compile; deviceless: `jax_overlap.analyze` on abstract "
+    "arguments.",
+    "",
+    "| size | measured step (ms) | measured kernels (ms) | estimated compute, same compile (ms) "
+    "| estimate / measured | deviceless estimate (ms) |",
+    "| --- | --- | --- | --- | --- | --- |",
+  ]
+  for size, p in r["programs"].items():
+    m, e = p["measured"], p["estimate"]
+    dl = p.get("deviceless", {})
+    dls = f"{dl['compute_s'] * 1e3:.3f}" if "compute_s" in dl else dl.get("error", "-")
+    lines.append(
+      f"| {size} | {m['wall_s'] * 1e3:.3f} | {m['kernel_s'] * 1e3:.3f} | "
+      f"{e['compute_s'] * 1e3:.3f} | {e['compute_s'] / m['kernel_s']:.3f} | {dls} |"
+    )
+  for size, p in r["programs"].items():
+    c = p["comparison"]
+    if "left_over" not in c and not c["matched_measured_s"]:
+      names = sorted({n for ns in p["measured"]["kernel_names"].values() for n in ns})
+      lines += [
+        "",
+        f"{size}: no per-kernel comparison in this run. Every kernel ran from a command buffer "
+        f"(CUDA graph), which the trace names by the buffer ({', '.join(f'`{k}`' for k in p['measured']['kernel_names'])}; "
+        f"kernels such as {', '.join(f'`{n}`' for n in names[:3])}), and this version of the "
+        "script matched kernels by that name only. It now matches such kernels by kernel name "
+        "and also measures with command buffers off (`session.sh`); that has not run on a GPU yet.",
+      ]
+      continue
+    lines += [
+      "",
+      f"## {size}: by kernel kind",
+      "",
+      "| kind | kernels | estimated (ms) | measured (ms) | estimate / measured |",
+      "| --- | --- | --- | --- | --- |",
+    ]
+    for kind, k in sorted(c["by_kind"].items(), key=lambda kv: -kv[1]["measured_s"]):
+      ratio = k["est_s"] / k["measured_s"] if k["measured_s"] else float("nan")
+      lines.append(
+        f"| {kind} | {k['count']} | {k['est_s'] * 1e3:.3f} | {k['measured_s'] * 1e3:.3f} | "
+        f"{ratio:.3f} |"
+      )
+    lines += [
+      "",
+      f"Largest measured kernels ({size}):",
+      "",
+      "| instruction | kind | GEMM (M, N, K) | estimated (us) | measured (us) | ratio |",
+      "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in c["top"][:10]:
+      ms = row["measured_s"] or 0.0
+      ratio = row["est_s"] / ms if ms else float("nan")
+      lines.append(
+        f"| `{row['op']}` | {row['kind']} | {row.get('gemm_mnk', '')} | {row['est_s'] * 1e6:.1f} | "
+        f"{ms * 1e6:.1f} | {ratio:.2f} |"
+      )
+    lo = c["left_over"]
+    lines.append("")
+    lines.append(
+      f"Left over after matching: {lo['instructions']} instructions with no kernel matched "
+      f"(estimated {lo['est_s'] * 1e3:.3f} ms) against {lo['measured_s'] * 1e3:.3f} ms of "
+      f"kernels matched to no instruction (library kernels replayed from a command buffer, "
+      f"named by the library: {', '.join(f'`{k}`' for k in lo['kernels'][:4]) or 'none'})."
+    )
+  with open(out, "w") as f:
+    f.write("\n".join(lines) + "\n")
+  print(out)
+  return 0
+
+
+def main(argv: list[str]) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  sub = parser.add_subparsers(dest="cmd", required=True)
+  p = sub.add_parser("run")
+  p.add_argument("out")
+  p.add_argument("--sizes", default="large,medium,large+scan_remat")
+  p.add_argument("--steps", type=int, default=10)
+  p.add_argument("--target", default=None, help="catalogue topology (default: the GPU's, x1)")
+  p.add_argument("--no-deviceless", action="store_true")
+  q = sub.add_parser("render")
+  q.add_argument("json")
+  q.add_argument("out")
+  a = parser.parse_args(argv)
+  if a.cmd == "render":
+    return render(a.json, a.out)
+  sizes = [s for s in a.sizes.split(",") if s]
+  unknown = [
+    s for s in sizes if s.partition("+")[0] not in TP_SIZES or s.partition("+")[2] not in FORMS
+  ]
+  if unknown:
+    parser.error(
+      f"unknown sizes {unknown}; expected SIZE or SIZE+FORM, SIZE one of {sorted(TP_SIZES)}, "
+      f"FORM one of {sorted(f for f in FORMS if f)}"
+    )
+  return run(a.out, sizes, a.steps, a.target, not a.no_deviceless)
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))
