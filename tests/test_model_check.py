@@ -1,0 +1,62 @@
+"""benchmarks/gpu/model_check.py: how measured kernels meet the analysis' instructions."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _module():
+  spec = importlib.util.spec_from_file_location(
+    "model_check", REPO / "benchmarks" / "gpu" / "model_check.py"
+  )
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+ESTIMATES = {
+  "fusion.82": {"est_s": 8e-4, "kind": "fusion", "launch_name": "fusion_82"},
+  "gemm_fusion_dot.14": {"est_s": 5e-4, "kind": "gemm", "launch_name": "gemm_fusion_dot_14"},
+  "custom-call.11": {"est_s": 3e-4, "kind": "gemm", "launch_name": ""},
+  "loop_add_fusion": {"est_s": 1e-5, "kind": "fusion", "launch_name": "loop_add_fusion"},
+}
+
+
+def test_kernels_replayed_from_a_command_buffer_are_matched_by_kernel_name():
+  mc = _module()
+  measured = {
+    "kernel:fusion_82": 7e-4,  # inside a command buffer: by kernel name
+    "kernel:gemm_fusion_dot_14": 4e-4,
+    "kernel:nvjet_hsh_256x128_2cta": 2.5e-4,  # cuBLAS's own name: no instruction
+    "loop_add_fusion": 2e-5,  # outside one: by hlo_op
+  }
+  c = mc.compare(ESTIMATES, measured)
+  rows = {r["op"]: r["measured_s"] for r in c["top"]}
+  assert rows["fusion.82"] == 7e-4 and rows["gemm_fusion_dot.14"] == 4e-4
+  assert rows["loop_add_fusion"] == 2e-5 and rows["custom-call.11"] is None
+  assert c["by_kind"]["fusion"] == {"est_s": 8e-4 + 1e-5, "measured_s": 7e-4 + 2e-5, "count": 2}
+  assert c["left_over"] == {
+    "instructions": 1,
+    "est_s": 3e-4,
+    "measured_s": 2.5e-4,
+    "kernels": ["kernel:nvjet_hsh_256x128_2cta"],
+  }
+  assert c["matched_measured_s"] == 7e-4 + 4e-4 + 2e-5
+
+
+def test_the_committed_h200_run_renders(tmp_path):
+  mc = _module()
+  src = REPO / "benchmarks" / "results" / "model_check_nvidia_h200_2026-12-04.json"
+  out = tmp_path / "r.md"
+  assert mc.render(str(src), str(out)) == 0
+  text = out.read_text()
+  r = json.loads(src.read_text())
+  large = r["programs"]["large"]
+  ratio = large["estimate"]["compute_s"] / large["measured"]["kernel_s"]
+  assert f"| large | {large['measured']['wall_s'] * 1e3:.3f} |" in text
+  assert f"{ratio:.3f}" in text
+  assert "no per-kernel comparison in this run" in text  # that run's kernels were all in a buffer
