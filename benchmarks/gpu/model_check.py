@@ -112,29 +112,7 @@ def _kernel_events(trace_dir: str) -> list[dict]:
   from jax_overlap import profile
 
   data, _ = profile.load_trace(trace_dir)
-  events = data["traceEvents"]
-  procs = {
-    e["pid"]: e.get("args", {}).get("name", "")
-    for e in events
-    if e.get("ph") == "M" and e.get("name") == "process_name"
-  }
-  threads = {
-    (e["pid"], e.get("tid")): e.get("args", {}).get("name", "")
-    for e in events
-    if e.get("ph") == "M" and e.get("name") == "thread_name"
-  }
-  gpu = {pid for pid, name in procs.items() if "/device:GPU" in name}
-  out = []
-  for e in events:
-    if e.get("ph") != "X" or "dur" not in e:
-      continue
-    if gpu:
-      lane = threads.get((e["pid"], e.get("tid")), "").lower()
-      if e["pid"] in gpu and lane.startswith("stream"):
-        out.append(e)
-    elif "hlo_op" in e.get("args", {}) and "device_ordinal" in e.get("args", {}):
-      out.append(e)
-  return out
+  return [e for events in profile.device_events(data["traceEvents"]).values() for e in events]
 
 
 def measure(step, args, steps: int, trace_dir: str) -> dict:

@@ -33,7 +33,7 @@ import os
 import re
 from collections.abc import Iterable
 
-__all__ = ["Measured", "measure", "load_trace", "COMM_PATTERN"]
+__all__ = ["Measured", "measure", "load_trace", "device_events", "COMM_PATTERN"]
 
 COMM_PATTERN = re.compile(
   r"nccl|rccl|all[-_]?gather|reduce[-_]?scatter|all[-_]?reduce|all[-_]?to[-_]?all|"
@@ -141,7 +141,15 @@ def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) ->
   return total
 
 
-def _device_events(events: list[dict]) -> dict[str, list[dict]]:
+def device_events(events: list[dict]) -> dict[str, list[dict]]:
+  """The trace's kernel events per device lane, as :func:`measure` reads them: on GPUs the
+  complete events of each ``/device:GPU:N`` process's ``Stream`` threads (kernels, with
+  ``hlo_op`` in their ``args`` where XLA launched them outside a command buffer), on CPUs
+  the executor events that carry ``hlo_op`` and ``device_ordinal``.
+
+  Args:
+    events: the ``traceEvents`` of :func:`load_trace`'s trace.
+  """
   procs = {
     e["pid"]: e.get("args", {}).get("name", "")
     for e in events
@@ -196,7 +204,7 @@ def measure(trace_dir: str, *, devices: Iterable[str] | None = None) -> Measured
     ValueError: when the trace has no device kernel events.
   """
   data, src = load_trace(trace_dir)
-  by_dev = _device_events(data["traceEvents"])
+  by_dev = device_events(data["traceEvents"])
   if devices is not None:
     wanted = set(devices)
     by_dev = {k: v for k, v in by_dev.items() if k in wanted}
