@@ -80,17 +80,22 @@ def test_context_less_kernel_handles_are_shaped_through_their_function(fake, mod
   r = harness.run_app(
     fake,
     mode,
-    ["klaunch:gemm_fusion_1:256:0:3", "launch:gemm_fusion_1:256:0", "klaunch:nccl_proxy:640:0"],
+    [
+      "klaunch:gemm_fusion_1:256:0:3",
+      "launch:gemm_fusion_1:256:0",
+      "klaunchex:gemm_fusion_1:256:0",
+      "klaunch:nccl_proxy:640:0",
+    ],
     rules=rules("kernel\tglob\tgemm_fusion_*\tblocks_per_sm\t2"),
     tmp=tmp_path,
   )
   assert r.returncode == 0, r.stderr
-  assert r.launch_dyn("gemm_fusion_1") == [H100_SMEM_SM // 3 + 1 - 1024 - 1024] * 4
+  assert r.launch_dyn("gemm_fusion_1") == [H100_SMEM_SM // 3 + 1 - 1024 - 1024] * 5
   assert r.launch_dyn("nccl_proxy") == [0]
   c = r.counters
-  assert c["launches_shaped"] == 4
+  assert c["launches_shaped"] == 5
   assert c["launches_fallback"] == 0
-  assert c["launches_kernel_handle"] == 4
+  assert c["launches_kernel_handle"] == 5
   # Classified once per handle: one refused attribute query each, not one per launch.
   assert sum("kernel_handle=1" in line for line in r.log) == 2
   assert not any("error api=cuFuncSetAttribute" in line for line in r.log)

@@ -10,6 +10,7 @@
  * ACTION: launch:NAME:THREADS:DYN[:COUNT]     cuLaunchKernel
  *         klaunch:NAME:THREADS:DYN[:COUNT]    cuLaunchKernel of a context-less kernel
  *                                             (cuLibraryGetKernel), as the CUDA runtime does
+ *         klaunchex:NAME:THREADS:DYN[:...]    the same through cuLaunchKernelEx
  *         launchex:NAME:THREADS:DYN[:coop|cluster]  cuLaunchKernelEx
  *         graph:NAME:THREADS:DYN              cuGraphAddKernelNode (_v2 ABI)
  *         graphset:NAME:THREADS:DYN           cuGraphExecKernelNodeSetParams
@@ -308,8 +309,8 @@ int main(int argc, char** argv) {
         if (last) fails++;
       }
       printf("result %s %d failures=%d\n", argv[a], last, fails);
-    } else if (!strcmp(act, "launchex") && nf >= 4) {
-      CUfunction f = get_function(fields[1]);
+    } else if ((!strcmp(act, "launchex") || !strcmp(act, "klaunchex")) && nf >= 4) {
+      CUfunction f = act[0] == 'k' ? get_kernel(fields[1]) : get_function(fields[1]);
       CUlaunchAttribute attr;
       memset(&attr, 0, sizeof(attr));
       CUlaunchConfig c;
