@@ -101,6 +101,24 @@ def test_context_less_kernel_handles_are_shaped_through_their_function(fake, mod
   assert not any("error api=cuFuncSetAttribute" in line for line in r.log)
 
 
+def test_a_kernel_handle_the_driver_cannot_resolve_goes_out_unchanged(fake, tmp_path):
+  # cuKernelGetFunction failing (say a kernel not yet loaded in the context): launched as
+  # it came, and asked about again at the next launch rather than taken for a function.
+  r = harness.run_app(
+    fake,
+    "procaddr",
+    ["klaunch:gemm_fusion_1:256:0:3"],
+    rules=rules("kernel\tglob\tgemm_fusion_*\tblocks_per_sm\t2"),
+    env={"FAKE_CUDA_FAIL": "cuKernelGetFunction"},
+    tmp=tmp_path,
+  )
+  assert r.returncode == 0, r.stderr
+  assert r.launch_dyn("gemm_fusion_1") == [0, 0, 0]
+  assert r.counters["launches_shaped"] == 0
+  assert r.counters["launches_fallback"] == 3
+  assert sum("error api=cuKernelGetFunction" in line for line in r.log) == 3
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_nothing_changes_without_a_plan(fake, mode, tmp_path):
   r = harness.run_app(

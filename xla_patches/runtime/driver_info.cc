@@ -89,7 +89,9 @@ uint8_t Classify(CUfunction f) {
     Log(2, "kernel handle %p: a context-less kernel (CUkernel), shaped through its function", f);
     return kKindKernel;
   }
-  return kKindFunction;  // FuncFor reports what the driver said
+  // Neither, for now (say a kernel not yet loaded in this context): asked again at its
+  // next launch; FuncFor reports what the driver said meanwhile.
+  return kKindUnknown;
 }
 
 constexpr int kTlsFuncs = 16;
@@ -268,6 +270,7 @@ CUfunction Launchable(CUfunction f) {
     }
     if (kind == kKindUnknown) {
       kind = Classify(f);
+      if (kind == kKindUnknown) return f;
       std::unique_lock<std::shared_mutex> lock(g_kind_mu);
       if (g_kinds == nullptr) g_kinds = new std::unordered_map<CUfunction, uint8_t>();
       (*g_kinds)[f] = kind;
