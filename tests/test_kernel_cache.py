@@ -93,13 +93,17 @@ def test_a_finished_variants_kernels_serve_the_variants_after_it(small_step):
     first = kernels.copy(unmerged)
     new_in_first = _ptx_files(compiled(first))
     assert new_in_first > 0
-    # Copied from the seed before the first is done: its kernels compiled again.
+    # Copied from the seed before the first is done: its kernels compiled again (give or
+    # take one: XLA compiles kernels in parallel, and two identical fusions compiled at
+    # the same time may or may not become one; 13 and 14 have been seen for either).
     later = {**unmerged, "xla_gpu_enable_latency_hiding_scheduler": False}
     sibling = kernels.copy({**later, "xla_gpu_all_gather_combine_threshold_bytes": 12345})
-    assert _ptx_files(compiled(sibling)) == new_in_first
+    new_in_sibling = _ptx_files(compiled(sibling))
+    assert abs(new_in_sibling - new_in_first) <= 1, (new_in_sibling, new_in_first)
     kernels.done(first)
     kernels.done(sibling)  # copied from a file that is no longer the newest: not taken in
-    assert _ptx_files(compiled(kernels.copy(later))) < new_in_first
+    new_in_later = _ptx_files(compiled(kernels.copy(later)))
+    assert new_in_later < min(new_in_first, new_in_sibling) - 1, (new_in_later, new_in_first)
   for step in steps:
     shutil.rmtree(step.dump_dir, ignore_errors=True)
 
