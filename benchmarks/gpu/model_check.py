@@ -13,9 +13,9 @@ GPU runs it. Per size:
 * measured: the step's wall-clock time (median of ``--steps`` runs after warm-up) and, from
   a ``jax.profiler`` trace of 3 steps, each kernel's GPU time grouped by the HLO instruction
   that launched it (the trace's ``hlo_op``);
-* estimated on the same program: XLA's optimised HLO and thunk listing of this very compile
-  (``xla_dump_to``), read by ``analyze_hlo`` for the target named by ``--target`` (the
-  GPU's catalogue entry, one device), so each estimate has a measured twin;
+* estimated on the same compile: XLA's optimised HLO and thunk listing of the executable
+  that is measured (``xla_dump_to``), read by ``analyze_hlo`` for the target named by
+  ``--target`` (the GPU's catalogue entry, one device), so each estimate has a measured twin;
 * estimated deviceless: ``jax_overlap.analyze(..., target=...)`` on abstract arguments, the
   figure a user gets on a laptop.
 
@@ -154,8 +154,11 @@ def measure(step, args, steps: int, trace_dir: str) -> dict:
   }
 
 
-def estimate_same_compile(step, args, target: str | None) -> tuple[dict, dict]:
-  """The cost model on XLA's HLO and thunk listing of the compile that runs here."""
+def estimate_same_compile(step, args, target: str | None) -> tuple[dict, dict, object]:
+  """The cost model on XLA's HLO and thunk listing of one compile of ``step``, and that
+  compile's executable: the one :func:`measure` runs, so that estimate and measurement
+  are of the same kernels (a second compile could autotune to others) and the step is
+  compiled once."""
   from jax_overlap._src.compile import compiler
   from jax_overlap.analysis import analyze_hlo
 
@@ -185,7 +188,7 @@ def estimate_same_compile(step, args, target: str | None) -> tuple[dict, dict]:
     "kernels": len(report.kernels),
     "notes": list(report.notes),
   }
-  return summary, per_op
+  return summary, per_op, compiled.compiled
 
 
 def estimate_deviceless(step, args, target: str) -> dict:
@@ -276,9 +279,9 @@ def run(out: str, sizes: list[str], steps: int, target: str | None, deviceless: 
     size, _, form = name.partition("+")
     t0 = time.perf_counter()
     step, args, dims = build(size, scanned=form == "scan_remat")
-    summary, per_op_est = estimate_same_compile(step, args, target)
+    summary, per_op_est, executable = estimate_same_compile(step, args, target)
     with tempfile.TemporaryDirectory(prefix="model_check_") as trace_dir:
-      meas = measure(step, args, steps, trace_dir)
+      meas = measure(executable, args, steps, trace_dir)
     entry = {
       "sizes": dims,
       "estimate": summary,
