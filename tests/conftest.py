@@ -27,6 +27,17 @@ from hypothesis import settings as hypothesis_settings  # noqa: E402
 
 cpu_setting.install()
 
+
+@pytest.fixture(autouse=True)
+def _xla_default_cpu_emitters(request):
+  """Tests marked ``xla_default_cpu_emitters`` compile with XLA:CPU's default emitters."""
+  if request.node.get_closest_marker("xla_default_cpu_emitters") is None:
+    yield
+    return
+  with cpu_setting.default_emitters():
+    yield
+
+
 # Property tests draw the same examples on every run (derandomized, no example database), so
 # a CI run repeats and so does its time; HYPOTHESIS_PROFILE=explore draws new ones each run.
 hypothesis_settings.register_profile("repeatable", derandomize=True, database=None)

@@ -379,6 +379,9 @@ def test_tuple_axis_gathers_over_both():
   _assert_close(vg(ref)(params, x), vg(got)(params, x), 1e-6, 1e-6)
 
 
+# The steps grow the weights (to ~200): a last-bit difference in the first step's rounding
+# grows to 0.4% by the third. Under XLA's own code generation the two programs round alike.
+@pytest.mark.xla_default_cpu_emitters
 def test_sgd_three_steps_match():
   mesh = _mesh()
   params = _params(jax.random.PRNGKey(13), 3, 16, jnp.float32)

@@ -4,6 +4,7 @@ change."""
 import inspect
 import os
 
+import cpu_setting
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,6 +39,31 @@ def test_cpu_programs_compile_without_llvm_optimisations():
   assert debug.xla_llvm_disable_expensive_passes
 
 
+def _overrides(backend):
+  options = compiler.get_compile_options(num_replicas=1, num_partitions=1, backend=backend)
+  return dict(options.env_option_overrides)
+
+
+@pytest.mark.skipif(not _UNOPTIMISED, reason="JAX_OVERLAP_TEST_CPU_OPT=1 keeps XLA:CPU's settings")
+@pytest.mark.skipif(not _SETTABLE, reason="this JAX's compile options do not name the backend")
+def test_cpu_programs_compile_with_the_elemental_emitter_where_xla_has_it():
+  cpu = jax.devices("cpu")[0].client
+  if not cpu_setting.elemental_emitters_available():
+    assert cpu_setting.EMITTERS_OPTION not in _overrides(cpu)
+    return
+  assert _overrides(cpu)[cpu_setting.EMITTERS_OPTION] is False
+  with cpu_setting.default_emitters():
+    assert cpu_setting.EMITTERS_OPTION not in _overrides(cpu)
+  # XLA takes the option: a program compiled with it runs and computes the same values.
+  x = jnp.arange(24.0).reshape(4, 6)
+  np.testing.assert_allclose(jax.jit(lambda x: jnp.tanh(x).sum(0))(x), np.tanh(x).sum(0), 1e-6)
+
+
+@pytest.mark.xla_default_cpu_emitters
+def test_marked_tests_compile_with_xlas_default_emitters():
+  assert cpu_setting.EMITTERS_OPTION not in _overrides(jax.devices("cpu")[0].client)
+
+
 def test_deviceless_gpu_compiles_keep_xlas_code_generation():
   # What the analysis reads (kernels, launches, PTX) comes from XLA's own settings: the
   # dump's debug options name no change to the backend's optimisation.
@@ -51,6 +77,7 @@ def test_deviceless_gpu_compiles_keep_xlas_code_generation():
   assert step.debug_options, "the compile's dump should list its non-default options"
   assert "xla_backend_optimization_level" not in step.debug_options
   assert "xla_llvm_disable_expensive_passes" not in step.debug_options
+  assert cpu_setting.EMITTERS_OPTION not in step.debug_options
   # The same request with the CPU's setting named is a different compile (a control: the
   # dump does show the option when it is set).
   slow = compile_lib.compile_for_target(
