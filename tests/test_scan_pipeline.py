@@ -81,6 +81,7 @@ def _steps(step, params, x, n=3):
   return params, losses
 
 
+@pytest.mark.xla_default_cpu_emitters  # bit for bit under XLA's own code generation
 @pytest.mark.slow
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
@@ -221,6 +222,7 @@ def _check_pipelined_and_bit_identical(step, params, x):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.xla_default_cpu_emitters  # bit for bit under XLA's own code generation
 def test_flax_nn_scan_with_remat_is_pipelined_and_bit_identical():
   # A Flax Linen model as FSDP users write it under shard_map: nn.scan over nn.remat of a
   # block whose parameters nn.map_variables gathers on the way in.
@@ -263,6 +265,7 @@ def test_flax_nn_scan_with_remat_is_pipelined_and_bit_identical():
   _check_pipelined_and_bit_identical(step, params, x)
 
 
+@pytest.mark.xla_default_cpu_emitters  # bit for bit under XLA's own code generation
 def test_flax_nnx_scan_with_remat_is_pipelined_and_bit_identical():
   # A Flax NNX model: blocks stacked by nnx.vmap, run by nnx.scan over nnx.remat, each
   # block gathering its own FSDP-sharded weights, under shard_map on the split state.
