@@ -6,7 +6,7 @@ import os
 
 # XLA:CPU's option choosing its emitters (MLIR fusion emitters or the elemental IR emitter).
 EMITTERS_OPTION = "xla_cpu_use_fusion_emitters"
-_defaults_wanted = [0]  # depth of default_emitters() contexts in this process
+_defaults_wanted = 0  # depth of default_emitters() contexts in this process
 
 
 def elemental_emitters_available() -> bool:
@@ -14,22 +14,21 @@ def elemental_emitters_available() -> bool:
   option, and rejects a compile that names it)."""
   import jaxlib
 
-  try:
-    major, minor = (int(p) for p in jaxlib.__version__.split(".")[:2])
-  except ValueError:
-    return False
-  return (major, minor) < (0, 11)
+  from jax_overlap._src.flags.validation import version_tuple
+
+  return version_tuple(jaxlib.__version__) < (0, 11)
 
 
 @contextlib.contextmanager
 def default_emitters():
   """CPU programs compiled in this context use XLA:CPU's default emitters: for the tests
   whose claim is bit-identical results under XLA's own code generation."""
-  _defaults_wanted[0] += 1
+  global _defaults_wanted
+  _defaults_wanted += 1
   try:
     yield
   finally:
-    _defaults_wanted[0] -= 1
+    _defaults_wanted -= 1
 
 
 def install() -> None:
@@ -69,7 +68,7 @@ def install() -> None:
       debug = options.executable_build_options.debug_options
       debug.xla_backend_optimization_level = 0
       debug.xla_llvm_disable_expensive_passes = True
-      if elemental and not _defaults_wanted[0]:
+      if elemental and not _defaults_wanted:
         options.env_option_overrides = [
           *options.env_option_overrides,
           (EMITTERS_OPTION, False),

@@ -24,10 +24,12 @@ _SETTABLE = (
 )
 
 
+def _compile_options(backend):
+  return compiler.get_compile_options(num_replicas=1, num_partitions=1, backend=backend)
+
+
 def _debug_options(backend):
-  return compiler.get_compile_options(
-    num_replicas=1, num_partitions=1, backend=backend
-  ).executable_build_options.debug_options
+  return _compile_options(backend).executable_build_options.debug_options
 
 
 @pytest.mark.skipif(not _UNOPTIMISED, reason="JAX_OVERLAP_TEST_CPU_OPT=1 keeps XLA:CPU's settings")
@@ -40,8 +42,7 @@ def test_cpu_programs_compile_without_llvm_optimisations():
 
 
 def _overrides(backend):
-  options = compiler.get_compile_options(num_replicas=1, num_partitions=1, backend=backend)
-  return dict(options.env_option_overrides)
+  return dict(_compile_options(backend).env_option_overrides)
 
 
 @pytest.mark.skipif(not _UNOPTIMISED, reason="JAX_OVERLAP_TEST_CPU_OPT=1 keeps XLA:CPU's settings")
