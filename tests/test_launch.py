@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import pathlib
@@ -240,7 +241,7 @@ def test_gpu_benchmark_dry_run(tmp_path):
   assert "SKIP overlap_bench run: dry run" in out.stderr
   assert "outputs identical with and without shaping" in out.stderr
   assert "CUDA-runtime-like CUkernel launch shaped (launches_shaped=2)" in out.stderr
-  # The sweep's output is what sim.calibrate reads: every kind x cap x priority, the
+  # The sweep's output is what sim.calibrate reads: every kind x cap x priority x issue, the
   # registers from ptxas, and (dry run) the simulator's predictions, marked as such.
   data = json.loads((tmp_path / "overlap_bench.json").read_text())
   records = sim.load_measurements(str(tmp_path / "overlap_bench.json"))
@@ -253,9 +254,14 @@ def test_gpu_benchmark_dry_run(tmp_path):
     (1, "shaping"),
     (4, "priority+shaping"),
   }
-  assert len(records) == 3 * (4 * 2 + 1) and data["measured"] is False
+  assert len(records) == 3 * (4 * 2 * 2 + 1) and data["measured"] is False
   assert all(r["source"].startswith("dry run: simulator prediction") for r in records)
-  assert all(r["proxy"]["regs"] > 0 and r["issue"] == "compute_first" for r in records)
+  assert all(r["proxy"]["regs"] > 0 for r in records)
+  # Both issue orders for every concurrent policy; the sequential record has one stream.
+  orders = collections.Counter((r["issue"], r["policy"]) for r in records)
+  for policy in ("concurrent", "priority", "shaping", "priority+shaping"):
+    assert orders[("compute_first", policy)] == orders[("proxy_first", policy)] > 0
+  assert orders[("compute_first", "sequential")] == 3
   own = [r for r in records if r["compute"]["kind"] != "gemm"]
   assert all(r["compute"]["regs"] > 0 and r["compute"]["natural_blocks_per_sm"] > 1 for r in own)
   # The round trip: the script's calibration from the defaults recovers the constants the

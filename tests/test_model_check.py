@@ -48,6 +48,28 @@ def test_kernels_replayed_from_a_command_buffer_are_matched_by_kernel_name():
   assert c["matched_measured_s"] == 7e-4 + 4e-4 + 2e-5
 
 
+def test_instructions_sharing_one_kernel_are_compared_as_one_row():
+  # XLA emits one kernel for identical fusions: replayed from a command buffer, both
+  # launches carry that kernel's name, and their time is compared with both estimates.
+  mc = _module()
+  est = {
+    "loop_convert_fusion.2": {"est_s": 1e-3, "kind": "fusion", "launch_name": "lcf_2"},
+    "loop_convert_fusion.3": {"est_s": 1e-3, "kind": "fusion", "launch_name": "lcf_2"},
+    "fusion.9": {"est_s": 2e-4, "kind": "reduction", "launch_name": "fusion_9"},
+  }
+  c = mc.compare(est, {"kernel:lcf_2": 1.9e-3, "kernel:fusion_9": 2.1e-4})
+  rows = {r["op"]: r for r in c["top"]}
+  pair = rows["loop_convert_fusion.2 + loop_convert_fusion.3"]
+  assert pair["est_s"] == 2e-3 and pair["measured_s"] == 1.9e-3 and pair["kind"] == "fusion"
+  assert set(rows) == {"loop_convert_fusion.2 + loop_convert_fusion.3", "fusion.9"}
+  assert c["by_kind"]["fusion"] == {"est_s": 2e-3, "measured_s": 1.9e-3, "count": 1}
+  assert c["left_over"]["instructions"] == 0 and c["measured_not_estimated_s"] == {}
+  # Matched by hlo_op (command buffers off), each instruction keeps its own row.
+  c = mc.compare(est, {"loop_convert_fusion.2": 9e-4, "loop_convert_fusion.3": 1e-3})
+  rows = {r["op"]: r["measured_s"] for r in c["top"]}
+  assert rows["loop_convert_fusion.2"] == 9e-4 and rows["loop_convert_fusion.3"] == 1e-3
+
+
 def test_the_committed_h200_run_renders(tmp_path):
   mc = _module()
   src = REPO / "benchmarks" / "results" / "model_check_nvidia_h200_2026-12-04.json"

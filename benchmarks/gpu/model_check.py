@@ -213,20 +213,38 @@ def compare(per_op_est: dict, per_op_meas: dict) -> dict:
 
   Measured kernels are matched to instructions by the trace's ``hlo_op``, or for kernels
   replayed from a command buffer by kernel name (the launch names of XLA's thunk listing).
-  Library kernels inside a command buffer (cuBLAS) have the library's names: they are
-  compared together with the instructions left without a measured kernel."""
-  by_launch = {e["launch_name"]: op for op, e in per_op_est.items() if e.get("launch_name")}
+  XLA emits one kernel for identical fusions, so one kernel name can launch for several
+  instructions: matched by name, those instructions are compared as one row
+  (``"a + b"``, their estimates summed). Library kernels inside a command buffer (cuBLAS)
+  have the library's names: they are compared together with the instructions left
+  without a measured kernel."""
+  by_launch: dict[str, list[str]] = {}
+  for op, e in per_op_est.items():
+    if e.get("launch_name"):
+      by_launch.setdefault(e["launch_name"], []).append(op)
+  est = dict(per_op_est)
   measured: dict[str, float] = {}
   missing: dict[str, float] = {}
   for key, t in per_op_meas.items():
-    op = by_launch.get(key[len("kernel:") :]) if key.startswith("kernel:") else key
-    if op in per_op_est:
+    op = key
+    if key.startswith("kernel:"):
+      ops = sorted(by_launch.get(key[len("kernel:") :], ()))
+      op = " + ".join(ops) if ops else None
+      if len(ops) > 1 and op not in est:
+        parts = [est.pop(o) for o in ops]
+        kinds = {p["kind"] for p in parts}
+        est[op] = {
+          "est_s": sum(p["est_s"] for p in parts),
+          "kind": kinds.pop() if len(kinds) == 1 else "mixed",
+          "launch_name": parts[0]["launch_name"],
+        }
+    if op in est:
       measured[op] = measured.get(op, 0.0) + t
     else:
       missing[key] = t
   rows = []
-  for op, est in per_op_est.items():
-    rows.append({"op": op, **est, "measured_s": measured.get(op)})
+  for op, e in est.items():
+    rows.append({"op": op, **e, "measured_s": measured.get(op)})
   left = [r for r in rows if r["measured_s"] is None]
   library = {
     "instructions": len(left),
@@ -287,6 +305,9 @@ def run(out: str, sizes: list[str], steps: int, target: str | None, deviceless: 
       "estimate": summary,
       "measured": {k: v for k, v in meas.items() if k not in ("per_op_s",)},
       "comparison": compare(per_op_est, meas["per_op_s"]),
+      # What the comparison was made from, so that it can be made again without a GPU.
+      "per_op_measured_s": meas["per_op_s"],
+      "per_op_estimate": per_op_est,
     }
     if deviceless and target is not None:
       try:

@@ -1,8 +1,7 @@
 // Compute beside a communication-sized copy, under occupancy caps and stream priority.
 //
-// The sweep: compute kernel kind x cap x priority, each beside a proxy for an NCCL
-// channel launched after the compute kernel on a second stream (as XLA orders a
-// collective behind the compute it overlaps):
+// The sweep: compute kernel kind x cap x priority x issue order, each beside a proxy for
+// an NCCL channel on a second stream:
 //   kinds     gemm        cuBLAS bf16 GEMM (dlopen; skipped when cuBLAS is not found)
 //             loop_fusion an XLA-loop-fusion-like elementwise kernel: 256 threads, a
 //                         few registers, many blocks per SM, many waves
@@ -12,6 +11,10 @@
 //             (jor_set_rules; needs LD_PRELOAD=libjax_overlap_rt.so) with comm_block
 //             none: caps as written, also where they leave no room for the proxy
 //   priority  off, on (proxy stream at the greatest priority)
+//   issue     compute_first (the proxy launched after the compute kernel, as XLA orders a
+//             collective that waited on an event behind compute already queued) and
+//             proxy_first (the proxy launched first): the order in which the two kernels
+//             reach the block dispatcher
 // The proxy has an NCCL channel's footprint: built with __launch_bounds__(640, 1) (at
 // most 96 registers), launched with 544 threads (NCCL's Simple protocol) and 82,240
 // bytes of dynamic shared memory (ncclShmemDynamicSize on sm_80+), copying device
@@ -19,7 +22,7 @@
 //
 // Output (--out FILE, and stdout): the measurement format sim.calibrate reads,
 //   {"version": 1, "device": {...}, "baselines": {...}, "records": [...]}
-// one record per (kind, cap, priority) plus one sequential record per kind. With
+// one record per (kind, cap, priority, issue order) plus one sequential record per kind. With
 // --list nothing touches the GPU: the records are written with their configuration
 // and null measurements (the dry run of run_all.sh fills those from the simulator).
 //
@@ -218,6 +221,7 @@ struct Options {
   const char* out = nullptr;
   std::vector<std::string> kinds = {"gemm", "loop_fusion", "attention"};
   std::vector<int> caps = {0, 1, 2, 4};
+  std::vector<std::string> issues = {"compute_first", "proxy_first"};
 };
 
 struct Compute {
@@ -297,7 +301,7 @@ struct Sample {
 // Compute on stream a, then the proxy on stream b (after the compute kernel was
 // issued), or both on a when sequential.
 Sample Measure(Compute& comp, Proxy& px, cudaStream_t a, cudaStream_t b, bool sequential,
-               bool run_compute, bool run_proxy) {
+               bool run_compute, bool run_proxy, bool proxy_first = false) {
   cudaEvent_t start, end_a, end_b;
   CHECK(cudaEventCreate(&start));
   CHECK(cudaEventCreate(&end_a));
@@ -310,8 +314,9 @@ Sample Measure(Compute& comp, Proxy& px, cudaStream_t a, cudaStream_t b, bool se
     CHECK(cudaEventRecord(end_b, a));
   } else {
     CHECK(cudaStreamWaitEvent(b, start, 0));
+    if (run_proxy && proxy_first) px.Run(b);
     if (run_compute) comp.Run(a);
-    if (run_proxy) px.Run(b);
+    if (run_proxy && !proxy_first) px.Run(b);
     CHECK(cudaEventRecord(end_a, a));
     CHECK(cudaEventRecord(end_b, b));
   }
@@ -363,7 +368,8 @@ std::string ComputeJson(const Compute& c) {
 int Usage() {
   fprintf(stderr,
           "usage: overlap_bench [--list] [--out FILE] [--reps R] [--kinds gemm,loop_fusion,"
-          "attention] [--caps 0,1,2,4] [--gemm-n N] [--proxy-ctas C] [--proxy-mb MB]\n");
+          "attention] [--caps 0,1,2,4] [--issue compute_first,proxy_first] [--gemm-n N] "
+          "[--proxy-ctas C] [--proxy-mb MB]\n");
   return 2;
 }
 
@@ -393,6 +399,7 @@ int main(int argc, char** argv) {
     else if (!strcmp(argv[i], "--proxy-ctas")) o.proxy_ctas = atoi(next());
     else if (!strcmp(argv[i], "--proxy-mb")) o.proxy_mb = strtoull(next(), nullptr, 10);
     else if (!strcmp(argv[i], "--kinds")) o.kinds = SplitList(next());
+    else if (!strcmp(argv[i], "--issue")) o.issues = SplitList(next());
     else if (!strcmp(argv[i], "--caps")) {
       o.caps.clear();
       for (auto& c : SplitList(next())) o.caps.push_back(atoi(c.c_str()));
@@ -400,7 +407,9 @@ int main(int argc, char** argv) {
   }
   for (auto& k : o.kinds)
     if (k != "gemm" && k != "loop_fusion" && k != "attention") return Usage();
-  if (o.reps < 1 || o.proxy_ctas < 1 || o.proxy_mb < 1) return Usage();
+  for (auto& k : o.issues)
+    if (k != "compute_first" && k != "proxy_first") return Usage();
+  if (o.reps < 1 || o.proxy_ctas < 1 || o.proxy_mb < 1 || o.issues.empty()) return Usage();
 
   std::vector<Compute> comps;
   for (auto& k : o.kinds) {
@@ -527,9 +536,12 @@ int main(int argc, char** argv) {
         snprintf(buf, sizeof(buf), ", \"%s_cap%d_alone_ms\": %.6g", c.kind.c_str(), cap, alone);
         baselines += buf;
       }
-      for (int prio = 0; prio < 2; ++prio) {
+      for (size_t issue = 0; issue < o.issues.size(); ++issue) {
+        for (int prio = 0; prio < 2; ++prio) {
         for (int seq = 0; seq < 2; ++seq) {
-          if (seq && (cap > 0 || prio)) continue;  // one sequential record per kind
+          // One sequential record per kind (issue order does not matter on one stream).
+          if (seq && (cap > 0 || prio || issue > 0)) continue;
+          const bool proxy_first = o.issues[issue] == "proxy_first" && !seq;
           const char* policy = seq ? "sequential"
                                : cap > 0 ? (prio ? "priority+shaping" : "shaping")
                                          : (prio ? "priority" : "concurrent");
@@ -543,7 +555,7 @@ int main(int argc, char** argv) {
             const uint64_t n0 = RuntimeCounter("launches_no_room");
             std::vector<float> mk, pl, ct;
             for (int i = 0; i < o.reps; ++i) {
-              Sample s = Measure(c, px, a, prio ? b_high : b, seq, true, true);
+              Sample s = Measure(c, px, a, prio ? b_high : b, seq, true, true, proxy_first);
               mk.push_back(s.makespan);
               pl.push_back(s.proxy);
               ct.push_back(s.compute);
@@ -560,15 +572,16 @@ int main(int argc, char** argv) {
           }
           const bool meant = cap > 0 && c.natural > cap;
           snprintf(buf, sizeof(buf),
-                   "{\"policy\": \"%s\", \"cap\": %s, \"issue\": \"compute_first\", \"compute\": %s, \"proxy\": %s, %s, "
+                   "{\"policy\": \"%s\", \"cap\": %s, \"issue\": \"%s\", \"compute\": %s, \"proxy\": %s, %s, "
                    "\"shaped_launches\": %s, \"no_room_launches\": %s, \"meant_to_shape\": %s, "
                    "\"shape_regex\": \"%s\"}",
                    policy, cap > 0 ? std::to_string(cap).c_str() : "null",
-                   ComputeJson(c).c_str(), proxy_json.c_str(), meas.c_str(),
+                   proxy_first ? "proxy_first" : "compute_first", ComputeJson(c).c_str(), proxy_json.c_str(), meas.c_str(),
                    shaped >= 0 ? std::to_string(shaped).c_str() : "null",
                    no_room >= 0 ? std::to_string(no_room).c_str() : "null",
                    c.kind == "gemm" ? "null" : (meant ? "true" : "false"), c.regex);
           records.push_back(buf);
+          }
         }
       }
     }

@@ -5,9 +5,10 @@
   python records.py check BENCH.json                      # a cap meant to shape shaped nothing?
   python records.py dry-run BENCH.json GPU                # fill measurements from the model
   python records.py calibrate BENCH.json GPU              # fit the model's constants
+  python records.py report RESULT.json GPU OUT.md          # measured table beside the model
 
 ``run_all.sh`` runs them in that order (``dry-run`` only without a GPU). Each command
-rewrites BENCH.json in place (``calibrate`` only reads it).
+rewrites BENCH.json in place (``calibrate`` and ``report`` only read it).
 
 The dry run's "measurements" are the simulator's predictions for the benchmark's own
 configurations, with constants set apart from the defaults (``DRY_RUN_TRUTH``), and say so
@@ -154,6 +155,70 @@ def calibrate(path: str, gpu: str) -> int:
   return 0
 
 
+def _ms(v) -> str:
+  return "-" if v is None else f"{v * 1e3:.3f}"
+
+
+def report(path: str, gpu: str, out: str) -> int:
+  """A Markdown table of a measured sweep, each row beside the simulator's prediction with
+  the catalogue's constants (nothing fitted) and after the fit ``calibrate`` makes."""
+  from jax_overlap import sim
+  from jax_overlap._src.sim import calibrate as cal
+  from jax_overlap._src.sim import engine
+  from jax_overlap._src.sim.constants import constants_for
+
+  data = _load(path)
+  if not data.get("measured"):
+    print(f"records.py: report: {path} holds no measurements (dry run)", file=sys.stderr)
+    return 1
+  recs = sim.load_measurements(path)
+  topo = engine.resolve_target(gpu)
+  fit = sim.calibrate(recs, target=gpu, params=FIT_PARAMS)
+  models = {"catalogue": constants_for(topo.gpu), "fitted": fit.constants}
+  kinds = {"gemm": 0, "fusion": 1, "custom": 2}
+  order = {p: i for i, p in enumerate(sim.POLICIES)}
+  recs.sort(
+    key=lambda r: (
+      kinds.get(r["compute"]["kind"], 9),
+      r["cap"] or 0,
+      r["issue"],
+      order[r["policy"]],
+    )
+  )
+  base = data.get("baselines", {})
+  lines = [
+    f"# `overlap_bench` on an {data.get('gpu', data['device'].get('name'))}",
+    "",
+    f"{data.get('date', '')}, driver {data.get('driver', '?')}, jax {data.get('jax', '?')}; "
+    f"`benchmarks/gpu/run_all.sh` (written by `records.py report`). Proxy alone: "
+    f"{base.get('proxy_alone_ms', float('nan')):.3f} ms. Times are medians of the sweep's "
+    "repetitions, in ms. *sim* columns: the simulator's prediction for the same "
+    "configuration, with the catalogue's constants (nothing fitted) / after fitting "
+    f"{', '.join(FIT_PARAMS)} to this file (RMS error {fit.error_before:.3g} -> "
+    f"{fit.error_after:.3g}; fitted {', '.join(f'{k}={v:.4g}' for k, v in fit.params.items())}). "
+    "These are the model's figures, not measurements.",
+    "",
+    "| compute | policy | cap | issued first | makespan | proxy latency | compute | shaped "
+    "launches | sim makespan | sim proxy latency |",
+    "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+  ]
+  for r in recs:
+    pred = {k: cal.predict(r, topo, c) for k, c in models.items()}
+    name = r["compute"].get("name", r["compute"]["kind"])
+    first = "-" if r["policy"] == "sequential" else r["issue"].split("_")[0]
+    lines.append(
+      f"| {name} | {r['policy']} | {r['cap'] or '-'} | {first} | {_ms(r.get('makespan_s'))} "
+      f"| {_ms(r.get('proxy_latency_s'))} | {_ms(r.get('compute_s'))} "
+      f"| {r.get('shaped_launches', '-')} "
+      f"| {' / '.join(_ms(p['makespan_s']) for p in pred.values())} "
+      f"| {' / '.join(_ms(p['proxy_latency_s']) for p in pred.values())} |"
+    )
+  with open(out, "w") as f:
+    f.write("\n".join(lines) + "\n")
+  print(f"records.py: report: {len(recs)} records -> {out}")
+  return 0
+
+
 def main(argv: list[str]) -> int:
   cmds = {
     "resources": (resources, 3),
@@ -161,6 +226,7 @@ def main(argv: list[str]) -> int:
     "check": (check, 1),
     "dry-run": (dry_run, 2),
     "calibrate": (calibrate, 2),
+    "report": (report, 3),
   }
   if not argv or argv[0] not in cmds or len(argv) - 1 != cmds[argv[0]][1]:
     print(__doc__, file=sys.stderr)

@@ -9,9 +9,10 @@
 # 3. builds overlap_bench.cu with nvcc for sm_90 (ptxas -v gives each kernel's registers)
 #    and runs its sweep under the runtime library: compute kind (cuBLAS GEMM, a loop
 #    fusion with many blocks per SM, an attention-like tile kernel) x cap (none, 1, 2, 4)
-#    x priority (off, on), each beside an NCCL-channel-sized copy issued after it on a
-#    second stream, random inputs; the library's counters and the kernel names it saw
-#    are recorded, and a configuration meant to shape that shaped nothing fails the run;
+#    x priority (off, on) x issue order (compute or copy launched first), each beside an
+#    NCCL-channel-sized copy on a second stream, random inputs; the library's counters
+#    and the kernel names it saw are recorded, and a configuration meant to shape that
+#    shaped nothing fails the run;
 # 4. fits the simulator's constants to the sweep (sim.calibrate reads the output as is);
 # 5. checks that a jitted JAX program gives identical outputs with and without shaping
 #    (jax_check.py, under `jax-overlap launch`), with shaped launches > 0 on a GPU;

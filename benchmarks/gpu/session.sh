@@ -3,11 +3,13 @@
 #
 #   benchmarks/gpu/session.sh OUT_DIR
 #
-# 1. model_check.py: the cost model's kernel estimates against measured kernels, as XLA
+# 1. run_all.sh: the runtime controls (occupancy caps, stream priority) on the GPU and the
+#    JAX program under shaping;
+# 2. model_check.py: the cost model's kernel estimates against measured kernels, as XLA
 #    runs the step (command buffers on) and once more with command buffers off (every
-#    kernel, cuBLAS's too, then carries its HLO instruction in the trace);
-# 2. run_all.sh: the runtime controls (occupancy caps, stream priority) on the GPU and the
-#    JAX program under shaping.
+#    kernel, cuBLAS's too, then carries its HLO instruction in the trace).
+# Each step has its own time limit (RUN_ALL_TIMEOUT, MODEL_TIMEOUT, MODEL_NOCB_TIMEOUT) so
+# that the whole call fits one device command (under 10 minutes).
 # Writes to OUT_DIR: gpu.txt (nvidia-smi, jax), model.json, model.log, model_nocb.json,
 # model_nocb.log, run_all.log, the run's runtime_<gpu>_<date>.json, runtime.log (the
 # library's log of the sweep, last 2 MB), jax_shaped.log (the library's log of the JAX
@@ -22,15 +24,15 @@ mkdir -p "$OUT_DIR"
 T0=$SECONDS
 { nvidia-smi; nvidia-smi -q -d CLOCK | head -n 40; "$PY" -c 'import jax; print(jax.__version__, jax.devices())'; } \
   > "$OUT_DIR/gpu.txt" 2>&1
-timeout "${MODEL_TIMEOUT:-200}" "$PY" "$HERE/model_check.py" run "$OUT_DIR/model.json" \
+PYTHON="$PY" timeout "${RUN_ALL_TIMEOUT:-250}" bash "$HERE/run_all.sh" > "$OUT_DIR/run_all.log" 2>&1
+echo "[session] run_all rc=$? at $((SECONDS - T0)) s"
+timeout "${MODEL_TIMEOUT:-120}" "$PY" "$HERE/model_check.py" run "$OUT_DIR/model.json" \
   > "$OUT_DIR/model.log" 2>&1
 echo "[session] model_check rc=$? at $((SECONDS - T0)) s"
-XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" timeout "${MODEL_TIMEOUT:-200}" \
+XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" timeout "${MODEL_NOCB_TIMEOUT:-130}" \
   "$PY" "$HERE/model_check.py" run "$OUT_DIR/model_nocb.json" --sizes large,large+scan_remat \
   --no-deviceless > "$OUT_DIR/model_nocb.log" 2>&1
 echo "[session] model_check (no command buffers) rc=$? at $((SECONDS - T0)) s"
-PYTHON="$PY" timeout "${RUN_ALL_TIMEOUT:-280}" bash "$HERE/run_all.sh" > "$OUT_DIR/run_all.log" 2>&1
-echo "[session] run_all rc=$? at $((SECONDS - T0)) s"
 cp "$REPO"/benchmarks/results/runtime_*_"$(date -u +%Y-%m-%d)".json "$OUT_DIR/" 2>/dev/null
 tail -c 2000000 "$REPO/build/gpu_bench/runtime.log" > "$OUT_DIR/runtime.log" 2>/dev/null
 tail -c 2000000 "$REPO/build/gpu_bench/jax_shaped.log" > "$OUT_DIR/jax_shaped.log" 2>/dev/null
