@@ -11,9 +11,14 @@ priorities.
 Dispatch (whenever resources free or a kernel becomes ready): pending kernels are visited
 in order of (stream priority, higher first; then the time they became ready). Each places as
 many of its remaining blocks as fit on the SMs' free resources, breadth first (one block per
-SM, then a second, ...), as the hardware work distributor does. A kernel whose blocks do not
-fit leaves the resources to the next kernel (no reservation) and running blocks are never
-preempted: priority only orders dispatch. A kernel becomes dispatchable ``launch_overhead_s``
+SM, then a second, ...), as the hardware work distributor does. Dispatch is in order: while a
+kernel still has blocks it could not place, no kernel after it places blocks on the SMs it
+may use, even where they would fit (SMs kept for communication stay open to communication
+kernels behind a waiting compute kernel). Running blocks are never preempted: priority only
+orders dispatch. Measured on an H200 (``benchmarks/results/runtime_nvidia_h200_*``): an
+NCCL-channel-sized copy launched after a many-wave kernel at equal priority starts only
+when that kernel's last blocks are placed, also where a cap leaves room for it beside
+every block; launched first, or at higher priority, it starts at once. A kernel becomes dispatchable ``launch_overhead_s``
 after its stream predecessor completed, and ``event_latency_s`` after each item of another
 stream it waits for (``after``, a CUDA event) completed. Cross-stream events resolve more
 slowly than back-to-back launches on one stream, so the next compute kernel usually reaches
@@ -320,12 +325,17 @@ def _loop(wl, topo, const, cp: _Compiled, *, record: bool, check: bool, reserved
   def dispatch():
     nonlocal pending
     keep = []
+    # In order: a kernel that keeps blocks it could not place closes the SMs it may use to
+    # every kernel after it (see the module docstring).
+    closed = closed_reserved = False
     for item in pending:
       k = item[2]
       r = remaining[k]
       cands = []
       cap = 0
       for g in groups:
+        if closed_reserved if g.reserved else closed:
+          continue
         f = fit(g, k)
         if f > 0:
           cands.append((g, f))
@@ -367,6 +377,8 @@ def _loop(wl, topo, const, cp: _Compiled, *, record: bool, check: bool, reserved
         remaining[k] = r
       if r > 0:
         keep.append(item)
+        closed = True
+        closed_reserved = closed_reserved or comm[k]
     pending = keep
 
   while done < n:
@@ -558,7 +570,7 @@ def _merge(groups: list) -> None:
 
 
 def _check_state(groups, cp, gpu, pending, fit) -> None:
-  """Invariants (tests): resources within limits; dispatch leaves nothing placeable."""
+  """Invariants (tests): resources within limits; in-order dispatch leaves nothing placeable."""
   sms = []
   for g in groups:
     sms.extend(g.sms)
@@ -577,7 +589,11 @@ def _check_state(groups, cp, gpu, pending, fit) -> None:
       raise AssertionError(f"SM over a limit: threads={thr} regs={regs} smem={smem} blocks={blk}")
   if sorted(sms) != list(range(gpu.sm_count)):
     raise AssertionError("groups do not partition the SMs")
+  # In order: each pending kernel fits nowhere that the kernels before it left open.
+  closed = closed_reserved = False
   for _, _, k in pending:
     for g in groups:
-      if fit(g, k) > 0:
+      if not (closed_reserved if g.reserved else closed) and fit(g, k) > 0:
         raise AssertionError(f"kernel {cp.names[k]} left pending although a block fits")
+    closed = True
+    closed_reserved = closed_reserved or cp.comm[k]
