@@ -241,6 +241,16 @@ def test_gpu_benchmark_dry_run(tmp_path):
   assert "SKIP overlap_bench run: dry run" in out.stderr
   assert "outputs identical with and without shaping" in out.stderr
   assert "CUDA-runtime-like CUkernel launch shaped (launches_shaped=2)" in out.stderr
+  # The launch-gap program is built and lists its cases beside the simulator's constants.
+  gaps = json.loads((tmp_path / "launch_gaps.json").read_text())
+  assert gaps["measured"] is False and set(gaps["cases"]) == {
+    "same_stream",
+    "event_other_stream",
+    "graph_same_stream",
+    "graph_event_other_stream",
+  }
+  assert "launch gaps (dry run: nothing measured)" in out.stderr
+  assert "event_other_stream: -; simulator 1.80 us" in out.stderr
   # The sweep's output is what sim.calibrate reads: every kind x cap x priority x issue, the
   # registers from ptxas, and (dry run) the simulator's predictions, marked as such.
   data = json.loads((tmp_path / "overlap_bench.json").read_text())

@@ -5,6 +5,7 @@
   python records.py check BENCH.json                      # a cap meant to shape shaped nothing?
   python records.py dry-run BENCH.json GPU                # fill measurements from the model
   python records.py calibrate BENCH.json GPU              # fit the model's constants
+  python records.py gaps GAPS.json GPU                     # launch gaps beside the model's
   python records.py report RESULT.json GPU OUT.md          # measured table beside the model
 
 ``run_all.sh`` runs them in that order (``dry-run`` only without a GPU). Each command
@@ -155,6 +156,39 @@ def calibrate(path: str, gpu: str) -> int:
   return 0
 
 
+def _gap_lines(gaps: dict, gpu: str) -> list[str]:
+  """launch_gaps.cu's cases beside the simulator's launch_overhead_s and event_latency_s."""
+  from jax_overlap._src.sim import engine
+  from jax_overlap._src.sim.constants import constants_for
+
+  c = constants_for(engine.resolve_target(gpu).gpu)
+  model = {
+    "same_stream": c.launch_overhead_s,
+    "event_other_stream": c.event_latency_s,
+    "graph_same_stream": c.launch_overhead_s,
+    "graph_event_other_stream": c.event_latency_s,
+  }
+  lines = []
+  for name, v in gaps["cases"].items():
+    measured = (
+      "-"
+      if v is None
+      else f"{v['median_s'] * 1e6:.2f} us (p10-p90 "
+      + (f"{v['p10_s'] * 1e6:.2f}-{v['p90_s'] * 1e6:.2f})")
+    )
+    lines.append(f"{name}: {measured}; simulator {model[name] * 1e6:.2f} us")
+  return lines
+
+
+def gaps(path: str, gpu: str) -> int:
+  data = _load(path)
+  where = "" if data.get("measured") else " (dry run: nothing measured)"
+  res = data.get("timer_resolution_ns")
+  timer = f"; timer step {res} ns" if res else ""
+  print(f"records.py: launch gaps{where}{timer}: " + "; ".join(_gap_lines(data, gpu)))
+  return 0
+
+
 def _ms(v) -> str:
   return "-" if v is None else f"{v * 1e3:.3f}"
 
@@ -213,6 +247,16 @@ def report(path: str, gpu: str, out: str) -> int:
       f"| {' / '.join(_ms(p['makespan_s']) for p in pred.values())} "
       f"| {' / '.join(_ms(p['proxy_latency_s']) for p in pred.values())} |"
     )
+  if data.get("launch_gaps", {}).get("measured"):
+    g = data["launch_gaps"]
+    lines += [
+      "",
+      f"Launch gaps (`launch_gaps.cu`, median over {next(iter(g['cases'].values()))['n']} "
+      f"pairs, global timer step {g.get('timer_resolution_ns')} ns), from one kernel's end "
+      "to the next one's start, beside the simulator's constant for it:",
+      "",
+      *[f"- {line}" for line in _gap_lines(g, gpu)],
+    ]
   with open(out, "w") as f:
     f.write("\n".join(lines) + "\n")
   print(f"records.py: report: {len(recs)} records -> {out}")
@@ -226,6 +270,7 @@ def main(argv: list[str]) -> int:
     "check": (check, 1),
     "dry-run": (dry_run, 2),
     "calibrate": (calibrate, 2),
+    "gaps": (gaps, 2),
     "report": (report, 3),
   }
   if not argv or argv[0] not in cmds or len(argv) - 1 != cmds[argv[0]][1]:

@@ -13,6 +13,9 @@
 #    NCCL-channel-sized copy on a second stream, random inputs; the library's counters
 #    and the kernel names it saw are recorded, and a configuration meant to shape that
 #    shaped nothing fails the run;
+#    launch_gaps.cu measures the gap from one kernel's end to the next one's start, on one
+#    stream and on a second stream behind an event, launched and from a CUDA graph (the
+#    simulator's launch_overhead_s and event_latency_s);
 # 4. fits the simulator's constants to the sweep (sim.calibrate reads the output as is);
 # 5. checks that a jitted JAX program gives identical outputs with and without shaping
 #    (jax_check.py, under `jax-overlap launch`), with shaped launches > 0 on a GPU;
@@ -28,7 +31,7 @@ DRY_RUN=0
 for arg in "$@"; do
   case "$arg" in
     --dry-run) DRY_RUN=1 ;;
-    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
     *) echo "run_all.sh: unknown argument $arg (expected --dry-run)" >&2; exit 2 ;;
   esac
 done
@@ -71,6 +74,10 @@ fi
 nvcc -O3 -std=c++17 -arch=sm_90 -Xptxas -v -o "$BENCH" "$HERE/overlap_bench.cu" -ldl \
   > "$BUILD/ptxas.log" 2>&1 || { cat "$BUILD/ptxas.log" >&2; exit 1; }
 note "built overlap_bench (nvcc, sm_90; registers from ptxas -v)"
+GAPS="$BUILD/launch_gaps"
+nvcc -O3 -std=c++17 -arch=sm_90 -o "$GAPS" "$HERE/launch_gaps.cu" > "$BUILD/launch_gaps_build.log" 2>&1 \
+  || { cat "$BUILD/launch_gaps_build.log" >&2; exit 1; }
+GAPS_JSON="$BUILD/launch_gaps.json"
 
 # cuBLAS from the pip wheels jax's CUDA plugin installs, if not on the system path.
 CUBLAS_DIR="$("$PY" - <<'EOF' 2>/dev/null || true
@@ -86,6 +93,8 @@ RECORDS=("$PY" "$HERE/records.py")
 if [[ $DRY_RUN -eq 1 ]]; then
   GPU_KEY=h100
   "$BENCH" --list --out "$BENCH_JSON" >/dev/null
+  "$GAPS" --list --out "$GAPS_JSON" >/dev/null
+  note "$("${RECORDS[@]}" gaps "$GAPS_JSON" "$GPU_KEY")"
   note "SKIP overlap_bench run: dry run (timings need an H100/H200); configurations listed"
   "${RECORDS[@]}" resources "$BENCH_JSON" "$BUILD/ptxas.log" "$GPU_KEY" >&2
   "${RECORDS[@]}" dry-run "$BENCH_JSON" "$GPU_KEY" >&2
@@ -99,6 +108,8 @@ else
     JAX_OVERLAP_RT_VERBOSE=2 timeout 300 "$BENCH" --out "$BENCH_JSON" >/dev/null \
     2> "$BUILD/runtime.log" || { tail -n 20 "$BUILD/runtime.log" >&2; exit 1; }
   note "overlap_bench done: $BENCH_JSON"
+  timeout 60 "$GAPS" --out "$GAPS_JSON" >/dev/null || { echo "run_all.sh: launch_gaps failed" >&2; exit 1; }
+  note "$("${RECORDS[@]}" gaps "$GAPS_JSON" "$GPU_KEY")"
   "${RECORDS[@]}" resources "$BENCH_JSON" "$BUILD/ptxas.log" "$GPU_KEY" >&2
   "${RECORDS[@]}" names "$BENCH_JSON" "$BUILD/runtime.log" >&2
   # A configuration meant to shape that shaped nothing fails the run, after the JAX check
@@ -147,9 +158,9 @@ mkdir -p "$RESULTS"
 SLUG="$(echo "$GPU_NAME" | tr 'A-Z' 'a-z' | tr -cs 'a-z0-9' '_' | sed 's/_$//')"
 DATE="$(date -u +%Y-%m-%d)"
 RESULT="$RESULTS/runtime_${SLUG}_${DATE}.json"
-"$PY" - "$BENCH_JSON" "$BUILD/jax_plain.json" "$BUILD/jax_shaped.json" "$RESULT" "$GPU_NAME" "$CHECK_FAILED" <<'EOF'
+"$PY" - "$BENCH_JSON" "$BUILD/jax_plain.json" "$BUILD/jax_shaped.json" "$RESULT" "$GPU_NAME" "$CHECK_FAILED" "$GAPS_JSON" <<'EOF'
 import datetime, json, subprocess, sys
-bench, plain, shaped, out, gpu, check_failed = sys.argv[1:]
+bench, plain, shaped, out, gpu, check_failed, gaps = sys.argv[1:]
 import jax
 shaped_run = json.loads(open(shaped).read().splitlines()[-1])
 shaped_none = shaped_run["launches_shaped"] + shaped_run["graph_nodes_shaped"] == 0
@@ -163,6 +174,7 @@ result.update({
   "jax_check": {"identical": True, "plain": json.loads(open(plain).read().splitlines()[-1]),
                 "shaped": shaped_run},
   "shaping_check_failed": check_failed == "1",
+  "launch_gaps": json.load(open(gaps)),
 })
 json.dump(result, open(out, "w"), indent=1)
 print(out)

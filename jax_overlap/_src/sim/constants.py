@@ -31,7 +31,9 @@ class Constants:
       ROCm (HIP graph launches). On NVIDIA the analysis's per-kernel overhead
       (``CostModel.kernel_overhead_s``), so both models charge the same launch cost.
     event_latency_s: delay from an item finishing to a waiter on another stream becoming
-      dispatchable (event record + stream wait); several microseconds.
+      dispatchable (event record + stream wait). Measured on an H200: 1.8 us, against
+      1.5 us back to back on one stream (``launch_gaps.cu``); the Hopper default. Other
+      GPUs: assumed.
     block_overhead_s: fixed time per block (dispatch, prologue, epilogue).
     sm_bandwidth_factor: how many times its fair share of DRAM bandwidth one SM can draw
       (memory-level parallelism of one SM); bounds memory-bound kernels with few blocks.
@@ -114,7 +116,10 @@ PROVENANCE: dict[str, dict] = {
     "source": "assumed (the analysis's kernel overhead, shared with it)",
     "range": (0.5e-6, 5e-6),
   },
-  "event_latency_s": {"source": "assumed", "range": (1e-6, 10e-6)},
+  "event_latency_s": {
+    "source": "measured on an H200 for Hopper (1.8 us, launch_gaps.cu); assumed elsewhere",
+    "range": (1e-6, 10e-6),
+  },
   "block_overhead_s": {"source": "assumed", "range": (1e-7, 2e-6)},
   "sm_bandwidth_factor": {"source": "assumed", "range": (1.5, 6.0)},
   "comm_hbm_factor": {"source": "derived: a copied byte is read once and written once"},
@@ -143,6 +148,11 @@ def provenance_markdown() -> str:
   return "\n".join(lines)
 
 
+# benchmarks/results/runtime_nvidia_h200_2026-12-04.md: 1.79 us from a kernel's end to a
+# kernel on another stream behind an event, 1.54 us back to back on one stream, 0.77 us
+# for both inside a CUDA graph (one-block kernels, medians of 300 pairs).
+HOPPER_EVENT_LATENCY_S = 1.8e-6
+
 _CONSTANTS = {
   "a40": Constants(
     gemm_efficiency=0.75,
@@ -154,8 +164,20 @@ _CONSTANTS = {
   "a100-40": Constants(
     gemm_efficiency=0.85, cta_copy_bandwidth=15e9, channels=nccl.CHANNELS["a100-40"]
   ),
-  "h100": Constants(gemm_efficiency=0.72, cta_copy_bandwidth=20e9, channels=nccl.CHANNELS["h100"]),
-  "h200": Constants(gemm_efficiency=0.74, cta_copy_bandwidth=20e9, channels=nccl.CHANNELS["h200"]),
+  # Hopper's event latency: measured on an H200 (benchmarks/gpu/launch_gaps.cu, median
+  # from a kernel's end to the start of a kernel on another stream waiting on an event).
+  "h100": Constants(
+    gemm_efficiency=0.72,
+    cta_copy_bandwidth=20e9,
+    channels=nccl.CHANNELS["h100"],
+    event_latency_s=HOPPER_EVENT_LATENCY_S,
+  ),
+  "h200": Constants(
+    gemm_efficiency=0.74,
+    cta_copy_bandwidth=20e9,
+    channels=nccl.CHANNELS["h200"],
+    event_latency_s=HOPPER_EVENT_LATENCY_S,
+  ),
   # RCCL on MI250X: 256-thread CTAs; register use is an assumption (128 VGPRs/lane).
   "mi250x": Constants(
     gemm_efficiency=0.62,
