@@ -25,14 +25,8 @@
 #include <string>
 #include <vector>
 
-#define CHECK(x)                                                                   \
-  do {                                                                             \
-    cudaError_t e = (x);                                                           \
-    if (e != cudaSuccess) {                                                        \
-      fprintf(stderr, "launch_gaps: %s failed: %s\n", #x, cudaGetErrorString(e)); \
-      exit(1);                                                                     \
-    }                                                                              \
-  } while (0)
+#define CHECK_PROGRAM "launch_gaps"
+#include "cuda_check.h"
 
 __device__ __forceinline__ uint64_t GlobalTimer() {
   uint64_t t;

@@ -38,14 +38,8 @@
 #include <string>
 #include <vector>
 
-#define CHECK(x)                                                                    \
-  do {                                                                              \
-    cudaError_t e = (x);                                                            \
-    if (e != cudaSuccess) {                                                         \
-      fprintf(stderr, "overlap_bench: %s failed: %s\n", #x, cudaGetErrorString(e)); \
-      exit(1);                                                                      \
-    }                                                                               \
-  } while (0)
+#define CHECK_PROGRAM "overlap_bench"
+#include "cuda_check.h"
 
 // ---------------------------------------------------------------------------
 // Kernels. extern "C": the names the driver reports are the names here.
