@@ -128,7 +128,11 @@ print(jax_overlap.profile.measure(d))"""
             "# Occupancy shaping and communication priority, simulated\n\n"
             "An NCCL channel is one CTA of 640 threads with ~96 registers: it needs a whole SM. "
             "When compute kernels hold every SM, collectives wait. The SM-level simulator "
-            "reproduces the H100 tail effect and shows when priority and shaping help."
+            "reproduces the H100 tail effect and shows when priority and shaping help. Its "
+            "dispatcher places blocks in order, as an H200 was measured to do: a collective "
+            "launched behind a many-wave kernel at equal priority waits for that kernel's last "
+            "wave; at the highest priority it holds back the kernel's next blocks instead "
+            "(`benchmarks/results/runtime_nvidia_h200_2026-12-04.md`)."
         ),
         new_code_cell(SETUP),
         new_code_cell(
@@ -142,7 +146,7 @@ for policy in ("sequential", "concurrent", "priority"):
         new_code_cell(
             """wl = sim.tp_chain(n=4)
 tuned = sim.tune(wl, target="h100", progress=False)
-print(f"concurrent {tuned.baseline_s*1e3:.3f} ms -> tuned {tuned.makespan_s*1e3:.3f} ms ({tuned.gain*100:.1f}%)")
+print(f"{tuned.baseline} (XLA's default) {tuned.baseline_s*1e3:.3f} ms -> tuned {tuned.makespan_s*1e3:.3f} ms ({tuned.gain*100:.1f}%)")
 print(tuned.plan)
 print(tuned.format_table(5))"""
         ),
