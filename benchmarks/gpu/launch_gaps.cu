@@ -55,8 +55,11 @@ extern "C" __global__ void timer_step(uint64_t* out) {
   out[0] = best;
 }
 
+// Case c: the second kernel on another stream behind an event when c is odd, the pair
+// replayed from a CUDA graph when c >= 2.
 constexpr const char* kCases[] = {"same_stream", "event_other_stream", "graph_same_stream",
                                   "graph_event_other_stream"};
+constexpr int kNumCases = sizeof(kCases) / sizeof(kCases[0]);
 
 struct Stats {
   double median, p10, p90;
@@ -104,7 +107,8 @@ int main(int argc, char** argv) {
   std::string json = "{\"version\": 1, ";
   if (list) {
     json += "\"device\": null, \"measured\": false, \"cases\": {";
-    for (size_t c = 0; c < 4; ++c) json += std::string(c ? ", " : "") + "\"" + kCases[c] + "\": null";
+    for (int c = 0; c < kNumCases; ++c)
+      json += std::string(c ? ", " : "") + "\"" + kCases[c] + "\": null";
     json += "}}\n";
   } else {
     cudaDeviceProp prop;
@@ -118,19 +122,20 @@ int main(int argc, char** argv) {
     CHECK(cudaMalloc(&d, 4 * sizeof(uint64_t)));
     uint64_t h[4];
     timer_step<<<1, 1>>>(d);
+    CHECK(cudaGetLastError());
     CHECK(cudaMemcpy(h, d, sizeof(uint64_t), cudaMemcpyDeviceToHost));
     const uint64_t resolution = h[0];
     json += "\"device\": \"" + std::string(prop.name) + "\", \"measured\": true, \"spin_ns\": " +
             std::to_string(spin_ns) + ", \"cases\": {";
-    for (int c = 0; c < 4; ++c) {
+    for (int c = 0; c < kNumCases; ++c) {
       const bool other = c % 2 == 1, graph = c >= 2;
+      cudaGraph_t g = nullptr;
       cudaGraphExec_t exec = nullptr;
+      cudaEvent_t fork = nullptr;
       if (graph) {
-        cudaGraph_t g;
         CHECK(cudaStreamBeginCapture(s1, cudaStreamCaptureModeGlobal));
         if (other) {
           // Fork s2 into the capture, as XLA's command buffers do for async streams.
-          cudaEvent_t fork;
           CHECK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
           CHECK(cudaEventRecord(fork, s1));
           CHECK(cudaStreamWaitEvent(s2, fork, 0));
@@ -150,6 +155,11 @@ int main(int argc, char** argv) {
         CHECK(cudaDeviceSynchronize());
         CHECK(cudaMemcpy(h, d, sizeof(h), cudaMemcpyDeviceToHost));
         if (r >= 5) gaps.push_back(((double)h[2] - (double)h[1]) * 1e-9);  // warm-up left out
+      }
+      if (graph) {
+        CHECK(cudaGraphExecDestroy(exec));
+        CHECK(cudaGraphDestroy(g));
+        if (fork) CHECK(cudaEventDestroy(fork));
       }
       Stats s = Summarise(gaps);
       char buf[256];

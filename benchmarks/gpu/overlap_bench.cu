@@ -292,8 +292,8 @@ struct Sample {
   float makespan, proxy, compute;
 };
 
-// Compute on stream a, then the proxy on stream b (after the compute kernel was
-// issued), or both on a when sequential.
+// Compute on stream a and the proxy on stream b, the proxy launched after the compute
+// kernel or (proxy_first) before it; or both on a when sequential.
 Sample Measure(Compute& comp, Proxy& px, cudaStream_t a, cudaStream_t b, bool sequential,
                bool run_compute, bool run_proxy, bool proxy_first = false) {
   cudaEvent_t start, end_a, end_b;
@@ -532,49 +532,52 @@ int main(int argc, char** argv) {
       }
       for (size_t issue = 0; issue < o.issues.size(); ++issue) {
         for (int prio = 0; prio < 2; ++prio) {
-        for (int seq = 0; seq < 2; ++seq) {
-          // One sequential record per kind (issue order does not matter on one stream).
-          if (seq && (cap > 0 || prio || issue > 0)) continue;
-          const bool proxy_first = o.issues[issue] == "proxy_first" && !seq;
-          const char* policy = seq ? "sequential"
-                               : cap > 0 ? (prio ? "priority+shaping" : "shaping")
-                                         : (prio ? "priority" : "concurrent");
-          std::string meas = "\"makespan_s\": null, \"proxy_latency_s\": null, "
-                             "\"compute_slowdown\": null";
-          long long shaped = -1, no_room = -1;
-          if (skipped) {
-            meas += ", \"skipped\": \"runtime library not preloaded\"";
-          } else if (!o.list) {
-            const uint64_t s0 = RuntimeCounter("launches_shaped");
-            const uint64_t n0 = RuntimeCounter("launches_no_room");
-            std::vector<float> mk, pl, ct;
-            for (int i = 0; i < o.reps; ++i) {
-              Sample s = Measure(c, px, a, prio ? b_high : b, seq, true, true, proxy_first);
-              mk.push_back(s.makespan);
-              pl.push_back(s.proxy);
-              ct.push_back(s.compute);
+          for (int seq = 0; seq < 2; ++seq) {
+            // One sequential record per kind (issue order does not matter on one stream).
+            if (seq && (cap > 0 || prio || issue > 0)) continue;
+            const bool proxy_first = o.issues[issue] == "proxy_first" && !seq;
+            const char* policy = seq ? "sequential"
+                                 : cap > 0 ? (prio ? "priority+shaping" : "shaping")
+                                           : (prio ? "priority" : "concurrent");
+            std::string meas = "\"makespan_s\": null, \"proxy_latency_s\": null, "
+                               "\"compute_slowdown\": null";
+            long long shaped = -1, no_room = -1;
+            if (skipped) {
+              meas += ", \"skipped\": \"runtime library not preloaded\"";
+            } else if (!o.list) {
+              const uint64_t s0 = RuntimeCounter("launches_shaped");
+              const uint64_t n0 = RuntimeCounter("launches_no_room");
+              std::vector<float> mk, pl, ct;
+              for (int i = 0; i < o.reps; ++i) {
+                Sample s = Measure(c, px, a, prio ? b_high : b, seq, true, true, proxy_first);
+                mk.push_back(s.makespan);
+                pl.push_back(s.proxy);
+                ct.push_back(s.compute);
+              }
+              shaped = (long long)(RuntimeCounter("launches_shaped") - s0);
+              no_room = (long long)(RuntimeCounter("launches_no_room") - n0);
+              const float base = alone > 0 ? alone : Median(ct);
+              snprintf(buf, sizeof(buf),
+                       "\"makespan_s\": %.6g, \"proxy_latency_s\": %.6g, "
+                       "\"compute_slowdown\": %.6g, "
+                       "\"compute_s\": %.6g, \"compute_alone_s\": %.6g",
+                       Median(mk) * 1e-3, Median(pl) * 1e-3, Median(ct) / base - 1.0,
+                       Median(ct) * 1e-3, base * 1e-3);
+              meas = buf;
             }
-            shaped = (long long)(RuntimeCounter("launches_shaped") - s0);
-            no_room = (long long)(RuntimeCounter("launches_no_room") - n0);
-            const float base = alone > 0 ? alone : Median(ct);
+            const bool meant = cap > 0 && c.natural > cap;
             snprintf(buf, sizeof(buf),
-                     "\"makespan_s\": %.6g, \"proxy_latency_s\": %.6g, \"compute_slowdown\": %.6g, "
-                     "\"compute_s\": %.6g, \"compute_alone_s\": %.6g",
-                     Median(mk) * 1e-3, Median(pl) * 1e-3, Median(ct) / base - 1.0,
-                     Median(ct) * 1e-3, base * 1e-3);
-            meas = buf;
-          }
-          const bool meant = cap > 0 && c.natural > cap;
-          snprintf(buf, sizeof(buf),
-                   "{\"policy\": \"%s\", \"cap\": %s, \"issue\": \"%s\", \"compute\": %s, \"proxy\": %s, %s, "
-                   "\"shaped_launches\": %s, \"no_room_launches\": %s, \"meant_to_shape\": %s, "
-                   "\"shape_regex\": \"%s\"}",
-                   policy, cap > 0 ? std::to_string(cap).c_str() : "null",
-                   proxy_first ? "proxy_first" : "compute_first", ComputeJson(c).c_str(), proxy_json.c_str(), meas.c_str(),
-                   shaped >= 0 ? std::to_string(shaped).c_str() : "null",
-                   no_room >= 0 ? std::to_string(no_room).c_str() : "null",
-                   c.kind == "gemm" ? "null" : (meant ? "true" : "false"), c.regex);
-          records.push_back(buf);
+                     "{\"policy\": \"%s\", \"cap\": %s, \"issue\": \"%s\", \"compute\": %s, "
+                     "\"proxy\": %s, %s, "
+                     "\"shaped_launches\": %s, \"no_room_launches\": %s, \"meant_to_shape\": %s, "
+                     "\"shape_regex\": \"%s\"}",
+                     policy, cap > 0 ? std::to_string(cap).c_str() : "null",
+                     proxy_first ? "proxy_first" : "compute_first", ComputeJson(c).c_str(),
+                     proxy_json.c_str(), meas.c_str(),
+                     shaped >= 0 ? std::to_string(shaped).c_str() : "null",
+                     no_room >= 0 ? std::to_string(no_room).c_str() : "null",
+                     c.kind == "gemm" ? "null" : (meant ? "true" : "false"), c.regex);
+            records.push_back(buf);
           }
         }
       }

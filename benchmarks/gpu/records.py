@@ -158,10 +158,9 @@ def calibrate(path: str, gpu: str) -> int:
 
 def _gap_lines(gaps: dict, gpu: str) -> list[str]:
   """launch_gaps.cu's cases beside the simulator's launch_overhead_s and event_latency_s."""
-  from jax_overlap._src.sim import engine
   from jax_overlap._src.sim.constants import constants_for
 
-  c = constants_for(engine.resolve_target(gpu).gpu)
+  c = constants_for(gpu)
   model = {
     "same_stream": c.launch_overhead_s,
     "event_other_stream": c.event_latency_s,
@@ -208,16 +207,18 @@ def report(path: str, gpu: str, out: str) -> int:
   recs = sim.load_measurements(path)
   topo = engine.resolve_target(gpu)
   fit = sim.calibrate(recs, target=gpu, params=FIT_PARAMS)
-  models = {"catalogue": constants_for(topo.gpu), "fitted": fit.constants}
+  catalogue = constants_for(topo.gpu)
   kinds = {"gemm": 0, "fusion": 1, "custom": 2}
   order = {p: i for i, p in enumerate(sim.POLICIES)}
-  recs.sort(
-    key=lambda r: (
-      kinds.get(r["compute"]["kind"], 9),
-      r["cap"] or 0,
-      r["issue"],
-      order[r["policy"]],
-    )
+  # The fit's own table holds each record's prediction under the fitted constants.
+  rows = sorted(
+    zip(recs, fit.table),
+    key=lambda rt: (
+      kinds.get(rt[0]["compute"]["kind"], 9),
+      rt[0]["cap"] or 0,
+      rt[0]["issue"],
+      order[rt[0]["policy"]],
+    ),
   )
   base = data.get("baselines", {})
   lines = [
@@ -236,16 +237,16 @@ def report(path: str, gpu: str, out: str) -> int:
     "launches | sim makespan | sim proxy latency |",
     "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
   ]
-  for r in recs:
-    pred = {k: cal.predict(r, topo, c) for k, c in models.items()}
+  for r, fitted in rows:
+    pred = (cal.predict(r, topo, catalogue), fitted["predicted"])
     name = r["compute"].get("name", r["compute"]["kind"])
     first = "-" if r["policy"] == "sequential" else r["issue"].split("_")[0]
     lines.append(
       f"| {name} | {r['policy']} | {r['cap'] or '-'} | {first} | {_ms(r.get('makespan_s'))} "
       f"| {_ms(r.get('proxy_latency_s'))} | {_ms(r.get('compute_s'))} "
       f"| {r.get('shaped_launches', '-')} "
-      f"| {' / '.join(_ms(p['makespan_s']) for p in pred.values())} "
-      f"| {' / '.join(_ms(p['proxy_latency_s']) for p in pred.values())} |"
+      f"| {' / '.join(_ms(p.get('makespan_s')) for p in pred)} "
+      f"| {' / '.join(_ms(p.get('proxy_latency_s')) for p in pred)} |"
     )
   if data.get("launch_gaps", {}).get("measured"):
     g = data["launch_gaps"]

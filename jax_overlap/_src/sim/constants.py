@@ -164,8 +164,6 @@ _CONSTANTS = {
   "a100-40": Constants(
     gemm_efficiency=0.85, cta_copy_bandwidth=15e9, channels=nccl.CHANNELS["a100-40"]
   ),
-  # Hopper's event latency: measured on an H200 (benchmarks/gpu/launch_gaps.cu, median
-  # from a kernel's end to the start of a kernel on another stream waiting on an event).
   "h100": Constants(
     gemm_efficiency=0.72,
     cta_copy_bandwidth=20e9,

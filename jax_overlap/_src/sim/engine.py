@@ -18,9 +18,11 @@ kernels behind a waiting compute kernel). Running blocks are never preempted: pr
 orders dispatch. Measured on an H200 (``benchmarks/results/runtime_nvidia_h200_*``): an
 NCCL-channel-sized copy launched after a many-wave kernel at equal priority starts only
 when that kernel's last blocks are placed, also where a cap leaves room for it beside
-every block; launched first, or at higher priority, it starts at once. A kernel becomes dispatchable ``launch_overhead_s``
-after its stream predecessor completed, and ``event_latency_s`` after each item of another
-stream it waits for (``after``, a CUDA event) completed. Cross-stream events resolve more
+every block; launched first, or at higher priority, it starts at once.
+
+A kernel becomes dispatchable ``launch_overhead_s`` after its stream predecessor
+completed, and ``event_latency_s`` after each item of another stream it waits for
+(``after``, a CUDA event) completed. Cross-stream events resolve more
 slowly than back-to-back launches on one stream, so the next compute kernel usually reaches
 the dispatcher before a collective that waited on the previous one.
 
@@ -328,7 +330,10 @@ def _loop(wl, topo, const, cp: _Compiled, *, record: bool, check: bool, reserved
     # In order: a kernel that keeps blocks it could not place closes the SMs it may use to
     # every kernel after it (see the module docstring).
     closed = closed_reserved = False
-    for item in pending:
+    for i, item in enumerate(pending):
+      if closed and (closed_reserved or not reserved_sms):
+        keep.extend(pending[i:])  # every SM closed: nothing behind can place a block
+        break
       k = item[2]
       r = remaining[k]
       cands = []
