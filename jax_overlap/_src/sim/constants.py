@@ -31,9 +31,9 @@ class Constants:
       ROCm (HIP graph launches). On NVIDIA the analysis's per-kernel overhead
       (``CostModel.kernel_overhead_s``), so both models charge the same launch cost.
     event_latency_s: delay from an item finishing to a waiter on another stream becoming
-      dispatchable (event record + stream wait). Measured on an H200: 1.8 us, against
-      1.5 us back to back on one stream (``launch_gaps.cu``); the Hopper default. Other
-      GPUs: assumed.
+      dispatchable (event record + stream wait). Measured on an H200: 1.5-1.8 us, as
+      back to back on one stream within the timer's 0.26 us steps (``launch_gaps.cu``);
+      the Hopper default is the larger figure. Other GPUs: assumed.
     block_overhead_s: fixed time per block (dispatch, prologue, epilogue).
     sm_bandwidth_factor: how many times its fair share of DRAM bandwidth one SM can draw
       (memory-level parallelism of one SM); bounds memory-bound kernels with few blocks.
@@ -148,9 +148,9 @@ def provenance_markdown() -> str:
   return "\n".join(lines)
 
 
-# benchmarks/results/runtime_nvidia_h200_2026-12-04.md: 1.79 us from a kernel's end to a
-# kernel on another stream behind an event, 1.54 us back to back on one stream, 0.77 us
-# for both inside a CUDA graph (one-block kernels, medians of 300 pairs).
+# benchmarks/results/runtime_nvidia_h200_2026-12-04.md: 1.79 and 1.54 us (two runs) from a
+# kernel's end to a kernel on another stream behind an event, 1.54 us back to back on one
+# stream, 0.77 us for both inside a CUDA graph (one-block kernels, medians of 300 pairs).
 HOPPER_EVENT_LATENCY_S = 1.8e-6
 
 _CONSTANTS = {
