@@ -88,8 +88,8 @@ def _simulated(report, target) -> dict:
     "p2p_link_rate_s": p2p_s,
     "priority_channels_s": {str(ch): s for ch, s in fewer.items()},
     "priority_reserved_s": {str(n): s for n, s in reserved.items()},
-    "tuned_priority": tuned.plan["streams"]["priority"],
-    "tuned_caps": len(tuned.plan["kernels"]),
+    "tuned_priority": tuned.plan.streams.priority,
+    "tuned_caps": len(tuned.plan.kernels),
     "tuned_no_room": len(tuned.no_room),
   }
 

@@ -11,12 +11,14 @@ from jax_overlap._src.analysis.report import Report as Report
 from jax_overlap._src.analysis.report import compare as compare
 from jax_overlap._src.analysis.schedule import CollectiveInfo as CollectiveInfo
 from jax_overlap._src.analysis.schedule import KernelInfo as KernelInfo
+from jax_overlap._src.analysis.schedule import LoopInfo as LoopInfo
 
 __all__ = [
   "CollectiveInfo",
   "Comparison",
   "CostModel",
   "KernelInfo",
+  "LoopInfo",
   "Report",
   "analyze",
   "analyze_compiled",

@@ -37,6 +37,7 @@ from jax_overlap._src.sim.realize import RealizeResult as RealizeResult
 from jax_overlap._src.sim.realize import analysis_step_time as analysis_step_time
 from jax_overlap._src.sim.realize import realize as realize
 from jax_overlap._src.sim.realize import workload_from_report as workload_from_report
+from jax_overlap._src.sim.tune import Evaluation as Evaluation
 from jax_overlap._src.sim.tune import TuneResult as TuneResult
 from jax_overlap._src.sim.tune import plan_dict as plan_dict
 from jax_overlap._src.sim.tune import tune as tune
@@ -54,6 +55,7 @@ __all__ = [
   "CalibrationResult",
   "Collective",
   "Constants",
+  "Evaluation",
   "Kernel",
   "KernelTiming",
   "POLICIES",

@@ -147,7 +147,7 @@ for policy in ("sequential", "concurrent", "priority"):
             """wl = sim.tp_chain(n=4)
 tuned = sim.tune(wl, target="h100", progress=False)
 print(f"{tuned.baseline} (XLA's default) {tuned.baseline_s*1e3:.3f} ms -> tuned {tuned.makespan_s*1e3:.3f} ms ({tuned.gain*100:.1f}%)")
-print(tuned.plan)
+print(tuned.plan.to_json())
 print(tuned.format_table(5))"""
         ),
         new_code_cell(

@@ -174,7 +174,19 @@ def test_loop_bodies_are_counted_per_iteration():
 
   ws, x = jnp.ones((3, 128, 128)), jnp.ones((64, 128))
   r = jax_overlap.analyze(scanned, ws, x, target=None)
-  assert r.loops and r.loops[0]["trip_count"] == 3
+  assert r.loops and r.loops[0].trip_count == 3
+  (loop,) = r.loops
+  assert isinstance(loop, jax_overlap.analysis.LoopInfo) and loop.body
+  assert json.loads(r.to_json())["loops"] == [
+    {"name": loop.name, "trip_count": 3, "body": loop.body}
+  ]
+  # Loops were dicts: a key still reads, with a warning, for one release.
+  from jax_overlap._src.deprecations import JaxOverlapDeprecationWarning
+
+  with pytest.warns(JaxOverlapDeprecationWarning, match="read loop.trip_count"):
+    assert loop["trip_count"] == 3
+  with pytest.raises(KeyError, match="name, trip_count and body, not 'trips'"):
+    loop["trips"]
   # 3 iterations of a 64x128x128 matmul; XLA's own analysis counts the body once.
   matmul_flops = 3 * 2 * 64 * 128 * 128
   assert matmul_flops <= r.flops <= matmul_flops * 1.01

@@ -199,7 +199,7 @@ def test_realize_a_real_deviceless_report():
   assert sim.simulate(
     wl, target="h100x8", policy=tuned.policy, baseline=False
   ).makespan_s == pytest.approx(tuned.makespan_s)
-  assert tuned.plan["version"] == 1 and tuned.plan["target"] == "h100"
+  assert tuned.plan.version == 1 and tuned.plan.target == "h100"
 
 
 def test_each_item_alone_takes_the_analysis_time():

@@ -1,5 +1,6 @@
 """Tests of the tuner: plan format, agreement with exhaustive search, progress display."""
 
+import dataclasses
 import json
 
 import pytest
@@ -68,30 +69,40 @@ def test_exhaustive_search_finds_the_brute_force_optimum():
     progress=False,
     make_room=False,
   )
-  assert min(r["makespan_s"] for r in ex.table) == pytest.approx(best, rel=1e-12)
+  assert min(r.makespan_s for r in ex.table) == pytest.approx(best, rel=1e-12)
 
 
 def test_tuned_plan_reproduces_its_makespan_and_format():
   wl = _small()
   res = sim.tune(wl, target="h100", progress=False)
   plan = res.plan
-  assert plan["version"] == 1 and plan["target"] == "h100"
-  assert plan["streams"]["priority"] in ("highest", "default")
+  assert isinstance(plan, runtime.Plan)
+  assert plan.version == 1 and plan.target == "h100"
+  assert plan.streams.priority == ("highest" if res.policy.priority else "default")
   names = {it.name for it in wl.items}
-  for k in plan["kernels"]:
-    assert k["match"] in names and k["blocks_per_sm"] >= 1
+  assert {k.match for k in plan.kernels} <= names
+  assert {k.match: k.blocks_per_sm for k in plan.kernels} == dict(res.policy.shaping or {})
   again = sim.simulate(wl, target="h100", policy=res.policy, baseline=False).makespan_s
   assert again == pytest.approx(res.makespan_s, rel=1e-12)
   assert res.gain == pytest.approx(1 - res.makespan_s / res.baseline_s)
   assert "makespan (ms)" in res.format_table()
-  # The same plan, typed: the runtime's Plan, whose JSON is the dict's (plus the empty
-  # regions section the tuner leaves out).
-  typed = res.runtime_plan
-  assert isinstance(typed, runtime.Plan)
-  written = json.loads(typed.to_json())
-  assert written.pop("regions", {}) == {}
-  assert written == json.loads(json.dumps(plan))
-  assert typed.to_rules().startswith("version\t1")
+  # Its JSON form is what sim.plan_dict writes for the same choice (plus the empty
+  # regions section), and the runtime library's rules text follows from it.
+  written = json.loads(plan.to_json())
+  assert written.pop("regions") == {}
+  shaping, priority = res.policy.shaping, res.policy.priority
+  assert written == {
+    **sim.plan_dict("h100", shaping, priority, wl),
+    "comm_block": written["comm_block"],
+  }
+  assert runtime.Plan.from_json(plan.to_json()) == plan
+  assert plan.to_rules().startswith("version\t1")
+  # Every simulation of the search is a typed row; the best one is the result's.
+  assert len(res.table) == res.evaluations
+  assert all(isinstance(r, sim.Evaluation) for r in res.table)
+  assert min(r.makespan_s for r in res.table) <= res.makespan_s * (1 + 1e-12)
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    res.plan = None
 
 
 def test_tuner_plans_no_cap_that_cannot_make_room():
@@ -99,20 +110,24 @@ def test_tuner_plans_no_cap_that_cannot_make_room():
   # tuner caps nothing and says why; the runtime library would leave them alone too.
   wl = sim.tp_chain(4, 8192, 4096, lag=2, kernel=lambda i: sim.attention("a", 4096, 4096, 2048))
   res = sim.tune(wl, target="h100", progress=False)
-  assert res.plan["kernels"] == [] and not res.policy.shaping
+  assert res.plan.kernels == () and not res.policy.shaping
   assert set(res.no_room) == {f"a.{i}" for i in (1, 2, 3)}  # a.0 overlaps no collective
   assert all("registers" in why for why in res.no_room.values())
-  assert res.plan["comm_block"] == {"threads": 544, "regs_per_thread": 96, "smem_bytes": 82240}
+  assert res.plan.comm_block.to_dict() == {
+    "threads": 544,
+    "regs_per_thread": 96,
+    "smem_bytes": 82240,
+  }
   # Caps that cannot make room are searched too, and none pays: dispatch is in order, so
   # under XLA's priority a waiting channel already holds back the next attention blocks
   # until an SM drains, which a cap of 1 would only do sooner at the attention's cost.
   # The plan turns the library's room rule off so that caps would apply as written.
   drain = sim.tune(wl, target="h100", progress=False, make_room=False)
-  assert any(row["shaping"] for row in drain.table)
+  assert any(row.shaping for row in drain.table)
   assert drain.policy.priority and not drain.policy.shaping
   assert drain.makespan_s == pytest.approx(res.makespan_s)
-  assert drain.plan["comm_block"] is None
-  assert runtime.Plan.from_json(drain.plan).comm_block is None
+  assert drain.plan.comm_block is None
+  assert json.loads(drain.plan.to_json())["comm_block"] is None
 
 
 def test_plan_dict_json_round_trip():
@@ -131,6 +146,31 @@ def test_plan_dict_json_round_trip():
   assert p.kernels[0].blocks_per_sm == 1 and p.streams.priority == "highest"
   # AMD targets get the dict unvalidated (the runtime library shapes CUDA launches only).
   assert sim.plan_dict("mi250x", {}, False)["target"] == "mi250x"
+
+
+def test_tune_on_an_amd_target_has_a_policy_and_no_runtime_plan():
+  res = sim.tune(_small(), target="mi250x", progress=False)
+  assert res.plan is None  # the runtime library shapes CUDA launches only
+  again = sim.simulate(_small(), target="mi250x", policy=res.policy, baseline=False)
+  assert again.makespan_s == pytest.approx(res.makespan_s, rel=1e-12)
+
+
+def test_tune_results_read_as_dicts_warn_for_one_release():
+  from jax_overlap._src.deprecations import JaxOverlapDeprecationWarning
+
+  res = sim.tune(_small(), target="h100", progress=False)
+  with pytest.warns(JaxOverlapDeprecationWarning, match=r"plan\['streams'\].*plan.streams"):
+    assert res.plan["streams"] == {"priority": res.plan.streams.priority}
+  with pytest.warns(JaxOverlapDeprecationWarning, match="use TuneResult.plan"):
+    assert res.runtime_plan is res.plan
+  with pytest.warns(JaxOverlapDeprecationWarning, match="read row.makespan_s"):
+    assert res.table[0]["makespan_s"] == res.table[0].makespan_s
+  with pytest.raises(KeyError, match="no key 'blocks'; it has version, target, kernels"):
+    res.plan["blocks"]
+  with pytest.raises(KeyError, match="priority, shaping and makespan_s, not 'time'"):
+    res.table[0]["time"]
+  with pytest.raises(TypeError, match="not iterable"):
+    iter(res.plan)
 
 
 def test_plan_rejected_by_runtime_raises():
@@ -236,7 +276,7 @@ def test_plan_rules_use_launch_names_and_one_setting_per_function():
   res = sim.tune(wl2, target="h100", progress=False)
   assert res.unnamed == (kernels[-1].name,)
   assert kernels[-1].name not in res.policy.shaping
-  assert {k["match"] for k in res.plan["kernels"]} <= {"attention_fusion_3"}
+  assert {k.match for k in res.plan.kernels} <= {"attention_fusion_3"}
   # Instances of one function shaped differently get one rule with the smallest cap.
   d = sim.plan_dict("h100", {kernels[0].name: 3, kernels[1].name: 2}, True, wl2)
   assert d["kernels"] == [{"match": "attention_fusion_3", "blocks_per_sm": 2}]
@@ -308,6 +348,8 @@ def test_gain_is_against_xlas_own_priority_and_every_kept_rule_pays():
   # the plan without it; rules that did not were dropped and are reported.
   shaping = dict(res.policy.shaping)
   assert shaping, res.table[:3]
+  # The plan's rules are the policy's caps, for the runtime library.
+  assert {k.match: k.blocks_per_sm for k in res.plan.kernels} == shaping
   t = sim.simulate(wl, target="h100", policy=res.policy, baseline=False).makespan_s
   assert t == pytest.approx(res.makespan_s)
   for cap in set(shaping.values()):
@@ -330,7 +372,7 @@ def test_priority_is_spelled_as_in_a_runtime_plan():
   wl = _small()
   for spelled, old in (("highest", True), ("default", False)):
     res = sim.tune(wl, target="h100", progress=False, priority=spelled)
-    assert {r["priority"] for r in res.table} == {old}  # only that priority was searched
+    assert {r.priority for r in res.table} == {old}  # only that priority was searched
     with pytest.warns(JaxOverlapDeprecationWarning, match=f"priority='{spelled}'"):
       again = sim.tune(wl, target="h100", progress=False, priority=old)
     assert again.plan == res.plan and again.makespan_s == res.makespan_s

@@ -173,9 +173,6 @@ def main(argv) -> None:
     print(real.table() if hasattr(real, "table") else real)
     workload = jax_overlap.sim.workload_from_report(best)
     res = jax_overlap.sim.tune(workload, target=target, progress=False)
-    plan_path = os.path.join(FLAGS.out, "plan.json")
-    with open(plan_path, "w") as fh:
-      json.dump(res.plan, fh, indent=1)
     print(
       f"\npredicted step time as XLA runs it (collective streams at the highest priority) "
       f"{res.baseline_s * 1e3:.3f} ms, with the tuned plan {res.makespan_s * 1e3:.3f} ms: "
@@ -187,22 +184,28 @@ def main(argv) -> None:
         f"{len(res.no_room)} kernel(s) beside collectives leave no room for an NCCL channel "
         f"at any cap ({', '.join(why)}-limited): the plan does not cap them"
       )
-    print(
-      f"plan for `jax-overlap launch --plan {plan_path} -- python train.py`: "
-      f"{json.dumps(res.plan)[:300]}"
-    )
-    # The rules name kernels as the driver reports them: check them against the compiled step.
-    check = jax_overlap.runtime.check_plan(res.plan, best)
-    print(f"plan check against the compiled step: {check}")
+    if res.plan is None:
+      print(f"no runtime plan: {target} is not an NVIDIA target (the tuned policy: {res.policy})")
+    else:
+      plan_path = os.path.join(FLAGS.out, "plan.json")
+      res.plan.to_json(plan_path)
+      print(
+        f"plan for `jax-overlap launch --plan {plan_path} -- python train.py`: "
+        f"{json.dumps(res.plan.to_dict())[:300]}"
+      )
+      # The rules name kernels as the driver reports them: check them against the compiled step.
+      check = jax_overlap.runtime.check_plan(res.plan, best)
+      print(f"plan check against the compiled step: {check}")
     tune_summary = {
       "baseline": res.baseline,
       "baseline_ms": res.baseline_s * 1e3,
       "tuned_ms": res.makespan_s * 1e3,
       "no_room": len(res.no_room),
       "gain": res.gain,
-      "plan": plan_path,
-      "rules_matching_nothing": list(check.unmatched),
     }
+    if res.plan is not None:
+      tune_summary["plan"] = plan_path
+      tune_summary["rules_matching_nothing"] = list(check.unmatched)
     try:
       sim_res = jax_overlap.sim.simulate(workload, target=target, policy=res.policy, record=True)
       jax_overlap.sim.plot(sim_res, os.path.join(FLAGS.out, "sm_occupancy.png"))
@@ -218,10 +221,10 @@ def main(argv) -> None:
   paths["Perfetto trace (ui.perfetto.dev)"] = reports["@overlap"].to_perfetto(
     os.path.join(FLAGS.out, "trace_overlap.json")
   )
-  if FLAGS.tune:
-    paths["runtime plan"] = os.path.join(FLAGS.out, "plan.json")
-    if os.path.exists(os.path.join(FLAGS.out, "sm_occupancy.png")):
-      paths["SM occupancy (simulated)"] = os.path.join(FLAGS.out, "sm_occupancy.png")
+  if tune_summary.get("plan"):
+    paths["runtime plan"] = tune_summary["plan"]
+  if FLAGS.tune and os.path.exists(os.path.join(FLAGS.out, "sm_occupancy.png")):
+    paths["SM occupancy (simulated)"] = os.path.join(FLAGS.out, "sm_occupancy.png")
   summary = os.path.join(FLAGS.out, "summary.md")
   with open(summary, "w") as fh:
     fh.write(

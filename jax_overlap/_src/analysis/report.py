@@ -7,7 +7,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from jax_overlap._src.analysis.schedule import CollectiveInfo, KernelInfo
+from jax_overlap._src.analysis.schedule import CollectiveInfo, KernelInfo, LoopInfo
 from jax_overlap._src.analysis.timeline import Event
 
 __all__ = ["Report", "Comparison", "compare"]
@@ -49,7 +49,7 @@ class Report:
     xla_options: the per-compile options used.
     notes: anything the analysis assumed or could not model.
     compile_time_s: time XLA took to compile.
-    loops: while loops with their trip counts.
+    loops: one :class:`LoopInfo` per while loop, with its trip count.
     uncounted_costs: estimated cost (s) of each kernel and collective in the branches of a
       conditional the step does not count (all but the most expensive), by instruction name.
   """
@@ -69,7 +69,7 @@ class Report:
   xla_options: dict[str, Any]
   notes: list[str]
   compile_time_s: float = 0.0
-  loops: list[dict] = dataclasses.field(default_factory=list)
+  loops: list[LoopInfo] = dataclasses.field(default_factory=list)
   topology: Any = dataclasses.field(default=None, repr=False, compare=False)
   hlo_text: str = dataclasses.field(default="", repr=False, compare=False)
   uncounted_costs: dict[str, float] = dataclasses.field(
@@ -158,7 +158,7 @@ class Report:
         },
         "notes": self.notes,
         "compile_time_s": self.compile_time_s,
-        "loops": self.loops,
+        "loops": [dataclasses.asdict(lp) for lp in self.loops],
         "kernels": [dataclasses.asdict(k) for k in self.kernels],
         "collectives": [dataclasses.asdict(c) for c in self.collectives],
       }

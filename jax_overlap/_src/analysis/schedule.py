@@ -24,6 +24,7 @@ import dataclasses
 import re
 from typing import Any
 
+from jax_overlap._src import deprecations
 from jax_overlap._src.analysis import cost_model as cm
 from jax_overlap._src.analysis import hlo as hlo_lib
 
@@ -162,6 +163,28 @@ class CollectiveInfo:
   overlapped_kernels: int = 0
 
 
+@dataclasses.dataclass(frozen=True)
+class LoopInfo:
+  """One while loop of the step, unrolled into the schedule ``trip_count`` times.
+
+  Attributes:
+    name: HLO name of the while instruction.
+    trip_count: XLA's known trip count (1 when XLA does not know it; a note says so).
+    body: name of the loop's body computation.
+  """
+
+  name: str
+  trip_count: int
+  body: str
+
+  def __getitem__(self, key: str) -> Any:
+    # Loops were {"name", "trip_count", "body"} dicts: still readable for one release.
+    if key not in ("name", "trip_count", "body"):
+      raise KeyError(f"analysis.LoopInfo has name, trip_count and body, not {key!r}")
+    deprecations.warn("Report.loops", f"loops are analysis.LoopInfo records: read loop.{key}")
+    return getattr(self, key)
+
+
 @dataclasses.dataclass
 class Op:
   """One step of the flat schedule."""
@@ -182,7 +205,7 @@ class Schedule:
   kernels: list[KernelInfo]
   collectives: list[CollectiveInfo]
   notes: list[str]
-  loops: list[dict[str, Any]]
+  loops: list[LoopInfo]
   uncounted: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
@@ -354,7 +377,7 @@ def build_schedule(
   if not kernel_names:
     launch = {}
   notes: list[str] = []
-  loops: list[dict[str, Any]] = []
+  loops: list[LoopInfo] = []
   ops: list[Op] = []
   kernels: list[KernelInfo] = []
   collectives: list[CollectiveInfo] = []
@@ -496,7 +519,7 @@ def build_schedule(
           notes.append(f"while loop {instr.name} has no known trip count; counted once")
         else:
           trips = int(n)
-        loops.append({"name": instr.name, "trip_count": trips, "body": body})
+        loops.append(LoopInfo(instr.name, trips, body))
         for it in range(trips):
           walk(cond, f"{suffix}@{it}" if trips > 1 else suffix, depth + 1)
           walk(body, f"{suffix}@{it}" if trips > 1 else suffix, depth + 1)

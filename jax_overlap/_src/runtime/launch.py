@@ -171,7 +171,7 @@ def main(argv: list[str]) -> int:
     if os.path.isdir(args.plan):
       print(
         f"{_PROG}: error: --plan {args.plan} is a directory; expected a plan JSON file "
-        "(json.dump(jax_overlap.sim.tune(...).plan, f))",
+        "(jax_overlap.sim.tune(...).plan.to_json(path))",
         file=sys.stderr,
       )
       return 2

@@ -43,7 +43,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
-from jax_overlap._src import targets
+from jax_overlap._src import deprecations, targets
 from jax_overlap._src.runtime.residency import _is_int
 
 __all__ = [
@@ -503,6 +503,20 @@ class Plan:
     cb = self.comm_block
     out["comm_block"] = cb.to_dict() if isinstance(cb, CommBlock) else cb
     return out
+
+  def __getitem__(self, key: str) -> Any:
+    # sim.TuneResult.plan was this dict: ``plan["streams"]`` still reads it for one release.
+    data = self.to_dict()
+    if key not in data:
+      raise KeyError(f"{_API}: its JSON form has no key {key!r}; it has {', '.join(data)}")
+    deprecations.warn(
+      _API,
+      f"plan[{key!r}] reads the plan's JSON form and is deprecated: use plan.{key} "
+      f"or plan.to_dict()[{key!r}]",
+    )
+    return data[key]
+
+  __iter__ = None  # not a mapping: iter(plan) is a TypeError, as before __getitem__
 
   def to_json(self, path: str | os.PathLike | None = None, *, indent: int = 2) -> str:
     """The plan as JSON text; also written to ``path`` when given."""

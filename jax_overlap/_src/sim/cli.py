@@ -118,8 +118,9 @@ def main(argv: list[str]) -> int:
       f"{'tuned':>18}: {t.makespan_s * 1e3:10.4f} ms  ({t.gain:+.1%} vs {t.baseline}, "
       f"{t.evaluations} simulations, {t.method})"
     )
-    print(json.dumps(t.plan, indent=1))
-    out["tuned"] = {"makespan_s": t.makespan_s, "gain": t.gain, "plan": t.plan}
+    plan = t.plan.to_dict() if t.plan is not None else None
+    print(json.dumps(plan, indent=1) if plan else f"no runtime plan on {args.target}: {t.policy}")
+    out["tuned"] = {"makespan_s": t.makespan_s, "gain": t.gain, "plan": plan}
   if args.json:
     with open(args.json, "w") as f:
       json.dump(out, f, indent=1)

@@ -222,7 +222,12 @@ def paper_table(
           "ms": ms,
           "free_ms": free_ms,
           "tuned_ms": tuned.makespan_s * 1e3 if tuned else None,
-          "tuned_plan": tuned.plan if tuned else None,
+          "tuned_plan": tuned.plan.to_dict() if tuned and tuned.plan else None,
+          "tuned_policy": (
+            {"priority": tuned.policy.priority, "shaping": dict(tuned.policy.shaping or {})}
+            if tuned
+            else None
+          ),
           "best_policy": best_policy,
           "controls_reduction": max(0.0, 1 - controls[best_policy] / ms["concurrent"]),
           "free_reduction": 1 - free_ms / ms["concurrent"],

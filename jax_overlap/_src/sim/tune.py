@@ -11,15 +11,15 @@ Method: exhaustive when the space has at most ``max_evals`` points, else coordin
 group, try every setting of that group with the others fixed; repeat until a pass brings no
 gain). Every evaluation is one simulation.
 
-The result is a plan in the runtime library's JSON format::
+The result is a :class:`jax_overlap.runtime.Plan`, in the runtime library's JSON form::
 
   {"version": 1, "target": "h100",
    "kernels": [{"match": "<kernel name>", "blocks_per_sm": 1}, ...],
    "streams": {"priority": "highest" | "default"}}
 
-the format :class:`jax_overlap._src.runtime.plan.Plan` reads (its ``streams.priority`` promotes the
-communication streams). The plan is validated through ``Plan.from_json`` (NVIDIA
-targets; the runtime library shapes CUDA launches only).
+(its ``streams.priority`` promotes the communication streams). On other than NVIDIA
+targets there is no plan (the runtime library shapes CUDA launches only); the result's
+``policy`` holds the choice.
 """
 
 from __future__ import annotations
@@ -47,16 +47,40 @@ from jax_overlap._src.sim.policies import (
   simulate,
 )
 
-__all__ = ["TuneResult", "tune", "plan_dict", "search_space"]
+__all__ = ["Evaluation", "TuneResult", "tune", "plan_dict", "search_space"]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
+class Evaluation:
+  """One simulation of the tuner's search.
+
+  Attributes:
+    priority: the communication streams at the highest priority.
+    shaping: workload kernel name -> blocks-per-SM cap (empty: nothing shaped).
+    makespan_s: the simulated makespan with that choice.
+  """
+
+  priority: bool
+  shaping: Mapping[str, int]
+  makespan_s: float
+
+  def __getitem__(self, key: str):
+    # Rows were {"priority", "shaping", "makespan_s"} dicts: still readable for one release.
+    if key not in ("priority", "shaping", "makespan_s"):
+      raise KeyError(f"sim.Evaluation has priority, shaping and makespan_s, not {key!r}")
+    deprecations.warn("sim.TuneResult.table", f"rows are sim.Evaluation records: read row.{key}")
+    return getattr(self, key)
+
+
+@dataclasses.dataclass(frozen=True)
 class TuneResult:
   """What :func:`tune` found.
 
   Attributes:
-    plan: the plan dict (runtime JSON format, ``json.dump``-able); :attr:`runtime_plan` is
-      the same plan as a validated :class:`jax_overlap.runtime.Plan`.
+    plan: the choice as a :class:`jax_overlap.runtime.Plan` (validated; ``.to_json(path)``
+      writes the file ``jax-overlap launch --plan`` reads; ``runtime.check_plan`` checks its
+      rules against a compiled step). None where the target is not an NVIDIA GPU: the
+      runtime library shapes CUDA launches only, and :attr:`policy` holds the choice.
     policy: the same choice as a :class:`Policy` for ``sim.simulate``.
     makespan_s: predicted makespan with the plan.
     baseline_s: predicted makespan under the baseline policy (``baseline``).
@@ -70,7 +94,7 @@ class TuneResult:
       ``min_rule_gain`` less (kernel name -> cap it had).
     evaluations: simulations run.
     method: "exhaustive" or "coordinate".
-    table: one row per evaluation: {"priority", "shaping", "makespan_s"}.
+    table: one :class:`Evaluation` per simulation, in the order they ran.
     unnamed: kernels left unshaped because the driver name of their kernel is not
       known (library calls such as cuBLAS GEMMs): no plan rule could select them.
     no_room: kernels beside a collective that no cap can make room beside for one
@@ -78,7 +102,7 @@ class TuneResult:
       does not cap them, as the runtime library would leave them alone.
   """
 
-  plan: dict
+  plan: plan_lib.Plan | None
   policy: Policy
   makespan_s: float
   baseline_s: float
@@ -86,24 +110,24 @@ class TuneResult:
   gain: float
   evaluations: int
   method: str
-  table: list[dict]
+  table: tuple[Evaluation, ...]
   unnamed: tuple[str, ...] = ()
-  no_room: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+  no_room: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
   baseline: str = "priority"
-  pruned: dict[str, int] = dataclasses.field(default_factory=dict)
+  pruned: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
   @property
-  def runtime_plan(self) -> plan_lib.Plan:
-    """:attr:`plan` as a :class:`jax_overlap.runtime.Plan` (validated; ``.to_json()``,
-    ``.to_rules()``, ``runtime.check_plan``)."""
-    return plan_lib.Plan.from_json(self.plan)
+  def runtime_plan(self) -> plan_lib.Plan | None:
+    """Deprecated: :attr:`plan` is the :class:`jax_overlap.runtime.Plan` now."""
+    deprecations.warn("sim.TuneResult.runtime_plan", "use TuneResult.plan (a runtime.Plan)")
+    return self.plan
 
   def format_table(self, top: int = 10) -> str:
-    rows = sorted(self.table, key=lambda r: r["makespan_s"])[:top]
+    rows = sorted(self.table, key=lambda r: r.makespan_s)[:top]
     out = [f"{'makespan (ms)':>14}  priority  shaping"]
     for r in rows:
-      sh = ", ".join(f"{k}={v}" for k, v in sorted(r["shaping"].items())) or "-"
-      out.append(f"{r['makespan_s'] * 1e3:14.4f}  {str(r['priority']):8}  {sh}")
+      sh = ", ".join(f"{k}={v}" for k, v in sorted(r.shaping.items())) or "-"
+      out.append(f"{r.makespan_s * 1e3:14.4f}  {str(r.priority):8}  {sh}")
     return "\n".join(out)
 
 
@@ -126,11 +150,23 @@ def plan_dict(
     comm: the communication block the caps were chosen to make room for (the plan's
       ``comm_block``); None: ``"auto"``.
 
+  Returns:
+    The plan's JSON form (``runtime.Plan.from_json`` reads it); validated on NVIDIA
+    targets, the only ones the runtime library runs on.
+
   Raises:
     ValueError: when the runtime's plan format rejects it, or a shaped kernel has
       no name a rule could match.
   """
   topo = engine.resolve_target(target)
+  d = _plan_json("sim.plan_dict", topo, shaping, priority, workload, comm)
+  if topo.gpu.vendor == "nvidia":
+    plan_lib.Plan.from_json(d)  # raises on anything the runtime library would reject
+  return d
+
+
+def _plan_json(api: str, topo, shaping, priority, workload, comm) -> dict:
+  """The runtime plan's JSON form for a choice, not yet validated."""
   items = {it.name: it for it in (workload.items if workload is not None else ())}
   caps: dict[str, int] = {}
   for name, cap in shaping.items():
@@ -138,21 +174,16 @@ def plan_dict(
     rule = launch_name(it) if isinstance(it, Kernel) else name
     if not rule:
       raise ValueError(
-        f"sim.plan_dict: kernel {name!r} has no launch name (a library call): no plan rule "
-        "can select it"
+        f"{api}: kernel {name!r} has no launch name (a library call): no plan rule can select it"
       )
     caps[rule] = min(int(cap), caps.get(rule, int(cap)))
-  d = {
+  return {
     "version": 1,
     "target": topo.gpu.name,
     "kernels": [{"match": _glob_escape(k), "blocks_per_sm": v} for k, v in sorted(caps.items())],
     "streams": {"priority": "highest" if priority else "default"},
     "comm_block": comm.to_dict() if comm is not None else "auto",
   }
-  if topo.gpu.vendor != "nvidia":
-    return d
-  plan_lib.Plan.from_json(d)  # raises on anything the runtime library would reject
-  return d
 
 
 def launch_name(item: Kernel) -> str:
@@ -368,7 +399,7 @@ def tune(
     >>> from jax_overlap import sim
     >>> wl = sim.synthetic([(4096, 4096, 4096)] * 2, [("all-gather", 64 << 20)])
     >>> res = sim.tune(wl, target="a100x8", progress=False)
-    >>> res.plan["streams"]["priority"] in ("highest", "default")
+    >>> res.plan.streams.priority in ("highest", "default")
     True
   """
   if not isinstance(workload, Workload):
@@ -396,7 +427,7 @@ def tune(
   if method == "auto":
     method = "exhaustive" if size <= max_evals else "coordinate"
   cache: dict = {}
-  table: list[dict] = []
+  table: list[Evaluation] = []
   best = [float("inf")]
   bar = _Progress(size if method == "exhaustive" else None, progress, f"tune {topo.name}")
 
@@ -407,7 +438,7 @@ def tune(
       pol = Policy("tuned", priority=prio, shaping=shaping)
       t = simulate(workload, target=topo, policy=pol, constants=const, baseline=False).makespan_s
       cache[key] = t
-      table.append({"priority": prio, "shaping": shaping, "makespan_s": t})
+      table.append(Evaluation(prio, shaping, t))
       best[0] = min(best[0], t)
       bar.update(best[0])
     return cache[key]
@@ -467,9 +498,12 @@ def tune(
     ).makespan_s
   blocks = {cb for bs in comm_blocks(workload, const).values() for cb in bs}
   comm = max(blocks, key=lambda cb: (cb.regs_per_thread * cb.threads, cb.smem_bytes), default=None)
-  plan = plan_dict(topo, shaping, p_best, workload, comm)
-  if not make_room:
-    plan["comm_block"] = None
+  plan = None
+  if topo.gpu.vendor == "nvidia":
+    data = _plan_json("sim.tune", topo, shaping, p_best, workload, comm)
+    if not make_room:
+      data["comm_block"] = None
+    plan = plan_lib.Plan.from_json(data)
   return TuneResult(
     plan=plan,
     policy=Policy("tuned", priority=p_best, shaping=shaping),
@@ -479,7 +513,7 @@ def tune(
     gain=1.0 - t_best / base,
     evaluations=len(cache),
     method=method,
-    table=table,
+    table=tuple(table),
     unnamed=unnamed_kernels(workload),
     no_room=no_room(workload, target=topo, constants=const),
     baseline=baseline,
