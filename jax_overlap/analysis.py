@@ -12,6 +12,7 @@ from jax_overlap._src.analysis.report import compare as compare
 from jax_overlap._src.analysis.schedule import CollectiveInfo as CollectiveInfo
 from jax_overlap._src.analysis.schedule import KernelInfo as KernelInfo
 from jax_overlap._src.analysis.schedule import LoopInfo as LoopInfo
+from jax_overlap._src.compile.memory_stats import MemoryStats as MemoryStats
 
 __all__ = [
   "CollectiveInfo",
@@ -19,6 +20,7 @@ __all__ = [
   "CostModel",
   "KernelInfo",
   "LoopInfo",
+  "MemoryStats",
   "Report",
   "analyze",
   "analyze_compiled",

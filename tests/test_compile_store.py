@@ -46,7 +46,14 @@ def test_a_second_process_reads_xlas_artefacts_instead_of_compiling(store):
   assert again.compiled is None  # read back, not compiled
   assert again.hlo_text == first.hlo_text and again.thunk_text == first.thunk_text
   assert again.debug_options == first.debug_options and again.memory == first.memory
-  assert again.memory["arguments"] > 0
+  xla = first.compiled.memory_analysis()
+  assert again.memory == jax_overlap.analysis.MemoryStats(
+    arguments=xla.argument_size_in_bytes,
+    outputs=xla.output_size_in_bytes,
+    temporaries=xla.temp_size_in_bytes,
+    aliased=xla.alias_size_in_bytes,
+  )
+  assert again.memory.arguments > 0
   assert again.target == first.target and again.platform == "cuda"
   # The analysis of the stored step is the analysis of the compiled one.
   compile_lib.clear_memo()
@@ -298,3 +305,22 @@ def test_deviceless_compiles_stay_out_of_jaxs_persistent_cache(tmp_path):
   assert "jit__lambda" in names and "jit_call" not in names, got["entries"]
   assert not [w for w in got["warnings"] if "compilation cache" in w], got["warnings"]
   assert all(n > 0 for n in got["hlo"])
+
+
+def test_memory_stats_read_from_json_and_as_a_dict_for_one_release():
+  from jax_overlap._src.deprecations import JaxOverlapDeprecationWarning
+
+  stats = jax_overlap.analysis.MemoryStats.of({"arguments": 4096, "outputs": 1024})
+  assert stats == jax_overlap.analysis.MemoryStats(arguments=4096, outputs=1024)
+  assert (
+    jax_overlap.analysis.MemoryStats.of({}) is None
+    and jax_overlap.analysis.MemoryStats.of(stats) is stats
+  )
+  with pytest.raises(ValueError, match=r"unknown keys \['args'\]; the keys are arguments"):
+    jax_overlap.analysis.MemoryStats.of({"args": 1})
+  with pytest.raises(TypeError, match="expected analysis.MemoryStats or a mapping"):
+    jax_overlap.analysis.MemoryStats.of(4096)
+  with pytest.warns(JaxOverlapDeprecationWarning, match="read .arguments"):
+    assert stats["arguments"] == 4096
+  with pytest.raises(KeyError, match="not 'temp'"):
+    stats["temp"]

@@ -18,6 +18,7 @@ from jax_overlap._src.analysis import schedule as schedule_lib
 from jax_overlap._src.analysis import timeline as timeline_lib
 from jax_overlap._src.analysis.report import Report
 from jax_overlap._src.compile import compiler as compile_lib
+from jax_overlap._src.compile.memory_stats import MemoryStats
 
 __all__ = ["analyze", "analyze_compiled", "analyze_hlo"]
 
@@ -122,7 +123,7 @@ def analyze_compiled(
     target=step.target,
     name=name,
     cost_model=cost_model,
-    memory=dict(step.memory),
+    memory=step.memory,
     xla_options={**(xla_options or {}), **step.fallback_options},
     compile_time_s=step.compile_time_s,
   )
@@ -137,7 +138,7 @@ def analyze_hlo(
   target: str | targets_lib.Topology | None = "h100x8",
   name: str = "step",
   cost_model: cm.CostModel | None = None,
-  memory: dict[str, int] | None = None,
+  memory: MemoryStats | Mapping[str, int] | None = None,
   xla_options: dict[str, Any] | None = None,
   compile_time_s: float = 0.0,
   thunk_metadata: str = "",
@@ -195,7 +196,7 @@ def analyze_hlo(
     kernels=sched.kernels,
     collectives=sched.collectives,
     events=placed.events,
-    memory=dict(memory or {}),
+    memory=MemoryStats.of(memory),
     xla_options=dict(xla_options or {}),
     notes=notes,
     compile_time_s=compile_time_s,

@@ -9,6 +9,7 @@ from typing import Any
 
 from jax_overlap._src.analysis.schedule import CollectiveInfo, KernelInfo, LoopInfo
 from jax_overlap._src.analysis.timeline import Event
+from jax_overlap._src.compile.memory_stats import MemoryStats
 
 __all__ = ["Report", "Comparison", "compare"]
 
@@ -45,7 +46,8 @@ class Report:
     kernels: compute kernels in schedule order.
     collectives: collectives in schedule order.
     events: the timeline.
-    memory: XLA's memory analysis per device (bytes).
+    memory: XLA's memory analysis per device (:class:`MemoryStats`); None where the
+      backend gives none.
     xla_options: the per-compile options used.
     notes: anything the analysis assumed or could not model.
     compile_time_s: time XLA took to compile.
@@ -65,7 +67,7 @@ class Report:
   kernels: list[KernelInfo]
   collectives: list[CollectiveInfo]
   events: list[Event]
-  memory: dict[str, int]
+  memory: MemoryStats | None
   xla_options: dict[str, Any]
   notes: list[str]
   compile_time_s: float = 0.0
@@ -112,10 +114,9 @@ class Report:
         else f"{self.overlap_fraction * 100:>9.1f} %"
       ),
     ]
-    if self.memory:
-      lines.append(
-        "  memory/device    " + ", ".join(f"{k} {_mb(v)} MiB" for k, v in self.memory.items() if v)
-      )
+    if self.memory is not None:
+      sizes = dataclasses.asdict(self.memory).items()
+      lines.append("  memory/device    " + ", ".join(f"{k} {_mb(v)} MiB" for k, v in sizes if v))
     if self.collectives:
       by_kind: dict[str, list[CollectiveInfo]] = {}
       for c in self.collectives:
@@ -151,7 +152,7 @@ class Report:
     d = self.summary()
     d.update(
       {
-        "memory": self.memory,
+        "memory": dataclasses.asdict(self.memory) if self.memory is not None else {},
         "xla_options": {
           k: (v if isinstance(v, (bool, int, float)) else str(v))
           for k, v in self.xla_options.items()

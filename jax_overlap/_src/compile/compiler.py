@@ -35,10 +35,11 @@ from jax_overlap._src import errors
 from jax_overlap._src import targets as targets_lib
 from jax_overlap._src.compile import kernel_cache, retarget
 from jax_overlap._src.compile import store as compile_store
+from jax_overlap._src.compile.memory_stats import MemoryStats, memory_stats
 from jax_overlap._src.flags import aborts as aborts_lib
 from jax_overlap._src.flags import per_compile
 
-__all__ = ["CompiledStep", "compile_for_target", "memory_stats"]
+__all__ = ["CompiledStep", "MemoryStats", "compile_for_target", "memory_stats"]
 
 
 @dataclasses.dataclass
@@ -60,8 +61,8 @@ class CompiledStep:
       the on-disk store, the time it took then).
     notes: what was changed to make the compile succeed (e.g. a fallback option).
     fallback_options: XLA options added for that, on top of the requested ones.
-    memory: XLA's memory statistics in bytes (``arguments``, ``outputs``,
-      ``temporaries``, ``aliased``); empty where the backend gives none.
+    memory: XLA's memory statistics (:class:`MemoryStats`); None where the backend
+      gives none.
     reused_kernels: compiled with XLA's kernel cache (:mod:`.kernel_cache`): kernels
       found there keep the names of the compile that made them, so the thunk listing's
       kernel names need not be those a compile of this step alone gives the driver.
@@ -78,25 +79,9 @@ class CompiledStep:
   compile_time_s: float = 0.0
   notes: list[str] = dataclasses.field(default_factory=list)
   fallback_options: dict[str, Any] = dataclasses.field(default_factory=dict)
-  memory: dict[str, int] = dataclasses.field(default_factory=dict)
+  memory: MemoryStats | None = None
   thunk_metadata: str = ""
   reused_kernels: bool = False
-
-
-def memory_stats(compiled) -> dict[str, int]:
-  """XLA's memory statistics of a compiled executable in bytes; {} where it gives none."""
-  try:
-    stats = compiled.memory_analysis()
-  except Exception:  # noqa: BLE001 - not every backend implements it
-    return {}
-  if stats is None:
-    return {}
-  return {
-    "arguments": int(stats.argument_size_in_bytes),
-    "outputs": int(stats.output_size_in_bytes),
-    "temporaries": int(stats.temp_size_in_bytes),
-    "aliased": int(stats.alias_size_in_bytes),
-  }
 
 
 # What the on-disk store keeps of a step (XLA's output, not the executable).
@@ -114,7 +99,9 @@ _STORED = (
 
 
 def _stored(step: CompiledStep) -> dict[str, Any]:
-  return {f: getattr(step, f) for f in _STORED}
+  out = {f: getattr(step, f) for f in _STORED}
+  out["memory"] = dataclasses.asdict(step.memory) if step.memory is not None else {}
+  return out
 
 
 def _stored_step(key: str, topo, mesh) -> CompiledStep | None:
@@ -137,7 +124,7 @@ def _from_store(entry: dict[str, Any], topo, mesh) -> CompiledStep | None:
       compile_time_s=float(entry["compile_time_s"]),
       notes=[str(n) for n in entry["notes"]],
       fallback_options=dict(entry["fallback_options"]),
-      memory={str(k): int(v) for k, v in entry["memory"].items()},
+      memory=MemoryStats.of(entry["memory"]),
       thunk_metadata=str(entry.get("thunk_metadata", "")),
       reused_kernels=bool(entry.get("reused_kernels", False)),
     )
