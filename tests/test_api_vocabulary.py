@@ -1,7 +1,12 @@
 """The public API speaks one vocabulary (docs/glossary.md), and the earlier spellings still
 work for one release with a warning that names the current one."""
 
+import ast
+import importlib
 import inspect
+import json
+import pathlib
+import re
 import subprocess
 import sys
 import warnings
@@ -168,3 +173,86 @@ def test_every_public_name_is_there_and_jax_is_imported_on_first_use():
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
   assert out.returncode == 0, out.stderr
   assert out.stdout.split() == ["False", "True"]
+
+
+def _documented_code():
+  """(file, block number, code) of every Python block users read: README and docs code
+  blocks, notebook cells, examples and benchmarks."""
+  root = pathlib.Path(__file__).parents[1]
+  for path in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+    found = re.finditer(r"```python\n(.*?)```", path.read_text(), re.S)
+    yield from ((path.name, i, m.group(1)) for i, m in enumerate(found))
+  for path in sorted((root / "notebooks").glob("*.ipynb")):
+    cells = json.loads(path.read_text())["cells"]
+    code = ["".join(c["source"]) for c in cells if c["cell_type"] == "code"]
+    yield from ((path.name, i, c) for i, c in enumerate(code))
+  for folder in (
+    root / "jax_overlap" / "examples",
+    root / "benchmarks",
+    root / "benchmarks" / "gpu",
+  ):
+    yield from ((path.name, 0, path.read_text()) for path in sorted(folder.glob("*.py")))
+
+
+def _imported_names(tree, names):
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      for a in node.names:
+        if a.name.startswith("jax_overlap"):
+          mod = importlib.import_module(a.name)
+          names[a.asname or "jax_overlap"] = mod if a.asname else jax_overlap
+    elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jax_overlap"):
+      mod = importlib.import_module(node.module)
+      for a in node.names:
+        obj = getattr(mod, a.name, None)
+        names[a.asname or a.name] = obj or importlib.import_module(f"{node.module}.{a.name}")
+
+
+def _dotted(node):
+  parts = []
+  while isinstance(node, ast.Attribute):
+    parts.append(node.attr)
+    node = node.value
+  return [node.id, *reversed(parts)] if isinstance(node, ast.Name) else None
+
+
+def test_docs_notebooks_and_examples_call_the_api_as_it_is_spelled_now():
+  # Every call of a jax_overlap name in what users read binds to the current signature:
+  # no positional target=, no retired keyword, no name the API no longer has.
+  problems, checked = [], 0
+  names_by_file: dict = {}
+  for file, block, code in _documented_code():
+    tree = ast.parse(code)
+    names = names_by_file.setdefault(file, {"jax_overlap": jax_overlap})  # blocks share imports
+    _imported_names(tree, names)
+    for node in ast.walk(tree):
+      chain = _dotted(node.func) if isinstance(node, ast.Call) else None
+      if not chain or chain[0] not in names:
+        continue
+      where = f"{file} block {block} line {node.lineno}: {'.'.join(chain)}"
+      obj = names[chain[0]]
+      for attr in chain[1:]:
+        obj = getattr(obj, attr, _MISSING)
+        if obj is _MISSING:
+          problems.append(f"{where}: no {attr!r}")
+          break
+      if obj is _MISSING or inspect.ismodule(obj) or not callable(obj):
+        continue
+      try:
+        sig = inspect.signature(obj)
+      except (TypeError, ValueError):
+        continue
+      starred = any(isinstance(a, ast.Starred) for a in node.args)
+      try:
+        sig.bind_partial(
+          *([] if starred else [None] * len(node.args)),
+          **{k.arg: None for k in node.keywords if k.arg is not None},
+        )
+      except TypeError as e:
+        problems.append(f"{where}: {e}")
+      checked += 1
+  assert problems == []
+  assert checked > 200  # the walk reached the README, docs, notebooks and examples
+
+
+_MISSING = object()
