@@ -5,6 +5,7 @@ Run: JAX_PLATFORMS=cpu python benchmarks/sim_paper.py
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -108,7 +109,7 @@ def main() -> int:
       "before": c.error_before,
       "after": c.error_after,
       "params": c.params,
-      "table": c.table,
+      "table": [dataclasses.asdict(r) for r in c.table],
     }
     lines.append(
       f"| {g} | {len(c.table)} | {c.error_before:.3f} | {c.error_after:.3f} | "
@@ -118,7 +119,8 @@ def main() -> int:
   from jax_overlap._src.sim import paper as paper_lib
 
   sens = paper_lib.sensitivity()
-  data["sensitivity"] = {"changes": sens.changes(), "verdict": sens.verdict()}
+  changes = [dataclasses.asdict(c) for c in sens.changes()]
+  data["sensitivity"] = {"changes": changes, "verdict": sens.verdict()}
   lines += [
     "",
     "## Sensitivity to the assumed constants (`jax-overlap simulate --paper --sensitivity`)",

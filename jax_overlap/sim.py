@@ -6,6 +6,7 @@ kernels, GEMM tiles), :mod:`~jax_overlap._src.sim.engine` (dispatcher and rates)
 """
 
 from jax_overlap._src.sim.calibrate import CalibrationResult as CalibrationResult
+from jax_overlap._src.sim.calibrate import CalibrationRow as CalibrationRow
 from jax_overlap._src.sim.calibrate import calibrate as calibrate
 from jax_overlap._src.sim.calibrate import load_measurements as load_measurements
 from jax_overlap._src.sim.calibrate import published_measurements as published_measurements
@@ -21,6 +22,7 @@ from jax_overlap._src.sim.model import constants_for as constants_for
 from jax_overlap._src.sim.model import gemm_config as gemm_config
 from jax_overlap._src.sim.model import residency as residency
 from jax_overlap._src.sim.model import shaped_smem as shaped_smem
+from jax_overlap._src.sim.paper import PaperRow as PaperRow
 from jax_overlap._src.sim.paper import PaperTable as PaperTable
 from jax_overlap._src.sim.paper import paper_mixes as paper_mixes
 from jax_overlap._src.sim.paper import paper_table as paper_table
@@ -53,12 +55,14 @@ __all__ = [
   "COLLECTIVE_KINDS",
   "COMPUTE_KINDS",
   "CalibrationResult",
+  "CalibrationRow",
   "Collective",
   "Constants",
   "Evaluation",
   "Kernel",
   "KernelTiming",
   "POLICIES",
+  "PaperRow",
   "PaperTable",
   "Policy",
   "RealizeResult",

@@ -320,7 +320,10 @@ def test_memory_stats_read_from_json_and_as_a_dict_for_one_release():
     jax_overlap.analysis.MemoryStats.of({"args": 1})
   with pytest.raises(TypeError, match="expected analysis.MemoryStats or a mapping"):
     jax_overlap.analysis.MemoryStats.of(4096)
-  with pytest.warns(JaxOverlapDeprecationWarning, match="read .arguments"):
+  with pytest.warns(
+    JaxOverlapDeprecationWarning,
+    match="Report.memory: these are MemoryStats records now: read .arguments",
+  ):
     assert stats["arguments"] == 4096
   with pytest.raises(KeyError, match="not 'temp'"):
     stats["temp"]

@@ -73,7 +73,7 @@ def test_file_format_round_trip(tmp_path):
     "gemm_slowdown": 0.1,
   }
   res = sim.calibrate(str(p), target="h100")
-  assert res.table and sim.calibrate([flat], target="h100").table[0]["ctas"] == 8
+  assert res.table and sim.calibrate([flat], target="h100").table[0].ctas == 8
 
 
 def test_calibrate_errors():

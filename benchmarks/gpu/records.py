@@ -238,7 +238,7 @@ def report(path: str, gpu: str, out: str) -> int:
     "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
   ]
   for r, fitted in rows:
-    pred = (cal.predict(r, topo, catalogue), fitted["predicted"])
+    pred = (cal.predict(r, topo, catalogue), fitted.predicted)
     name = r["compute"].get("name", r["compute"]["kind"])
     first = "-" if r["policy"] == "sequential" else r["issue"].split("_")[0]
     lines.append(

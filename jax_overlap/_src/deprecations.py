@@ -9,6 +9,7 @@ naming the spelling to use instead.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import sys
@@ -16,7 +17,14 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["JaxOverlapDeprecationWarning", "keyword_only", "merged_overrides", "renamed", "warn"]
+__all__ = [
+  "JaxOverlapDeprecationWarning",
+  "ReadAsDict",
+  "keyword_only",
+  "merged_overrides",
+  "renamed",
+  "warn",
+]
 
 
 class JaxOverlapDeprecationWarning(DeprecationWarning):
@@ -105,3 +113,22 @@ def merged_overrides(api: str, xla_options: Mapping[str, Any] | None, overrides:
       raise TypeError(f"{api}: {k} given both in xla_options and as a keyword argument")
     out[k] = v
   return out
+
+
+class ReadAsDict:
+  """For a dataclass that an earlier release returned as a dict: ``record[key]`` reads the
+  field of that name, with a warning, for one release. ``_was_dict`` names what was a dict
+  (``"sim.TuneResult.table rows"``)."""
+
+  _was_dict = "this record"
+  __iter__ = None  # not a mapping: iter(record) is a TypeError, as for any record
+
+  def __getitem__(self, key: str) -> Any:
+    names = [f.name for f in dataclasses.fields(self)]  # type: ignore[arg-type]
+    if key not in names:
+      raise KeyError(f"{type(self).__name__} has {', '.join(names)}, not {key!r}")
+    warn(
+      self._was_dict,
+      f"these are {type(self).__name__} records now: read .{key} instead of [{key!r}]",
+    )
+    return getattr(self, key)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any
 
 from jax_overlap._src import deprecations
 from jax_overlap._src.analysis import cost_model as cm
@@ -164,7 +163,7 @@ class CollectiveInfo:
 
 
 @dataclasses.dataclass(frozen=True)
-class LoopInfo:
+class LoopInfo(deprecations.ReadAsDict):
   """One while loop of the step, unrolled into the schedule ``trip_count`` times.
 
   Attributes:
@@ -177,12 +176,7 @@ class LoopInfo:
   trip_count: int
   body: str
 
-  def __getitem__(self, key: str) -> Any:
-    # Loops were {"name", "trip_count", "body"} dicts: still readable for one release.
-    if key not in ("name", "trip_count", "body"):
-      raise KeyError(f"analysis.LoopInfo has name, trip_count and body, not {key!r}")
-    deprecations.warn("Report.loops", f"loops are analysis.LoopInfo records: read loop.{key}")
-    return getattr(self, key)
+  _was_dict = "Report.loops"
 
 
 @dataclasses.dataclass

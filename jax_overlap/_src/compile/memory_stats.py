@@ -12,7 +12,7 @@ __all__ = ["MemoryStats", "memory_stats"]
 
 
 @dataclasses.dataclass(frozen=True)
-class MemoryStats:
+class MemoryStats(deprecations.ReadAsDict):
   """XLA's memory analysis of one compiled step, in bytes per device.
 
   Attributes:
@@ -26,6 +26,8 @@ class MemoryStats:
   outputs: int = 0
   temporaries: int = 0
   aliased: int = 0
+
+  _was_dict = "Report.memory"
 
   @classmethod
   def of(cls, value: MemoryStats | Mapping[str, int] | None) -> MemoryStats | None:
@@ -45,14 +47,6 @@ class MemoryStats:
     if unknown:
       raise ValueError(f"memory: unknown keys {unknown}; the keys are {', '.join(names)}")
     return cls(**{k: int(v) for k, v in value.items()})
-
-  def __getitem__(self, key: str) -> int:
-    # The statistics were a dict: a key still reads, with a warning, for one release.
-    names = [f.name for f in dataclasses.fields(self)]
-    if key not in names:
-      raise KeyError(f"analysis.MemoryStats has {', '.join(names)}, not {key!r}")
-    deprecations.warn("Report.memory", f"memory is an analysis.MemoryStats record: read .{key}")
-    return getattr(self, key)
 
 
 def memory_stats(compiled: Any) -> MemoryStats | None:

@@ -68,6 +68,7 @@ from jax_overlap._src.sim.policies import POLICIES, Policy, get_policy, simulate
 
 __all__ = [
   "CalibrationResult",
+  "CalibrationRow",
   "calibrate",
   "load_measurements",
   "predict",
@@ -239,6 +240,29 @@ def predict(record: Mapping, target, constants: Constants) -> dict:
   }
 
 
+@dataclasses.dataclass(frozen=True)
+class CalibrationRow(deprecations.ReadAsDict):
+  """One measurement record beside the model's prediction for it.
+
+  Attributes:
+    policy: the record's policy.
+    compute: the compute kernel's kind.
+    cap: the blocks-per-SM cap it ran under (None: unshaped).
+    ctas: the communication proxy's CTAs.
+    measured: the measured quantities (``makespan_s``, ``proxy_latency_s``, ...).
+    predicted: the model's value of each measured quantity, with the fitted constants.
+  """
+
+  policy: str
+  compute: str
+  cap: int | None
+  ctas: int
+  measured: Mapping[str, float]
+  predicted: Mapping[str, float]
+
+  _was_dict = "sim.CalibrationResult.table"
+
+
 @dataclasses.dataclass
 class CalibrationResult:
   """Fitted constants and the model's error against the measurements.
@@ -248,7 +272,7 @@ class CalibrationResult:
     params: fitted values of the free parameters.
     error_before: RMS residual with the starting constants.
     error_after: RMS residual with the fitted constants.
-    table: per record: measured and predicted quantities.
+    table: one :class:`CalibrationRow` per record: measured and predicted quantities.
     method: "scipy" or "numpy".
     identified: how many of the fitted parameters the measurements determine: the rank
       of the residuals' Jacobian (in log-parameters) at the fit, counting singular values
@@ -262,7 +286,7 @@ class CalibrationResult:
   params: dict
   error_before: float
   error_after: float
-  table: list[dict]
+  table: list[CalibrationRow]
   method: str
   identified: int = 0
   insensitive: tuple[str, ...] = ()
@@ -372,14 +396,14 @@ def calibrate(
   table = []
   for r, pred in zip(recs, preds):
     table.append(
-      {
-        "policy": r["policy"],
-        "compute": r["compute_kind"],
-        "cap": r["cap"],
-        "ctas": r["ctas"],
-        "measured": r["measured"],
-        "predicted": {q: pred[q] for q in r["measured"]},
-      }
+      CalibrationRow(
+        policy=r["policy"],
+        compute=r["compute_kind"],
+        cap=r["cap"],
+        ctas=r["ctas"],
+        measured=r["measured"],
+        predicted={q: pred[q] for q in r["measured"]},
+      )
     )
   return CalibrationResult(
     constants=c,

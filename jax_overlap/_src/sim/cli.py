@@ -10,6 +10,7 @@ Usage (the words after ``simulate``)::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -82,7 +83,8 @@ def main(argv: list[str]) -> int:
     print(sens.verdict())
     if args.json:
       with open(args.json, "w") as f:
-        json.dump({"changes": sens.changes(), "verdict": sens.verdict()}, f, indent=1)
+        changes = [dataclasses.asdict(c) for c in sens.changes()]
+        json.dump({"changes": changes, "verdict": sens.verdict()}, f, indent=1)
     return 0
   if args.paper:
     table = paper.paper_table(progress=progress)

@@ -22,19 +22,24 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import platform
 from collections.abc import Mapping, Sequence
 
+from jax_overlap._src import deprecations
+from jax_overlap._src.runtime import plan as plan_lib
 from jax_overlap._src.sim import workloads
 from jax_overlap._src.sim.model import constants_for
-from jax_overlap._src.sim.policies import POLICIES, simulate
+from jax_overlap._src.sim.policies import POLICIES, Policy, simulate
 from jax_overlap._src.sim.tune import tune as _tune
 
 __all__ = [
   "PAPER_GPUS",
   "PAPER_REDUCTION",
+  "PaperRow",
   "PaperTable",
   "Sensitivity",
+  "SensitivityChange",
   "paper_mixes",
   "paper_table",
   "sensitivity",
@@ -56,15 +61,60 @@ def paper_mixes() -> dict:
   }
 
 
+@dataclasses.dataclass(frozen=True)
+class PaperRow(deprecations.ReadAsDict):
+  """One GPU and mix of the paper table.
+
+  Attributes:
+    gpu: the GPU's catalogue name.
+    mix: the workload mix (:func:`paper_mixes`).
+    ms: simulated step time (ms) under each of :data:`POLICIES`.
+    best_policy: the control (priority, shaping or both) with the shortest step.
+    controls_reduction: that control's reduction against plain concurrency (0 if none helps).
+    vs_sequential: concurrency's reduction against sequential execution.
+    free_ms: priority+shaping with shaping assumed free (``occupancy_exponent = 0``).
+    free_reduction: ``free_ms``'s reduction against plain concurrency.
+    tuned_ms: the tuner's step time, when the table was made with ``tune=True``.
+    tuned_plan: the tuner's runtime plan (None without the tuner, or on AMD GPUs).
+    tuned_policy: the tuner's choice as a simulator policy (None without the tuner).
+  """
+
+  gpu: str
+  mix: str
+  ms: Mapping[str, float]
+  best_policy: str
+  controls_reduction: float
+  vs_sequential: float = 0.0
+  free_ms: float = math.nan
+  free_reduction: float = math.nan
+  tuned_ms: float | None = None
+  tuned_plan: plan_lib.Plan | None = None
+  tuned_policy: Policy | None = None
+
+  _was_dict = "sim.PaperTable.rows"
+
+  def to_dict(self) -> dict:
+    """The row's JSON form."""
+    out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    out["ms"] = dict(self.ms)
+    out["tuned_plan"] = self.tuned_plan.to_dict() if self.tuned_plan is not None else None
+    pol = self.tuned_policy
+    out["tuned_policy"] = (
+      {"priority": pol.priority, "shaping": dict(pol.shaping or {})} if pol is not None else None
+    )
+    return out
+
+
 @dataclasses.dataclass
 class PaperTable:
-  """Rows of the table (one per GPU and mix) and a summary against the paper."""
+  """Rows of the table (one :class:`PaperRow` per GPU and mix) and a summary against the
+  paper."""
 
-  rows: list[dict]
+  rows: list[PaperRow]
 
   def best_reduction(self, gpu: str | None = None) -> float:
-    rows = [r for r in self.rows if gpu is None or r["gpu"] == gpu]
-    return max(r["controls_reduction"] for r in rows)
+    rows = [r for r in self.rows if gpu is None or r.gpu == gpu]
+    return max(r.controls_reduction for r in rows)
 
   def verdict(self) -> str:
     """How the model's reduction compares with the paper's, and which policy produced it.
@@ -75,16 +125,14 @@ class PaperTable:
     "agrees", above it "exceeds", below it (or with no such row) "falls short". The best
     reduction from any policy is named separately, with the policy that produced it.
     """
-    row = max(self.rows, key=lambda r: r["controls_reduction"])
+    row = max(self.rows, key=lambda r: r.controls_reduction)
     how = {
       "priority": "stream priority alone",
       "shaping": "shaping alone",
       "priority+shaping": "priority and shaping together",
-    }.get(row["best_policy"], row["best_policy"])
-    both = [r for r in self.rows if r["ms"]["priority+shaping"] < r["ms"]["priority"] * (1 - 1e-3)]
-    best_both = max(
-      (1 - r["ms"]["priority+shaping"] / r["ms"]["concurrent"] for r in both), default=0.0
-    )
+    }.get(row.best_policy, row.best_policy)
+    both = [r for r in self.rows if r.ms["priority+shaping"] < r.ms["priority"] * (1 - 1e-3)]
+    best_both = max((1 - r.ms["priority+shaping"] / r.ms["concurrent"] for r in both), default=0.0)
     if not both:
       word = "falls short of"
     elif best_both > 1.2 * PAPER_REDUCTION:
@@ -95,7 +143,7 @@ class PaperTable:
       word = "falls short of"
     return (
       f"Best reduction from the controls over plain concurrency: "
-      f"{row['controls_reduction']:.1%} ({row['gpu']}, {row['mix']}), from {how}. The paper "
+      f"{row.controls_reduction:.1%} ({row.gpu}, {row.mix}), from {how}. The paper "
       f"reports up to {PAPER_REDUCTION:.1%} from priority and shaping together; shaping adds "
       f"to priority in {len(both)} of {len(self.rows)} rows (best {best_both:.1%} there): the "
       f"model {word} the paper."
@@ -103,18 +151,18 @@ class PaperTable:
 
   def summary(self) -> str:
     lines = []
-    for g in dict.fromkeys(r["gpu"] for r in self.rows):
-      rows = [r for r in self.rows if r["gpu"] == g]
-      best = max(rows, key=lambda r: r["controls_reduction"])
-      seq = max(rows, key=lambda r: r["vs_sequential"])
+    for g in dict.fromkeys(r.gpu for r in self.rows):
+      rows = [r for r in self.rows if r.gpu == g]
+      best = max(rows, key=lambda r: r.controls_reduction)
+      seq = max(rows, key=lambda r: r.vs_sequential)
       lines.append(
-        f"{g}: controls cut up to {best['controls_reduction']:.1%} vs concurrency "
-        f"({best['mix']}, {best['best_policy']}); up to {seq['vs_sequential']:.1%} vs "
-        f"sequential ({seq['mix']}); with free shaping p+s reaches "
-        f"{max(r['free_reduction'] for r in rows):.1%}"
+        f"{g}: controls cut up to {best.controls_reduction:.1%} vs concurrency "
+        f"({best.mix}, {best.best_policy}); up to {seq.vs_sequential:.1%} vs "
+        f"sequential ({seq.mix}); with free shaping p+s reaches "
+        f"{max(r.free_reduction for r in rows):.1%}"
       )
     lines.append(self.verdict())
-    shaped = [r for r in self.rows if r["ms"]["shaping"] < r["ms"]["concurrent"] * (1 - 1e-3)]
+    shaped = [r for r in self.rows if r.ms["shaping"] < r.ms["concurrent"] * (1 - 1e-3)]
     lines.append(
       "Where the model agrees: the controls pay off when a collective on the critical path "
       "becomes ready while a compute kernel is still dispatching blocks (tp mixes), and "
@@ -145,13 +193,13 @@ class PaperTable:
     out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in self.rows:
       vals = (
-        [r["gpu"], r["mix"]]
-        + [f"{r['ms'][p]:.3f}" for p in POLICIES]
+        [r.gpu, r.mix]
+        + [f"{r.ms[p]:.3f}" for p in POLICIES]
         + [
-          f"{r['free_ms']:.3f}",
-          f"{r['tuned_ms']:.3f}" if r["tuned_ms"] else "-",
-          f"{r['controls_reduction']:.1%}",
-          f"{r['vs_sequential']:.1%}",
+          f"{r.free_ms:.3f}",
+          f"{r.tuned_ms:.3f}" if r.tuned_ms else "-",
+          f"{r.controls_reduction:.1%}",
+          f"{r.vs_sequential:.1%}",
         ]
       )
       out.append("| " + " | ".join(vals) + " |")
@@ -164,7 +212,7 @@ class PaperTable:
   def to_json(self) -> str:
     return json.dumps(
       {
-        "rows": self.rows,
+        "rows": [r.to_dict() for r in self.rows],
         "summary": self.summary(),
         "paper_reduction": PAPER_REDUCTION,
         "machine": {"platform": platform.platform()},
@@ -216,25 +264,47 @@ def paper_table(
         controls["tuned"] = tuned.makespan_s * 1e3
       best_policy = min(controls, key=controls.get)
       rows.append(
-        {
-          "gpu": g,
-          "mix": name,
-          "ms": ms,
-          "free_ms": free_ms,
-          "tuned_ms": tuned.makespan_s * 1e3 if tuned else None,
-          "tuned_plan": tuned.plan.to_dict() if tuned and tuned.plan else None,
-          "tuned_policy": (
-            {"priority": tuned.policy.priority, "shaping": dict(tuned.policy.shaping or {})}
-            if tuned
-            else None
-          ),
-          "best_policy": best_policy,
-          "controls_reduction": max(0.0, 1 - controls[best_policy] / ms["concurrent"]),
-          "free_reduction": 1 - free_ms / ms["concurrent"],
-          "vs_sequential": 1 - ms["concurrent"] / ms["sequential"],
-        }
+        PaperRow(
+          gpu=g,
+          mix=name,
+          ms=ms,
+          best_policy=best_policy,
+          controls_reduction=max(0.0, 1 - controls[best_policy] / ms["concurrent"]),
+          vs_sequential=1 - ms["concurrent"] / ms["sequential"],
+          free_ms=free_ms,
+          free_reduction=1 - free_ms / ms["concurrent"],
+          tuned_ms=tuned.makespan_s * 1e3 if tuned else None,
+          tuned_plan=tuned.plan if tuned else None,
+          tuned_policy=tuned.policy if tuned else None,
+        )
       )
   return PaperTable(rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class SensitivityChange(deprecations.ReadAsDict):
+  """A row of the paper table that an assumed constant, set to one end of its range, moves.
+
+  Attributes:
+    constant: the :class:`Constants` field.
+    value: the value it was set to for every GPU.
+    gpu, mix: the row.
+    reduction: the controls' reduction against plain concurrency with that value.
+    base_reduction: the same with the default constants.
+    best_policy: the best control with that value.
+    base_policy: the best control with the default constants.
+  """
+
+  constant: str
+  value: float
+  gpu: str
+  mix: str
+  reduction: float
+  base_reduction: float
+  best_policy: str
+  base_policy: str
+
+  _was_dict = "sim.Sensitivity.changes()"
 
 
 @dataclasses.dataclass
@@ -249,30 +319,30 @@ class Sensitivity:
   base: PaperTable
   runs: dict
 
-  def changes(self, threshold: float = 0.01) -> list[dict]:
+  def changes(self, threshold: float = 0.01) -> list[SensitivityChange]:
     """Rows whose controls' reduction moves by more than ``threshold`` or whose best policy
     changes, per assumption."""
     out = []
-    base = {(r["gpu"], r["mix"]): r for r in self.base.rows}
+    base = {(r.gpu, r.mix): r for r in self.base.rows}
     for (name, value), table in self.runs.items():
       for r in table.rows:
-        b = base[(r["gpu"], r["mix"])]
-        delta = r["controls_reduction"] - b["controls_reduction"]
+        b = base[(r.gpu, r.mix)]
+        delta = r.controls_reduction - b.controls_reduction
         if abs(delta) > threshold or (
-          r["best_policy"] != b["best_policy"]
-          and max(r["controls_reduction"], b["controls_reduction"]) > threshold
+          r.best_policy != b.best_policy
+          and max(r.controls_reduction, b.controls_reduction) > threshold
         ):
           out.append(
-            {
-              "constant": name,
-              "value": value,
-              "gpu": r["gpu"],
-              "mix": r["mix"],
-              "reduction": r["controls_reduction"],
-              "base_reduction": b["controls_reduction"],
-              "best_policy": r["best_policy"],
-              "base_policy": b["best_policy"],
-            }
+            SensitivityChange(
+              constant=name,
+              value=value,
+              gpu=r.gpu,
+              mix=r.mix,
+              reduction=r.controls_reduction,
+              base_reduction=b.controls_reduction,
+              best_policy=r.best_policy,
+              base_policy=b.best_policy,
+            )
           )
     return out
 
@@ -289,19 +359,19 @@ class Sensitivity:
       return "\n".join(lines)
     by_row: dict = {}
     for c in changes:
-      by_row.setdefault((c["gpu"], c["mix"]), set()).add(c["constant"])
+      by_row.setdefault((c.gpu, c.mix), set()).add(c.constant)
     rows = "; ".join(f"{g} {m} ({', '.join(sorted(cs))})" for (g, m), cs in sorted(by_row.items()))
     lines.append(
       f"Results that depend on an assumption (reduction moves > 1 point or the best "
       f"policy changes): {rows}."
     )
-    best = max(self.base.rows, key=lambda r: r["controls_reduction"])
-    deps = sorted(by_row.get((best["gpu"], best["mix"]), ()))
+    best = max(self.base.rows, key=lambda r: r.controls_reduction)
+    deps = sorted(by_row.get((best.gpu, best.mix), ()))
     if deps:
       ranges = ", ".join(f"{d} {PROVENANCE[d]['range']}" for d in deps)
-      lines.append(f"The best row ({best['gpu']} {best['mix']}) depends on: {ranges}.")
+      lines.append(f"The best row ({best.gpu} {best.mix}) depends on: {ranges}.")
     else:
-      lines.append(f"The best row ({best['gpu']} {best['mix']}) holds over every assumed range.")
+      lines.append(f"The best row ({best.gpu} {best.mix}) holds over every assumed range.")
     return "\n".join(lines)
 
   def markdown(self) -> str:
@@ -311,9 +381,9 @@ class Sensitivity:
     ]
     for c in self.changes():
       out.append(
-        f"| {c['constant']} | {c['value']:g} | {c['gpu']} | {c['mix']} | "
-        f"{c['reduction']:.1%} | {c['base_reduction']:.1%} | {c['best_policy']} "
-        f"(default {c['base_policy']}) |"
+        f"| {c.constant} | {c.value:g} | {c.gpu} | {c.mix} | "
+        f"{c.reduction:.1%} | {c.base_reduction:.1%} | {c.best_policy} "
+        f"(default {c.base_policy}) |"
       )
     return "\n".join(out)
 

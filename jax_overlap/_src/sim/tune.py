@@ -51,7 +51,7 @@ __all__ = ["Evaluation", "TuneResult", "tune", "plan_dict", "search_space"]
 
 
 @dataclasses.dataclass(frozen=True)
-class Evaluation:
+class Evaluation(deprecations.ReadAsDict):
   """One simulation of the tuner's search.
 
   Attributes:
@@ -64,12 +64,7 @@ class Evaluation:
   shaping: Mapping[str, int]
   makespan_s: float
 
-  def __getitem__(self, key: str):
-    # Rows were {"priority", "shaping", "makespan_s"} dicts: still readable for one release.
-    if key not in ("priority", "shaping", "makespan_s"):
-      raise KeyError(f"sim.Evaluation has priority, shaping and makespan_s, not {key!r}")
-    deprecations.warn("sim.TuneResult.table", f"rows are sim.Evaluation records: read row.{key}")
-    return getattr(self, key)
+  _was_dict = "sim.TuneResult.table rows"
 
 
 @dataclasses.dataclass(frozen=True)
