@@ -8,10 +8,10 @@ kernels, GEMM tiles), :mod:`~jax_overlap._src.sim.engine` (dispatcher and rates)
 from jax_overlap._src.sim.calibrate import CalibrationResult as CalibrationResult
 from jax_overlap._src.sim.calibrate import CalibrationRow as CalibrationRow
 from jax_overlap._src.sim.calibrate import calibrate as calibrate
-from jax_overlap._src.sim.calibrate import load_measurements as load_measurements
-from jax_overlap._src.sim.calibrate import published_measurements as published_measurements
 from jax_overlap._src.sim.engine import KernelTiming as KernelTiming
 from jax_overlap._src.sim.engine import SimResult as SimResult
+from jax_overlap._src.sim.measurements import load_measurements as load_measurements
+from jax_overlap._src.sim.measurements import published_measurements as published_measurements
 from jax_overlap._src.sim.model import COLLECTIVE_KINDS as COLLECTIVE_KINDS
 from jax_overlap._src.sim.model import COMPUTE_KINDS as COMPUTE_KINDS
 from jax_overlap._src.sim.model import Collective as Collective
@@ -26,6 +26,7 @@ from jax_overlap._src.sim.paper import PaperRow as PaperRow
 from jax_overlap._src.sim.paper import PaperTable as PaperTable
 from jax_overlap._src.sim.paper import paper_mixes as paper_mixes
 from jax_overlap._src.sim.paper import paper_table as paper_table
+from jax_overlap._src.sim.plans import plan_dict as plan_dict
 from jax_overlap._src.sim.plot import plot as plot
 from jax_overlap._src.sim.policies import POLICIES as POLICIES
 from jax_overlap._src.sim.policies import Policy as Policy
@@ -41,7 +42,6 @@ from jax_overlap._src.sim.realize import realize as realize
 from jax_overlap._src.sim.realize import workload_from_report as workload_from_report
 from jax_overlap._src.sim.tune import Evaluation as Evaluation
 from jax_overlap._src.sim.tune import TuneResult as TuneResult
-from jax_overlap._src.sim.tune import plan_dict as plan_dict
 from jax_overlap._src.sim.tune import tune as tune
 from jax_overlap._src.sim.workloads import attention as attention
 from jax_overlap._src.sim.workloads import large_step as large_step

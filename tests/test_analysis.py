@@ -180,16 +180,6 @@ def test_loop_bodies_are_counted_per_iteration():
   assert json.loads(r.to_json())["loops"] == [
     {"name": loop.name, "trip_count": 3, "body": loop.body}
   ]
-  # Loops were dicts: a key still reads, with a warning, for one release.
-  from jax_overlap._src.deprecations import JaxOverlapDeprecationWarning
-
-  with pytest.warns(
-    JaxOverlapDeprecationWarning,
-    match="Report.loops: these are LoopInfo records now: read .trip_count",
-  ):
-    assert loop["trip_count"] == 3
-  with pytest.raises(KeyError, match="LoopInfo has name, trip_count, body, not 'trips'"):
-    loop["trips"]
   # 3 iterations of a 64x128x128 matmul; XLA's own analysis counts the body once.
   matmul_flops = 3 * 2 * 64 * 128 * 128
   assert matmul_flops <= r.flops <= matmul_flops * 1.01

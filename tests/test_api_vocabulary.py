@@ -2,6 +2,7 @@
 work for one release with a warning that names the current one."""
 
 import ast
+import dataclasses
 import importlib
 import inspect
 import json
@@ -256,3 +257,38 @@ def test_docs_notebooks_and_examples_call_the_api_as_it_is_spelled_now():
 
 
 _MISSING = object()
+
+
+@pytest.mark.parametrize(
+  "record, was, key",
+  [
+    (jax_overlap.sim.Evaluation(True, {"gemm": 1}, 1e-3), "sim.TuneResult.table rows", "shaping"),
+    (jax_overlap.analysis.LoopInfo("while.3", 3, "body.1"), "Report.loops", "trip_count"),
+    (jax_overlap.analysis.MemoryStats(arguments=4096), "Report.memory", "arguments"),
+    (
+      jax_overlap.sim.PaperRow("h100", "fsdp", {"concurrent": 1.0}, "priority", 0.1),
+      "sim.PaperTable.rows",
+      "gpu",
+    ),
+    (
+      jax_overlap.sim.CalibrationRow("priority", "gemm", None, 8, {}, {}),
+      "sim.CalibrationResult.table",
+      "ctas",
+    ),
+  ],
+)
+def test_records_that_were_dicts_read_as_dicts_for_one_release(record, was, key):
+  name = type(record).__name__
+  with pytest.warns(
+    JaxOverlapDeprecationWarning,
+    match=rf"{re.escape(was)}: these are {name} records now: read \.{key} instead of \['{key}'\]",
+  ) as caught:
+    assert record[key] == getattr(record, key)
+  assert caught[0].filename == __file__
+  fields = ", ".join(f.name for f in dataclasses.fields(record))
+  with pytest.raises(KeyError, match=re.escape(f"{name} has {fields}, not 'no_such_key'")):
+    record["no_such_key"]
+  with pytest.raises(TypeError, match="not iterable"):
+    iter(record)
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    setattr(record, key, None)

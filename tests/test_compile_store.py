@@ -307,9 +307,7 @@ def test_deviceless_compiles_stay_out_of_jaxs_persistent_cache(tmp_path):
   assert all(n > 0 for n in got["hlo"])
 
 
-def test_memory_stats_read_from_json_and_as_a_dict_for_one_release():
-  from jax_overlap._src.deprecations import JaxOverlapDeprecationWarning
-
+def test_memory_stats_read_from_json():
   stats = jax_overlap.analysis.MemoryStats.of({"arguments": 4096, "outputs": 1024})
   assert stats == jax_overlap.analysis.MemoryStats(arguments=4096, outputs=1024)
   assert (
@@ -320,10 +318,3 @@ def test_memory_stats_read_from_json_and_as_a_dict_for_one_release():
     jax_overlap.analysis.MemoryStats.of({"args": 1})
   with pytest.raises(TypeError, match="expected analysis.MemoryStats or a mapping"):
     jax_overlap.analysis.MemoryStats.of(4096)
-  with pytest.warns(
-    JaxOverlapDeprecationWarning,
-    match="Report.memory: these are MemoryStats records now: read .arguments",
-  ):
-    assert stats["arguments"] == 4096
-  with pytest.raises(KeyError, match="not 'temp'"):
-    stats["temp"]

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from jax_overlap import sim
-from jax_overlap._src.sim import calibrate as cal
+from jax_overlap._src.sim import measurements as cal
 
 
 def _synthetic(true):

@@ -56,11 +56,6 @@ def _row(gpu, conc, prio, shaping, both):
 def test_verdict_names_the_mechanism(rows, word, how):
   v = paper.PaperTable(rows).verdict()
   assert f"the model {word} the paper" in v and f"from {how}" in v
-  # Rows were dicts: a key still reads, with a warning naming the attribute, for one release.
-  from jax_overlap._src.deprecations import JaxOverlapDeprecationWarning
-
-  with pytest.warns(JaxOverlapDeprecationWarning, match=r"sim.PaperTable.rows: .* read .gpu"):
-    assert rows[0]["gpu"] == rows[0].gpu
 
 
 def test_paper_table_against_the_paper(table):

@@ -163,15 +163,8 @@ def test_tune_results_read_as_dicts_warn_for_one_release():
     assert res.plan["streams"] == {"priority": res.plan.streams.priority}
   with pytest.warns(JaxOverlapDeprecationWarning, match="use TuneResult.plan"):
     assert res.runtime_plan is res.plan
-  with pytest.warns(
-    JaxOverlapDeprecationWarning,
-    match=r"Evaluation records now: read .makespan_s instead of \['makespan_s'\]",
-  ):
-    assert res.table[0]["makespan_s"] == res.table[0].makespan_s
   with pytest.raises(KeyError, match="no key 'blocks'; it has version, target, kernels"):
     res.plan["blocks"]
-  with pytest.raises(KeyError, match="Evaluation has priority, shaping, makespan_s, not 'time'"):
-    res.table[0]["time"]
   with pytest.raises(TypeError, match="not iterable"):
     iter(res.plan)
 

@@ -124,14 +124,14 @@ def check(path: str) -> int:
 def dry_run(path: str, gpu: str) -> int:
   """Fills each record's measurements with the simulator's prediction under DRY_RUN_TRUTH."""
   from jax_overlap import sim
-  from jax_overlap._src.sim import calibrate as cal
+  from jax_overlap._src.sim import measurements as cal
 
   data = _load(path)
   truth = sim.constants_for(gpu, DRY_RUN_TRUTH)
   for i, r in enumerate(data["records"]):
     r["gpu"] = gpu
     probe = {**r, "makespan_s": 1.0}  # any measurement, to read the configuration
-    pred = cal.predict(cal._normalise(probe, i), gpu, truth)
+    pred = cal.predict(cal.normalise(probe, i), gpu, truth)
     r.update(
       makespan_s=pred["makespan_s"],
       proxy_latency_s=pred["proxy_latency_s"],
@@ -196,8 +196,8 @@ def report(path: str, gpu: str, out: str) -> int:
   """A Markdown table of a measured sweep, each row beside the simulator's prediction with
   the catalogue's constants (nothing fitted) and after the fit ``calibrate`` makes."""
   from jax_overlap import sim
-  from jax_overlap._src.sim import calibrate as cal
   from jax_overlap._src.sim import engine
+  from jax_overlap._src.sim import measurements as cal
   from jax_overlap._src.sim.constants import constants_for
 
   data = _load(path)

@@ -17,7 +17,8 @@ The result is a :class:`jax_overlap.runtime.Plan`, in the runtime library's JSON
    "kernels": [{"match": "<kernel name>", "blocks_per_sm": 1}, ...],
    "streams": {"priority": "highest" | "default"}}
 
-(its ``streams.priority`` promotes the communication streams). On other than NVIDIA
+(its ``streams.priority`` promotes the communication streams; :mod:`.plans` writes it
+from the choice). On other than NVIDIA
 targets there is no plan (the runtime library shapes CUDA launches only); the result's
 ``policy`` holds the choice.
 """
@@ -34,7 +35,7 @@ from typing import Literal
 from jax_overlap._src import deprecations
 from jax_overlap._src.runtime import plan as plan_lib
 from jax_overlap._src.runtime import residency
-from jax_overlap._src.sim import engine
+from jax_overlap._src.sim import engine, plans
 from jax_overlap._src.sim.model import Constants, Kernel, Workload
 from jax_overlap._src.sim.policies import (
   Policy,
@@ -47,7 +48,7 @@ from jax_overlap._src.sim.policies import (
   simulate,
 )
 
-__all__ = ["Evaluation", "TuneResult", "tune", "plan_dict", "search_space"]
+__all__ = ["Evaluation", "TuneResult", "tune", "search_space"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,76 +127,6 @@ class TuneResult:
     return "\n".join(out)
 
 
-def plan_dict(
-  target,
-  shaping: Mapping[str, int],
-  priority: bool,
-  workload: Workload | None = None,
-  comm: plan_lib.CommBlock | None = None,
-) -> dict:
-  """The runtime plan for a shaping/priority choice, validated by the runtime's plan format.
-
-  Args:
-    target: the GPU target.
-    shaping: workload kernel name -> blocks per SM.
-    priority: communication at the highest stream priority.
-    workload: the workload the names refer to; its kernels' ``launch_name`` (the
-      name the driver reports) is what the plan's rules match. Kernels sharing a
-      launch name get one rule, with the smallest cap.
-    comm: the communication block the caps were chosen to make room for (the plan's
-      ``comm_block``); None: ``"auto"``.
-
-  Returns:
-    The plan's JSON form (``runtime.Plan.from_json`` reads it); validated on NVIDIA
-    targets, the only ones the runtime library runs on.
-
-  Raises:
-    ValueError: when the runtime's plan format rejects it, or a shaped kernel has
-      no name a rule could match.
-  """
-  topo = engine.resolve_target(target)
-  d = _plan_json("sim.plan_dict", topo, shaping, priority, workload, comm)
-  if topo.gpu.vendor == "nvidia":
-    plan_lib.Plan.from_json(d)  # raises on anything the runtime library would reject
-  return d
-
-
-def _plan_json(api: str, topo, shaping, priority, workload, comm) -> dict:
-  """The runtime plan's JSON form for a choice, not yet validated."""
-  items = {it.name: it for it in (workload.items if workload is not None else ())}
-  caps: dict[str, int] = {}
-  for name, cap in shaping.items():
-    it = items.get(name)
-    rule = launch_name(it) if isinstance(it, Kernel) else name
-    if not rule:
-      raise ValueError(
-        f"{api}: kernel {name!r} has no launch name (a library call): no plan rule can select it"
-      )
-    caps[rule] = min(int(cap), caps.get(rule, int(cap)))
-  return {
-    "version": 1,
-    "target": topo.gpu.name,
-    "kernels": [{"match": _glob_escape(k), "blocks_per_sm": v} for k, v in sorted(caps.items())],
-    "streams": {"priority": "highest" if priority else "default"},
-    "comm_block": comm.to_dict() if comm is not None else "auto",
-  }
-
-
-def launch_name(item: Kernel) -> str:
-  """The name a plan rule uses for ``item``: its driver name, else its workload name."""
-  return item.name if item.launch_name is None else item.launch_name
-
-
-def unnamed_kernels(wl: Workload) -> tuple[str, ...]:
-  """Kernels no plan rule can select: the driver name is unknown (library calls)."""
-  return tuple(it.name for it in wl.items if isinstance(it, Kernel) and it.launch_name == "")
-
-
-def _glob_escape(name: str) -> str:
-  """``name`` as an fnmatch pattern that matches exactly it."""
-  return "".join(f"[{c}]" if c in "*?[" else c for c in name)
-
-
 def _groups(wl: Workload, mode: str) -> list[list[str]]:
   """Groups of kernels that share one shaping setting.
 
@@ -205,7 +136,7 @@ def _groups(wl: Workload, mode: str) -> list[list[str]]:
   """
   kinds = {it.name: it for it in wl.items}
   windows = [
-    [n for n in names if isinstance(kinds[n], Kernel) and launch_name(kinds[n])]
+    [n for n in names if isinstance(kinds[n], Kernel) and plans.launch_name(kinds[n])]
     for names in wl.overlap_windows().values()
   ]
   windows = [w for w in windows if w]
@@ -218,13 +149,13 @@ def _groups(wl: Workload, mode: str) -> list[list[str]]:
     raise ValueError(f"sim.tune: groups must be 'window' or 'kernel', got {mode!r}")
   by_launch: dict[str, list[str]] = {}
   for it in wl.items:
-    if isinstance(it, Kernel) and launch_name(it):
-      by_launch.setdefault(launch_name(it), []).append(it.name)
+    if isinstance(it, Kernel) and plans.launch_name(it):
+      by_launch.setdefault(plans.launch_name(it), []).append(it.name)
   merged: list[set[str]] = []
   for w in windows:
     s = set(w)
     for n in w:
-      s |= set(by_launch[launch_name(kinds[n])])
+      s |= set(by_launch[plans.launch_name(kinds[n])])
     for m in [m for m in merged if m & s]:
       s |= m
       merged.remove(m)
@@ -495,7 +426,7 @@ def tune(
   comm = max(blocks, key=lambda cb: (cb.regs_per_thread * cb.threads, cb.smem_bytes), default=None)
   plan = None
   if topo.gpu.vendor == "nvidia":
-    data = _plan_json("sim.tune", topo, shaping, p_best, workload, comm)
+    data = plans.plan_json("sim.tune", topo, shaping, p_best, workload, comm)
     if not make_room:
       data["comm_block"] = None
     plan = plan_lib.Plan.from_json(data)
@@ -509,7 +440,7 @@ def tune(
     evaluations=len(cache),
     method=method,
     table=tuple(table),
-    unnamed=unnamed_kernels(workload),
+    unnamed=plans.unnamed_kernels(workload),
     no_room=no_room(workload, target=topo, constants=const),
     baseline=baseline,
     pruned=pruned,
