@@ -10,6 +10,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import typing
 import warnings
 
 import pytest
@@ -292,3 +293,58 @@ def test_records_that_were_dicts_read_as_dicts_for_one_release(record, was, key)
     iter(record)
   with pytest.raises(dataclasses.FrozenInstanceError):
     setattr(record, key, None)
+
+
+# String parameters whose values are open: names of things (targets, dtypes, mesh axes,
+# kernels, files) or text the function reads (HLO dumps, a policy's JSON).
+OPEN_STRINGS = {"target", "name", "dtype", "axis", "gpu", "policy", "thunk_text", "thunk_metadata"}
+
+
+def test_string_options_are_typed_as_their_choices():
+  problems = []
+  for full, fn in sorted(_functions().items()):
+    try:
+      params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+      continue
+    strings = [p for p in params if isinstance(p.default, str) and p.name not in OPEN_STRINGS]
+    if not strings:
+      continue
+    hints = typing.get_type_hints(fn)
+    for p in strings:
+      hint = hints.get(p.name)
+      if typing.get_origin(hint) is not typing.Literal or p.default not in typing.get_args(hint):
+        problems.append(f"{full}: {p.name}={p.default!r} is typed {hint}")
+  assert problems == []
+
+
+_WL = jax_overlap.sim.tp_chain(2, 1024, 1024)
+_SIM = jax_overlap.sim
+_CM = jax_overlap.collective_matmul
+
+
+@pytest.mark.parametrize(
+  "owner, call, option",
+  [
+    (_SIM.tune, lambda **kw: _SIM.tune(_WL, target="h100", progress=False, **kw), "groups"),
+    (_SIM.tune, lambda **kw: _SIM.tune(_WL, target="h100", progress=False, **kw), "method"),
+    (_SIM.tune, lambda **kw: _SIM.tune(_WL, target="h100", progress=False, **kw), "baseline"),
+    (_CM.estimate_gain, lambda **kw: _CM.estimate_gain(4096, 4096, 4096, 8, **kw), "kind"),
+    (_CM.estimate_gain, lambda **kw: _CM.estimate_gain(4096, 4096, 4096, 8, **kw), "method"),
+    (
+      jax_overlap.budget.data.combine,
+      lambda **kw: jax_overlap.budget.data.combine({}, **kw),
+      "method",
+    ),
+    (jax_overlap.flags.recommended, lambda **kw: jax_overlap.flags.recommended(**kw), "workload"),
+    (jax_overlap.overlap, lambda **kw: jax_overlap.overlap(lambda x: x, **kw), "gspmd"),
+    (jax_overlap.overlap, lambda **kw: jax_overlap.overlap(lambda x: x, **kw), "select"),
+  ],
+)
+def test_an_unknown_choice_is_refused_naming_the_typed_choices(owner, call, option):
+  # The error names every choice of the signature's Literal: the two lists are one.
+  choices = typing.get_args(typing.get_type_hints(owner)[option])
+  with pytest.raises(ValueError, match="'no_such_choice'") as caught:
+    call(**{option: "no_such_choice"})
+  for choice in choices:
+    assert repr(choice) in str(caught.value) or f" {choice}" in str(caught.value), choice

@@ -21,6 +21,7 @@ FLOP budget through :func:`jax_overlap.budget.compute.keep_fraction_for_budget`.
 from __future__ import annotations
 
 import math
+import typing
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -29,6 +30,7 @@ import jax.numpy as jnp
 __all__ = ["Selection", "combine", "per_example_scores", "select", "selected_count"]
 
 ScoreKind = Literal["classification", "regression"]
+ScoreName = Literal["auto", "loss", "el2n", "excess_loss"]
 
 
 def _reduce_to_batch(x: jax.Array, mask: jax.Array | None) -> jax.Array:
@@ -159,7 +161,7 @@ def per_example_scores(
   return {k: v if k == "loss" else jax.lax.stop_gradient(v) for k, v in out.items()}
 
 
-def combine(scores: dict[str, jax.Array], method: str = "auto") -> jax.Array:
+def combine(scores: dict[str, jax.Array], method: ScoreName = "auto") -> jax.Array:
   """One ``[batch]`` score from :func:`per_example_scores`' dictionary.
 
   Args:
@@ -171,6 +173,7 @@ def combine(scores: dict[str, jax.Array], method: str = "auto") -> jax.Array:
     The chosen score.
 
   Raises:
+    ValueError: for a ``method`` that is no score's name nor ``"auto"``.
     KeyError: naming the missing score and the available ones.
 
   Example:
@@ -178,6 +181,9 @@ def combine(scores: dict[str, jax.Array], method: str = "auto") -> jax.Array:
     >>> combine({"loss": jnp.ones(2), "el2n": jnp.zeros(2)}).tolist()
     [0.0, 0.0]
   """
+  if method not in typing.get_args(ScoreName):
+    choices = ", ".join(map(repr, typing.get_args(ScoreName)))
+    raise ValueError(f"budget.data.combine: method must be one of {choices}, got {method!r}")
   key = method
   if method == "auto":
     key = "excess_loss" if "excess_loss" in scores else "el2n"

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import jax.numpy as jnp
 import numpy as np
@@ -47,6 +47,9 @@ import numpy as np
 from jax_overlap._src import deprecations
 from jax_overlap._src import targets as _targets
 from jax_overlap._src.analysis import cost_model as _cost
+
+# How a collective matmul is decomposed (glossary: `method`).
+Method = Literal["ring", "pieces"]
 
 # The simulator's short dtype names (glossary: `dtype`).
 _DTYPE_NAMES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "f64": "float64"}
@@ -84,13 +87,13 @@ def estimate_gain(
   *,
   dtype: Any = "bfloat16",
   target: Any = "h100x8",
-  kind: str = "all_gather",
+  kind: Literal["all_gather", "reduce_scatter"] = "all_gather",
   bidirectional: bool = True,
   chunks: int | Sequence[int] | None = None,
   launch_overhead_s: float | None = None,
   min_speedup: float = 1.05,
   cost_model: _cost.CostModel | None = None,
-  method: str = "ring",
+  method: Method = "ring",
   collect: bool = False,
 ) -> GainEstimate:
   """Predicts the gain of a collective matmul over a collective followed by a GEMM.

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_overlap._src.collective_matmul.cost import Method
 from jax_overlap._src.collective_matmul.pieces import _ag_pieces, _rs_pieces
 from jax_overlap._src.collective_matmul.rings import (
   Kept,
@@ -29,7 +30,7 @@ def all_gather_dot_generals(
   gather_dim: int,
   collect: bool = False,
   bidirectional: bool = False,
-  method: str = "ring",
+  method: Method = "ring",
   pieces: int | Sequence[int] | None = None,
 ):
   """``all_gather(x, axis, axis=gather_dim, tiled=True)`` fed to several ``dot_general``s, as
@@ -139,7 +140,7 @@ def dot_general_reduce_scatter(
   preferred_element_type=None,
   out_dtype=None,
   bidirectional: bool = False,
-  method: str = "ring",
+  method: Method = "ring",
   pieces: int | Sequence[int] | None = None,
   beside: tuple[Callable, Sequence] | None = None,
 ):

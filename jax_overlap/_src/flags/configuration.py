@@ -22,7 +22,7 @@ from jax_overlap._src.errors import ConfigError
 from jax_overlap._src.flags import aborts as aborts_lib
 from jax_overlap._src.flags import per_compile, syntax
 from jax_overlap._src.flags import probe as probe_lib
-from jax_overlap._src.flags.registry import REGISTRY, WORKLOADS
+from jax_overlap._src.flags.registry import REGISTRY, WORKLOADS, Workload
 from jax_overlap._src.flags.validation import validate
 
 __all__ = ["recommended", "as_compiler_options", "configure", "backend_started", "check_workload"]
@@ -109,7 +109,7 @@ def _translate_for_installed(opts: dict[str, Any]) -> dict[str, Any]:
 
 @deprecations.keyword_only("target", "workload", api="jax_overlap.flags.recommended")
 def recommended(
-  *, target: str = "h100x8", workload: str = "fsdp", check_installed: bool = True
+  *, target: str = "h100x8", workload: Workload = "fsdp", check_installed: bool = True
 ) -> dict[str, Any]:
   """Overlap options for a GPU target and a workload.
 
@@ -148,7 +148,7 @@ def recommended(
 def as_compiler_options(
   *,
   target: str = "h100x8",
-  workload: str = "fsdp",
+  workload: Workload = "fsdp",
   xla_options: Mapping[str, Any] | None = None,
   **overrides: Any,
 ) -> dict[str, Any]:
@@ -193,7 +193,7 @@ def as_compiler_options(
 def configure(
   *,
   target: str = "h100x8",
-  workload: str = "fsdp",
+  workload: Workload = "fsdp",
   on_conflict: Literal["error", "keep", "replace"] = "error",
   environ: dict[str, str] | None = None,
   **overrides: Any,

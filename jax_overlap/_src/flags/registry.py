@@ -12,12 +12,13 @@ modules of :mod:`jax_overlap._src.flags`.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from typing import Any, Literal
 
 __all__ = ["Abort", "Flag", "REGISTRY", "WORKLOADS", "ENTRIES"]
 
 Workload = Literal["fsdp", "tensor_parallel", "data_parallel", "hybrid"]
-WORKLOADS: tuple[str, ...] = ("fsdp", "tensor_parallel", "data_parallel", "hybrid")
+WORKLOADS: tuple[str, ...] = typing.get_args(Workload)
 
 MiB = 1 << 20
 

@@ -274,15 +274,15 @@ def tune(
   workload: Workload,
   *,
   target="h100x8",
-  groups: str = "window",
-  method: str = "auto",
+  groups: Literal["window", "kernel"] = "window",
+  method: Literal["auto", "exhaustive", "coordinate"] = "auto",
   max_evals: int = 256,
   priority: Literal["highest", "default"] | None = None,
   min_gain: float = 0.002,
   constants: Constants | Mapping[str, float] | None = None,
   progress: bool | None = None,
   make_room: bool = True,
-  baseline: str = "priority",
+  baseline: Literal["priority", "concurrent"] = "priority",
   min_rule_gain: float = 0.005,
 ) -> TuneResult:
   """Chooses shaping and priority for ``workload`` on ``target`` by simulation.

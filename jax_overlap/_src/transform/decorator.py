@@ -16,11 +16,20 @@ import numpy as np
 from jax_overlap._src import errors
 from jax_overlap._src import flags as flags_lib
 from jax_overlap._src.compile import kernel_cache
+from jax_overlap._src.flags.registry import Workload
 from jax_overlap._src.transform import arguments, selection_cache, to_shard_map, variants
 from jax_overlap._src.transform.evaluate import _collect, _Config, _evaluate
 from jax_overlap._src.transform.explain import Action, Explanation
 from jax_overlap._src.transform.planning import parameter_avals, parameter_inputs
-from jax_overlap._src.transform.settings import Settings
+from jax_overlap._src.transform.settings import (
+  Annotate,
+  CollectiveMatmul,
+  Gspmd,
+  ReduceScatter,
+  Select,
+  Settings,
+  WeightGradients,
+)
 from jax_overlap._src.transform.variants import (
   _CONVERTED_PREFIX,
   _PROFILED_VARIANTS,  # noqa: F401 - re-exported for jax_overlap._src.transform
@@ -315,17 +324,17 @@ def overlap(
   mesh=None,
   target: str | None = None,
   prefetch: int = 1,
-  reduce_scatter: str = "per_layer",
-  collective_matmul: str = "auto",
-  weight_gradients: str = "defer",
-  annotate: bool | str = "auto",
+  reduce_scatter: ReduceScatter = "per_layer",
+  collective_matmul: CollectiveMatmul = "auto",
+  weight_gradients: WeightGradients = "defer",
+  annotate: Annotate = "auto",
   xla_options: dict[str, Any] | None = None,
-  workload: str = "fsdp",
-  select: str = "cost_model",
+  workload: Workload = "fsdp",
+  select: Select = "cost_model",
   schedule_from_estimates: bool = True,
   cache: bool = True,
   params_argnums: int | tuple[int, ...] = 0,
-  gspmd: str = "auto",
+  gspmd: Gspmd = "auto",
   **jit_kwargs,
 ):
   """Rewrites a sharded step so its collectives overlap compute.
