@@ -112,7 +112,7 @@ def main() -> int:
         from jax_overlap import sim
 
         g = sim.gemm_config(gpu, 8192, 8192, 8192, "bf16")
-        cfg = (g["threads"], g["regs"], 0, g["smem"])
+        cfg = (g.threads, g.regs, 0, g.smem)
       t, regs, static, dyn = cfg
       natural = runtime.blocks_per_sm(gpu, t, regs, static + dyn)
       entry = {"gpu": name, "kernel": label, "config": cfg, "natural_blocks_per_sm": natural}

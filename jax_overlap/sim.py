@@ -10,6 +10,8 @@ from jax_overlap._src.sim.calibrate import CalibrationRow as CalibrationRow
 from jax_overlap._src.sim.calibrate import calibrate as calibrate
 from jax_overlap._src.sim.engine import KernelTiming as KernelTiming
 from jax_overlap._src.sim.engine import SimResult as SimResult
+from jax_overlap._src.sim.gemm import GemmConfig as GemmConfig
+from jax_overlap._src.sim.gemm import gemm_config as gemm_config
 from jax_overlap._src.sim.measurements import load_measurements as load_measurements
 from jax_overlap._src.sim.measurements import published_measurements as published_measurements
 from jax_overlap._src.sim.model import COLLECTIVE_KINDS as COLLECTIVE_KINDS
@@ -19,7 +21,6 @@ from jax_overlap._src.sim.model import Constants as Constants
 from jax_overlap._src.sim.model import Kernel as Kernel
 from jax_overlap._src.sim.model import Workload as Workload
 from jax_overlap._src.sim.model import constants_for as constants_for
-from jax_overlap._src.sim.model import gemm_config as gemm_config
 from jax_overlap._src.sim.model import residency as residency
 from jax_overlap._src.sim.model import shaped_smem as shaped_smem
 from jax_overlap._src.sim.paper import PaperRow as PaperRow
@@ -77,6 +78,7 @@ __all__ = [
   "constants_for",
   "default_shaping",
   "no_room",
+  "GemmConfig",
   "gemm_config",
   "large_step",
   "load_measurements",

@@ -49,6 +49,29 @@ def _functions():
   return out
 
 
+def _classes():
+  """Public classes: their constructors take settings too (and records' fields)."""
+  out = {}
+  seen = {"jax_overlap"}
+
+  def walk(module):
+    for name in getattr(module, "__all__", []):
+      obj = getattr(module, name, None)
+      if (
+        inspect.ismodule(obj)
+        and obj.__name__.startswith("jax_overlap")
+        and obj.__name__ not in seen
+      ):
+        seen.add(obj.__name__)
+        walk(obj)
+      elif inspect.isclass(obj) and obj.__module__.startswith("jax_overlap"):
+        out[f"{module.__name__}.{name}"] = obj
+
+  walk(jax_overlap)
+  assert len(out) > 30
+  return out
+
+
 def test_public_signatures_use_the_glossary_names():
   problems = []
   for full, fn in sorted(_functions().items()):
@@ -267,6 +290,11 @@ _MISSING = object()
     (jax_overlap.analysis.LoopInfo("while.3", 3, "body.1"), "Report.loops", "trip_count"),
     (jax_overlap.analysis.MemoryStats(arguments=4096), "Report.memory", "arguments"),
     (
+      jax_overlap.sim.gemm_config(jax_overlap.targets.get_gpu("h100"), 8192, 8192, 8192),
+      "sim.gemm_config()",
+      "grid",
+    ),
+    (
       jax_overlap.sim.PaperRow("h100", "fsdp", {"concurrent": 1.0}, "priority", 0.1),
       "sim.PaperTable.rows",
       "gpu",
@@ -297,12 +325,22 @@ def test_records_that_were_dicts_read_as_dicts_for_one_release(record, was, key)
 
 # String parameters whose values are open: names of things (targets, dtypes, mesh axes,
 # kernels, files) or text the function reads (HLO dumps, a policy's JSON).
-OPEN_STRINGS = {"target", "name", "dtype", "axis", "gpu", "policy", "thunk_text", "thunk_metadata"}
+OPEN_STRINGS = {
+  *("target", "name", "dtype", "axis", "gpu", "policy", "thunk_text", "thunk_metadata"),
+  *("hlo_text", "op_name", "launch_name", "why", "chosen"),  # records' text and names
+}
+
+
+def _literal_choices(hint) -> tuple:
+  """The values a ``Literal`` hint (alone or in a union) allows."""
+  if typing.get_origin(hint) is typing.Literal:
+    return typing.get_args(hint)
+  return tuple(c for arg in typing.get_args(hint) for c in _literal_choices(arg))
 
 
 def test_string_options_are_typed_as_their_choices():
   problems = []
-  for full, fn in sorted(_functions().items()):
+  for full, fn in sorted({**_functions(), **_classes()}.items()):
     try:
       params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
@@ -310,10 +348,10 @@ def test_string_options_are_typed_as_their_choices():
     strings = [p for p in params if isinstance(p.default, str) and p.name not in OPEN_STRINGS]
     if not strings:
       continue
-    hints = typing.get_type_hints(fn)
+    hints = typing.get_type_hints(fn.__init__ if inspect.isclass(fn) else fn)
     for p in strings:
       hint = hints.get(p.name)
-      if typing.get_origin(hint) is not typing.Literal or p.default not in typing.get_args(hint):
+      if p.default not in _literal_choices(hint):
         problems.append(f"{full}: {p.name}={p.default!r} is typed {hint}")
   assert problems == []
 

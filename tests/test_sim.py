@@ -49,16 +49,16 @@ def test_shaped_smem_gives_requested_residency(r):
 
 def test_gemm_config_hopper_one_block_per_sm():
   cfg = sim.gemm_config(H100, 8192, 8192, 4096)
-  assert cfg["tile"] == (128, 256, 64)
-  assert cfg["threads"] == 384
-  assert sim.residency(H100, cfg["threads"], cfg["regs"], cfg["smem"]) == 1
+  assert cfg.tile == (128, 256, 64)
+  assert cfg.threads == 384
+  assert sim.residency(H100, cfg.threads, cfg.regs, cfg.smem) == 1
 
 
 def test_gemm_config_ampere_small_tile_two_blocks_per_sm():
   a100 = targets.get_gpu("a100")
   cfg = sim.gemm_config(a100, 1024, 1024, 4096)  # 32 large tiles < 108 SMs -> 128x128
-  assert cfg["tile"] == (128, 128, 32)
-  assert sim.residency(a100, cfg["threads"], cfg["regs"], cfg["smem"]) == 2
+  assert cfg.tile == (128, 128, 32)
+  assert sim.residency(a100, cfg.threads, cfg.regs, cfg.smem) == 2
 
 
 # --- the engine --------------------------------------------------------------------------
@@ -376,9 +376,7 @@ def test_policy_objects_and_explicit_shaping():
   pol = sim.Policy("mine", priority=True, shaping={"gemm.0": {"padding_bytes": 1024}})
   r = sim.simulate(wl, target="a100", policy=pol)
   assert r.policy == "mine"
-  assert (
-    r.timing("gemm.0").smem > sim.gemm_config(targets.get_gpu("a100"), 4096, 4096, 4096)["smem"]
-  )
+  assert r.timing("gemm.0").smem > sim.gemm_config(targets.get_gpu("a100"), 4096, 4096, 4096).smem
 
 
 # --- bad input ---------------------------------------------------------------------------

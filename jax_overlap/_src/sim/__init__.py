@@ -2,7 +2,7 @@
 block, under stream priority and occupancy shaping (the public API is ``jax_overlap.sim``).
 
 * ``model`` and ``constants``: kernels, collectives and workloads; each GPU's constants,
-  with the source or range of each;
+  with the source or range of each; ``gemm``: library GEMMs' launch configurations;
 * ``collectives``: a collective as NCCL's channels, one CTA each, sharing the link;
 * ``engine`` (with ``dispatch_state`` and ``results``): the event loop that places blocks
   and its results; ``steady``: its fast path for the repeated waves of a kernel alone;

@@ -7,12 +7,12 @@ from collections.abc import Mapping
 
 from jax_overlap._src import targets
 from jax_overlap._src.sim import collectives as coll
+from jax_overlap._src.sim.gemm import gemm_config
 from jax_overlap._src.sim.model import (
   Collective,
   Constants,
   Kernel,
   Workload,
-  gemm_config,
   regs_per_block,
   residency_limits,
   shaped_smem,
@@ -146,8 +146,8 @@ class _Compiled:
         if it.grid is None or it.threads is None:
           m, nn, k = it.gemm_mnk
           cfg = gemm_config(gpu, m, nn, k, it.dtype)
-          grid, threads, regs, smem = cfg["grid"], cfg["threads"], cfg["regs"], cfg["smem"]
-          tm, tn, _ = cfg["tile"]
+          grid, threads, regs, smem = cfg.grid, cfg.threads, cfg.regs, cfg.smem
+          tm, tn, _ = cfg.tile
           flops_b = 2.0 * tm * tn * k
           eff = it.efficiency if it.efficiency is not None else const.gemm_efficiency
         else:

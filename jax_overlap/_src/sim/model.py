@@ -12,29 +12,15 @@ with the smallest padded size that does so (``residency.capping_smem``; never le
 already uses). Padding no more than that leaves the most room beside the kernel for
 communication blocks; ``residency.room_cap`` says whether that room is enough for one.
 
-GEMMs are modelled by shape, not by the launch configuration a deviceless compile reports
-(those are untuned defaults): :func:`gemm_config` picks a tile configuration of the kind
-cuBLAS/CUTLASS pick on each architecture:
-  Hopper (sm_90): warp-specialised 128x256x64 or 128x128x64 tiles, 384 threads (one producer
-    and two consumer warpgroups), ~168 registers per thread on average (setmaxnreg 240/40),
-    the shared memory filled with 4-6 pipeline stages (~200 KB): one block per SM.
-    (CUTLASS 3 ``KernelTmaWarpSpecializedCooperative``; cuBLAS ``sm90_xmma_gemm_*_128x256``.)
-  Ampere (sm_80/86): 256x128x64 with 3 stages (~147 KB, 1 block/SM on A100) or
-    128x128x32 with 5 stages on A100 / 3 on A40 (2 blocks/SM), 256 threads.
-    (cuBLAS ``ampere_bf16_s16816gemm_bf16_128x128_ldg8_f2f_stages_32x5``; CUTLASS sm80 defaults.)
-  CDNA2 (MI250X): Tensile macro tiles 256x128x32 (48 KB LDS, double-buffered) or
-    128x128x32 (32 KB LDS), 256 threads (4 wavefronts).
-The large tile is used when it still gives at least one tile per SM (a full wave), as the
-cuBLAS heuristics prefer filling the machine. Per block: ``flops = 2 * tm * tn * k`` (edge tiles
-do full work); DRAM traffic of the whole GEMM is taken as ``2 * (m*k + k*n) * elt +
-m*n*elt`` (inputs read about twice thanks to L2 reuse, output written once), shared evenly
-by the blocks.
+GEMMs are launched as the libraries launch them (:mod:`.gemm`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import typing
+from typing import Literal
 
 import numpy as np
 
@@ -55,21 +41,22 @@ __all__ = [
   "residency",
   "residency_limits",
   "shaped_smem",
-  "gemm_config",
   "dtype_bytes",
   "Workload",
   "regs_per_block",
 ]
 
-COMPUTE_KINDS = ("gemm", "fusion", "reduction", "copy", "custom", "other")
-COLLECTIVE_KINDS = (
+ComputeKind = Literal["gemm", "fusion", "reduction", "copy", "custom", "other"]
+CollectiveKind = Literal[
   "all-gather",
   "reduce-scatter",
   "all-reduce",
   "all-to-all",
   "collective-permute",
   "copy",  # a local device copy by communication-sized CTAs: a GPU benchmark's proxy
-)
+]
+COMPUTE_KINDS: tuple[str, ...] = typing.get_args(ComputeKind)
+COLLECTIVE_KINDS: tuple[str, ...] = typing.get_args(CollectiveKind)
 
 _DTYPE_BYTES = {
   "f64": 8,
@@ -247,7 +234,7 @@ class Kernel:
   bytes: float = 0.0
   stream: int = 0
   after: tuple[str, ...] = ()
-  kind: str = "fusion"
+  kind: ComputeKind = "fusion"
   dtype: str = "bf16"
   gemm_mnk: tuple[int, int, int] | None = None
   efficiency: float | None = None
@@ -337,7 +324,7 @@ class Collective:
   """
 
   name: str
-  kind: str
+  kind: CollectiveKind
   bytes: float
   group_size: int = 8
   stream: int = 1
@@ -367,52 +354,6 @@ class Collective:
   @property
   def is_collective(self) -> bool:
     return True
-
-
-# (tm, tn, tk, stages, threads, regs) per architecture family, large tile first.
-_GEMM_TILES = {
-  "hopper": [(128, 256, 64, 4, 384, 168), (128, 128, 64, 6, 384, 168)],
-  "ampere": [(256, 128, 64, 3, 256, 232), (128, 128, 32, 5, 256, 128)],
-  "ampere86": [(256, 128, 32, 3, 256, 232), (128, 128, 32, 3, 256, 128)],
-  "cdna2": [(256, 128, 32, 2, 256, 256), (128, 128, 32, 2, 256, 128)],
-}
-
-
-def _family(gpu: targets.Gpu) -> str:
-  if gpu.vendor == "amd":
-    return "cdna2"
-  if gpu.compute_capability >= (9, 0):
-    return "hopper"
-  if gpu.compute_capability >= (8, 6):
-    return "ampere86"
-  return "ampere"
-
-
-def gemm_config(gpu: targets.Gpu, m: int, n: int, k: int, dtype: str = "bf16") -> dict:
-  """Realistic launch configuration of a GEMM on ``gpu`` (see the module docstring).
-
-  Returns:
-    dict with tile (tm, tn, tk), grid, threads, regs, smem.
-  """
-  elt = dtype_bytes(dtype)
-  tiles = _GEMM_TILES[_family(gpu)]
-  chosen = tiles[-1]
-  for t in tiles:
-    if math.ceil(m / t[0]) * math.ceil(n / t[1]) >= gpu.sm_count:
-      chosen = t
-      break
-  tm, tn, tk, stages, threads, regs = chosen
-  smem = stages * (tm + tn) * tk * max(elt, 2)
-  if _family(gpu) == "hopper":
-    smem += 8 * 1024  # epilogue staging and pipeline barriers
-  smem = min(smem, gpu.smem_per_block_optin)
-  return {
-    "tile": (tm, tn, tk),
-    "grid": math.ceil(m / tm) * math.ceil(n / tn),
-    "threads": threads,
-    "regs": regs,
-    "smem": int(smem),
-  }
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,12 +35,12 @@ from collections.abc import Mapping
 
 from jax_overlap._src import deprecations, targets
 from jax_overlap._src.sim import engine
+from jax_overlap._src.sim.gemm import gemm_config
 from jax_overlap._src.sim.model import (
   Collective,
   Constants,
   Workload,
   constants_for,
-  gemm_config,
   shaped_smem,
 )
 from jax_overlap._src.sim.model import residency as _residency
@@ -189,7 +189,7 @@ def _choices(k, gpu) -> list[int]:
 def _launch(k, gpu):
   if k.grid is None or k.threads is None:
     cfg = gemm_config(gpu, *k.gemm_mnk, k.dtype)
-    return cfg["threads"], cfg["regs"], cfg["smem"]
+    return cfg.threads, cfg.regs, cfg.smem
   return k.threads, k.regs, k.smem
 
 

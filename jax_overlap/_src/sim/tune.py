@@ -109,7 +109,7 @@ class TuneResult:
   table: tuple[Evaluation, ...]
   unnamed: tuple[str, ...] = ()
   no_room: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
-  baseline: str = "priority"
+  baseline: Literal["priority", "concurrent"] = "priority"
   pruned: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
   @property
