@@ -33,41 +33,34 @@ SUBJECT_TARGET = {
 
 
 def _public(module, seen):
+  """(qualified name, object) of every public name, sub-packages included."""
   for name in getattr(module, "__all__", []):
     obj = getattr(module, name, None)
     if inspect.ismodule(obj):
       if obj.__name__.startswith("jax_overlap") and obj.__name__ not in seen:
         seen.add(obj.__name__)
         yield from _public(obj, seen)
-    elif inspect.isfunction(obj) or (callable(obj) and not inspect.isclass(obj)):
+    else:
       yield f"{module.__name__}.{name}", obj
 
 
 def _functions():
-  out = dict(_public(jax_overlap, {"jax_overlap"}))
+  out = {
+    full: obj
+    for full, obj in _public(jax_overlap, {"jax_overlap"})
+    if inspect.isfunction(obj) or (callable(obj) and not inspect.isclass(obj))
+  }
   assert len(out) > 40  # the walk reached the sub-packages
   return out
 
 
 def _classes():
   """Public classes: their constructors take settings too (and records' fields)."""
-  out = {}
-  seen = {"jax_overlap"}
-
-  def walk(module):
-    for name in getattr(module, "__all__", []):
-      obj = getattr(module, name, None)
-      if (
-        inspect.ismodule(obj)
-        and obj.__name__.startswith("jax_overlap")
-        and obj.__name__ not in seen
-      ):
-        seen.add(obj.__name__)
-        walk(obj)
-      elif inspect.isclass(obj) and obj.__module__.startswith("jax_overlap"):
-        out[f"{module.__name__}.{name}"] = obj
-
-  walk(jax_overlap)
+  out = {
+    full: obj
+    for full, obj in _public(jax_overlap, {"jax_overlap"})
+    if inspect.isclass(obj) and obj.__module__.startswith("jax_overlap")
+  }
   assert len(out) > 30
   return out
 

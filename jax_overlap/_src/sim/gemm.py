@@ -74,7 +74,8 @@ def gemm_config(gpu: targets.Gpu, m: int, n: int, k: int, dtype: str = "bf16") -
   """The launch configuration a library GEMM of ``m x n x k`` gets on ``gpu`` (see the
   module docstring)."""
   elt = dtype_bytes(dtype)
-  tiles = _GEMM_TILES[_family(gpu)]
+  family = _family(gpu)
+  tiles = _GEMM_TILES[family]
   chosen = tiles[-1]
   for t in tiles:
     if math.ceil(m / t[0]) * math.ceil(n / t[1]) >= gpu.sm_count:
@@ -82,7 +83,7 @@ def gemm_config(gpu: targets.Gpu, m: int, n: int, k: int, dtype: str = "bf16") -
       break
   tm, tn, tk, stages, threads, regs = chosen
   smem = stages * (tm + tn) * tk * max(elt, 2)
-  if _family(gpu) == "hopper":
+  if family == "hopper":
     smem += 8 * 1024  # epilogue staging and pipeline barriers
   smem = min(smem, gpu.smem_per_block_optin)
   grid = math.ceil(m / tm) * math.ceil(n / tn)

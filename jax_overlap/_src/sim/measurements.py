@@ -26,8 +26,9 @@ flat keys (``gemm_m``, ``gemm_n``, ``gemm_k``, ``proxy_ctas``, ``proxy_threads``
 ``proxy_regs``, ``proxy_bytes``). Any of the three measured quantities may be missing
 (null); at least one must be present; records marked ``"skipped"`` are left out when a
 file is read. Each record is simulated as the proxy (stream 1) and the compute kernel
-(stream 0) issued in the record's order under the record's policy; ``cap`` shapes the compute kernel at that
-many blocks per SM as written (the benchmark's plan has ``comm_block`` null).
+(stream 0) issued in the record's order under the record's policy; ``cap`` shapes the
+compute kernel at that many blocks per SM as written (the benchmark's plan has
+``comm_block`` null).
 
 :func:`published_measurements` gives records built from published observations
 (BACKGROUND section 2).

@@ -18,9 +18,8 @@ The result is a :class:`jax_overlap.runtime.Plan`, in the runtime library's JSON
    "streams": {"priority": "highest" | "default"}}
 
 (its ``streams.priority`` promotes the communication streams; :mod:`.plans` writes it
-from the choice). On other than NVIDIA
-targets there is no plan (the runtime library shapes CUDA launches only); the result's
-``policy`` holds the choice.
+from the choice). On other than NVIDIA targets there is no plan (the runtime library
+shapes CUDA launches only); the result's ``policy`` holds the choice.
 """
 
 from __future__ import annotations
