@@ -44,7 +44,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_overlap  # noqa: E402
 from jax_overlap._src import targets as targets_lib  # noqa: E402
-from jax_overlap._src.collective_matmul.pieces import _pieces_in_order  # noqa: E402
+from jax_overlap._src.collective_matmul.pieces import pieces_in_order  # noqa: E402
 
 FLAGS = absl_flags.FLAGS
 absl_flags.DEFINE_string("target", "h100x8", "Target.")
@@ -104,7 +104,7 @@ def block(form, sizes_rs, sizes_ag, o, x, xg, wo, w1):
       ups.append(_dot(_rows(xg, n, off, q) + ars[-1], w1))
     me = lax.axis_index(AXIS)
     mine = [lax.dynamic_index_in_dim(a.reshape(n, -1, a.shape[-1]), me, 0, False) for a in ars]
-    return x + jnp.concatenate(mine, 0), _pieces_in_order(ups, 0, n)
+    return x + jnp.concatenate(mine, 0), pieces_in_order(ups, 0, n)
   if form == "chained, paced":
     return _paced(sizes_ag, o, x, wo, w1)
   # chained
@@ -120,7 +120,7 @@ def block(form, sizes_rs, sizes_ag, o, x, xg, wo, w1):
       piece, ag[-1] = lax.optimization_barrier((piece, ag[-1]))
     ag.append(lax.all_gather(piece, AXIS, axis=0, tiled=True))
   ups = [_dot(g, w1) for g in ag]
-  return x + jnp.concatenate(rs, 0), _pieces_in_order(ups, 0, n)
+  return x + jnp.concatenate(rs, 0), pieces_in_order(ups, 0, n)
 
 
 def _paced(sizes, o, x, wo, w1):
@@ -141,7 +141,7 @@ def _paced(sizes, o, x, wo, w1):
       piece, ups[-1] = lax.optimization_barrier((piece, ups[-1]))
     ag.append(lax.all_gather(piece, AXIS, axis=0, tiled=True))
   ups.append(_dot(ag[-1], w1))
-  return x + jnp.concatenate(rs, 0), _pieces_in_order(ups, 0, n)
+  return x + jnp.concatenate(rs, 0), pieces_in_order(ups, 0, n)
 
 
 def run(form: str):

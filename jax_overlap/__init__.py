@@ -40,6 +40,7 @@ _SUBMODULES = (
 _NAMES = {
   "analyze": "jax_overlap._src.analysis.analyze",
   "ConfigError": "jax_overlap._src.errors",
+  "NothingToOverlapWarning": "jax_overlap._src.errors",
   "occupancy": "jax_overlap._src.runtime.regions",
   "Report": "jax_overlap._src.analysis.report",
   "compare": "jax_overlap._src.analysis.report",
@@ -63,6 +64,7 @@ if TYPE_CHECKING:
   from jax_overlap._src.analysis.report import Report as Report
   from jax_overlap._src.analysis.report import compare as compare
   from jax_overlap._src.errors import ConfigError as ConfigError
+  from jax_overlap._src.errors import NothingToOverlapWarning as NothingToOverlapWarning
   from jax_overlap._src.runtime.regions import occupancy as occupancy
   from jax_overlap._src.transform import overlap as overlap
   from jax_overlap._src.transform import priority as priority

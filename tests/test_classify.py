@@ -14,7 +14,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import jax_overlap
-from jax_overlap._src import transform as T
+from jax_overlap._src.transform import jaxprs, planning
 
 B, S, H, F = 8, 16, 32, 64
 
@@ -88,7 +88,7 @@ def _bodies(jaxpr):
   for e in jaxpr.eqns:
     if e.primitive.name == "shard_map":
       yield e.params["jaxpr"]
-    for sub in T._subjaxprs(e):
+    for sub in jaxprs.subjaxprs(e):
       yield from _bodies(sub)
 
 
@@ -100,11 +100,11 @@ def test_every_collective_classified_as_its_axis_says(build, layers):
   f, params, x = build(layers)
   closed = f.trace(params, x).jaxpr
   n_params = len(jax.tree.leaves(params))
-  evidence = T.parameter_inputs(closed.jaxpr, closed.jaxpr.invars[:n_params])
-  shapes = T.parameter_avals(closed.jaxpr, evidence)
+  evidence = planning.parameter_inputs(closed.jaxpr, closed.jaxpr.invars[:n_params])
+  shapes = planning.parameter_avals(closed.jaxpr, evidence)
   seen = {"parameter": 0, "input": 0, "activation": 0, "gradient": 0}
   for body in _bodies(closed.jaxpr):
-    kinds = T.classify_collectives(body, evidence[id(body)], shapes)
+    kinds = planning.classify_collectives(body, evidence[id(body)], shapes)
     for i, e in enumerate(body.eqns):
       if e.primitive.name in ("all_gather", "reduce_scatter"):
         assert kinds[i] in _truth(e), (i, e.primitive.name, e.params["axis_name"])
@@ -188,12 +188,12 @@ def test_only_weight_gradients_of_activation_gathers_wait_for_a_later_gather():
   f, params, x = _grad_inside(3)
   closed = f.trace(params, x).jaxpr
   n_params = len(jax.tree.leaves(params))
-  evidence = T.parameter_inputs(closed.jaxpr, closed.jaxpr.invars[:n_params])
-  shapes = T.parameter_avals(closed.jaxpr, evidence)
+  evidence = planning.parameter_inputs(closed.jaxpr, closed.jaxpr.invars[:n_params])
+  shapes = planning.parameter_avals(closed.jaxpr, evidence)
   deferred_total = 0
   for body in _bodies(closed.jaxpr):
     eqns = body.eqns
-    kinds = T.classify_collectives(body, evidence[id(body)], shapes)
+    kinds = planning.classify_collectives(body, evidence[id(body)], shapes)
     producer = {v: i for i, e in enumerate(eqns) for v in e.outvars}
     variables = [[v for v in e.invars if not hasattr(v, "val")] for e in eqns]  # no literals
     deps = [[producer[v] for v in vs if v in producer] for vs in variables]

@@ -3,6 +3,7 @@ its top, in the words "(Over 500 lines: <reason>)"."""
 
 import ast
 import pathlib
+from collections.abc import Callable
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 LIMIT = 500
@@ -64,11 +65,15 @@ def _stage(module: str) -> str | None:
   return parts[2] if parts[:2] == ["jax_overlap", "_src"] and len(parts) > 2 else None
 
 
-def _private_crossings(path: pathlib.Path, root: pathlib.Path = ROOT) -> list[str]:
+def _private_crossings(
+  path: pathlib.Path, root: pathlib.Path = ROOT, unit: Callable[[str], str | None] = None
+) -> list[str]:
   """Private names ``path`` (under ``root``) takes from another stage: ``from <stage>
-  import _name``, or ``mod._name`` on a module imported from another stage."""
+  import _name``, or ``mod._name`` on a module imported from another stage. ``unit``: what
+  a private name stays inside (by default the stage; ``str``: the module itself)."""
+  unit = unit or _stage
   module = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
-  here = _stage(module)
+  here = unit(module)
   tree = ast.parse(path.read_text())
   out, modules = [], {}
   for node in ast.walk(tree):
@@ -81,7 +86,7 @@ def _private_crossings(path: pathlib.Path, root: pathlib.Path = ROOT) -> list[st
       as_path = root / full.replace(".", "/")
       if as_path.with_suffix(".py").exists() or as_path.is_dir():
         modules[alias.asname or alias.name] = full
-      elif alias.name.startswith("_") and _stage(node.module) != here:
+      elif alias.name.startswith("_") and unit(node.module) != here:
         out.append(f"{path.name}:{node.lineno} from {node.module} import {alias.name}")
   for node in ast.walk(tree):
     if (
@@ -90,7 +95,7 @@ def _private_crossings(path: pathlib.Path, root: pathlib.Path = ROOT) -> list[st
       and node.value.id in modules
       and node.attr.startswith("_")
       and not node.attr.startswith("__")
-      and _stage(modules[node.value.id]) != here
+      and unit(modules[node.value.id]) != here
     ):
       out.append(f"{path.name}:{node.lineno} {modules[node.value.id]}.{node.attr}")
   return out
@@ -111,6 +116,38 @@ def test_no_stage_takes_another_stages_private_names():
   assert len(sources) > 60
   crossings = [c for p in sources for c in _private_crossings(p)]
   assert not crossings, f"private names used across stages (make them public there): {crossings}"
+
+
+def test_transform_modules_and_their_tests_keep_private_names_inside_their_module():
+  # The transform's steps (and the collective matmuls it builds) pass typed records and
+  # public functions between modules; tests read those, never a module's private names.
+  sources = sorted((SRC / "transform").rglob("*.py")) + sorted(
+    (SRC / "collective_matmul").rglob("*.py")
+  )
+  sources += sorted((ROOT / "tests").glob("test_*.py"))
+  transform_pkgs = ("jax_overlap._src.transform", "jax_overlap._src.collective_matmul")
+
+  def module_unit(module: str) -> str | None:
+    return module if module.startswith(transform_pkgs) else None
+
+  crossings = [c for p in sources for c in _private_crossings(p, ROOT, module_unit)]
+  assert not crossings, f"private names used across modules (make them public there): {crossings}"
+
+
+def test_the_module_check_finds_a_crossing(tmp_path):
+  pkg = tmp_path / "jax_overlap" / "_src" / "transform"
+  pkg.mkdir(parents=True)
+  (pkg / "jaxprs.py").write_text("")
+  src = pkg / "planning.py"
+  src.write_text(
+    "from jax_overlap._src.transform import jaxprs\n"
+    "from jax_overlap._src.transform.jaxprs import _is_var, is_var\n"
+    "jaxprs._producers\n"
+  )
+  assert _private_crossings(src, tmp_path, str) == [
+    "planning.py:2 from jax_overlap._src.transform.jaxprs import _is_var",
+    "planning.py:3 jax_overlap._src.transform.jaxprs._producers",
+  ]
 
 
 def test_the_stage_check_finds_a_crossing(tmp_path):

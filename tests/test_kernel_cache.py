@@ -159,7 +159,7 @@ def test_the_first_variant_of_each_program_compiles_alone_on_two_threads(monkeyp
     return types.SimpleNamespace(xla_options={}, notes=[])
 
   monkeypatch.setattr(analysis, "analyze", fake_analyze)
-  rewritten = evaluate._Config(prefetch=1, reduce_scatter="per_layer", annotate=False)
+  rewritten = evaluate.VariantConfig(prefetch=1, reduce_scatter="per_layer", annotate=False)
   written = rewritten.as_written()
   converted = dataclasses.replace(written, program="shard_map")
   jobs = [("w0", written, {}), ("w1", written, {}), ("w2", written, {})]

@@ -7,7 +7,7 @@ from jax.sharding import AxisType
 
 import jax_overlap
 from jax_overlap._src.transform import variants
-from jax_overlap._src.transform.evaluate import RewriteStats, _Config
+from jax_overlap._src.transform.evaluate import RewriteStats, VariantConfig
 from jax_overlap._src.transform.settings import Settings
 from jax_overlap.examples import tp_sp
 
@@ -59,9 +59,11 @@ def test_loop_bodies_compile_with_their_collectives_in_pieces_on_h100():
 
 def test_variants_offer_the_loop_bodies_as_written_and_forward_only():
   settings = Settings(target="h100x8")
-  cfg = _Config(prefetch=1, reduce_scatter="per_layer", annotate=True, collective_matmul="auto")
+  cfg = VariantConfig(
+    prefetch=1, reduce_scatter="per_layer", annotate=True, collective_matmul="auto"
+  )
   stats = RewriteStats(loops=2, loop_bodies=2, reversed_loop_bodies=1, max_scatter_out_bytes=1)
-  by_name = {n: c for n, c, _ in variants.candidates(settings, cfg, stats)}
+  by_name = {c.name: c.config for c in variants.candidates(settings, cfg, stats)}
   assert by_name["rewritten, one layer per collective"].loops == "all"
   assert by_name["rewritten, one layer per collective, loop bodies as written"].loops == "none"
   forward = "rewritten, one layer per collective, only forward loop bodies rewritten"
@@ -69,7 +71,7 @@ def test_variants_offer_the_loop_bodies_as_written_and_forward_only():
   assert by_name["as written, recommended flags"].loops == "none"
   # Only backward bodies planned: no forward-only variant to offer.
   stats = RewriteStats(loops=2, loop_bodies=1, reversed_loop_bodies=1, max_scatter_out_bytes=1)
-  assert forward not in {n for n, _, _ in variants.candidates(settings, cfg, stats)}
+  assert forward not in {c.name for c in variants.candidates(settings, cfg, stats)}
 
 
 def test_scanned_gspmd_layers_are_converted_and_decomposed_inside_the_loop():

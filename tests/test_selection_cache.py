@@ -11,7 +11,7 @@ import jax_overlap
 from jax_overlap._src.analysis import analyze as analysis
 from jax_overlap._src.analysis import latency_profile
 from jax_overlap._src.compile import compiler as compile_lib
-from jax_overlap._src.transform import selection_cache
+from jax_overlap._src.transform import selection_cache, variants
 from jax_overlap.examples import fsdp_transformer as G
 from jax_overlap.examples import shard_map_fsdp as S
 
@@ -105,20 +105,22 @@ def test_unusable_entries_are_chosen_again(cache_dir, program):
   # A variant the decorator no longer offers, or a latency profile file that is
   # gone, is not used.
   entry.write_text(json.dumps(stored))
-  offered = [(stored["base"], None, {})]
-  cands = list(offered)
-  chosen, estimates, _, _ = ov._recall(k, cands)
-  assert cands[chosen][0] == stored["chosen"] and cands[chosen][2] == stored["options"]
-  assert estimates == [(n, t) for n, t in stored["estimates"]] and estimates
-  assert ov._recall(k, [("another variant", None, {})]) is None
+  settings = ov.settings
+  cfg = ov.build(*args).choice.candidate.config
+  offered = [variants.Candidate(stored["base"], cfg, {})]
+  choice = variants.recall(settings, k, offered)
+  assert choice.how == "remembered" and choice.origin == "the selection cache"
+  assert choice.candidate.name == stored["chosen"]
+  assert choice.candidate.options == stored["options"]
+  assert list(choice.estimates) == [(n, t) for n, t in stored["estimates"]] and choice.estimates
+  assert variants.recall(settings, k, [variants.Candidate("another variant", cfg)]) is None
   profile = cache_dir / "profile.pbtxt"
   profile.write_text("")
   entry.write_text(json.dumps({**stored, "options": {latency_profile.OPTION: str(profile)}}))
-  cands = list(offered)
-  chosen, _, _, _ = ov._recall(k, cands)
-  assert cands[chosen][2] == {latency_profile.OPTION: str(profile)}
+  choice = variants.recall(settings, k, offered)
+  assert choice.candidate.options == {latency_profile.OPTION: str(profile)}
   profile.unlink()
-  assert ov._recall(k, list(offered)) is None
+  assert variants.recall(settings, k, offered) is None
   # End to end: a damaged entry is chosen again and written again.
   entry.write_text("not json")
   e = jax_overlap.overlap(fn, **quick).explain(*args)

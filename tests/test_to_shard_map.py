@@ -266,7 +266,7 @@ def test_layout_conversions_are_exact():
   # global meaning.
   mesh = _mesh((2, 4), ("data", "fsdp"))
   x = jax.random.normal(jax.random.key(0), (8, 12))
-  it = to_shard_map._Interp(dict(mesh.shape), set(), {}, abstract=False)
+  it = to_shard_map.Interpreter(dict(mesh.shape), set(), {}, abstract=False)
   L = to_shard_map.Layout
   cases = [
     (L(((), ())), L((("fsdp",), ()))),

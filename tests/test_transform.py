@@ -144,12 +144,12 @@ def test_cost_model_choice_is_never_worse_than_the_flags_alone():
   assert times[e.chosen] == min(times.values())
   # A few are also tried scheduled from the cost model's own estimates: the fastest first,
   # then those with the least compute (the rule: test_latency_profiles_go_to_the_fastest_...).
-  from jax_overlap._src import transform as T
+  from jax_overlap._src.transform import variants
 
   suffix = ", scheduled by the cost model's estimates"
   profiled = [n[: -len(suffix)] for n in times if n.endswith(suffix)]
   plain = sorted((t, n) for n, t in times.items() if not n.endswith(suffix))
-  assert 1 <= len(profiled) <= T._PROFILED_VARIANTS
+  assert 1 <= len(profiled) <= variants.PROFILED_VARIANTS
   assert set(profiled) <= {n for _, n in plain}
   assert profiled[0] == plain[0][1]
   off = jax_overlap.overlap(fn, target="h100x8", schedule_from_estimates=False).explain(*args)
@@ -235,7 +235,7 @@ def test_bad_input():
     jax_overlap.overlap(step, target="q100x8")
   with pytest.raises(ValueError, match="reduce_scatter must be 'per_layer' or 'as_written'"):
     jax_overlap.overlap(step, reduce_scatter="end")
-  with pytest.raises(ValueError, match="select must be 'cost_model' or 'rewrite'"):
+  with pytest.raises(ValueError, match="select must be 'cost_model', 'measure' or 'rewrite'"):
     jax_overlap.overlap(step, select="best")
   with pytest.raises(TypeError, match="expected a function, got int"):
     jax_overlap.overlap(3)
@@ -328,13 +328,13 @@ def test_collectives_issued_one_by_one_on_a_2d_mesh():
   # The variant that ties the first layer's gathers and the reduce-scatters
   # together with optimization barriers passes shard_map's type checks on a
   # 4x2 mesh and gives the same results.
-  from jax_overlap._src import transform as T
+  from jax_overlap._src.transform.evaluate import VariantConfig, evaluate_program
 
   cfg, mesh, params, x = _setup("unrolled", mesh_shape=(4, 2))
   step = S.make_step(cfg, mesh)
   closed = jax.jit(step).trace(params, x).jaxpr
-  chained = T._Config(1, "per_layer", False, "off", None, chain=True)
-  fn = jax.jit(lambda p, x_: T._evaluate(closed, jax.tree.leaves((p, x_)), chained))
+  chained = VariantConfig(1, "per_layer", False, "off", None, chain=True)
+  fn = jax.jit(lambda p, x_: evaluate_program(closed, jax.tree.leaves((p, x_)), chained))
   assert "optimization_barrier" in str(jax.make_jaxpr(fn)(params, x))
   for a, b in zip(jax.tree.leaves(jax.jit(step)(params, x)), fn(params, x)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -344,13 +344,14 @@ def test_first_layer_gathers_chained_in_order_of_first_use():
   # The step's jaxpr gathers a layer's weights in pytree (alphabetical) order:
   # w1, w2, w3, wk, wo, wq, wv. Issued one by one, they go in the order the
   # layer's matmuls need them, so compute starts on wq while the rest arrive.
-  from jax_overlap._src import transform as T
+  from jax_overlap._src.transform import planning
+  from jax_overlap._src.transform.evaluate import VariantConfig, evaluate_program
 
   cfg, mesh, params, x = _setup("unrolled", layers=2)
   closed = jax.jit(S.make_step(cfg, mesh)).trace(params, x).jaxpr
   body = next(e for e in closed.jaxpr.eqns if e.primitive.name == "shard_map").params["jaxpr"]
   names = {v: k for v, k in zip(body.invars, [k for layer in params for k in sorted(layer)])}
-  plan = T._plan_body(body, "", 1, "per_layer", False, chain=True)
+  plan = planning.plan_body(body, "", 1, "per_layer", False, chain=True)
   follows = {
     b: a for b, a in plan.chain_prev.items() if body.eqns[b].primitive.name == "all_gather"
   }
@@ -372,43 +373,44 @@ def test_first_layer_gathers_chained_in_order_of_first_use():
   # results do not change.
   pos = {i: p for p, i in enumerate(plan.order)}
   assert all(pos[a] < pos[b] for b, a in plan.chain_prev.items())
-  chained = T._Config(1, "per_layer", False, "off", None, chain=True)
-  fn = jax.jit(lambda p, x_: T._evaluate(closed, jax.tree.leaves((p, x_)), chained))
+  chained = VariantConfig(1, "per_layer", False, "off", None, chain=True)
+  fn = jax.jit(lambda p, x_: evaluate_program(closed, jax.tree.leaves((p, x_)), chained))
   for a, b in zip(jax.tree.leaves(jax.jit(S.make_step(cfg, mesh))(params, x)), fn(params, x)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_topological_order_keeps_dependencies_and_adds_links():
-  from jax_overlap._src import transform as T
+  from jax_overlap._src.transform import planning
 
   deps = [[], [], [0], [1], [2, 3]]
   # Extra link: 3 must wait for 2 (2 came after 3 in the given order).
-  order = T._topological([0, 1, 3, 2, 4], deps, {3: 2})
+  order = planning.topological([0, 1, 3, 2, 4], deps, {3: 2})
   pos = {i: p for p, i in enumerate(order)}
   assert pos[2] < pos[3]
   assert all(pos[d] < pos[i] for i in range(5) for d in deps[i])
-  assert T._topological([1, 0, 2, 3, 4], deps, {}) == [1, 0, 2, 3, 4]
+  assert planning.topological([1, 0, 2, 3, 4], deps, {}) == [1, 0, 2, 3, 4]
   # A link against a dependency (2 needs 0) closes a cycle: no order.
-  assert T._topological([0, 1, 2, 3, 4], deps, {0: 2}) is None
+  assert planning.topological([0, 1, 2, 3, 4], deps, {0: 2}) is None
 
 
 def test_loop_pipeliner_turned_off_in_either_spelling():
-  from jax_overlap._src import transform as T
+  from jax_overlap._src.transform import variants
 
-  assert T._pipeliner_off(
+  assert variants.pipeliner_off(
     {"xla_gpu_enable_pipelined_all_gather": True, "xla_gpu_enable_pipelined_reduce_scatter": False}
   ) == {"xla_gpu_enable_pipelined_all_gather": False}
-  assert T._pipeliner_off(
+  assert variants.pipeliner_off(
     {"xla_gpu_pipeline_all_gather": "on", "xla_gpu_pipeline_reduce_scatter": "off"}
   ) == {"xla_gpu_pipeline_all_gather": "off"}
-  assert T._pipeliner_off({}) == {}
+  assert variants.pipeliner_off({}) == {}
 
 
 def test_chain_with_a_gather_feeding_another():
   # The first matmul uses a gathered tensor whose gather needs another gathered
   # tensor: that one counts as used by the same matmul, so it stays first, the
   # chain follows the dependency, and the results do not change.
-  from jax_overlap._src import transform as T
+  from jax_overlap._src.transform import planning
+  from jax_overlap._src.transform.evaluate import VariantConfig, evaluate_program
 
   mesh = _mesh((8,))
 
@@ -424,18 +426,18 @@ def test_chain_with_a_gather_feeding_another():
   x = jnp.ones((4, 16), jnp.float32)
   closed = f.trace(a, b, x).jaxpr
   body_jaxpr = closed.jaxpr.eqns[0].params["jaxpr"]
-  plan = T._plan_body(body_jaxpr, "", 1, "per_layer", False, chain=True)
+  plan = planning.plan_body(body_jaxpr, "", 1, "per_layer", False, chain=True)
   gathers = [i for i, e in enumerate(body_jaxpr.eqns) if e.primitive.name == "all_gather"]
   assert plan.chain_prev == {gathers[1]: gathers[0]}
-  chained = T._Config(1, "per_layer", False, "off", None, chain=True)
-  g = jax.jit(lambda *v: T._evaluate(closed, list(v), chained))
+  chained = VariantConfig(1, "per_layer", False, "off", None, chain=True)
+  g = jax.jit(lambda *v: evaluate_program(closed, list(v), chained))
   np.testing.assert_array_equal(np.asarray(f(a, b, x)), np.asarray(g(a, b, x)[0]))
 
 
 def test_latency_profiles_go_to_the_fastest_then_the_least_compute():
   import types
 
-  from jax_overlap._src.transform import decorator
+  from jax_overlap._src.transform import variants
 
   def r(compute):
     return types.SimpleNamespace(compute_time_s=compute)
@@ -444,9 +446,9 @@ def test_latency_profiles_go_to_the_fastest_then_the_least_compute():
   reports = [r(8.0), r(8.0), r(7.0), r(9.6), r(9.0), None, r(9.7)]
   # 4 is the fastest; 2 and 0 have the least compute; 1 is 0 again (same estimates);
   # 3's compute alone is longer than the best step.
-  assert decorator._worth_profiling(times, reports) == [4, 2, 0]
-  assert decorator._worth_profiling([5.0, 6.0], [r(5.0), r(6.0)]) == []
-  assert decorator._worth_profiling([float("inf")], [None]) == []
+  assert variants.worth_profiling(times, reports) == [4, 2, 0]
+  assert variants.worth_profiling([5.0, 6.0], [r(5.0), r(6.0)]) == []
+  assert variants.worth_profiling([float("inf")], [None]) == []
 
 
 def test_a_jitted_step_keeps_its_donation():

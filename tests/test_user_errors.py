@@ -95,11 +95,19 @@ def test_value_errors_keep_their_kind():
 
 
 def test_compile_stage_errors_are_still_compile_errors():
-  # The call traces fine; XLA rejects the compile options: that stays a RuntimeError naming XLA.
+  # The call traces fine; XLA rejects the compile options: the error names the option and
+  # what XLA did with it, not the user's function.
   x = jax.ShapeDtypeStruct((8, 64), jnp.float32)
-  with pytest.raises(RuntimeError, match="XLA could not compile the function for h100x8") as e:
+  with pytest.raises(
+    ValueError, match=r"analyze: xla_options names 'xla_no_such_option_xyz'.*per compile, XLA"
+  ) as e:
     jax_overlap.analyze(step, W, x, target="h100x8", xla_options={"xla_no_such_option_xyz": 1})
   assert "fails when traced" not in str(e.value)
+  # Other compile failures stay a RuntimeError naming XLA and the target.
+  with pytest.raises(RuntimeError, match="XLA could not compile the function for h100x8"):
+    jax_overlap.analyze(
+      step, W, x, target="h100x8", xla_options={"xla_gpu_all_reduce_combine_threshold_bytes": "x"}
+    )
 
 
 def test_analyze_arguments_that_are_not_what_it_takes():

@@ -3,13 +3,18 @@
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = ["ConfigError", "user_call_error", "trace_user_fn"]
+__all__ = ["ConfigError", "NothingToOverlapWarning", "user_call_error", "trace_user_fn"]
 
 T = TypeVar("T")
 
 
 class ConfigError(RuntimeError):
   """Configuration that cannot take effect: bad flags, or flags set too late."""
+
+
+class NothingToOverlapWarning(UserWarning):
+  """``@overlap`` found nothing to move in a step: it runs as written (warned once per
+  decorated step)."""
 
 
 def _fn_name(fn: Any) -> str:

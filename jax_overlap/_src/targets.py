@@ -43,6 +43,8 @@ from typing import Literal
 __all__ = [
   "Gpu",
   "Topology",
+  "from_devices",
+  "gpu_of_device_kind",
   "GPUS",
   "get",
   "get_gpu",
@@ -406,6 +408,68 @@ def get(name: str | Topology | Gpu) -> Topology:
   return Topology(f"{gpu.name}x{n}", gpu, n // 8, 8)
 
 
+# Words of a device's ``device_kind`` (lower case) -> catalogue GPU, most specific first.
+_DEVICE_KINDS = (
+  ("h200", "h200"),
+  ("h100", "h100"),
+  ("a100-sxm4-40gb", "a100-40"),
+  ("a100-pcie-40gb", "a100-40"),
+  ("a100", "a100"),
+  ("a40", "a40"),
+  ("mi250", "mi250x"),
+)
+
+
+def gpu_of_device_kind(kind: str) -> Gpu:
+  """The catalogue GPU of a JAX device's ``device_kind`` ("NVIDIA H100 80GB HBM3" -> h100).
+
+  Raises:
+    ValueError: naming the kind and the catalogue when no GPU of the catalogue matches.
+  """
+  k = str(kind).lower()
+  for word, name in _DEVICE_KINDS:
+    if word in k:
+      return GPUS[name]
+  raise ValueError(
+    f"targets: the device kind {kind!r} is not in the GPU catalogue ({', '.join(names())}); "
+    "pass target= naming the closest one"
+  )
+
+
+def from_devices(devices: Sequence) -> Topology:
+  """The topology of the GPU devices a step runs on: the GPU from their ``device_kind``,
+  the hosts from their ``process_index``, the devices per host from the two.
+
+  Raises:
+    ValueError: for no devices, devices that are not GPUs (or not in the catalogue), mixed
+      GPU kinds, or hosts with different numbers of devices.
+  """
+  devices = list(devices)
+  if not devices:
+    raise ValueError("targets.from_devices: no devices")
+  platforms = {d.platform for d in devices}
+  if not platforms <= {"gpu", "cuda", "rocm"}:
+    raise ValueError(
+      f"targets.from_devices: the devices are {', '.join(sorted(platforms))}, not GPUs; pass "
+      "target= naming the GPU topology to compile for"
+    )
+  gpus = {gpu_of_device_kind(d.device_kind).name for d in devices}
+  if len(gpus) != 1:
+    raise ValueError(f"targets.from_devices: mixed GPU kinds {sorted(gpus)}; pass target=")
+  per_host: dict[int, int] = {}
+  for d in devices:
+    per_host[d.process_index] = per_host.get(d.process_index, 0) + 1
+  counts = set(per_host.values())
+  if len(counts) != 1:
+    raise ValueError(
+      f"targets.from_devices: hosts hold different numbers of devices ({sorted(counts)}); "
+      "pass target="
+    )
+  gpu = GPUS[gpus.pop()]
+  n = len(devices)
+  return Topology(f"{gpu.name}x{n}", gpu, len(per_host), counts.pop())
+
+
 def gpu_target_config(gpu: str | Gpu) -> str:
   """The ``GpuTargetConfigProto`` text XLA needs to compile for ``gpu`` without one."""
   g = get_gpu(gpu)
@@ -467,10 +531,11 @@ def _check_cuda_plugin() -> None:
 
 
 @functools.cache
-def _compile_only_devices(topology_name: str) -> tuple:
+def _compile_only_devices(gpu_name: str, num_hosts: int, gpus_per_host: int) -> tuple:
   from jax.experimental import topologies as jtop
 
-  topo = get(topology_name)
+  gpu = get_gpu(gpu_name)
+  topo = Topology(f"{gpu.name}x{num_hosts * gpus_per_host}", gpu, num_hosts, gpus_per_host)
   _check_cuda_plugin()
 
   def describe():
@@ -542,7 +607,7 @@ def compile_only_devices(target: str | Topology) -> list:
       f"{topo.name}: deviceless compilation is only available for NVIDIA targets; "
       f"choose one of {', '.join(n for n in names() if GPUS[n].deviceless)}"
     )
-  return list(_compile_only_devices(topo.name))
+  return list(_compile_only_devices(topo.gpu.name, topo.num_hosts, topo.gpus_per_host))
 
 
 def compile_only_mesh(

@@ -9,14 +9,14 @@ import jax
 from jax import lax
 
 from jax_overlap._src.collective_matmul.rings import (
-  _ag_ring,
-  _dot,
-  _rs_ring,
+  ag_ring,
+  dot_block,
+  rs_ring,
 )
 from jax_overlap._src.collective_matmul.validate import (
-  _axis_size,
-  _check_operands,
-  _directions,
+  axis_size,
+  check_operands,
+  directions,
 )
 
 AxisName = str | tuple[str, ...]
@@ -93,10 +93,10 @@ def all_gather_matmul(
     ...   return all_gather_matmul(x, w, axis="tensor", bidirectional=True)
   """
   api = "all_gather_matmul"
-  _check_operands(api, x, w, "(m / N, k)")
-  n = _axis_size(api, axis)
+  check_operands(api, x, w, "(m / N, k)")
+  n = axis_size(api, axis)
   axis = axis[0] if isinstance(axis, (tuple, list)) else axis
-  dirs = _directions(api, x.shape[0], "x.shape[0] (the local rows)", bidirectional, chunks)
+  dirs = directions(api, x.shape[0], "x.shape[0] (the local rows)", bidirectional, chunks)
   return _ag_matmul(x, w, axis, n, dirs, precision, preferred_element_type)
 
 
@@ -143,31 +143,31 @@ def matmul_reduce_scatter(
     ...   return matmul_reduce_scatter(h, w, axis="tensor")
   """
   api = "matmul_reduce_scatter"
-  _check_operands(api, x, w, "(m, k / N)")
-  n = _axis_size(api, axis)
+  check_operands(api, x, w, "(m, k / N)")
+  n = axis_size(api, axis)
   axis = axis[0] if isinstance(axis, (tuple, list)) else axis
   if x.shape[0] % n:
     raise ValueError(
       f"{api}: x.shape[0] ({x.shape[0]}) must be divisible by the size of axis {axis!r} ({n})"
     )
-  dirs = _directions(api, x.shape[0] // n, "x.shape[0] / axis size", bidirectional, chunks)
+  dirs = directions(api, x.shape[0] // n, "x.shape[0] / axis size", bidirectional, chunks)
   return _rs_matmul(x, w, axis, n, dirs, precision, preferred_element_type)
 
 
 def _ag_matmul(x, w, axis, n, dirs, precision, preferred):
   @jax.custom_vjp
   def f(x, w):
-    return _ag_ring(x, w, axis, n, dirs, precision, preferred, collect=False)[0]
+    return ag_ring(x, w, axis, n, dirs, precision, preferred, collect=False)[0]
 
   def fwd(x, w):
-    y, xf = _ag_ring(x, w, axis, n, dirs, precision, preferred, collect=True)
+    y, xf = ag_ring(x, w, axis, n, dirs, precision, preferred, collect=True)
     return y, (xf, x, w)
 
   def bwd(res, ct):
     xf, x, w = res
     checked = bool(_vma(x) | _vma(w))
-    dx = _rs_ring(ct, w.T.astype(ct.dtype), axis, n, dirs, precision, None)
-    dw = _dot(xf.T, ct, precision, None)
+    dx = rs_ring(ct, w.T.astype(ct.dtype), axis, n, dirs, precision, None)
+    dw = dot_block(xf.T, ct, precision, None)
     return (
       _match_primal(dx.astype(x.dtype), x, checked),
       _match_primal(dw.astype(w.dtype), w, checked),
@@ -180,7 +180,7 @@ def _ag_matmul(x, w, axis, n, dirs, precision, preferred):
 def _rs_matmul(x, w, axis, n, dirs, precision, preferred):
   @jax.custom_vjp
   def f(x, w):
-    return _rs_ring(x, w, axis, n, dirs, precision, preferred)
+    return rs_ring(x, w, axis, n, dirs, precision, preferred)
 
   def fwd(x, w):
     return f(x, w), (x, w)
@@ -188,8 +188,8 @@ def _rs_matmul(x, w, axis, n, dirs, precision, preferred):
   def bwd(res, ct):
     x, w = res
     checked = bool(_vma(x) | _vma(w))
-    dx, ct_full = _ag_ring(ct, w.T.astype(ct.dtype), axis, n, dirs, precision, None, collect=True)
-    dw = _dot(x.T, ct_full.astype(x.dtype), precision, None)
+    dx, ct_full = ag_ring(ct, w.T.astype(ct.dtype), axis, n, dirs, precision, None, collect=True)
+    dw = dot_block(x.T, ct_full.astype(x.dtype), precision, None)
     return (
       _match_primal(dx.astype(x.dtype), x, checked),
       _match_primal(dw.astype(w.dtype), w, checked),

@@ -12,13 +12,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_overlap._src.collective_matmul.cost import Method
-from jax_overlap._src.collective_matmul.pieces import _ag_pieces, _rs_pieces
+from jax_overlap._src.collective_matmul.pieces import ag_pieces, rs_pieces
 from jax_overlap._src.collective_matmul.rings import (
   Kept,
-  _in_gathered_order,
-  _out_dim,
-  _perm,
-  _ring_order,
+  in_gathered_order,
+  out_dim,
+  ring_order,
+  ring_perm,
 )
 
 
@@ -86,13 +86,13 @@ def gather_dots_kept(x, dots, *, axis, gather_dim, bidirectional=False, method="
   _check_gather(x, dots, gather_dim)
   _check_out_shapes(x, dots, gather_dim, int(lax.axis_size(axis)))
   if method == "pieces":
-    return _ag_pieces(x, dots, axis, gather_dim, pieces)
+    return ag_pieces(x, dots, axis, gather_dim, pieces)
   if method != "ring":
     raise ValueError(f"all_gather_dot_generals: method must be 'ring' or 'pieces', got {method!r}")
   n = int(lax.axis_size(axis))
   d = lax.axis_index(axis)
   m = x.shape[gather_dim]
-  pos = [_out_dim(x.ndim, w.ndim, lhs, dn, gather_dim) for (w, lhs, dn, *_) in dots]
+  pos = [out_dim(x.ndim, w.ndim, lhs, dn, gather_dim) for (w, lhs, dn, *_) in dots]
   dirs = (1, -1) if bidirectional else (1,)
   if m % len(dirs):
     raise ValueError(
@@ -106,7 +106,9 @@ def gather_dots_kept(x, dots, *, axis, gather_dim, bidirectional=False, method="
   held: list = []
   for s in range(n):
     nxt = (
-      [lax.ppermute(pc, axis, _perm(n, dj)) for pc, dj in zip(pieces, dirs)] if s < n - 1 else None
+      [lax.ppermute(pc, axis, ring_perm(n, dj)) for pc, dj in zip(pieces, dirs)]
+      if s < n - 1
+      else None
     )
     for piece in pieces:
       for j, (w, lhs, dn, precision, preferred, _, dtype) in enumerate(dots):
@@ -121,11 +123,11 @@ def gather_dots_kept(x, dots, *, axis, gather_dim, bidirectional=False, method="
         parts[j].append(part.astype(dtype))
       held.append(piece)
     pieces = nxt
-  order, inverse = _ring_order(n, d, dirs)
-  outs = [_in_gathered_order(ps, order, inverse, od) for ps, od in zip(parts, pos)]
+  order, inverse = ring_order(n, d, dirs)
+  outs = [in_gathered_order(ps, order, inverse, od) for ps, od in zip(parts, pos)]
   return outs, Kept(
     tuple(held),
-    functools.partial(_in_gathered_order, order=order, inverse=inverse, axis=gather_dim),
+    functools.partial(in_gathered_order, order=order, inverse=inverse, axis=gather_dim),
   )
 
 
@@ -207,7 +209,7 @@ def dot_general_reduce_scatter(
     )
   block = size // n
   if method == "pieces":
-    return _rs_pieces(
+    return rs_pieces(
       lhs,
       rhs,
       dn=dimension_numbers,
@@ -248,7 +250,7 @@ def dot_general_reduce_scatter(
   accs = [part(0, j, dj) for j, dj in enumerate(dirs)]
   for s in range(1, n):
     accs = [
-      lax.ppermute(a, axis, _perm(n, dj)) + part(s, j, dj)
+      lax.ppermute(a, axis, ring_perm(n, dj)) + part(s, j, dj)
       for j, (a, dj) in enumerate(zip(accs, dirs))
     ]
   out = accs[0] if len(accs) == 1 else jnp.concatenate(accs, axis=scatter_dim)

@@ -10,14 +10,14 @@ from jax import lax
 
 from jax_overlap._src.collective_matmul.rings import (
   Kept,
-  _out_dim,
+  out_dim,
 )
 from jax_overlap._src.collective_matmul.validate import (
   piece_sizes,
 )
 
 
-def _ag_pieces(x, dots, axis, gather_dim, pieces):
+def ag_pieces(x, dots, axis, gather_dim, pieces):
   """``all_gather_dot_generals`` as chained all-gathers of a slice of every block (the
   slices' sizes from ``pieces``: a count of equal slices, or the sizes): (the dots'
   outputs, the gathered pieces as ``Kept``)."""
@@ -25,7 +25,7 @@ def _ag_pieces(x, dots, axis, gather_dim, pieces):
   m = x.shape[gather_dim]
   sizes = piece_sizes("all_gather_dot_generals", pieces, n, m)
   c = len(sizes)
-  pos = [_out_dim(x.ndim, w.ndim, lhs, dn, gather_dim) for (w, lhs, dn, *_) in dots]
+  pos = [out_dim(x.ndim, w.ndim, lhs, dn, gather_dim) for (w, lhs, dn, *_) in dots]
   # Every slice is cut before the first gather: a gather then waits for nothing on the
   # compute stream but the gather before it, so it is issued as soon as that one is done,
   # not after a slice copy queued behind the previous piece's dots.
@@ -56,11 +56,11 @@ def _ag_pieces(x, dots, axis, gather_dim, pieces):
         a if lhs else b, b if lhs else a, dn, precision=precision, preferred_element_type=preferred
       )
       parts[i][j] = part.astype(dtype)
-  outs = [_pieces_in_order(ps, od, n) for ps, od in zip(parts, pos)]
-  return outs, Kept(tuple(gathered), functools.partial(_pieces_in_order, dim=gather_dim, n=n))
+  outs = [pieces_in_order(ps, od, n) for ps, od in zip(parts, pos)]
+  return outs, Kept(tuple(gathered), functools.partial(pieces_in_order, dim=gather_dim, n=n))
 
 
-def _pieces_in_order(parts: list, dim: int, n: int):
+def pieces_in_order(parts: list, dim: int, n: int):
   """Piece-major results (piece j holds slice j of every device's block, device-major)
   put in device order along ``dim``: one concatenation."""
   blocks = []
@@ -72,7 +72,7 @@ def _pieces_in_order(parts: list, dim: int, n: int):
   return y.reshape(shape[:dim] + (n * shape[dim + 1],) + shape[dim + 2 :])
 
 
-def _rs_pieces(
+def rs_pieces(
   lhs,
   rhs,
   *,

@@ -27,11 +27,11 @@ class Kept:
     return self.put_in_order(list(self.parts if parts is None else parts))
 
 
-def _perm(n: int, direction: int) -> list[tuple[int, int]]:
+def ring_perm(n: int, direction: int) -> list[tuple[int, int]]:
   return [(i, (i + direction) % n) for i in range(n)]
 
 
-def _dot(a, b, precision, preferred):
+def dot_block(a, b, precision, preferred):
   return jnp.dot(a, b, precision=precision, preferred_element_type=preferred)
 
 
@@ -44,10 +44,10 @@ def _step_dot(a, b, precision, preferred):
   with this step's ``a`` gives every step its own operand.
   """
   a, b = lax.optimization_barrier((a, b))
-  return _dot(a, b, precision, preferred)
+  return dot_block(a, b, precision, preferred)
 
 
-def _ag_ring(x, w, axis, n, dirs, precision, preferred, collect):
+def ag_ring(x, w, axis, n, dirs, precision, preferred, collect):
   """``all_gather(x) @ w`` as a ring; also the gathered ``x`` if ``collect``."""
   d = lax.axis_index(axis)
   m_loc = x.shape[0]
@@ -58,19 +58,21 @@ def _ag_ring(x, w, axis, n, dirs, precision, preferred, collect):
   for s in range(n):
     # Issue the next exchange before this step's dots: they are independent.
     nxt = (
-      [lax.ppermute(pc, axis, _perm(n, dj)) for pc, dj in zip(pieces, dirs)] if s < n - 1 else None
+      [lax.ppermute(pc, axis, ring_perm(n, dj)) for pc, dj in zip(pieces, dirs)]
+      if s < n - 1
+      else None
     )
     for pc in pieces:
       parts.append(_step_dot(pc, w, precision, preferred).astype(out_dtype))
       held.append(pc)
     pieces = nxt
-  order, inverse = _ring_order(n, d, dirs)
-  y = _in_gathered_order(parts, order, inverse, 0)
-  xf = _in_gathered_order(held, order, inverse, 0) if collect else None
+  order, inverse = ring_order(n, d, dirs)
+  y = in_gathered_order(parts, order, inverse, 0)
+  xf = in_gathered_order(held, order, inverse, 0) if collect else None
   return y, xf
 
 
-def _rs_ring(x, w, axis, n, dirs, precision, preferred):
+def rs_ring(x, w, axis, n, dirs, precision, preferred):
   """``psum_scatter(x @ w, scatter_dimension=0, tiled=True)`` as a ring."""
   d = lax.axis_index(axis)
   m_loc = x.shape[0] // n
@@ -84,12 +86,12 @@ def _rs_ring(x, w, axis, n, dirs, precision, preferred):
 
   accs = [part(0, j, dj) for j, dj in enumerate(dirs)]
   for s in range(1, n):
-    sent = [lax.ppermute(a, axis, _perm(n, dj)) for a, dj in zip(accs, dirs)]
+    sent = [lax.ppermute(a, axis, ring_perm(n, dj)) for a, dj in zip(accs, dirs)]
     accs = [snt + part(s, j, dj) for j, (snt, dj) in enumerate(zip(sent, dirs))]
   return accs[0] if len(accs) == 1 else jnp.concatenate(accs, axis=0)
 
 
-def _ring_order(n: int, d, dirs) -> tuple[jax.Array, jax.Array]:
+def ring_order(n: int, d, dirs) -> tuple[jax.Array, jax.Array]:
   """Where each chunk of a ring's output comes from, and its inverse.
 
   A gather ring holds, at step ``s``, piece ``j`` (sent in direction ``dirs[j]``) of
@@ -113,7 +115,7 @@ def _chunks(x, count: int, axis: int):
   return x.reshape(shape[:axis] + (count, shape[axis] // count) + shape[axis + 1 :])
 
 
-def _in_gathered_order(chunks: list, order, inverse, axis: int):
+def in_gathered_order(chunks: list, order, inverse, axis: int):
   """A ring's chunks (in ring order) as one array in the gathered order."""
   return _take_chunks(jnp.concatenate(chunks, axis=axis), order, inverse, axis)
 
@@ -145,7 +147,7 @@ def _take_chunks_bwd(axis, res, ct):
 _take_chunks.defvjp(_take_chunks_fwd, _take_chunks_bwd)
 
 
-def _out_dim(ndim_x: int, ndim_w: int, x_is_lhs: bool, dn, gather_dim: int) -> int:
+def out_dim(ndim_x: int, ndim_w: int, x_is_lhs: bool, dn, gather_dim: int) -> int:
   """Where ``gather_dim`` of ``x`` lands in ``dot_general``'s output (batch dims, then the
   lhs's free dims, then the rhs's, each in order)."""
   (lc, rc), (lb, rb) = dn

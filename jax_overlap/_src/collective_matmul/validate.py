@@ -6,7 +6,7 @@ import numpy as np
 from jax import lax
 
 
-def _axis_size(api: str, axis) -> int:
+def axis_size(api: str, axis) -> int:
   if isinstance(axis, (tuple, list)):
     if len(axis) != 1:
       raise ValueError(f"{api}: axis must be a single mesh axis name for the ring, got {axis!r}")
@@ -22,7 +22,7 @@ def _axis_size(api: str, axis) -> int:
     ) from None
 
 
-def _check_operands(api: str, x, w, x_desc: str) -> None:
+def check_operands(api: str, x, w, x_desc: str) -> None:
   for name, v in (("x", x), ("w", w)):
     if not hasattr(v, "shape") or not hasattr(v, "dtype"):
       raise TypeError(f"{api}: {name} must be an array, got {type(v).__name__}")
@@ -38,7 +38,7 @@ def _check_operands(api: str, x, w, x_desc: str) -> None:
     )
 
 
-def _directions(api: str, rows: int, what: str, bidirectional: bool, chunks) -> tuple[int, ...]:
+def directions(api: str, rows: int, what: str, bidirectional: bool, chunks) -> tuple[int, ...]:
   if chunks is None:
     chunks = 2 if bidirectional else 1
   if isinstance(chunks, bool) or not isinstance(chunks, (int, np.integer)) or chunks < 1:

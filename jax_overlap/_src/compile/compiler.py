@@ -444,6 +444,9 @@ def compile_for_target(
     except (ValueError, errors.ConfigError):
       raise
     except Exception as e:  # noqa: BLE001 - XLA raises JaxRuntimeError and others
+      unknown = per_compile.unknown_option_error(api_name, e)
+      if unknown is not None:
+        raise unknown from None
       raise failure("XLA could not compile the function", e, topo) from e
     compile_time = time.perf_counter() - t0
     hlo = _read(os.path.join(dump_dir, "*after_optimizations.txt"))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -26,7 +27,7 @@ from jax_overlap._src.errors import ConfigError
 from jax_overlap._src.flags.probe import Answers
 from jax_overlap._src.flags.registry import REGISTRY, Flag
 
-__all__ = ["spelled", "accepted"]
+__all__ = ["spelled", "accepted", "unknown_option_error"]
 
 # Runs in a helper process: stdin is a JSON list of [name, value]; stdout one JSON list of
 # [accepted, XLA's message].
@@ -146,3 +147,35 @@ def spelled(options: Mapping[str, Any]) -> dict[str, Any]:
     new_name, new_value = ok[0] if ok else (name, value)
     out[new_name] = new_value
   return out
+
+
+_NO_SUCH_OPTION = re.compile(r"No such compile option: '([^']+)'")
+
+
+def unknown_option_error(api: str, error: BaseException) -> ValueError | None:
+  """For XLA's "No such compile option" (a per-compile option the installed jaxlib does not
+  have): a ``ValueError`` naming the option, what XLA did with it and the closest option it
+  takes (as :func:`jax_overlap.flags.validate` suggests); None for any other error."""
+  m = _NO_SUCH_OPTION.search(str(error))
+  if m is None:
+    return None
+  from jax_overlap._src.flags import validation
+
+  name = m.group(1)
+  flag = REGISTRY.get(name)
+  if flag is not None and flag.replacement:
+    hint = f"; use {flag.replacement} instead"
+  else:
+    close = validation.close_name(name)
+    hint = f"; did you mean {close}?" if close else ""
+  return ValueError(
+    f"{api}: xla_options names {name!r}, which is not an option of jaxlib "
+    f'{_jaxlib_version()}: per compile, XLA refuses the compile ("No such compile option")'
+    f"{hint}"
+  )
+
+
+def _jaxlib_version() -> str:
+  import jaxlib
+
+  return jaxlib.__version__

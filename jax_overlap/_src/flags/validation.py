@@ -14,6 +14,7 @@ reads, beside the two readers of the input they check.)
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import difflib
 import re
@@ -76,7 +77,16 @@ def version_tuple(v: str) -> tuple[int, ...]:
 
 
 _ENV_PREFIXES = ("NCCL_", "CUDA_", "CUBLAS_", "CUDNN_")
-_ABORTS = "in XLA_FLAGS it aborts the process at backend start"
+_IN_XLA_FLAGS = "in XLA_FLAGS it aborts the process at backend start"
+_PER_COMPILE = (
+  "per compile, XLA refuses the compile with an error (in XLA_FLAGS it would abort the "
+  "process at backend start)"
+)
+# What XLA does with a bad flag where the flags being checked go: XLA_FLAGS (a string) or
+# one compile's options (a mapping).
+_CONSEQUENCE: contextvars.ContextVar[str] = contextvars.ContextVar(
+  "jax_overlap_flag_consequence", default=_IN_XLA_FLAGS
+)
 _TYPE_WORDS = {
   "bool": "a bool (true, false, 1 or 0)",
   "int32": "a base-10 int32",
@@ -124,6 +134,14 @@ def validate(flags: str | Mapping[str, Any], *, probe: bool = True) -> list[Prob
     >>> [p.kind for p in validate("--xla_gpu_enable_async_all_gather=true")]  # doctest: +SKIP
     ['removed']
   """
+  token = _CONSEQUENCE.set(_IN_XLA_FLAGS if isinstance(flags, str) else _PER_COMPILE)
+  try:
+    return _validate(flags, probe)
+  finally:
+    _CONSEQUENCE.reset(token)
+
+
+def _validate(flags: str | Mapping[str, Any], probe: bool) -> list[Problem]:
   problems: list[Problem] = []
   if isinstance(flags, str):
     tokens = _read_string(flags, problems)
@@ -173,7 +191,7 @@ def _read_string(text: str, problems: list[Problem]) -> list[syntax.Token]:
         text,
         "malformed",
         f"XLA_FLAGS does not start with '-', so XLA takes {text!r} as the name of a flag "
-        f"file and cannot open it ({read.file_error}): {_ABORTS}. Flags look like "
+        f"file and cannot open it ({read.file_error}): {_CONSEQUENCE.get()}. Flags look like "
         f"--name=value{hint}",
       )
     )
@@ -187,7 +205,7 @@ def _read_string(text: str, problems: list[Problem]) -> list[syntax.Token]:
           "malformed",
           "'--' ends XLA's flag list: it and every flag after it"
           + (f" ({rest})" if rest else "")
-          + f" count as unknown flags, and {_ABORTS}",
+          + f" count as unknown flags, and {_CONSEQUENCE.get()}",
         )
       )
       break
@@ -196,7 +214,7 @@ def _read_string(text: str, problems: list[Problem]) -> list[syntax.Token]:
         Problem(
           tok.text,
           "malformed",
-          f"{tok.text!r} is not an XLA flag ({_ABORTS}); XLA_FLAGS tokens look like "
+          f"{tok.text!r} is not an XLA flag ({_CONSEQUENCE.get()}); XLA_FLAGS tokens look like "
           "--name=value (for example --xla_gpu_enable_latency_hiding_scheduler=true)",
         )
       )
@@ -205,7 +223,7 @@ def _read_string(text: str, problems: list[Problem]) -> list[syntax.Token]:
         Problem(
           tok.name,
           "unknown",
-          f"{tok.name} is an environment variable, not an XLA flag: {_ABORTS}. Set it in "
+          f"{tok.name} is an environment variable, not an XLA flag: {_CONSEQUENCE.get()}. Set it in "
           f"the environment instead (export {tok.name}={tok.value or ''})",
         )
       )
@@ -264,7 +282,9 @@ def _read_mapping(options: Mapping[Any, Any], problems: list[Problem]) -> list[s
       )
       continue
     if not re.fullmatch(r"[A-Za-z0-9_]+", name):
-      problems.append(Problem(name, "malformed", f"{name!r} is not an XLA option name ({_ABORTS})"))
+      problems.append(
+        Problem(name, "malformed", f"{name!r} is not an XLA option name ({_CONSEQUENCE.get()})")
+      )
       continue
     if flag is not None and flag.proto_enum and isinstance(v, str):
       # A per-compile enum value (``<ENUM>_ON``) stands for XLA_FLAGS' short one (``on``).
@@ -311,7 +331,7 @@ def _from_registry(tok: syntax.Token) -> list[Problem]:
   why = _value_problem(flag, tok.value)
   if why:
     kind = "no_value" if tok.value is None else "bad_value"
-    return [Problem(tok.name, kind, f"{tok.name} {why}; {_ABORTS}")]
+    return [Problem(tok.name, kind, f"{tok.name} {why}; {_CONSEQUENCE.get()}")]
   return _taken_problems(flag, tok.value)
 
 
@@ -332,7 +352,7 @@ def _judged(tok: syntax.Token, verdict: probe_lib.Verdict) -> list[Problem]:
           "no_value",
           f"--{name} has no value: XLA reads a bare --name as true for bool flags only, "
           f"and {name} takes {_TYPE_WORDS[ftype]}, so XLA does not recognise the token and "
-          f"{_ABORTS}; write --{name}=<value>",
+          f"{_CONSEQUENCE.get()}; write --{name}=<value>",
         )
       ]
     if flag is not None and flag.removed_in:
@@ -349,13 +369,13 @@ def _judged(tok: syntax.Token, verdict: probe_lib.Verdict) -> list[Problem]:
           suggestion=flag.replacement,
         )
       ]
-    close = _close_name(name)
+    close = close_name(name)
     hint = f"; did you mean {close}?" if close else ""
     return [
       Problem(
         name,
         "unknown",
-        f"{name} is not an option of jaxlib {probe_lib.jaxlib_version()}: {_ABORTS}{hint}",
+        f"{name} is not an option of jaxlib {probe_lib.jaxlib_version()}: {_CONSEQUENCE.get()}{hint}",
         suggestion=close,
       )
     ]
@@ -368,7 +388,7 @@ def _judged(tok: syntax.Token, verdict: probe_lib.Verdict) -> list[Problem]:
       Problem(
         name,
         "bad_value",
-        f"{name}={tok.value!r} is rejected by XLA ({verdict.message}){takes}: {_ABORTS}",
+        f"{name}={tok.value!r} is rejected by XLA ({verdict.message}){takes}: {_CONSEQUENCE.get()}",
       )
     ]
   return [Problem(name, "bad_value", f"--{name}: XLA fails to start with it ({verdict.message})")]
@@ -380,7 +400,7 @@ def _removed_problem(flag: Flag) -> Problem:
     flag.name,
     "renamed" if flag.replacement else "removed",
     f"{flag.name} was removed from XLA (jaxlib {probe_lib.jaxlib_version()} does not know it; "
-    f"{_ABORTS}){hint}. {flag.why}".strip(),
+    f"{_CONSEQUENCE.get()}){hint}. {flag.why}".strip(),
     suggestion=flag.replacement,
   )
 
@@ -502,7 +522,8 @@ def _conflicts(tokens: list[syntax.Token]) -> list[Problem]:
   return out
 
 
-def _close_name(name: str) -> str | None:
+def close_name(name: str) -> str | None:
+  """The registered XLA option closest to ``name`` (a likely misspelling), if any."""
   known = [f.name for f in ENTRIES if f.kind == "xla" and not f.removed_in]
   match = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
   return match[0] if match else None

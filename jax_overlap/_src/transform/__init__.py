@@ -49,39 +49,9 @@ converts a partitioned program to shard_map, :mod:`.decorator` holds
 compiles them), :mod:`.explain` what it reports."""
 
 from jax_overlap._src.transform.annotations import priority as priority
-from jax_overlap._src.transform.decorator import (
-  _PROFILED_VARIANTS as _PROFILED_VARIANTS,
-)
-from jax_overlap._src.transform.decorator import (
-  Overlapped as Overlapped,
-)
-from jax_overlap._src.transform.decorator import (
-  _pipeliner_off as _pipeliner_off,
-)
-from jax_overlap._src.transform.decorator import (
-  overlap as overlap,
-)
-from jax_overlap._src.transform.evaluate import _Config as _Config
-from jax_overlap._src.transform.evaluate import _evaluate as _evaluate
+from jax_overlap._src.transform.decorator import Overlapped as Overlapped
+from jax_overlap._src.transform.decorator import overlap as overlap
 from jax_overlap._src.transform.explain import Action as Action
 from jax_overlap._src.transform.explain import Explanation as Explanation
-from jax_overlap._src.transform.jaxprs import (
-  _subjaxprs as _subjaxprs,
-)
-from jax_overlap._src.transform.planning import (
-  _plan_body as _plan_body,
-)
-from jax_overlap._src.transform.planning import (
-  _topological as _topological,
-)
-from jax_overlap._src.transform.planning import (
-  classify_collectives as classify_collectives,
-)
-from jax_overlap._src.transform.planning import (
-  parameter_avals as parameter_avals,
-)
-from jax_overlap._src.transform.planning import (
-  parameter_inputs as parameter_inputs,
-)
 
 __all__ = ["overlap", "Overlapped", "Explanation", "Action", "priority"]

@@ -11,7 +11,7 @@ import math
 import jax
 import numpy as np
 
-__all__ = ["Statics", "abstract_leaves", "check_args", "platform", "signature"]
+__all__ = ["Statics", "abstract_leaves", "check_args", "devices", "platform", "signature"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,3 +156,20 @@ def signature(args, kwargs):
     else:
       sig.append(("static", repr(x)))
   return tree, tuple(sig)
+
+
+def devices(args, kwargs, mesh) -> list:
+  """The devices the step runs on: those of the arguments' layouts (every process's), or
+  of ``mesh``; empty for arguments without devices (``jax.ShapeDtypeStruct`` without
+  sharding, tracers)."""
+  found: dict[int, object] = {}
+  for x in jax.tree.leaves((args, kwargs)):
+    if isinstance(x, jax.core.Tracer):
+      continue
+    sharding = getattr(x, "sharding", None)
+    for d in getattr(sharding, "device_set", ()) or ():
+      found.setdefault(d.id, d)
+  if not found and mesh is not None and getattr(mesh, "devices", None) is not None:
+    for d in np.asarray(mesh.devices).flat:
+      found.setdefault(d.id, d)
+  return [found[i] for i in sorted(found)]

@@ -34,7 +34,7 @@ def workers() -> int:
 
 
 def analyze_all(settings, jobs, make, args, kwargs, errors, kernels=None):
-  """Reports (or the exception) for ``jobs`` [(name, cfg, options)], in their order,
+  """Reports (or the exception) for ``jobs`` (:class:`~.variants.Candidate`), in their order,
   compiled by :func:`workers` threads. ``kernels`` (a :class:`kernel_cache.Shared`): seeded
   by the first job alone if no compile has; the others take the kernels of those before,
   and, on two threads, the first job of a program not compiled yet (:func:`program`) runs
@@ -52,7 +52,7 @@ def analyze_all(settings, jobs, make, args, kwargs, errors, kernels=None):
   fallback_keys = set(compile_lib.TILING_FALLBACK)
 
   def one(job, seed=False):
-    name, cfg_c, options = job
+    name, cfg_c, options = job.name, job.config, job.options
     with lock:
       inherited = dict(learned) if not fallback_keys & set(options) else {}
     compile_options = {**options, **inherited}
@@ -101,7 +101,7 @@ def analyze_all(settings, jobs, make, args, kwargs, errors, kernels=None):
   with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="jax_overlap") as pool:
     running: dict[int, concurrent.futures.Future] = {}
     for i, job in enumerate(jobs):
-      if kernels.first_of(program(job[1])):
+      if kernels.first_of(program(job.config)):
         concurrent.futures.wait(running.values())
         out[i] = one(job)
       else:

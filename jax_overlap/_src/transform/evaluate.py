@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any
+from typing import Any, Literal
 
 import jax
 from jax.experimental.xla_metadata import set_xla_metadata
@@ -14,8 +14,9 @@ from jax_overlap._src.collective_matmul.nd import gather_dots_kept
 from jax_overlap._src.fsdp.pipeline import after
 from jax_overlap._src.transform import scan_pipeline
 from jax_overlap._src.transform.explain import Action
-from jax_overlap._src.transform.jaxprs import _OPAQUE, _has_collectives, _is_var, scan_sizes
-from jax_overlap._src.transform.planning import _BodyPlan, _plan_body
+from jax_overlap._src.transform.jaxprs import OPAQUE, contains_collectives, is_var, scan_sizes
+from jax_overlap._src.transform.planning import BodyPlan, plan_body
+from jax_overlap._src.transform.settings import CollectiveMatmul, ReduceScatter
 
 
 def _eval_eqn(eqn, invals, metadata: dict[str, str] | None):
@@ -42,7 +43,7 @@ def _environment(jaxpr, consts, args):
   env.update(zip(jaxpr.invars, args))
 
   def read(v):
-    return v.val if not _is_var(v) else env[v]
+    return v.val if not is_var(v) else env[v]
 
   return env, read
 
@@ -65,7 +66,7 @@ def _run_ring(ring, env, read, wait_for: list, kept: dict) -> bool:
   for d in dots:
     lhs = d.invars[0] is gather.outvars[0]
     w = d.invars[1] if lhs else d.invars[0]
-    if _is_var(w) and w not in env:
+    if is_var(w) and w not in env:
       out = _eval_eqn(gather, [read(x)], None)[0]
       env[gather.outvars[0]] = _after_all(out, wait_for)
       return False
@@ -107,14 +108,14 @@ def _assembled_beside(kept: dict, vs: list) -> tuple:
   return assemble, tuple(p for h in held for p in h.parts)
 
 
-def _run(jaxpr, consts, args, plan: _BodyPlan | None):
+def _run(jaxpr, consts, args, plan: BodyPlan | None):
   _, read = _run_env(jaxpr, consts, args, plan)
   return [read(v) for v in jaxpr.outvars]
 
 
-def _scan(eqn, invals: list, plan: _BodyPlan):
+def _scan(eqn, invals: list, plan: BodyPlan):
   """Scan ``eqn`` on ``invals`` with its body evaluated by ``plan``."""
-  jaxpr, body_consts = scan_pipeline._body(eqn)  # the body the plan was made for
+  jaxpr, body_consts = scan_pipeline.loop_body(eqn)  # the body the plan was made for
   n_consts, n_carry = scan_sizes(eqn)
   consts, carry0 = invals[:n_consts], invals[n_consts : n_consts + n_carry]
   xs = invals[n_consts + n_carry :]
@@ -134,9 +135,7 @@ def _scan(eqn, invals: list, plan: _BodyPlan):
   return [*carry, *ys]
 
 
-def _run_env(
-  jaxpr, consts, args, plan: _BodyPlan | None, skip: frozenset = frozenset(), given=None
-):
+def _run_env(jaxpr, consts, args, plan: BodyPlan | None, skip: frozenset = frozenset(), given=None):
   """Evaluates ``jaxpr`` under ``plan``; (its environment, its reader). Equations in
   ``skip`` are not run: their outputs come from ``given`` (eqn index -> value), if there."""
   env, read_env = _environment(jaxpr, consts, args)
@@ -145,7 +144,7 @@ def _run_env(
   kept: dict = {}  # gathered values rings keep, not yet put in order (rings.Kept)
 
   def read(v):
-    if _is_var(v) and v in kept:  # read before a reduce-scatter took it: assembled here
+    if is_var(v) and v in kept:  # read before a reduce-scatter took it: assembled here
       env[v] = kept.pop(v).assemble()
     return read_env(v)
 
@@ -237,27 +236,54 @@ def _run_env(
   return env, read
 
 
-@dataclasses.dataclass
-class _Config:
+Program = Literal["traced", "shard_map"]
+Loops = Literal["all", "forward", "none"]
+
+
+@dataclasses.dataclass(frozen=True)
+class VariantConfig:
+  """How one variant evaluates the step: the rewrite's settings (from ``Settings``) and
+  what the variant changes (which program, how the collectives are ordered).
+
+  Made once per build by :meth:`from_settings`; the variants derive theirs from it with
+  ``dataclasses.replace`` (or :meth:`as_written`)."""
+
   prefetch: int
-  reduce_scatter: str
+  reduce_scatter: ReduceScatter
   annotate: bool
-  collective_matmul: str = "off"
-  target: str | None = None
+  collective_matmul: CollectiveMatmul = "off"
+  target: Any = None  # a targets.Topology, or None for the cost model's default
   chain: bool = False  # issue the first layer's gathers and every reduce-scatter one by one
   # id(shard_map body) -> positions of its inputs that carry parameters (parameter_inputs)
-  param_inputs: dict | None = None
+  param_inputs: dict | None = dataclasses.field(default=None, compare=True, hash=False)
   param_avals: frozenset | None = None  # parameter_avals
   # Which program the variant evaluates: the step as traced, or its shard_map form
   # (a GSPMD step converted by to_shard_map).
-  program: str = "traced"
+  program: Program = "traced"
   # Backward weight gradients run while the next activation all-gather travels.
   defer_weight_gradients: bool = True
   # Which lax.scan bodies get collective matmuls and deferred weight gradients of their own:
   # "all", "forward" (not the reversed scans of the backward pass) or "none".
-  loops: str = "all"
+  loops: Loops = "all"
 
-  def as_written(self) -> _Config:
+  @classmethod
+  def from_settings(
+    cls, settings, annotate: bool, param_inputs: dict | None, param_avals: frozenset | None
+  ) -> VariantConfig:
+    """The rewrite ``settings`` (a checked :class:`~.settings.Settings`) ask for, with the
+    parameter evidence read from the traced program."""
+    return cls(
+      prefetch=settings.prefetch,
+      reduce_scatter=settings.reduce_scatter,
+      annotate=annotate,
+      collective_matmul=settings.collective_matmul,
+      target=settings.target,
+      param_inputs=param_inputs,
+      param_avals=param_avals,
+      defer_weight_gradients=settings.weight_gradients == "defer",
+    )
+
+  def as_written(self) -> VariantConfig:
     """The same program evaluated as written (nothing moved, no rings)."""
     return dataclasses.replace(
       self,
@@ -270,7 +296,7 @@ class _Config:
     )
 
 
-def _evaluate(closed, args, cfg: _Config):
+def evaluate_program(closed, args, cfg: VariantConfig):
   """Evaluates a top-level jaxpr, rewriting the bodies of its shard_maps."""
   jaxpr = closed.jaxpr
   env, read = _environment(jaxpr, closed.consts, args)
@@ -280,7 +306,7 @@ def _evaluate(closed, args, cfg: _Config):
     if name == "shard_map":
       outs = _run_shard_map(eqn, invals, cfg)
     elif name in ("pjit", "jit") and "jaxpr" in eqn.params:
-      outs = _evaluate(eqn.params["jaxpr"], invals, cfg)
+      outs = evaluate_program(eqn.params["jaxpr"], invals, cfg)
       outs = _constrain(outs, eqn.params.get("out_shardings"))
     else:
       outs = _eval_eqn(eqn, invals, None)
@@ -316,14 +342,14 @@ class RewriteStats:
   loop_bodies: int = 0  # lax.scan bodies with plans of their own
   reversed_loop_bodies: int = 0  # of those, reversed scans (a backward pass's)
 
-  def including(self, plan: _BodyPlan) -> RewriteStats:
+  def including(self, plan: BodyPlan) -> RewriteStats:
     """These statistics and one more body's plan (and the plans of the loops in it)."""
     stats = self
     for inner in plan.loop_bodies.values():
       stats = stats.including(inner)
     return stats._plus(plan)
 
-  def _plus(self, plan: _BodyPlan) -> RewriteStats:
+  def _plus(self, plan: BodyPlan) -> RewriteStats:
     return RewriteStats(
       gather_groups=max(self.gather_groups, plan.gather_groups),
       max_group_gather_bytes=max(self.max_group_gather_bytes, plan.max_group_gather_bytes),
@@ -344,8 +370,8 @@ class RewriteStats:
     return bool(self.gather_groups or self.max_scatter_out_bytes or self.loops)
 
 
-def _collect(
-  jaxpr, cfg: _Config, actions: list, counter: list, stats: RewriteStats = RewriteStats()
+def collect_stats(
+  jaxpr, cfg: VariantConfig, actions: list, counter: list, stats: RewriteStats = RewriteStats()
 ) -> RewriteStats:
   """Plans every shard_map body the evaluator will rewrite, in the same order; the
   statistics of ``stats`` and those bodies."""
@@ -357,8 +383,8 @@ def _collect(
       actions.extend(plan.actions)
       stats = stats.including(plan)
     elif name in ("pjit", "jit") and "jaxpr" in eqn.params:
-      stats = _collect(eqn.params["jaxpr"].jaxpr, cfg, actions, counter, stats)
-    elif name in _OPAQUE and _has_collectives(eqn):
+      stats = collect_stats(eqn.params["jaxpr"].jaxpr, cfg, actions, counter, stats)
+    elif name in OPAQUE and contains_collectives(eqn):
       actions.append(
         Action(
           "left_alone",
@@ -370,9 +396,9 @@ def _collect(
   return stats
 
 
-def _plan_for(cfg: _Config, eqn, where: str) -> _BodyPlan:
+def _plan_for(cfg: VariantConfig, eqn, where: str) -> BodyPlan:
   """The plan of shard_map ``eqn``'s body under ``cfg``."""
-  return _plan_body(
+  return plan_body(
     eqn.params["jaxpr"],
     where,
     cfg.prefetch,
@@ -390,13 +416,13 @@ def _plan_for(cfg: _Config, eqn, where: str) -> _BodyPlan:
   )
 
 
-def _params_of(cfg: _Config, eqn) -> frozenset | None:
+def _params_of(cfg: VariantConfig, eqn) -> frozenset | None:
   if cfg.param_inputs is None:
     return None
   return cfg.param_inputs.get(id(eqn.params["jaxpr"]), frozenset())
 
 
-def _run_shard_map(eqn, invals, cfg: _Config):
+def _run_shard_map(eqn, invals, cfg: VariantConfig):
   params = eqn.params
   body = params["jaxpr"]
   plan = _plan_for(cfg, eqn, "")

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+  from jax_overlap._src.transform.variants import Choice, Estimate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,15 +20,29 @@ class Action:
   detail: str
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Explanation:
-  """What ``overlap`` rewrote and why."""
+  """What ``overlap`` rewrote and why.
+
+  Attributes:
+    actions: what the transform did, and left alone, with the reasons.
+    xla_options: the XLA options the step compiles with.
+    notes: what the selection found and how it judged the variants.
+    candidates: each compared variant's estimate by the cost model (``(name,
+      step_time_s)`` records, :class:`~.variants.Estimate`); empty where there was one
+      variant. Timings on the devices are in ``choice.measured``.
+    chosen: the chosen variant's name.
+    choice: the choice itself (:class:`~.variants.Choice`: the candidates with their
+      programs and options, what failed, how it was made), None for explanations made by
+      hand.
+  """
 
   actions: list[Action]
   xla_options: dict[str, Any]
   notes: list[str]
-  candidates: list[tuple[str, float]] = dataclasses.field(default_factory=list)
+  candidates: list[Estimate] = dataclasses.field(default_factory=list)
   chosen: str = ""
+  choice: Choice | None = None
 
   def of_kind(self, kind: str) -> list[Action]:
     return [a for a in self.actions if a.kind == kind]

@@ -8,9 +8,9 @@ import math
 
 import numpy as np
 
-_GATHER = "all_gather"
-_SCATTER = "reduce_scatter"
-_COLLECTIVES = {
+GATHER = "all_gather"
+SCATTER = "reduce_scatter"
+COLLECTIVES = {
   "all_gather",
   "reduce_scatter",
   "psum",
@@ -20,35 +20,35 @@ _COLLECTIVES = {
   "pmax",
   "pmin",
 }
-_OPAQUE = ("scan", "while", "cond", "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_jvp_call")
-_MATMUL = {"dot_general", "conv_general_dilated", "ragged_dot_general"}
+OPAQUE = ("scan", "while", "cond", "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_jvp_call")
+MATMUL = {"dot_general", "conv_general_dilated", "ragged_dot_general"}
 
 
-def _pure(eqn) -> bool:
+def is_pure(eqn) -> bool:
   """No effects other than naming a mesh axis (which every collective has)."""
   return all(type(eff).__name__ == "NamedAxisEffect" for eff in eqn.effects)
 
 
-def _is_var(x) -> bool:
+def is_var(x) -> bool:
   return not hasattr(x, "val")
 
 
-def _producers(eqns) -> dict:
+def producers(eqns) -> dict:
   """Each value -> the index of the equation that makes it."""
   return {v: i for i, e in enumerate(eqns) for v in e.outvars}
 
 
-def _var_users(eqns) -> dict:
+def var_users(eqns) -> dict:
   """Each value -> the indices of the equations that read it, in order."""
   users: dict = {}
   for i, e in enumerate(eqns):
     for v in e.invars:
-      if _is_var(v):
+      if is_var(v):
         users.setdefault(v, []).append(i)
   return users
 
 
-def _ancestors(deps: list[list[int]], i: int) -> set[int]:
+def ancestors_of(deps: list[list[int]], i: int) -> set[int]:
   """The equations ``i`` depends on, directly or not (``deps``: each one's producers)."""
   seen: set[int] = set()
   stack = [i]
@@ -60,7 +60,7 @@ def _ancestors(deps: list[list[int]], i: int) -> set[int]:
   return seen
 
 
-def _gathered_dim_role(dot, gathered, dim: int) -> str | None:
+def gathered_dim_role(dot, gathered, dim: int) -> str | None:
   """What dimension ``dim`` of ``gathered`` is in ``dot``: "batch", "contracting" or
   "free"; None when ``dot`` is not a ``dot_general`` reading ``gathered`` as exactly one
   operand."""
@@ -75,7 +75,7 @@ def _gathered_dim_role(dot, gathered, dim: int) -> str | None:
   return "contracting" if dim in (lc if lhs else rc) else "free"
 
 
-def _nbytes(aval) -> int:
+def nbytes(aval) -> int:
   try:
     return int(math.prod(aval.shape) * np.dtype(aval.dtype).itemsize)
   except (TypeError, AttributeError):
@@ -83,11 +83,11 @@ def _nbytes(aval) -> int:
 
 
 # Operations after which a value counts as computed in the step (an activation).
-_COMPUTE = _MATMUL | set(_OPAQUE)
-_HEAVY = _COMPUTE | _COLLECTIVES
+COMPUTE = MATMUL | set(OPAQUE)
+HEAVY = COMPUTE | COLLECTIVES
 
 
-def _subjaxprs(eqn):
+def subjaxprs(eqn):
   from jax.extend import core
 
   for p in eqn.params.values():
@@ -97,11 +97,11 @@ def _subjaxprs(eqn):
         yield sub
 
 
-def _has_collectives(eqn) -> bool:
+def contains_collectives(eqn) -> bool:
   """Whether a sub-jaxpr of ``eqn`` (recursively) holds a collective or a shard_map."""
   return any(
-    e.primitive.name in _COLLECTIVES or e.primitive.name == "shard_map" or _has_collectives(e)
-    for sub in _subjaxprs(eqn)
+    e.primitive.name in COLLECTIVES or e.primitive.name == "shard_map" or contains_collectives(e)
+    for sub in subjaxprs(eqn)
     for e in sub.eqns
   )
 

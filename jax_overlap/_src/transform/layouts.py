@@ -22,7 +22,7 @@ from jax import lax
 from jax.extend import core as jcore
 from jax.sharding import PartitionSpec as P
 
-from jax_overlap._src.transform.jaxprs import _nbytes
+from jax_overlap._src.transform.jaxprs import nbytes
 
 __all__ = ["Axes", "Layout", "Refused", "RULES", "ELEMENTWISE", "elementwise", "is_literal"]
 
@@ -341,7 +341,7 @@ def _dot_general(it, eqn, lays):
     ax = L[a] or R[b]
     sharded_params = l_params if side == "L" else r_params
     sharded_aval = (lv if side == "L" else rv).aval
-    gather = sharded_params or _nbytes(sharded_aval) <= 2 * _nbytes(eqn.outvars[0].aval)
+    gather = sharded_params or nbytes(sharded_aval) <= 2 * nbytes(eqn.outvars[0].aval)
     if gather:
       if side == "L":
         L[a] = ()

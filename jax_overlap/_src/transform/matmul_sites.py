@@ -11,16 +11,16 @@ import math
 
 from jax_overlap._src.transform.explain import Action
 from jax_overlap._src.transform.jaxprs import (
-  _GATHER,
-  _SCATTER,
-  _gathered_dim_role,
-  _is_var,
-  _nbytes,
-  _var_users,
+  GATHER,
+  SCATTER,
+  gathered_dim_role,
+  is_var,
+  nbytes,
+  var_users,
 )
 
 
-def _plan_collective_matmuls(
+def plan_collective_matmuls(
   eqns,
   outvars: set,
   mode: str,
@@ -35,7 +35,7 @@ def _plan_collective_matmuls(
     return {}, set(), {}, {}
   from jax_overlap._src import collective_matmul as cm_lib
 
-  users = _var_users(eqns)
+  users = var_users(eqns)
   fused: dict[int, tuple] = {}
   skipped: set[int] = set()
   rings: dict[int, tuple] = {}
@@ -80,7 +80,7 @@ def _plan_collective_matmuls(
     if not isinstance(axis, str) or e.params.get("axis_index_groups") is not None:
       continue
     if (
-      name == _GATHER
+      name == GATHER
       and e.params.get("tiled")
       and not _simple_ag_dot(e, users, outvars, eqns, plain_dot)
     ):
@@ -122,7 +122,7 @@ def _plan_collective_matmuls(
         )
       )
       continue
-    if name == _GATHER and e.params.get("tiled") and e.params.get("all_gather_dimension") == 0:
+    if name == GATHER and e.params.get("tiled") and e.params.get("all_gather_dimension") == 0:
       out = e.outvars[0]
       us = users.get(out, [])
       if len(us) != 1 or out in outvars:
@@ -153,7 +153,7 @@ def _plan_collective_matmuls(
           f"{how(bidi, method, pieces)}; estimated {est.speedup:.2f}x",
         )
       )
-    elif name == _SCATTER and e.params.get("tiled") and len(e.invars) == 1 and _is_var(e.invars[0]):
+    elif name == SCATTER and e.params.get("tiled") and len(e.invars) == 1 and is_var(e.invars[0]):
       src = e.invars[0]
       prod = next((j for j in range(i) if src in eqns[j].outvars), None)
       if prod is None or len(users.get(src, [])) != 1 or src in outvars:
@@ -372,7 +372,7 @@ def _plan_ring(i, e, eqns, users, outvars):
   gd = e.params.get("all_gather_dimension")
   dots, other = [], False
   for u in users.get(out, []):
-    if _gathered_dim_role(eqns[u], out, gd) != "free":
+    if gathered_dim_role(eqns[u], out, gd) != "free":
       # not a dot, or gathered along a contracted or batch dimension: not a ring of slices
       other = True
       continue
@@ -438,7 +438,7 @@ def kept_assembly_sites(
           windows[g] = []
     reads = list(eqns[i].invars) + (list(fused[i][1:3]) if i in fused else [])
     for v in reads:
-      if _is_var(v) and v in pending and i not in rings[pending[v]][2]:
+      if is_var(v) and v in pending and i not in rings[pending[v]][2]:
         del pending[v]  # read here: put in order where it is read
     site = fused.get(i)
     if pending and site and site[0] == "reduce_scatter_nd" and site[3].get("method") == "pieces":
@@ -446,7 +446,7 @@ def kept_assembly_sites(
       n = int(e.params.get("axis_size", 1))
       block = e.outvars[0].aval.shape[site[3]["scatter_dim"]]
       last = piece_sizes("dot_general_reduce_scatter", site[3].get("pieces"), n, block)[-1] / block
-      room[i] = cost.collective_time("reduce-scatter", _nbytes(e.invars[0].aval) * last, n, topo)
+      room[i] = cost.collective_time("reduce-scatter", nbytes(e.invars[0].aval) * last, n, topo)
       for g in pending.values():
         windows[g].append(i)
   sites: dict[int, list[int]] = {}
@@ -456,7 +456,7 @@ def kept_assembly_sites(
     if best is None or room[best] <= 0:
       continue
     aval = eqns[g].outvars[0].aval
-    copy = cost.kernel_time(0.0, 2.0 * _nbytes(aval), topo.gpu)  # reads and writes it
+    copy = cost.kernel_time(0.0, 2.0 * nbytes(aval), topo.gpu)  # reads and writes it
     room[best] -= copy
     copies_s += copy
     sites.setdefault(best, []).append(g)

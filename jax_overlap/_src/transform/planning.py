@@ -2,7 +2,7 @@
 (prefetch groups, reduce-scatter placement, collective matmul rings, pipelined loops, loop
 bodies planned on their own).
 
-(Over 500 lines: ``_plan_body`` is one walk over a body's equations that decides every
+(Over 500 lines: ``plan_body`` is one walk over a body's equations that decides every
 collective of it in order, each decision reading the ones before it.)"""
 
 from __future__ import annotations
@@ -13,23 +13,23 @@ import heapq
 from jax_overlap._src.transform import matmul_sites, scan_pipeline, weight_gradients
 from jax_overlap._src.transform.explain import Action
 from jax_overlap._src.transform.jaxprs import (
-  _COLLECTIVES,
-  _COMPUTE,
-  _GATHER,
-  _HEAVY,
-  _MATMUL,
-  _OPAQUE,
-  _SCATTER,
-  _ancestors,
-  _has_collectives,
-  _is_var,
-  _nbytes,
-  _producers,
-  _pure,
-  _subjaxprs,
-  _var_users,
+  COLLECTIVES,
+  COMPUTE,
+  GATHER,
+  HEAVY,
+  MATMUL,
+  OPAQUE,
+  SCATTER,
+  ancestors_of,
+  contains_collectives,
+  is_pure,
+  is_var,
+  nbytes,
+  producers,
+  subjaxprs,
+  var_users,
 )
-from jax_overlap._src.transform.matmul_sites import _plan_collective_matmuls
+from jax_overlap._src.transform.matmul_sites import plan_collective_matmuls
 
 
 def parameter_inputs(jaxpr, param_invars) -> dict[int, frozenset]:
@@ -47,14 +47,14 @@ def parameter_inputs(jaxpr, param_invars) -> dict[int, frozenset]:
 
   def walk(jx, flags: dict) -> list[bool]:
     def is_param(v):
-      return _is_var(v) and flags.get(v, False)
+      return is_var(v) and flags.get(v, False)
 
     for e in jx.eqns:
       name = e.primitive.name
       if name == "shard_map":
         body = e.params["jaxpr"]
         out[id(body)] = frozenset(k for k, v in enumerate(e.invars) if is_param(v))
-        (inner,) = _subjaxprs(e)
+        (inner,) = subjaxprs(e)
         walk(inner, {iv: k in out[id(body)] for k, iv in enumerate(inner.invars)})
         res = [False] * len(e.outvars)
       elif name == "scan":  # a loop over layers: its body's slices of stacked parameters
@@ -65,10 +65,10 @@ def parameter_inputs(jaxpr, param_invars) -> dict[int, frozenset]:
       elif name in ("pjit", "jit") and "jaxpr" in e.params:
         inner = e.params["jaxpr"].jaxpr
         res = walk(inner, {iv: is_param(v) for iv, v in zip(inner.invars, e.invars)})
-      elif name in _HEAVY or any(True for _ in _subjaxprs(e)):
+      elif name in HEAVY or any(True for _ in subjaxprs(e)):
         res = [False] * len(e.outvars)
       else:
-        vs = [v for v in e.invars if _is_var(v)]
+        vs = [v for v in e.invars if is_var(v)]
         res = [bool(vs) and all(is_param(v) for v in vs)] * len(e.outvars)
       for v, r in zip(e.outvars, res):
         flags[v] = r
@@ -87,7 +87,7 @@ def parameter_avals(jaxpr, param_inputs: dict) -> frozenset:
       for k in param_inputs.get(id(body), ()):
         v = body.invars[k]
         out.add((tuple(getattr(v.aval, "shape", ())), str(getattr(v.aval, "dtype", ""))))
-    for sub in _subjaxprs(e):
+    for sub in subjaxprs(e):
       out |= parameter_avals(sub, param_inputs)
   return frozenset(out)
 
@@ -115,25 +115,25 @@ def classify_collectives(
   partial sums, or an activation's cotangent).
   """
   eqns = list(jaxpr.eqns)
-  producer = _producers(eqns)
-  invars = [v for v in jaxpr.invars if _is_var(v)]
+  producer = producers(eqns)
+  invars = [v for v in jaxpr.invars if is_var(v)]
   index = {v: k for k, v in enumerate(invars)}
   all_in = list(jaxpr.invars)
   if param_inputs is None:
     params = set(invars)
   else:
-    params = {all_in[k] for k in param_inputs if k < len(all_in) and _is_var(all_in[k])}
+    params = {all_in[k] for k in param_inputs if k < len(all_in) and is_var(all_in[k])}
   # Per equation: the body inputs it reads through cheap operations, or None once a heavy
   # operation (matmul, collective, loop) is on the way.
   reads: list[frozenset | None] = []
   for e in eqns:
     acc: set | None = set()
     for v in e.invars:
-      if not _is_var(v):
+      if not is_var(v):
         continue
       if v in producer:
         d = producer[v]
-        src = None if eqns[d].primitive.name in _COMPUTE else reads[d]
+        src = None if eqns[d].primitive.name in COMPUTE else reads[d]
         if src is None:
           acc = None
           break
@@ -142,24 +142,24 @@ def classify_collectives(
         acc.add(v)
     reads.append(None if acc is None else frozenset(acc))
   # Which equations reach an output through cheap operations only.
-  users = _var_users(eqns)
-  outs = {v for v in jaxpr.outvars if _is_var(v)}
+  users = var_users(eqns)
+  outs = {v for v in jaxpr.outvars if is_var(v)}
   to_output = [False] * len(eqns)
   for i in range(len(eqns) - 1, -1, -1):
     for v in eqns[i].outvars:
       if v in outs or any(
-        to_output[u] and eqns[u].primitive.name not in _HEAVY for u in users.get(v, ())
+        to_output[u] and eqns[u].primitive.name not in HEAVY for u in users.get(v, ())
       ):
         to_output[i] = True
   out: dict[int, str] = {}
   for i, e in enumerate(eqns):
-    if e.primitive.name == _GATHER:
+    if e.primitive.name == GATHER:
       src = reads[i]
       if src is None:
         out[i] = "activation"
       else:
         out[i] = "parameter" if src and src <= params else "input"
-    elif e.primitive.name == _SCATTER:
+    elif e.primitive.name == SCATTER:
       shaped = (
         param_avals is None
         or (tuple(e.outvars[0].aval.shape), str(e.outvars[0].aval.dtype)) in param_avals
@@ -169,7 +169,7 @@ def classify_collectives(
 
 
 @dataclasses.dataclass
-class _BodyPlan:
+class BodyPlan:
   order: list[int]
   metadata: dict[int, dict[str, str]]
   actions: list[Action]
@@ -195,12 +195,12 @@ class _BodyPlan:
   # Reduce-scatter in pieces -> the rings whose kept gathered value is put in order while
   # its last reduce-scatter travels (kept_assembly_sites).
   assemble_beside: dict = dataclasses.field(default_factory=dict)
-  # lax.scan equations whose body runs with a plan of its own: eqn index -> _BodyPlan.
+  # lax.scan equations whose body runs with a plan of its own: eqn index -> BodyPlan.
   loop_bodies: dict = dataclasses.field(default_factory=dict)
   reverse: bool = False  # this is a loop body, of a reversed scan (a backward pass's)
 
 
-def _plan_body(
+def plan_body(
   jaxpr,
   where: str,
   prefetch: int,
@@ -216,19 +216,19 @@ def _plan_body(
   exclude: frozenset = frozenset(),
   loops: str = "all",
   in_loop: bool = False,
-) -> _BodyPlan:
+) -> BodyPlan:
   """The plan of one body (a shard_map's, or a loop's inside one). ``nested_params``:
   :func:`parameter_inputs` for the loops inside it; ``exclude``: collectives another plan
   moves out of this body (a pipelined loop's), left alone here; ``loops``: which loops
   inside get plans of their own (:func:`_loop_body_plan`); ``in_loop``: this is one."""
   eqns = list(jaxpr.eqns)
   n = len(eqns)
-  producer = _producers(eqns)
-  deps = [[producer[v] for v in e.invars if _is_var(v) and v in producer] for e in eqns]
+  producer = producers(eqns)
+  deps = [[producer[v] for v in e.invars if is_var(v) and v in producer] for e in eqns]
   # Operations that depend only on the body's inputs and have no effects can move freely.
   input_only = [False] * n
   for i, e in enumerate(eqns):
-    input_only[i] = _pure(e) and all(input_only[d] for d in deps[i])
+    input_only[i] = is_pure(e) and all(input_only[d] for d in deps[i])
   actions: list[Action] = []
   key = [float(i) for i in range(n)]
   metadata: dict[int, dict[str, str]] = {}
@@ -238,10 +238,10 @@ def _plan_body(
   # are one layer's).
   nested = _NestedStats()
   scans: dict[int, scan_pipeline.ScanPlan] = {}
-  loop_bodies: dict[int, _BodyPlan] = {}
+  loop_bodies: dict[int, BodyPlan] = {}
   kept_loops = 0
   for i, e in enumerate(eqns):
-    if e.primitive.name in _OPAQUE and _has_collectives(e):
+    if e.primitive.name in OPAQUE and contains_collectives(e):
       _nested_stats(e, nested)
       if e.primitive.name in ("scan", "while"):
         # A loop over layers: pipeline its collectives across iterations where it can.
@@ -322,8 +322,8 @@ def _plan_body(
   # 3. Collective matmuls: an activation all-gather feeding a matmul, or a matmul
   # feeding a reduce-scatter, become ppermute rings of partial matmuls where the
   # cost model says they win.
-  body_outputs = set(v for v in jaxpr.outvars if _is_var(v))
-  fused, skipped, rings, ring_of = _plan_collective_matmuls(
+  body_outputs = set(v for v in jaxpr.outvars if is_var(v))
+  fused, skipped, rings, ring_of = plan_collective_matmuls(
     eqns,
     body_outputs,
     collective_matmul,
@@ -338,11 +338,11 @@ def _plan_body(
   kinds = classify_collectives(jaxpr, param_inputs, param_avals)
   n_kind = {
     k: sum(1 for i, v in kinds.items() if v == k and eqns[i].primitive.name == p)
-    for k, p in (("parameter", _GATHER), ("input", _GATHER), ("activation", _GATHER))
+    for k, p in (("parameter", GATHER), ("input", GATHER), ("activation", GATHER))
   }
   n_rs = {k: sum(1 for v in kinds.values() if v == k) for k in ("gradient",)}
   n_act_rs = sum(
-    1 for i, v in kinds.items() if v == "activation" and eqns[i].primitive.name == _SCATTER
+    1 for i, v in kinds.items() if v == "activation" and eqns[i].primitive.name == SCATTER
   )
   if kinds:
     actions.append(
@@ -361,17 +361,17 @@ def _plan_body(
   current: list[int] = []
   for i, e in enumerate(eqns):
     name = e.primitive.name
-    if name == _GATHER and kinds.get(i) == "parameter" and input_only[i] and i not in skipped:
+    if name == GATHER and kinds.get(i) == "parameter" and input_only[i] and i not in skipped:
       current.append(i)
-    elif name in _MATMUL and current:
+    elif name in MATMUL and current:
       groups.append(current)
       current = []
   if current:
     groups.append(current)
-  group_bytes = [sum(_nbytes(eqns[i].outvars[0].aval) for i in g) for g in groups]
+  group_bytes = [sum(nbytes(eqns[i].outvars[0].aval) for i in g) for g in groups]
 
   def closure(i: int) -> list[int]:
-    return sorted(_ancestors(deps, i))
+    return sorted(ancestors_of(deps, i))
 
   if prefetch > 0 and groups:
     for k, g in enumerate(groups):
@@ -400,9 +400,9 @@ def _plan_body(
   max_scatter = 0
   if reduce_scatter == "per_layer":
     for i, e in enumerate(eqns):
-      if e.primitive.name != _SCATTER:
+      if e.primitive.name != SCATTER:
         continue
-      max_scatter = max(max_scatter, sum(_nbytes(v.aval) for v in e.invars if _is_var(v)))
+      max_scatter = max(max_scatter, sum(nbytes(v.aval) for v in e.invars if is_var(v)))
       ready = max([key[d] for d in deps[i]], default=-1.0)
       if ready < key[i] - 1.5:
         key[i] = ready + 1e-3
@@ -424,7 +424,7 @@ def _plan_body(
     group_of = {i: k for k, g in enumerate(groups) for i in g}
     for i, e in enumerate(eqns):
       name = e.primitive.name
-      if name in _COLLECTIVES:
+      if name in COLLECTIVES:
         k = group_of.get(i)
         pair = f"g{k}" if k is not None else f"op{i}"
         metadata[i] = {
@@ -439,7 +439,7 @@ def _plan_body(
           continue
         lo, hi = groups[k - prefetch][-1], min(groups[k])
         for i in range(lo + 1, hi):
-          if eqns[i].primitive.name in _MATMUL:
+          if eqns[i].primitive.name in MATMUL:
             metadata[i] = {"_jax_overlap_pair": f"g{k}", "_jax_overlap_occupancy": "shaped"}
     if metadata:
       n_coll = sum(1 for m in metadata.values() if m.get("_jax_overlap_priority"))
@@ -462,7 +462,7 @@ def _plan_body(
       # In order of first use: the first matmul each gathered tensor reaches.
       first_use = [float("inf")] * n
       for i in range(n - 1, -1, -1):
-        if eqns[i].primitive.name in _MATMUL:
+        if eqns[i].primitive.name in MATMUL:
           first_use[i] = i
         for d in deps[i]:
           first_use[d] = min(first_use[d], first_use[i])
@@ -471,12 +471,12 @@ def _plan_body(
         chain_prev[b_] = a_
     if reduce_scatter == "per_layer":
       rs = sorted(
-        (i for i, e in enumerate(eqns) if e.primitive.name == _SCATTER), key=lambda i: pos[i]
+        (i for i, e in enumerate(eqns) if e.primitive.name == SCATTER), key=lambda i: pos[i]
       )
       for a_, b_ in zip(rs, rs[1:]):
         chain_prev[b_] = a_
     if any(pos[a_] > pos[b_] for b_, a_ in chain_prev.items()):
-      reordered = _topological(order, deps, chain_prev)
+      reordered = topological(order, deps, chain_prev)
       if reordered is not None:
         order = reordered
       else:  # a gathered tensor feeds another's gather: keep the links the order allows
@@ -500,7 +500,7 @@ def _plan_body(
     else {}
   )
   if deferred:
-    readers = _var_users(eqns)
+    readers = var_users(eqns)
     extra: dict[int, set[int]] = {}
     for w, (p, g) in deferred.items():
       extra.setdefault(w, set()).add(p)
@@ -508,7 +508,7 @@ def _plan_body(
         extra.setdefault(u, set()).add(w)
     for b, a in chain_prev.items():
       extra.setdefault(b, set()).add(a)
-    reordered = _topological(order, deps, extra)
+    reordered = topological(order, deps, extra)
     if reordered is None:
       deferred = {}
     else:
@@ -544,15 +544,15 @@ def _plan_body(
         "them",
       )
     )
-  single_gather = max((_nbytes(eqns[i].outvars[0].aval) for g in groups for i in g), default=0)
+  single_gather = max((nbytes(eqns[i].outvars[0].aval) for g in groups for i in g), default=0)
   scatter_out = max(
-    (_nbytes(e.outvars[0].aval) for e in eqns if e.primitive.name == _SCATTER), default=0
+    (nbytes(e.outvars[0].aval) for e in eqns if e.primitive.name == SCATTER), default=0
   )
   axis_size = max(
-    (int(e.params.get("axis_size", 1)) for e in eqns if e.primitive.name in (_GATHER, _SCATTER)),
+    (int(e.params.get("axis_size", 1)) for e in eqns if e.primitive.name in (GATHER, SCATTER)),
     default=1,
   )
-  return _BodyPlan(
+  return BodyPlan(
     order,
     metadata,
     actions,
@@ -588,7 +588,7 @@ def _loop_body_plan(
   param_avals,
   defer_weight_gradients: bool,
   nested_params: dict | None,
-) -> _BodyPlan | None:
+) -> BodyPlan | None:
   """The plan of scan ``e``'s body for what one iteration can do on its own: collective
   matmuls of its activation collectives and its weight gradients deferred (tensor- and
   sequence-parallel layers under ``lax.scan``); None when there is nothing to do. The
@@ -600,9 +600,9 @@ def _loop_body_plan(
   if which == "none" or (which == "forward" and e.params.get("reverse")):
     return None
 
-  body, _ = scan_pipeline._body(e)  # rematerialized layers inlined, as the pipeline reads it
+  body, _ = scan_pipeline.loop_body(e)  # rematerialized layers inlined, as the pipeline reads it
   key = id(e.params["jaxpr"].jaxpr)  # the same inputs, keyed by the scan's own body
-  inner = _plan_body(
+  inner = plan_body(
     body,
     loop,
     0,
@@ -627,7 +627,7 @@ def _loop_body_plan(
   return inner
 
 
-def _topological(order: list[int], deps: list[list[int]], extra: dict) -> list[int] | None:
+def topological(order: list[int], deps: list[list[int]], extra: dict) -> list[int] | None:
   """``order`` changed as little as possible so that also ``extra[b]`` (an equation, or a
   set of them) comes before ``b``.
 
@@ -670,25 +670,25 @@ class _NestedStats:
 def _nested_stats(eqn, out: _NestedStats) -> None:
   """Adds the collective sizes found under ``eqn`` (recursively) to ``out``."""
   is_loop = eqn.primitive.name in ("scan", "while")
-  for sub in _subjaxprs(eqn):
+  for sub in subjaxprs(eqn):
     group, found = 0, False
     for e in sub.eqns:
       name = e.primitive.name
-      if name in (_GATHER, _SCATTER):
+      if name in (GATHER, SCATTER):
         found = True
         out.axis_size = max(out.axis_size, int(e.params.get("axis_size", 1)))
-      if name == _GATHER:
-        b = _nbytes(e.outvars[0].aval)
+      if name == GATHER:
+        b = nbytes(e.outvars[0].aval)
         out.gather_bytes = max(out.gather_bytes, b)
         group += b
         out.group_gather_bytes = max(out.group_gather_bytes, group)
-      elif name in _MATMUL:
+      elif name in MATMUL:
         group = 0
-      elif name == _SCATTER:
+      elif name == SCATTER:
         out.scatter_bytes = max(
-          out.scatter_bytes, sum(_nbytes(v.aval) for v in e.invars if _is_var(v))
+          out.scatter_bytes, sum(nbytes(v.aval) for v in e.invars if is_var(v))
         )
-        out.scatter_out_bytes = max(out.scatter_out_bytes, _nbytes(e.outvars[0].aval))
+        out.scatter_out_bytes = max(out.scatter_out_bytes, nbytes(e.outvars[0].aval))
       _nested_stats(e, out)  # nested loops and calls (nothing found: nothing added)
     if found and is_loop:
       out.loops += 1

@@ -33,12 +33,12 @@ import jax
 import jax.numpy as jnp
 
 from jax_overlap._src.transform.jaxprs import (
-  _GATHER,
-  _SCATTER,
-  _is_var,
-  _producers,
-  _var_users,
+  GATHER,
+  SCATTER,
+  is_var,
+  producers,
   scan_sizes,
+  var_users,
 )
 
 __all__ = ["ScanPlan", "plan", "run"]
@@ -94,7 +94,7 @@ def _inline(jaxpr):
   alias: dict = {}
 
   def sub(a):
-    while _is_var(a) and a in alias:
+    while is_var(a) and a in alias:
       a = alias[a]
     return a
 
@@ -110,13 +110,13 @@ def _inline(jaxpr):
       continue
     boundary = dict(zip(inner.invars, [sub(v) for v in e.invars]))
     for ie in inner.eqns:
-      eqns.append(ie.replace(invars=[boundary.get(v, v) if _is_var(v) else v for v in ie.invars]))
+      eqns.append(ie.replace(invars=[boundary.get(v, v) if is_var(v) else v for v in ie.invars]))
     for ov, iv in zip(e.outvars, inner.outvars):
-      alias[ov] = boundary.get(iv, iv) if _is_var(iv) else iv
+      alias[ov] = boundary.get(iv, iv) if is_var(iv) else iv
   return jaxpr.replace(eqns=eqns, outvars=[sub(v) for v in jaxpr.outvars])
 
 
-def _body(eqn):
+def loop_body(eqn):
   """The scan's body (rematerialization inlined; the same object for the same scan) and
   its constants."""
   closed = eqn.params["jaxpr"]
@@ -134,12 +134,12 @@ def plan(eqn, *, gathers: bool = True, scatters: bool = True) -> ScanPlan:
   length = int(eqn.params["length"])
   if length < 2:
     return ScanPlan(reason=f"{length} iteration(s): nothing to pipeline across")
-  jaxpr, _ = _body(eqn)
+  jaxpr, _ = loop_body(eqn)
   n_consts, n_carry = scan_sizes(eqn)
   xs = {v: i for i, v in enumerate(jaxpr.invars) if i >= n_consts + n_carry}
   consts = set(jaxpr.invars[:n_consts])
-  producer = _producers(jaxpr.eqns)
-  users = _var_users(jaxpr.eqns)
+  producer = producers(jaxpr.eqns)
+  users = var_users(jaxpr.eqns)
 
   def chain_to_slice(v) -> tuple[int, tuple[int, ...]] | None:
     """(xs position, equations) if ``v`` is computed from one xs slice by pure equations."""
@@ -153,7 +153,7 @@ def plan(eqn, *, gathers: bool = True, scatters: bool = True) -> ScanPlan:
       return None
     src, chain = None, []
     for u in e.invars:
-      if not _is_var(u) or u in consts:
+      if not is_var(u) or u in consts:
         continue
       sub = chain_to_slice(u)
       if sub is None or (src is not None and sub[0] != src):
@@ -168,19 +168,19 @@ def plan(eqn, *, gathers: bool = True, scatters: bool = True) -> ScanPlan:
   found_s, outputs, tails = [], {}, {}
   outvars = list(jaxpr.outvars)
   for i, e in enumerate(jaxpr.eqns):
-    if gathers and e.primitive.name == _GATHER and _is_var(e.invars[0]):
+    if gathers and e.primitive.name == GATHER and is_var(e.invars[0]):
       src = chain_to_slice(e.invars[0])
       if src is not None:
         found_g.append(i)
         chains[i] = (src[0], src[1])
-    if scatters and e.primitive.name == _SCATTER:
+    if scatters and e.primitive.name == SCATTER:
       # The result may reach its stacked output through pure operations on it alone (the
       # cast back to f32 of a bf16 gradient).
       out, tail = e.outvars[0], []
       while len(users.get(out, [])) == 1 and not any(v is out for v in outvars):
         (j,) = users[out]
         t = jaxpr.eqns[j]
-        others = [v for v in t.invars if _is_var(v) and v is not out and v not in consts]
+        others = [v for v in t.invars if is_var(v) and v is not out and v not in consts]
         if (
           t.primitive.name in _EFFECTFUL
           or t.effects
@@ -210,7 +210,7 @@ def run(eqn, invals: list, p: ScanPlan, eval_eqn: Callable, layer_env: Callable)
   consts, args, skip, given)`` evaluates one iteration's body without the equations in
   ``skip`` (their outputs from ``given``: eqn index -> value, where there), returning its
   environment and reader."""
-  jaxpr, body_consts = _body(eqn)
+  jaxpr, body_consts = loop_body(eqn)
   n_consts, n_carry = scan_sizes(eqn)
   length, reverse = int(eqn.params["length"]), bool(eqn.params["reverse"])
   consts, carry0, xs = (
@@ -230,7 +230,7 @@ def run(eqn, invals: list, p: ScanPlan, eval_eqn: Callable, layer_env: Callable)
     env.update(given)
     for j in indices:
       e = eqns[j]
-      vals = [v.val if not _is_var(v) else env[v] for v in e.invars]
+      vals = [v.val if not is_var(v) else env[v] for v in e.invars]
       env.update(zip(e.outvars, eval_eqn(e, vals, None)))
     return env
 

@@ -17,7 +17,7 @@ ReduceScatter = Literal["per_layer", "as_written"]
 CollectiveMatmul = Literal["auto", "on", "ring", "pieces", "off"]
 WeightGradients = Literal["defer", "as_written"]
 Annotate = Literal[True, False, "auto"]
-Select = Literal["cost_model", "rewrite"]
+Select = Literal["cost_model", "measure", "rewrite"]
 Gspmd = Literal["auto", "convert", "as_written"]
 
 
@@ -51,7 +51,8 @@ class Settings:
   """``overlap``'s keywords (see its docstring), checked; ``params_argnums`` as a tuple."""
 
   mesh: Any = None
-  target: str | None = None
+  # One topology (``targets.get`` of what was passed); None: the devices the step runs on.
+  target: targets_lib.Topology | None = None
   prefetch: int = 1
   reduce_scatter: ReduceScatter = "per_layer"
   collective_matmul: CollectiveMatmul = "auto"
@@ -73,7 +74,7 @@ class Settings:
     for name, literal in _CHOICES.items():
       _check_choice(name, getattr(self, name), literal)
     if self.target is not None:
-      targets_lib.get(self.target)
+      object.__setattr__(self, "target", targets_lib.get(self.target))
     flags_lib.check_workload(self.workload)
     if "compiler_options" in self.jit_kwargs:
       raise ValueError("overlap: pass XLA options as xla_options=, not compiler_options=")
@@ -98,7 +99,7 @@ class Settings:
   def converts(self) -> bool:
     """Whether a GSPMD step is also tried in its shard_map form."""
     if self.gspmd == "auto":
-      return self.target is not None and self.select == "cost_model"
+      return self.target is not None and self.select != "rewrite"
     return self.gspmd == "convert"
 
   def key(self, annotate: bool, jit_kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -106,7 +107,7 @@ class Settings:
     keywords the variants compile with (output layouts, donation: they change what XLA
     compiles), by value."""
     return {
-      "target": self.target,
+      "target": self.target.name if self.target is not None else None,
       "workload": self.workload,
       "prefetch": self.prefetch,
       "params_argnums": list(self.params_argnums),

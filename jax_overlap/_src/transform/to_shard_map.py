@@ -126,7 +126,7 @@ def _sub_closed(eqn):
 # ---------------------------------------------------------------------------
 
 
-class _Interp:
+class Interpreter:
   """Runs a jaxpr on per-device values (``abstract``: on layouts only)."""
 
   def __init__(self, sizes: dict[str, int], params_only: set, hints: dict, abstract: bool):
@@ -387,14 +387,14 @@ class _Interp:
     """A fixed point of the carry's layouts through ``body`` (abstract runs)."""
     carry = list(carry_lays)
     for _ in range(6):
-      sub = _Interp(self.sizes, set(self.params_only), self.hints, abstract=True)
+      sub = Interpreter(self.sizes, set(self.params_only), self.hints, abstract=True)
       outs = sub.run(body, consts, [None] * len(body.invars), const_lays + carry + rest_lays)
       new = [lay for _, lay in outs[:n_out]]
       if new == carry:
         return carry, [lay for _, lay in outs]
       carry = new
     carry = [Layout.whole(len(c.dims)) for c in carry]
-    sub = _Interp(self.sizes, set(self.params_only), self.hints, abstract=True)
+    sub = Interpreter(self.sizes, set(self.params_only), self.hints, abstract=True)
     outs = sub.run(body, consts, [None] * len(body.invars), const_lays + carry + rest_lays)
     return carry, [lay for _, lay in outs]
 
@@ -481,7 +481,7 @@ class _Interp:
     lays = [Layout.whole(0)] + [lay for _, lay in ins[1:]]
     per = []
     for br in branches:
-      sub = _Interp(self.sizes, set(self.params_only), self.hints, abstract=True)
+      sub = Interpreter(self.sizes, set(self.params_only), self.hints, abstract=True)
       per.append(
         [
           lay
@@ -617,7 +617,7 @@ def convert(
 
   hints: dict = {}
   for _ in range(8):
-    it = _Interp(sizes, set(params), hints, abstract=True)
+    it = Interpreter(sizes, set(params), hints, abstract=True)
     got = [lay for _, lay in it.run(jaxpr, consts, [None] * len(in_lays), in_lays)]
     for v, lay, want in zip(jaxpr.outvars, got, outs_wanted(got)):
       it.convert(v, None, lay, want)  # what the outputs ask for, recorded like any use
@@ -642,7 +642,7 @@ def convert(
   counts, replicated = dict(it.counts), list(it.replicated)
 
   def body(*local):
-    run = _Interp(sizes, set(params), hints, abstract=False)
+    run = Interpreter(sizes, set(params), hints, abstract=False)
     outs = run.run(jaxpr, consts, list(local), in_lays, out_lays)
     return tuple(x for x, _ in outs)
 

@@ -2,9 +2,11 @@
 target and analysed, a few again with a latency profile written from their analysis, the
 fastest by estimate kept and remembered on disk.
 
-A variant is ``(name, _Config, XLA options)``: the program it evaluates (the step as
-traced or its shard_map form, rewritten or as written) and the options it compiles with.
-The functions take the decoration's checked keywords (``settings``: a
+A variant is a :class:`Candidate`: its name, the program it evaluates (a
+:class:`~.evaluate.VariantConfig`: the step as traced or its shard_map form, rewritten or as
+written) and the XLA options it compiles with. The choice among them is a :class:`Choice`:
+every estimate, what failed to compile, the second opinions, and how it was made. The
+functions take the decoration's checked keywords (``settings``: a
 :class:`~.settings.Settings`).
 """
 
@@ -17,7 +19,8 @@ from typing import Any
 from jax_overlap._src import flags as flags_lib
 from jax_overlap._src.analysis import latency_profile
 from jax_overlap._src.transform import compiles, gspmd, selection_cache
-from jax_overlap._src.transform.evaluate import RewriteStats, _Config
+from jax_overlap._src.transform.evaluate import RewriteStats, VariantConfig
+from jax_overlap._src.transform.records import Candidate, Choice, Estimate
 
 _LOOP_PIPELINER = (
   "xla_gpu_enable_pipelined_all_gather",
@@ -26,13 +29,13 @@ _LOOP_PIPELINER = (
 )
 _DOT_MERGER = ("xla_gpu_dot_merger_threshold_mb",)
 # Latency-profiled recompiles tried per step (the fastest variants by estimate).
-_PROFILED_VARIANTS = 3
-_PROFILED_SUFFIX = ", scheduled by the cost model's estimates"
+PROFILED_VARIANTS = 3
+PROFILED_SUFFIX = ", scheduled by the cost model's estimates"
 # Names of the variants of a GSPMD step's shard_map form begin with this.
-_CONVERTED_PREFIX = "shard_map form, "
+CONVERTED_PREFIX = "shard_map form, "
 
 
-def _pipeliner_off(options: dict[str, Any]) -> dict[str, Any]:
+def pipeliner_off(options: dict[str, Any]) -> dict[str, Any]:
   """Options that turn off the loop pipeliner ``options`` turn on, in either spelling."""
   off: dict[str, Any] = {}
   for k in _LOOP_PIPELINER:
@@ -44,8 +47,8 @@ def _pipeliner_off(options: dict[str, Any]) -> dict[str, Any]:
   return off
 
 
-def _worth_profiling(times: list[float], reports: list) -> list[int]:
-  """The variants to recompile with a latency profile, at most ``_PROFILED_VARIANTS``.
+def worth_profiling(times: list[float], reports: list) -> list[int]:
+  """The variants to recompile with a latency profile, at most ``PROFILED_VARIANTS``.
 
   A schedule can at best hide all of a variant's exposed communication: a variant whose
   compute alone takes longer than the best step so far cannot win and is not tried.
@@ -66,34 +69,34 @@ def _worth_profiling(times: list[float], reports: list) -> list[int]:
       continue
     seen.add(same)
     picked.append(i)
-    if len(picked) == _PROFILED_VARIANTS:
+    if len(picked) == PROFILED_VARIANTS:
       break
   return picked
 
 
-def _windowed_notes(candidates, reports) -> list[str]:
+def windowed_notes(candidates, reports) -> list[str]:
   """What XLA's windowed einsum decomposed, for each variant that asked for it, against the
   same program compiled as written (the first candidate)."""
   out = []
-  for (name, _, options), report in zip(candidates, reports):
+  for c, report in zip(candidates, reports):
     if (
       report is None
       or reports[0] is None
-      or name.endswith(_PROFILED_SUFFIX)
-      or "xla_gpu_threshold_for_windowed_einsum_mib" not in options
+      or c.name.endswith(PROFILED_SUFFIX)
+      or "xla_gpu_threshold_for_windowed_einsum_mib" not in c.options
     ):
       continue
     change = gspmd.decomposed(gspmd.found(reports[0]), gspmd.found(report))
-    out.append(f"{name}: {change}")
+    out.append(f"{c.name}: {change}")
   return out
 
 
-def _judged(candidates, chosen: int, reports) -> list[str]:
+def judged_notes(candidates, chosen: int, reports) -> list[str]:
   """Notes that judge the chosen variant a second time: the simulator's contention-aware
   estimate beside the analysis's, the same for the step as written where another variant
   was chosen (and a line saying so where the two models order them differently), and a
   mark where the analysis judged a schedule it wrote."""
-  name, report = candidates[chosen][0], reports[chosen]
+  name, report = candidates[chosen].name, reports[chosen]
   if report is None:
     return []
   from jax_overlap._src.sim import realize as realize_lib
@@ -111,9 +114,7 @@ def _judged(candidates, chosen: int, reports) -> list[str]:
     f"chosen variant judged twice: the analysis {report.step_time_s * 1e3:.3f} ms, "
     f"sim.realize (SM contention, XLA's stream priority) {sim_s * 1e3:.3f} ms"
   )
-  written = [
-    i for i, (n, _, _) in enumerate(candidates) if n.startswith("as written") and reports[i]
-  ]
+  written = [i for i, c in enumerate(candidates) if c.name.startswith("as written") and reports[i]]
   if written and chosen not in written:
     base = min(written, key=lambda i: reports[i].step_time_s)
     try:
@@ -123,7 +124,7 @@ def _judged(candidates, chosen: int, reports) -> list[str]:
     if base_sim is not None:
       w = reports[base]
       out.append(
-        f"step as written ({candidates[base][0]}) judged the same way: the analysis "
+        f"step as written ({candidates[base].name}) judged the same way: the analysis "
         f"{w.step_time_s * 1e3:.3f} ms, sim.realize {base_sim * 1e3:.3f} ms"
       )
       if base_sim < sim_s:
@@ -136,7 +137,7 @@ def _judged(candidates, chosen: int, reports) -> list[str]:
           f"kernels lose {losses.compute_slowdown_s * 1e3:.2f} ms to them; only a "
           "measurement on the GPUs settles which is right"
         )
-  if name.endswith(_PROFILED_SUFFIX):
+  if name.endswith(PROFILED_SUFFIX):
     out.append(
       "self-judged: the chosen schedule came from a latency profile written by the same cost "
       "model that estimated it"
@@ -144,9 +145,12 @@ def _judged(candidates, chosen: int, reports) -> list[str]:
   return out
 
 
-def candidates(
-  settings, cfg: _Config, stats: RewriteStats
-) -> list[tuple[str, _Config, dict[str, Any]]]:
+def candidates(settings, cfg: VariantConfig, stats: RewriteStats) -> list[Candidate]:
+  """The variants of a rewritten program (``cfg``), sized from what its plan found."""
+  return [Candidate(*c) for c in _candidate_tuples(settings, cfg, stats)]
+
+
+def _candidate_tuples(settings, cfg: VariantConfig, stats: RewriteStats) -> list[tuple]:
   base: dict[str, Any] = {}
   if settings.target is not None:
     base.update(flags_lib.as_compiler_options(target=settings.target, workload=settings.workload))
@@ -165,7 +169,7 @@ def candidates(
   if stats.max_scatter_out_bytes and settings.reduce_scatter == "per_layer":
     per_op["xla_gpu_reduce_scatter_combine_threshold_bytes"] = int(stats.max_scatter_out_bytes)
   out = [("rewritten, one layer per collective", cfg, {**per_layer, **settings.xla_options})]
-  if settings.target is not None and settings.select == "cost_model" and stats.has_collectives:
+  if settings.target is not None and settings.select != "rewrite" and stats.has_collectives:
     out.append(("rewritten, one tensor per collective", cfg, {**per_op, **settings.xla_options}))
     out.append(
       (
@@ -228,7 +232,7 @@ def candidates(
             {**per_layer, **settings.xla_options},
           )
         )
-    pipeliner = _pipeliner_off(base)
+    pipeliner = pipeliner_off(base)
     if stats.loops and pipeliner:
       # Loops that pipeline their own collectives (scan_layers) gain nothing from
       # XLA's pipeliner, which moves the first gather and the last reduce-scatter
@@ -276,9 +280,10 @@ def candidates(
 
 
 def recall(
-  settings, entry_key: str, candidates, fallback: _Config | None = None
-) -> tuple[int, list[tuple[str, float]], list[str]] | None:
-  """The remembered choice, added to ``candidates``; None if there is none to use.
+  settings, entry_key: str, candidates: list[Candidate], fallback: VariantConfig | None = None
+) -> Choice | None:
+  """The remembered choice among ``candidates`` (a remembered variant not among them
+  appended); None if there is none to use.
 
   ``fallback``: the configuration of a remembered variant not among ``candidates``
   (a GSPMD step's compiler-option variants, all the step as written), except those of
@@ -287,51 +292,62 @@ def recall(
   entry = selection_cache.load(entry_key)
   if entry is None:
     return None
-  names = [c[0] for c in candidates]
+  names = [c.name for c in candidates]
   base = entry["base"]
-  if base not in names and (fallback is None or base.startswith(_CONVERTED_PREFIX)):
+  if base not in names and (fallback is None or base.startswith(CONVERTED_PREFIX)):
     return None
   options = entry["options"]
   profile = options.get(latency_profile.OPTION)
   if profile is not None and not os.path.exists(str(profile)):
     return None  # the profile file it was scheduled with is gone
-  cfg = candidates[names.index(base)][1] if base in names else fallback
+  cfg = candidates[names.index(base)].config if base in names else fallback
+  remembered = Candidate(entry["chosen"], cfg, options)
+  candidates = list(candidates)
   if entry["chosen"] in names:
     chosen = names.index(entry["chosen"])
-    candidates[chosen] = (entry["chosen"], cfg, options)
+    candidates[chosen] = remembered
   else:
-    candidates.append((entry["chosen"], cfg, options))
+    candidates.append(remembered)
     chosen = len(candidates) - 1
   try:
-    estimates = [(str(n), float(t)) for n, t in entry["estimates"]]
+    estimates = tuple(Estimate(str(n), float(t)) for n, t in entry["estimates"])
   except (TypeError, ValueError):
     return None
-  judged = [str(j) for j in entry.get("judged", [])]
-  return chosen, estimates, [str(f) for f in entry["failed"]], judged
+  return Choice(
+    tuple(candidates),
+    chosen,
+    estimates,
+    failed=tuple(str(f) for f in entry["failed"]),
+    judged=tuple(str(j) for j in entry.get("judged", [])),
+    how="remembered",
+    origin="the selection cache",
+  )
 
 
-def remember(
-  settings, entry_key: str, candidates, chosen: int, estimates, failed, judged=()
-) -> None:
-  name, _, options = candidates[chosen]
-  base = name[: -len(_PROFILED_SUFFIX)] if name.endswith(_PROFILED_SUFFIX) else name
+def remember(entry_key: str, choice: Choice) -> None:
+  """Stores ``choice`` under ``entry_key`` (:mod:`.selection_cache`)."""
+  c = choice.candidate
+  base = c.name[: -len(PROFILED_SUFFIX)] if c.name.endswith(PROFILED_SUFFIX) else c.name
   selection_cache.store(
     entry_key,
     {
-      "chosen": name,
+      "chosen": c.name,
       "base": base,
-      "options": options,
-      "estimates": [[n, t] for n, t in estimates],
-      "failed": failed,
-      "judged": list(judged),
+      "options": dict(c.options),
+      "estimates": [[e.name, e.step_time_s] for e in choice.estimates],
+      "failed": list(choice.failed),
+      "judged": list(choice.judged),
     },
   )
 
 
-def select(settings, candidates, make, args, kwargs, known=None, kernels=None):
-  """Index of the fastest candidate (profiled ones appended), all estimates, failures and
-  the reports (None where a variant did not compile); ``known``: reports already made,
-  by candidate index; ``kernels``: the selection's shared kernel cache."""
+def select(
+  settings, candidates: list[Candidate], make, args, kwargs, known=None, kernels=None
+) -> tuple[Choice, list]:
+  """The fastest candidate by the cost model (profiled recompiles appended) and the
+  reports, by candidate (None where a variant did not compile); ``known``: reports already
+  made, by candidate index; ``kernels``: the selection's shared kernel cache."""
+  candidates = list(candidates)
   known = known or {}
   todo = [i for i in range(len(candidates)) if i not in known]
   done = dict(known)
@@ -344,10 +360,10 @@ def select(settings, candidates, make, args, kwargs, known=None, kernels=None):
   ):
     done[i] = r
   times, reports, failed = [], [], []
-  for i, (name, _, _) in enumerate(candidates):
+  for i, c in enumerate(candidates):
     r = done[i]
     if isinstance(r, Exception):
-      failed.append(f"{name}: {str(r).splitlines()[0][:200]}")
+      failed.append(f"{c.name}: {str(r).splitlines()[0][:200]}")
       times.append(float("inf"))
       reports.append(None)
     else:
@@ -359,25 +375,34 @@ def select(settings, candidates, make, args, kwargs, known=None, kernels=None):
   # instead of XLA's estimates, unless the user gave a profile.
   if settings.schedule_from_estimates and latency_profile.OPTION not in settings.xla_options:
     jobs = []
-    for i in _worth_profiling(times, reports):
-      name, cfg_c, options = candidates[i]
-      label = name + _PROFILED_SUFFIX
+    for i in worth_profiling(times, reports):
+      c = candidates[i]
+      label = c.name + PROFILED_SUFFIX
       try:
-        profiled = {**options, latency_profile.OPTION: latency_profile.write_profile(reports[i])}
+        profiled = {**c.options, latency_profile.OPTION: latency_profile.write_profile(reports[i])}
       except OSError as e:
         failed.append(f"{label}: {str(e).splitlines()[0][:200]}")
         continue
-      jobs.append((label, cfg_c, profiled))
+      jobs.append(c.renamed(label, profiled))
     results = compiles.analyze_all(settings, jobs, make, args, kwargs, errors + (OSError,), kernels)
-    for (label, cfg_c, profiled), r in zip(jobs, results):
+    for job, r in zip(jobs, results):
       if isinstance(r, Exception):
-        failed.append(f"{label}: {str(r).splitlines()[0][:200]}")
+        failed.append(f"{job.name}: {str(r).splitlines()[0][:200]}")
         continue
-      candidates.append((label, cfg_c, profiled))
+      candidates.append(job)
       times.append(r.step_time_s)
       reports.append(r)
   best = min(range(len(times)), key=lambda i: (times[i], i))
-  return best, [(c[0], t) for c, t in zip(candidates, times)], failed, reports
+  judged = judged_notes(candidates, best, reports) + windowed_notes(candidates, reports)
+  choice = Choice(
+    tuple(candidates),
+    best,
+    tuple(Estimate(c.name, t) for c, t in zip(candidates, times)),
+    failed=tuple(failed),
+    judged=tuple(judged),
+    how="cost_model",
+  )
+  return choice, reports
 
 
 def recommended(settings) -> dict[str, Any]:
@@ -410,7 +435,7 @@ def gspmd_candidates(settings, cfg, make, args, kwargs, notes, known, kernels=No
   converted = any(n.startswith("converted to shard_map") for n in notes)
   notes[i] = (
     f"no shard_map in this program: the SPMD partitioner inserts its collectives; compiled "
-    f"for {settings.target} they are {found.summary()}. The variants named 'as written' are "
+    f"for {settings.target.name} they are {found.summary()}. The variants named 'as written' are "
     "compiler options for those collectives"
     + (
       "; those named 'shard_map form' are the full rewrite (prefetch, per-layer "
@@ -424,5 +449,6 @@ def gspmd_candidates(settings, cfg, make, args, kwargs, notes, known, kernels=No
   notes.extend(gspmd.left_out(found))
   known[0] = report
   return [
-    (n, as_written, {**opts, **settings.xla_options}) for n, opts in gspmd.variants(found, base)
+    Candidate(n, as_written, {**opts, **settings.xla_options})
+    for n, opts in gspmd.variants(found, base)
   ]

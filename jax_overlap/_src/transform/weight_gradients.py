@@ -16,12 +16,12 @@ layers themselves.
 from __future__ import annotations
 
 from jax_overlap._src.transform.jaxprs import (
-  _GATHER,
-  _ancestors,
-  _gathered_dim_role,
-  _is_var,
-  _producers,
-  _var_users,
+  GATHER,
+  ancestors_of,
+  gathered_dim_role,
+  is_var,
+  producers,
+  var_users,
 )
 
 # classify_collectives' kinds of all-gathers that move activations, not parameters.
@@ -35,14 +35,14 @@ def weight_gradient_dots(eqns, users: dict, kinds: dict[int, str]) -> dict[int, 
   found: dict[int, int] = {}
   for g, e in enumerate(eqns):
     if (
-      e.primitive.name != _GATHER
+      e.primitive.name != GATHER
       or not e.params.get("tiled")
       or kinds.get(g) not in _GATHERED_ACTIVATIONS
     ):
       continue
     out, gd = e.outvars[0], e.params.get("all_gather_dimension")
     for u in users.get(out, []):
-      if _gathered_dim_role(eqns[u], out, gd) == "contracting":
+      if gathered_dim_role(eqns[u], out, gd) == "contracting":
         found[u] = g
   return found
 
@@ -60,17 +60,17 @@ def plan(
   in ``skip`` (replaced by a fused collective matmul) take none; dots in ``pinned``
   (already ordered after something) and dots with no such all-gather after them are left
   where they are."""
-  users = _var_users(eqns)
-  producer = _producers(eqns)
+  users = var_users(eqns)
+  producer = producers(eqns)
   pos = {i: p for p, i in enumerate(order)}
   gathers = sorted(
     (
       i
       for i, e in enumerate(eqns)
-      if e.primitive.name == _GATHER
+      if e.primitive.name == GATHER
       and kinds.get(i) in _GATHERED_ACTIVATIONS
       and i not in skip
-      and _is_var(e.invars[0])
+      and is_var(e.invars[0])
     ),
     key=lambda i: pos[i],
   )
@@ -78,7 +78,7 @@ def plan(
 
   def above(i: int) -> set[int]:
     if i not in ancestors:
-      ancestors[i] = _ancestors(deps, i)
+      ancestors[i] = ancestors_of(deps, i)
     return ancestors[i]
 
   deferred: dict[int, tuple[int, int]] = {}

@@ -35,7 +35,7 @@ from jax_overlap._src.budget.memory.breakdown import Breakdown as Breakdown
 from jax_overlap._src.budget.memory.breakdown import breakdown as breakdown
 from jax_overlap._src.budget.memory.dump import CATEGORIES as CATEGORIES
 from jax_overlap._src.budget.memory.planner import Candidate as Candidate
-from jax_overlap._src.budget.memory.planner import Plan as Plan
+from jax_overlap._src.budget.memory.planner import MemoryPlan as MemoryPlan
 from jax_overlap._src.budget.memory.planner import PlanRow as PlanRow
 from jax_overlap._src.budget.memory.planner import plan as plan
 from jax_overlap._src.budget.memory.planner import remat_policy as remat_policy

@@ -103,7 +103,7 @@ class PlanRow:
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class MemoryPlan:
   """The chosen candidate and the whole table (``str(plan)`` prints it).
 
   Attributes:
@@ -214,7 +214,7 @@ def plan(
   arg_kinds: Sequence[str | None] | None = None,
   progress: bool = True,
   cache: dict | None = None,
-) -> Plan:
+) -> MemoryPlan:
   """Searches remat policy x optimizer-state sharding x prefetch depth for a memory budget.
 
   Each candidate is built by ``step_builder(remat_policy=<policy callable>,
@@ -242,7 +242,7 @@ def plan(
       candidate compiles once.
 
   Returns:
-    A :class:`Plan`.
+    A :class:`MemoryPlan`.
 
   Raises:
     ValueError: for a budget that is not a positive number, for no candidates,
@@ -320,4 +320,4 @@ def plan(
   rest = sorted(
     (r for r in rows if not r.fits), key=lambda r: (r.total_bytes is None, r.total_bytes or 0)
   )
-  return Plan(int(budget_bytes), str(target), fitting[0], tuple(fitting + rest))
+  return MemoryPlan(int(budget_bytes), str(target), fitting[0], tuple(fitting + rest))
