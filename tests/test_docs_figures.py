@@ -109,7 +109,7 @@ def test_a_marked_figure_is_the_one_in_its_results_file(doc, before, path, kind,
   assert (ROOT / path).is_file(), f"{path} does not exist"
   quoted = _NUMBER.findall(before)[-1]
   assert _rounded(_source_value(path, kind, spec), quoted) == quoted, (
-    f"{doc.name} quotes {quoted}, {path} has {_source_value(path, kind, spec)}"
+    f"{doc.relative_to(ROOT)} quotes {quoted}, {path} has {_source_value(path, kind, spec)}"
   )
 
 
