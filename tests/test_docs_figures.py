@@ -244,3 +244,26 @@ def test_fsdp_prose_figures():
   as_written = [k for k, v in by.items() if "as written" in v["@overlap"]["chosen"]]
   assert sorted({f for _, f in as_written}) == ["gspmd_scan_remat", "scan", "scan_remat"]
   assert len(as_written) == 6
+
+
+def _slug(heading: str) -> str:
+  """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+  return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_links_between_pages_resolve(doc):
+  # The README points into docs/ and benchmarks/ by file and section: moved text stays found.
+  broken = []
+  for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
+    if re.match(r"[a-z]+:", target):
+      continue
+    path, _, anchor = target.partition("#")
+    page = (doc.parent / path).resolve() if path else doc
+    if not page.exists():
+      broken.append(target)
+    elif anchor and page.suffix == ".md":
+      headings = re.findall(r"^#+ (.*)$", page.read_text(), re.M)
+      if anchor not in {_slug(h) for h in headings}:
+        broken.append(target)
+  assert broken == []
