@@ -267,3 +267,16 @@ def test_links_between_pages_resolve(doc):
       if anchor not in {_slug(h) for h in headings}:
         broken.append(target)
   assert broken == []
+
+
+def test_two_sequences_per_gpu():
+  rows = json.loads((ROOT / "benchmarks/results/transform_fsdp_b2.json").read_text())["rows"]
+  chosen = [r for r in rows if r["name"] == "@overlap"]
+  assert len(chosen) == 12
+  exposed = [r["exposed_fraction"] * 100 for r in chosen]
+  bound = max(r["vs_compute_bound"] for r in chosen)
+  expected = (
+    f"leaves {min(exposed):.1f}-{max(exposed):.1f}% of the communication exposed in all six "
+    f"forms on both GPUs, each step within {bound:.3f}x of its compute"
+  )
+  assert expected in _flat(ROOT / "benchmarks" / "README.md")
