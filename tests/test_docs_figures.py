@@ -280,3 +280,8 @@ def test_two_sequences_per_gpu():
     f"forms on both GPUs, each step within {bound:.3f}x of its compute"
   )
   assert expected in _flat(ROOT / "benchmarks" / "README.md")
+
+
+def test_the_flag_corpus_size():
+  corpus = json.loads((ROOT / "tests/data/xla_flags_corpus.json").read_text())
+  assert f"on a corpus of {len(corpus['entries'])} strings" in _flat(ROOT / "docs" / "flags.md")
