@@ -246,3 +246,17 @@ def test_multihost_recipe_mesh_fits_its_target():
   assert fsdp * tensor == count
   cfg = gpt.Config(layers=2, hidden=64, heads=4, mlp=128, seq=16, batch=16)
   assert cfg.batch % fsdp == 0 and cfg.heads % tensor == 0 and cfg.hidden % fsdp == 0
+
+
+def test_supported_versions_are_the_pins():
+  # The README's version section quotes pyproject.toml's pin of jax and names make targets
+  # that exist.
+  tomllib = pytest.importorskip("tomllib")  # Python 3.11 and later
+
+  project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+  (jax_pin,) = [d for d in project["dependencies"] if re.match(r"jax\b(?!lib)", d)]
+  section = README.read_text().split("## Supported versions")[1].split("\n## ")[0]
+  assert f"pins `{jax_pin}`" in section
+  makefile = (ROOT / "Makefile").read_text()
+  for target in re.findall(r"`make ([\w-]+)", section):
+    assert re.search(rf"^{target}:", makefile, re.M), target
