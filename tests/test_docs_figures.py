@@ -285,3 +285,28 @@ def test_two_sequences_per_gpu():
 def test_the_flag_corpus_size():
   corpus = json.loads((ROOT / "tests/data/xla_flags_corpus.json").read_text())
   assert f"on a corpus of {len(corpus['entries'])} strings" in _flat(ROOT / "docs" / "flags.md")
+
+
+def test_the_cost_model_table_in_runtime_doc():
+  # docs/runtime.md's table of the cost model against the H200, from the two results files
+  # it names (command buffers on: the second run; off: the nocb run).
+  def rows(name):
+    text = (ROOT / "benchmarks/results" / name).read_text()
+    (_, header, table), *_ = list(_tables(text))
+    return {r[0]: dict(zip(header, r)) for r in table}
+
+  on = rows("model_check_nvidia_h200_2026-12-04_2.md")
+  off = rows("model_check_nocb_nvidia_h200_2026-12-04.md")
+  doc = (ROOT / "docs" / "runtime.md").read_text()
+  (_, _, table), *_ = [t for t in _tables(doc) if "estimated (ms)" in t[1]]
+  est, meas, ratio = (
+    "estimated compute, same compile (ms)",
+    "measured kernels (ms)",
+    "estimate / measured",
+  )
+  for (program, *cells), size in zip(table, ("large", "medium", "large+scan_remat")):
+    assert cells == [
+      _rounded(on[size][est], "0.00"),
+      f"{_rounded(on[size][meas], '0.00')} / {_rounded(off[size][meas], '0.00')}",
+      f"{on[size][ratio]} / {off[size][ratio]}",
+    ], program
