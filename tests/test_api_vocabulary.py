@@ -193,13 +193,24 @@ def test_every_public_name_is_there_and_jax_is_imported_on_first_use():
   assert out.stdout.split() == ["False", "True"]
 
 
+def _doc_pages() -> list[pathlib.Path]:
+  """Every Markdown page users read: the READMEs, docs/ and benchmarks/ (not its results)."""
+  root = pathlib.Path(__file__).parents[1]
+  return sorted(
+    p
+    for p in root.rglob("*.md")
+    if not any(part.startswith(".") for part in p.relative_to(root).parts)
+    and p.relative_to(root).parts[:2] != ("benchmarks", "results")
+  )
+
+
 def _documented_code():
   """(file, block number, code) of every Python block users read: README and docs code
   blocks, notebook cells, examples and benchmarks."""
   root = pathlib.Path(__file__).parents[1]
-  for path in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+  for path in _doc_pages():
     found = re.finditer(r"```python\n(.*?)```", path.read_text(), re.S)
-    yield from ((path.name, i, m.group(1)) for i, m in enumerate(found))
+    yield from ((str(path.relative_to(root)), i, m.group(1)) for i, m in enumerate(found))
   for path in sorted((root / "notebooks").glob("*.ipynb")):
     cells = json.loads(path.read_text())["cells"]
     code = ["".join(c["source"]) for c in cells if c["cell_type"] == "code"]
@@ -271,6 +282,17 @@ def test_docs_notebooks_and_examples_call_the_api_as_it_is_spelled_now():
       checked += 1
   assert problems == []
   assert checked > 200  # the walk reached the README, docs, notebooks and examples
+  assert {"README.md", "docs/transform.md", "docs/flags.md", "docs/analysis.md"} <= set(
+    names_by_file
+  )
+
+
+def test_the_walk_reads_every_markdown_page():
+  root = pathlib.Path(__file__).parents[1]
+  pages = {str(p.relative_to(root)) for p in _doc_pages()}
+  expected = {"README.md", "benchmarks/README.md", "docs/transform.md", "docs/flags.md"}
+  assert expected | {"docs/analysis.md", "docs/runtime.md", "docs/budget.md"} <= pages
+  assert not any(p.startswith("benchmarks/results/") for p in pages)
 
 
 _MISSING = object()

@@ -3,14 +3,17 @@
 One process per host (here: per group of CPU devices), all running this script::
 
   python -m jax_overlap.examples.multihost --coordinator=10.0.0.1:1234 \\
-      --num_processes=2 --process_id=0 --local_devices=4 [--steps=3] [--out=losses.json]
+      --num_processes=2 --process_id=0 --local_devices=4 [--steps=3] [--mesh=4x2] [--out=...]
+
+The mesh is fsdp x tensor over every process's devices: ``--mesh`` as given, or by default
+2-way tensor parallel and the rest FSDP (2 processes x 4 devices: 4x2; 2 hosts x 8 GPUs: 8x2).
 
 Each process calls ``jax.distributed.initialize``; the mesh spans every
 process's devices, parameters and batches are global arrays assembled from the
 same host data on every process, and the decorated GPT step runs as one SPMD
 program. On CPU, collectives across processes use gloo. On a GPU cluster leave
 ``--local_devices`` at 0 (use the GPUs) and launch one process per host with
-your cluster launcher (see the README's multi-node recipe).
+your cluster launcher (see the README's multi-host recipe).
 """
 
 from __future__ import annotations
@@ -27,10 +30,29 @@ flags.DEFINE_integer("num_processes", 2, "Number of processes.")
 flags.DEFINE_integer("process_id", 0, "This process's index.")
 flags.DEFINE_integer("local_devices", 4, "CPU devices per process (0: use the platform's devices).")
 flags.DEFINE_integer("steps", 3, "Training steps.")
-flags.DEFINE_string("mesh", "4x2", "fsdp x tensor mesh over all processes' devices.")
+flags.DEFINE_string(
+  "mesh",
+  "",
+  "fsdp x tensor mesh over all processes' devices, e.g. 8x2; empty: derived from the device "
+  "count (tensor 2 where the count is even, fsdp the rest).",
+)
 flags.DEFINE_string("out", "", "Write the losses here (process 0).")
 flags.DEFINE_integer("timeout_s", 60, "Give up if the other processes do not join within this.")
 flags.DEFINE_bool("overlap", True, "Decorate the step with @jax_overlap.overlap.")
+
+
+def mesh_shape(spec: str, device_count: int) -> tuple[int, int]:
+  """The (fsdp, tensor) mesh: ``spec`` as written ("4x2"), or derived from the device count.
+
+  Example:
+    >>> mesh_shape("", 16), mesh_shape("", 8), mesh_shape("", 1), mesh_shape("2x1", 8)
+    ((8, 2), (4, 2), (1, 1), (2, 1))
+  """
+  if spec:
+    f, t = (int(v) for v in spec.split("x"))
+    return f, t
+  t = 2 if device_count % 2 == 0 else 1
+  return device_count // t, t
 
 
 def run_training(steps: int, mesh_shape: tuple[int, int], overlap: bool) -> list[float]:
@@ -113,7 +135,7 @@ def main(argv) -> None:
       flush=True,
     )
     sys.exit(3)
-  f, t = (int(v) for v in FLAGS.mesh.split("x"))
+  f, t = mesh_shape(FLAGS.mesh, jax.device_count())
   if f * t != jax.device_count():
     print(
       f"multihost: mesh {FLAGS.mesh} needs {f * t} devices, the processes have "
