@@ -138,6 +138,7 @@ def test_the_first_variant_of_each_program_compiles_alone_on_two_threads(monkeyp
   import types
 
   from jax_overlap._src.transform import compiles, evaluate
+  from jax_overlap._src.transform.records import Candidate
 
   monkeypatch.setenv("JAX_OVERLAP_SELECT_WORKERS", str(threads))
   monkeypatch.setattr(kernel_cache, "_UNSUPPORTED", [False])
@@ -162,9 +163,9 @@ def test_the_first_variant_of_each_program_compiles_alone_on_two_threads(monkeyp
   rewritten = evaluate.VariantConfig(prefetch=1, reduce_scatter="per_layer", annotate=False)
   written = rewritten.as_written()
   converted = dataclasses.replace(written, program="shard_map")
-  jobs = [("w0", written, {}), ("w1", written, {}), ("w2", written, {})]
-  jobs += [("r0", rewritten, {}), ("r1", rewritten, {}), ("r2", rewritten, {})]
-  jobs += [("s0", converted, {}), ("s1", converted, {})]
+  jobs = [Candidate(f"w{i}", written) for i in range(3)]
+  jobs += [Candidate(f"r{i}", rewritten) for i in range(3)]
+  jobs += [Candidate(f"s{i}", converted) for i in range(2)]
   settings = types.SimpleNamespace(target="h100x8")
   with kernel_cache.Shared() as kernels:
     out = compiles.analyze_all(
