@@ -46,7 +46,8 @@ collective matmul sites in :mod:`.matmul_sites`, the jaxpr helpers all share in
 and :mod:`.gspmd` handle loops and partitioned programs, :mod:`.to_shard_map`
 converts a partitioned program to shard_map, :mod:`.decorator` holds
 ``overlap``, :mod:`.variants` the variants and the choice among them (:mod:`.compiles`
-compiles them), :mod:`.explain` what it reports."""
+compiles them; :mod:`.shared_choice` makes the choice once for all the processes of a
+multi-process job), :mod:`.explain` what it reports."""
 
 from jax_overlap._src.transform.annotations import priority as priority
 from jax_overlap._src.transform.decorator import (

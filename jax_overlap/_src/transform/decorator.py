@@ -17,7 +17,13 @@ from jax_overlap._src import errors
 from jax_overlap._src import flags as flags_lib
 from jax_overlap._src.compile import kernel_cache
 from jax_overlap._src.flags.registry import Workload
-from jax_overlap._src.transform import arguments, selection_cache, to_shard_map, variants
+from jax_overlap._src.transform import (
+  arguments,
+  selection_cache,
+  shared_choice,
+  to_shard_map,
+  variants,
+)
 from jax_overlap._src.transform.evaluate import _collect, _Config, _evaluate
 from jax_overlap._src.transform.explain import Action, Explanation
 from jax_overlap._src.transform.planning import parameter_avals, parameter_inputs
@@ -94,6 +100,7 @@ class Overlapped:
   def _statics(self) -> arguments.Statics:
     return arguments.Statics.of(self._base)
 
+  @shared_choice.reports_failures  # multi-process: a failed build stops the other processes
   def _build(self, args, kwargs):
     st = self.settings
     base, statics = self._base, self._statics
@@ -171,6 +178,10 @@ class Overlapped:
     entry_key = None
     if st.cache:
       entry_key = selection_cache.key(str(closed), key, st.key(annotate, jit_kwargs))
+    # Multi-process: process 0 chooses, the others take its choice (not their own cache's).
+    agreement = shared_choice.begin(str(closed), key, st.key(annotate, jit_kwargs))
+    if shared_choice.follows(agreement):
+      entry_key = None
     remembered = None
     converted_candidates = []
     if converted is not None:
@@ -184,6 +195,8 @@ class Overlapped:
       candidates += converted_candidates
       if entry_key:
         remembered = self._recall(entry_key, candidates, fallback=cfg.as_written())
+      if shared_choice.follows(agreement):  # process 0's choice: no compiles here
+        remembered = shared_choice.receive(agreement, candidates, fallback=cfg.as_written())
       if remembered is None:
         candidates = variants.gspmd_candidates(st, cfg, make, args, kwargs, notes, known, kernels)
         candidates += converted_candidates
@@ -191,8 +204,12 @@ class Overlapped:
       candidates = converted_candidates
     else:
       candidates = variants.candidates(st, cfg, stats)
+    if shared_choice.follows(agreement) and remembered is None:  # process 0's choice
+      remembered = shared_choice.receive(agreement, candidates)
     chosen = 0
     estimates: list[tuple[str, float]] = []
+    failed: list[str] = []
+    judged: list[str] = []
     if len(candidates) > 1 or remembered is not None:
       if remembered is None and entry_key:
         remembered = self._recall(entry_key, candidates)
@@ -211,13 +228,15 @@ class Overlapped:
         for n, t in estimates
       ]
       notes.append(f"chosen by the cost model on {st.target}: " + "; ".join(table))
-      if remembered is not None:
+      if remembered is not None and not shared_choice.follows(agreement):
         notes.append(
           "choice remembered from an earlier run with the same program, arguments "
           "and settings (jax_overlap cache directory; cache=False chooses again)"
         )
       notes.extend(f"variant not compiled: {f}" for f in failed)
       notes.extend(judged)
+    # Multi-process: process 0 publishes its choice, every process confirms it.
+    shared_choice.settle(agreement, candidates, chosen, estimates, failed, judged, notes)
     kernels.close()
     name, cfg_c, options = candidates[chosen]
     if cfg_c.program == "shard_map":
