@@ -44,7 +44,8 @@ collective matmul sites in :mod:`.matmul_sites`, the jaxpr helpers all share in
 :mod:`.jaxprs`),
 :mod:`.evaluate` re-evaluates the program with the plan, :mod:`.scan_pipeline`
 and :mod:`.gspmd` handle loops and partitioned programs, :mod:`.to_shard_map`
-converts a partitioned program to shard_map, :mod:`.decorator` holds
+converts a partitioned program to shard_map (aiming for the output layouts
+:mod:`.out_layouts` reads from the step's jit), :mod:`.decorator` holds
 ``overlap``, :mod:`.variants` the variants and the choice among them (:mod:`.compiles`
 compiles them; :mod:`.shared_choice` makes the choice once for all the processes of a
 multi-process job), :mod:`.explain` what it reports."""

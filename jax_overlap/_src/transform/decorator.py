@@ -19,6 +19,7 @@ from jax_overlap._src.compile import kernel_cache
 from jax_overlap._src.flags.registry import Workload
 from jax_overlap._src.transform import (
   arguments,
+  out_layouts,
   selection_cache,
   shared_choice,
   to_shard_map,
@@ -157,6 +158,8 @@ class Overlapped:
     donated = tuple(getattr(traced, "donate_argnums", ()) or ())
     if donated and not {"donate_argnums", "donate_argnames"} & set(jit_kwargs):
       jit_kwargs["donate_argnums"] = donated
+    # And its output shardings (unless given to overlap): every variant returns them.
+    jit_kwargs.update(out_layouts.jit_kwargs(traced, out_tree, jit_kwargs))
 
     def evaluate(cfg_: _Config):
       def rewritten(*a, **kw):
@@ -279,7 +282,8 @@ class Overlapped:
     params = self._param_leaves(args, statics)
     jit_params = getattr(traced, "_params", {})
     avals = arguments.abstract_leaves(leaves, closed.jaxpr.invars, jit_params.get("in_shardings"))
-    out_shardings = jit_params.get("out_shardings")
+    # The layouts jax.jit(step) returns (asked for, or the partitioner's), for its outputs.
+    out_shardings = out_layouts.partitioner_choice(traced)
     try:
       conv = to_shard_map.convert(closed, avals, out_shardings, params_leaves=params)
       smap = jax.make_jaxpr(conv.fn)(*avals)
