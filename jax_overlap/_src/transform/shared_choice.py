@@ -107,6 +107,11 @@ def timeout_s() -> float:
   return value
 
 
+def _process() -> tuple[int, int]:
+  """This process's index and the number of processes (a function so tests can replace it)."""
+  return jax.process_index(), jax.process_count()
+
+
 def _client():
   """JAX's distributed runtime client (a module-level function so tests can replace it)."""
   from jax._src import distributed
@@ -161,7 +166,7 @@ def begin(program: str, signature: Any, settings: dict[str, Any]) -> Agreement |
   Raises:
     RuntimeError: several processes but no ``jax.distributed`` client to agree through.
   """
-  processes = jax.process_count()
+  process, processes = _process()
   if processes <= 1:
     return None
   client = _client()
@@ -181,7 +186,7 @@ def begin(program: str, signature: Any, settings: dict[str, Any]) -> Agreement |
   wait = timeout_s()
   agreement = Agreement(
     f"{PREFIX}{fingerprint}/{n}",
-    jax.process_index(),
+    process,
     processes,
     time.monotonic() + wait,
     wait,
@@ -311,6 +316,7 @@ def _write_profile(text: str, leader_path: str) -> str:
 
 def _publish(agreement: Agreement, payload: dict[str, Any]) -> None:
   agreement.published = True
+  agreement.shared = payload
   try:
     text = json.dumps(payload, sort_keys=True)
   except TypeError as e:
