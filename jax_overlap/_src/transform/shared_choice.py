@@ -32,8 +32,8 @@ process must build each step (call it, or ``lower``/``trace``/``explain`` it) in
 order, as every process must run each multi-process computation.
 
 Every wait is bounded: ``$JAX_OVERLAP_CHOICE_TIMEOUT_S`` seconds (default
-:data:`DEFAULT_TIMEOUT_S`) from the start of the build, after which a RuntimeError says
-what was waited for.
+:data:`DEFAULT_TIMEOUT_S`) from the start of the build (for process 0, from its
+publishing), after which a RuntimeError says what was waited for.
 
 Example (what the decorator does, in order)::
 
@@ -127,6 +127,7 @@ class Agreement:
     key: the build's key in the key-value store.
     process / processes: this process's index and the number of processes.
     deadline: ``time.monotonic()`` after which this process stops waiting.
+    timeout_s: the seconds it waits (:func:`timeout_s`).
     published / settled: process 0 has published its choice (or its error); this process
       has confirmed (or reported its error).
     shared: the choice as process 0 published it (the other processes, once received).
@@ -317,6 +318,8 @@ def _write_profile(text: str, leader_path: str) -> str:
 def _publish(agreement: Agreement, payload: dict[str, Any]) -> None:
   agreement.published = True
   agreement.shared = payload
+  # Its own compiles do not count: process 0 now waits as long for the others.
+  agreement.deadline = time.monotonic() + agreement.timeout_s
   try:
     text = json.dumps(payload, sort_keys=True)
   except TypeError as e:
