@@ -18,8 +18,9 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _launch(port: int, pid: int, *extra: str) -> subprocess.Popen:
+def _launch(port: int, pid: int, *extra: str, env_extra=None) -> subprocess.Popen:
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  env.update(env_extra or {})
   return subprocess.Popen(
     [
       sys.executable,
@@ -39,12 +40,20 @@ def _launch(port: int, pid: int, *extra: str) -> subprocess.Popen:
   )
 
 
-def _run_pair(extra=(), attempts: int = 3):
-  """Starts both processes; a coordinator port taken in the meantime means another try."""
+def _run_pair(extra=(), attempts: int = 3, envs=(None, None)):
+  """Starts both processes; a coordinator port taken in the meantime means another try.
+  ``envs``: each process's extra environment variables. Processes still running after
+  the timeout are killed (the test fails: they hung)."""
   for _ in range(attempts):
     port = _free_port()
-    procs = [_launch(port, i, *extra) for i in range(2)]
-    outs = [p.communicate(timeout=240) for p in procs]
+    procs = [_launch(port, i, *extra, env_extra=envs[i]) for i in range(2)]
+    try:
+      outs = [p.communicate(timeout=240) for p in procs]
+    finally:
+      for p in procs:
+        if p.poll() is None:
+          p.kill()
+          p.wait()
     if any("address already in use" in err.lower() for _, err in outs):
       continue
     return procs, outs
@@ -80,3 +89,56 @@ def test_a_missing_process_fails_within_the_timeout():
   assert f"joining 127.0.0.1:{port} as process 0 of 2" in err
   assert any(m in err for m in ("DEADLINE_EXCEEDED", "another task died", "could not join"))
   assert time.monotonic() - t0 < 100
+
+
+def _results(procs, outs) -> list[dict]:
+  for p, (_, err) in zip(procs, outs):
+    assert p.returncode == 0, err[-3000:]
+  return [json.loads(next(ln for ln in out.splitlines() if ln.startswith("{"))) for out, _ in outs]
+
+
+def _shared_note(result) -> str:
+  return next(n for n in result["notes"] if "shared by process 0" in n)
+
+
+@pytest.mark.slow
+def test_every_process_runs_process_0s_choice_whatever_its_cache_holds(tmp_path):
+  # Each process has its own selection cache (its own host's disk).
+  caches = [tmp_path / "process0", tmp_path / "process1"]
+  envs = [{"JAX_OVERLAP_CACHE_DIR": str(c)} for c in caches]
+  extra = ("--target=h100x8", "--steps=2")
+  first = _results(*_run_pair(extra, envs=envs))
+  assert first[0]["chosen"] == first[1]["chosen"]
+  assert first[0]["losses"] == first[1]["losses"]
+  assert "process 0 chose it" in _shared_note(first[0])
+  assert "this process, 1, compiled no variant" in _shared_note(first[1])
+  (entry_path,) = (caches[0] / "selection").glob("*.json")
+  entry = json.loads(entry_path.read_text())
+  assert entry["chosen"] == first[0]["chosen"]
+
+  # Process 1's cache names another variant, of another program (an older choice):
+  # process 0's choice wins.
+  written = entry["base"].startswith("as written")
+  other = "rewritten, one layer per collective" if written else "as written, recommended flags"
+  stale = {**entry, "chosen": other, "base": other, "options": {}, "estimates": [[other, 1e-9]]}
+  (caches[1] / "selection").mkdir(exist_ok=True)
+  (caches[1] / "selection" / entry_path.name).write_text(json.dumps(stale))
+  second = _results(*_run_pair(extra, envs=envs))
+  assert [r["chosen"] for r in second] == [entry["chosen"]] * 2
+  assert second[0]["losses"] == second[1]["losses"] == first[0]["losses"]
+  if entry["chosen"].endswith("scheduled by the cost model's estimates"):
+    # Scheduled from a latency profile process 0 wrote: process 1 has it too.
+    assert [p.name for p in (caches[1] / "latency_profiles").iterdir()] == [
+      os.path.basename(entry["options"]["xla_gpu_pgle_profile_file_or_directory_path"])
+    ]
+  assert any("remembered" in n for n in second[0]["notes"])
+
+  # Process 0's entry is corrupted: it chooses again, and process 1 still takes its choice.
+  entry_path.write_text("{not json")
+  third = _results(*_run_pair(extra, envs=envs))
+  assert third[0]["chosen"] == third[1]["chosen"] == entry["chosen"]
+  assert not any("remembered" in n for n in third[0]["notes"])
+  assert "compiled no variant" in _shared_note(third[1])
+  # Process 1 compiled nothing and remembered nothing of its own.
+  assert [p.name for p in (caches[1] / "selection").iterdir()] == [entry_path.name]
+  assert json.loads((caches[1] / "selection" / entry_path.name).read_text()) == stale

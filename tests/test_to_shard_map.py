@@ -475,6 +475,26 @@ def test_overlap_shard_map_form_keeps_requested_out_shardings(how):
   assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(got[0]))
 
 
+@pytest.mark.parametrize("gspmd", ["convert", "as_written"])
+@pytest.mark.parametrize("jitted", [False, True], ids=["plain", "jitted_out_shardings"])
+def test_overlap_outputs_are_laid_out_as_jax_jit_lays_them_out(gspmd, jitted):
+  # A plain step leaves its output layouts to the partitioner (which splits AdamW's update
+  # of the replicated scale vector, and its moments, over fsdp); a jitted one asks for its
+  # inputs' layouts (the scale replicated). Either form @overlap runs returns what
+  # jax.jit(step) returns, laid out the same way.
+  mesh = _mesh((8,), ("fsdp",))
+  fn, args = _adamw_step(mesh, P("fsdp"))
+  step = fn if jitted else fn.__wrapped__
+  want = jax.jit(step)(*args) if not jitted else step(*args)
+  ov = jax_overlap.overlap(step, gspmd=gspmd, params_argnums=(0, 1), cache=False)
+  notes = ov.explain(*args).notes
+  assert any(n.startswith("converted to shard_map") for n in notes) == (gspmd == "convert")
+  got = ov(*args)
+  _assert_same(got, want, rtol=1e-4, atol=1e-5)
+  scale = got[0]["scale"].sharding
+  assert scale.is_fully_replicated == jitted, scale
+
+
 def test_host_arrays_and_scalars_are_laid_out_as_the_jits_in_shardings_say():
   # jax.jit(step, in_shardings=...) called with host (numpy) arrays and a Python float:
   # the layouts come from the jit, so the step is converted (a scalar argument crashed

@@ -3,7 +3,8 @@
 One process per host (here: per group of CPU devices), all running this script::
 
   python -m jax_overlap.examples.multihost --coordinator=10.0.0.1:1234 \\
-      --num_processes=2 --process_id=0 --local_devices=4 [--steps=3] [--mesh=4x2] [--out=...]
+      --num_processes=2 --process_id=0 --local_devices=4 [--steps=3] [--mesh=4x2] [--out=...] \\
+      [--target=h100x8]
 
 The mesh is fsdp x tensor over every process's devices: ``--mesh`` as given, or by default
 2-way tensor parallel and the rest FSDP (2 processes x 4 devices: 4x2; 2 hosts x 8 GPUs: 8x2).
@@ -11,7 +12,9 @@ The mesh is fsdp x tensor over every process's devices: ``--mesh`` as given, or 
 Each process calls ``jax.distributed.initialize``; the mesh spans every
 process's devices, parameters and batches are global arrays assembled from the
 same host data on every process, and the decorated GPT step runs as one SPMD
-program. On CPU, collectives across processes use gloo. On a GPU cluster leave
+program. With ``--target``, ``@overlap`` chooses among its variants for that GPU target:
+process 0 chooses (from its selection cache or its deviceless compiles) and every process
+runs its choice, printed as ``chosen`` beside the losses. On CPU, collectives across processes use gloo. On a GPU cluster leave
 ``--local_devices`` at 0 (use the GPUs) and launch one process per host with
 your cluster launcher (see the README's multi-host recipe).
 """
@@ -39,6 +42,9 @@ flags.DEFINE_string(
 flags.DEFINE_string("out", "", "Write the losses here (process 0).")
 flags.DEFINE_integer("timeout_s", 60, "Give up if the other processes do not join within this.")
 flags.DEFINE_bool("overlap", True, "Decorate the step with @jax_overlap.overlap.")
+flags.DEFINE_string(
+  "target", "", "Choose among @overlap's variants for this GPU target (e.g. h100x8)."
+)
 
 
 def mesh_shape(spec: str, device_count: int) -> tuple[int, int]:
@@ -55,8 +61,18 @@ def mesh_shape(spec: str, device_count: int) -> tuple[int, int]:
   return device_count // t, t
 
 
-def run_training(steps: int, mesh_shape: tuple[int, int], overlap: bool) -> list[float]:
-  """Trains the demo GPT on a global mesh; returns the losses (same on every process)."""
+def run_training(
+  steps: int,
+  mesh_shape: tuple[int, int],
+  overlap: bool,
+  target: str | None = None,
+  explained: list | None = None,
+) -> list[float]:
+  """Trains the demo GPT on a global mesh; returns the losses (same on every process).
+
+  ``target``: the GPU target ``@overlap`` chooses its variant for (None: no choice).
+  ``explained``: if given, the decorated step's ``explain()`` is appended to it.
+  """
   import jax
   import numpy as np
   from jax.sharding import AxisType, NamedSharding
@@ -82,11 +98,13 @@ def run_training(steps: int, mesh_shape: tuple[int, int], overlap: bool) -> list
     "count": global_array(np.zeros((), np.int32), P()),
   }
   step = gpt.make_train_step(cfg, mesh)
-  step = jax_overlap.overlap(step) if overlap else jax.jit(step)
+  step = jax_overlap.overlap(step, target=target) if overlap else jax.jit(step)
   source = gpt.token_batches(cfg, seed=0)
   losses = []
   for _ in range(steps):
     tokens = global_array(next(source), P("fsdp"))
+    if explained is not None and not losses and overlap:
+      explained.append(step.explain(params, opt, tokens))
     params, opt, loss = step(params, opt, tokens)
     losses.append(float(np.asarray(jax.device_get(loss))))
   return losses
@@ -143,8 +161,12 @@ def main(argv) -> None:
       file=sys.stderr,
     )
     sys.exit(2)
-  losses = run_training(FLAGS.steps, (f, t), FLAGS.overlap)
-  print(json.dumps({"process": jax.process_index(), "losses": losses}), flush=True)
+  explained: list = []
+  losses = run_training(FLAGS.steps, (f, t), FLAGS.overlap, FLAGS.target or None, explained)
+  result = {"process": jax.process_index(), "losses": losses}
+  if explained:
+    result.update(chosen=explained[0].chosen, notes=explained[0].notes)
+  print(json.dumps(result), flush=True)
   if FLAGS.out and jax.process_index() == 0:
     with open(FLAGS.out, "w") as fh:
       json.dump(losses, fh)

@@ -44,9 +44,13 @@ collective matmul sites in :mod:`.matmul_sites`, the jaxpr helpers all share in
 :mod:`.jaxprs`),
 :mod:`.evaluate` re-evaluates the program with the plan, :mod:`.scan_pipeline`
 and :mod:`.gspmd` handle loops and partitioned programs, :mod:`.to_shard_map`
-converts a partitioned program to shard_map, :mod:`.decorator` holds
+converts a partitioned program to shard_map (aiming for the output layouts
+:mod:`.out_layouts` reads from the step's jit), :mod:`.decorator` holds
 ``overlap``, :mod:`.variants` the variants and the choice among them (:mod:`.compiles`
-compiles them), :mod:`.explain` what it reports."""
+compiles them; :mod:`.shared_choice` makes the choice once for all the processes of a
+multi-process job), :mod:`.explain` what it reports. :mod:`.pipeline` chains the steps a call runs (resolve, trace,
+plan, convert, candidates, select, build), passing the records of :mod:`.records`;
+:mod:`.measure` times the best variants on the devices (``select="measure"``)."""
 
 from jax_overlap._src.transform.annotations import priority as priority
 from jax_overlap._src.transform.decorator import Overlapped as Overlapped

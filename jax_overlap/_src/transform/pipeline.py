@@ -34,7 +34,9 @@ from jax_overlap._src.compile import kernel_cache
 from jax_overlap._src.transform import (
   arguments,
   measure,
+  out_layouts,
   selection_cache,
+  shared_choice,
   to_shard_map,
   variants,
 )
@@ -104,6 +106,7 @@ class StepFunction:
     ]
 
 
+@shared_choice.reports_failures  # multi-process: a failed build stops the other processes
 def run(step: StepFunction, args, kwargs, signature) -> Built:
   """The whole pipeline for one input signature."""
   notes: list[str] = []
@@ -157,9 +160,10 @@ def trace(step: StepFunction, args, kwargs, signature) -> TracedStep:
   donated = tuple(getattr(traced, "donate_argnums", ()) or ())
   if donated and not {"donate_argnums", "donate_argnames"} & set(jit_kwargs):
     jit_kwargs["donate_argnums"] = donated
-  return TracedStep(
-    traced, traced.jaxpr, jax.tree.structure(traced.out_info), signature, jit_kwargs
-  )
+  out_tree = jax.tree.structure(traced.out_info)
+  # And its output shardings (unless given to overlap): every variant returns them.
+  jit_kwargs.update(out_layouts.jit_kwargs(traced, out_tree, jit_kwargs))
+  return TracedStep(traced, traced.jaxpr, out_tree, signature, jit_kwargs)
 
 
 def plan(step: StepFunction, traced: TracedStep, st: Settings, args, kwargs) -> PlannedProgram:
@@ -200,7 +204,8 @@ def convert(
   params = step.param_leaves(args)
   jit_params = getattr(traced.traced, "_params", {})
   avals = arguments.abstract_leaves(leaves, closed.jaxpr.invars, jit_params.get("in_shardings"))
-  out_shardings = jit_params.get("out_shardings")
+  # The layouts jax.jit(step) returns (asked for, or the partitioner's), for its outputs.
+  out_shardings = out_layouts.partitioner_choice(traced.traced)
   try:
     conv = to_shard_map.convert(closed, avals, out_shardings, params_leaves=params)
     smap = jax.make_jaxpr(conv.fn)(*avals)
@@ -260,30 +265,60 @@ def select(
   notes: list[str],
 ) -> Choice:
   """Step 6: the variant to run: the only one, a remembered one, or the cost model's
-  (then timed on the devices with ``select="measure"``)."""
+  (then timed on the devices with ``select="measure"``); in a multi-process job, process
+  0's (:mod:`.shared_choice`)."""
   cands = candidates(st, planned, converted)
   gspmd_step = planned.shard_maps == 0 and st.target is not None and st.select != "rewrite"
   if len(cands) == 1 and not gspmd_step:
     return Choice(tuple(cands), 0, how="only_candidate")
+  settings_key = st.key(planned.config.annotate, traced.jit_kwargs)
+  # A GSPMD step's compiler-option variants all evaluate the step as written.
+  fallback = planned.config.as_written() if gspmd_step else None
+  agreement = shared_choice.begin(str(traced.closed), traced.signature, settings_key)
+  if shared_choice.follows(agreement):  # process 0 chooses; no compiles, no cache here
+    choice = shared_choice.receive(agreement, cands, fallback)
+    if choice is None:
+      choice = Choice(tuple(cands), 0, how="only_candidate")
+  else:
+    choice = _choose(step, st, traced, planned, converted, cands, fallback, args, kwargs, notes)
+    if st.select == "measure" and agreement is not None:
+      notes.append(
+        "select='measure': nothing timed in a multi-process job (every process would have "
+        "to compile and run each timed variant together); the cost model's choice is shared"
+      )
+    elif st.select == "measure":
+      choice = _measured(step, traced, planned, converted, choice, args, kwargs, notes)
+    entry_key = selection_cache.key(str(traced.closed), traced.signature, settings_key)
+    if st.cache and entry_key and choice.how in ("cost_model", "measured"):
+      variants.remember(entry_key, choice)
+  shared_choice.settle(agreement, choice, notes)
+  return choice
+
+
+def _choose(
+  step: StepFunction,
+  st: Settings,
+  traced: TracedStep,
+  planned: PlannedProgram,
+  converted: PlannedProgram | None,
+  cands: list[Candidate],
+  fallback: VariantConfig | None,
+  args,
+  kwargs,
+  notes: list[str],
+) -> Choice:
+  """The choice remembered on disk, or the cost model's among the compiled variants."""
+  settings_key = st.key(planned.config.annotate, traced.jit_kwargs)
+  entry_key = selection_cache.key(str(traced.closed), traced.signature, settings_key)
+  if st.cache and entry_key:
+    remembered = variants.recall(st, entry_key, cands, fallback)
+    if remembered is not None:  # no compile needed
+      return remembered
   programs = _programs(planned, converted)
 
   def make(cfg: VariantConfig, options: Mapping[str, Any]):
     return jax.jit(_rewritten(programs, cfg, traced, step.statics), **traced.jit_kwargs)
 
-  entry_key = None
-  if st.cache:
-    entry_key = selection_cache.key(
-      str(traced.closed),
-      traced.signature,
-      st.key(planned.config.annotate, traced.jit_kwargs),
-    )
-  if entry_key:
-    # A remembered choice needs no compile (for a GSPMD step: every compiler-option
-    # variant evaluates the step as written).
-    fallback = planned.config.as_written() if gspmd_step else None
-    remembered = variants.recall(st, entry_key, cands, fallback)
-    if remembered is not None:
-      return remembered
   known: dict[int, Any] = {}
   # The variants' deviceless compiles share the kernels they have in common (unless the
   # user's options name a kernel cache of their own).
@@ -291,7 +326,7 @@ def select(
     enabled=st.target is not None and kernel_cache.OPTION not in st.xla_options
   )
   try:
-    if gspmd_step:
+    if fallback is not None:  # a GSPMD step: its option variants come from compiling it
       converted_ones = [c for c in cands if c.config.program == "shard_map"]
       cands = variants.gspmd_candidates(
         st, planned.config, make, args, kwargs, notes, known, kernels
@@ -300,22 +335,33 @@ def select(
     choice, _ = variants.select(st, cands, make, args, kwargs, known, kernels)
   finally:
     kernels.close()
-  if st.select == "measure":
-    undonated = {
-      k: v for k, v in traced.jit_kwargs.items() if k not in ("donate_argnums", "donate_argnames")
-    }
-
-    def runner(c: Candidate):
-      return jax.jit(
-        _rewritten(programs, c.config, traced, step.statics),
-        compiler_options=flags_lib.per_compile.spelled(c.options) or None,
-        **undonated,
-      )
-
-    choice = measure.measured_choice(choice, runner, args, kwargs, notes)
-  if entry_key and choice.how in ("cost_model", "measured"):
-    variants.remember(entry_key, choice)
   return choice
+
+
+def _measured(
+  step: StepFunction,
+  traced: TracedStep,
+  planned: PlannedProgram,
+  converted: PlannedProgram | None,
+  choice: Choice,
+  args,
+  kwargs,
+  notes: list[str],
+) -> Choice:
+  """``choice`` with the cost model's best variants timed on the devices (:mod:`.measure`)."""
+  programs = _programs(planned, converted)
+  undonated = {
+    k: v for k, v in traced.jit_kwargs.items() if k not in ("donate_argnums", "donate_argnames")
+  }
+
+  def runner(c: Candidate):
+    return jax.jit(
+      _rewritten(programs, c.config, traced, step.statics),
+      compiler_options=flags_lib.per_compile.spelled(c.options) or None,
+      **undonated,
+    )
+
+  return measure.measured_choice(choice, runner, args, kwargs, notes)
 
 
 def build(
@@ -394,8 +440,6 @@ def choice_notes(target: targets_lib.Topology | None, choice: Choice) -> list[st
       "choice remembered from an earlier run with the same program, arguments "
       "and settings (jax_overlap cache directory; cache=False chooses again)"
     )
-  if choice.how == "shared" or choice.origin not in ("this process", "the selection cache"):
-    notes.append(f"choice made by {choice.origin} and shared with every process of the job")
   notes.extend(f"variant not compiled: {f}" for f in choice.failed)
   notes.extend(choice.judged)
   return notes
