@@ -280,3 +280,50 @@ def test_memory_plan_is_named_apart_from_the_runtime_plan():
   assert old is MemoryPlan
   with pytest.raises(AttributeError, match="has no attribute 'Planned'"):
     jax_overlap.budget.memory.Planned  # noqa: B018
+
+
+def test_a_program_far_behind_after_its_first_variant_is_not_compiled_further(monkeypatch):
+  # A cheap first pass: one variant of each program, then only programs that can still win.
+  from jax_overlap._src.analysis import analyze as analysis
+  from jax_overlap._src.transform import variants
+
+  written = VariantConfig(prefetch=1, reduce_scatter="per_layer", annotate=False).as_written()
+  rewritten = dataclasses.replace(written, prefetch=1, reduce_scatter="per_layer", loops="all")
+  converted = dataclasses.replace(rewritten, program="shard_map")
+  times = {"w0": 10.0, "w1": 9.0, "r0": 12.0, "r1": 8.0, "s0": 16.0, "s1": 1.0, "s2": 1.0}
+  compiled = []
+
+  def fake_analyze(fn, *args, name, xla_options, **kwargs):
+    compiled.append(name)
+    return types.SimpleNamespace(
+      step_time_s=times[name] * 1e-3, compute_time_s=1e-3, xla_options={}, notes=[]
+    )
+
+  monkeypatch.setattr(analysis, "analyze", fake_analyze)
+  cands = [records.Candidate(n, written) for n in ("w0", "w1")]
+  cands += [records.Candidate(n, rewritten) for n in ("r0", "r1")]
+  cands += [records.Candidate(n, converted) for n in ("s0", "s1", "s2")]
+  settings = types.SimpleNamespace(
+    target=targets.get("h100x8"), schedule_from_estimates=False, xla_options={}
+  )
+  choice, reports = variants.select(settings, cands, lambda cfg, options: None, (), {})
+  # First each program's first variant; the shard_map form (16 ms, over 1.5x the best
+  # 10 ms) stops there, the rewritten step (12 ms) goes on and wins.
+  assert compiled[:3] == ["w0", "r0", "s0"] and sorted(compiled[3:]) == ["r1", "w1"]
+  assert choice.name == "r1" and [c.name for c in choice.candidates] == [
+    "w0",
+    "w1",
+    "r0",
+    "r1",
+    "s0",
+  ]
+  assert len(reports) == len(choice.candidates) == len(choice.estimates)
+  assert choice.failed == (
+    "2 variant(s) like 's0' skipped: estimated 16.000 ms, more than 1.5x the best so far "
+    "(10.000 ms)",
+  )
+  # Within the factor, every variant compiles.
+  times["s0"] = 14.0
+  compiled.clear()
+  choice, _ = variants.select(settings, cands, lambda cfg, options: None, (), {})
+  assert sorted(compiled) == sorted(times) and choice.name in ("s1", "s2") and not choice.failed

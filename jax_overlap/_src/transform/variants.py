@@ -31,6 +31,9 @@ _DOT_MERGER = ("xla_gpu_dot_merger_threshold_mb",)
 # Latency-profiled recompiles tried per step (the fastest variants by estimate).
 PROFILED_VARIANTS = 3
 PROFILED_SUFFIX = ", scheduled by the cost model's estimates"
+# A program whose first variant is estimated this many times slower than the best variant so
+# far is not compiled in its other variants (options and orderings of the same operations).
+BEHIND_FACTOR = 1.5
 # Names of the variants of a GSPMD step's shard_map form begin with this.
 CONVERTED_PREFIX = "shard_map form, "
 
@@ -348,18 +351,29 @@ def select(
   reports, by candidate (None where a variant did not compile); ``known``: reports already
   made, by candidate index; ``kernels``: the selection's shared kernel cache."""
   candidates = list(candidates)
-  known = known or {}
-  todo = [i for i in range(len(candidates)) if i not in known]
-  done = dict(known)
+  done = dict(known or {})
   errors = (ValueError, RuntimeError, TypeError)
-  for i, r in zip(
-    todo,
-    compiles.analyze_all(
-      settings, [candidates[i] for i in todo], make, args, kwargs, errors, kernels
-    ),
-  ):
-    done[i] = r
-  times, reports, failed = [], [], []
+
+  def compile_all(indices: list[int]) -> None:
+    jobs = [candidates[i] for i in indices]
+    for i, r in zip(
+      indices, compiles.analyze_all(settings, jobs, make, args, kwargs, errors, kernels)
+    ):
+      done[i] = r
+
+  # A cheap first pass: the first variant of each program (the step as written, rewritten,
+  # its shard_map form...), then the rest of the programs that can still win.
+  groups: dict[tuple, list[int]] = {}
+  for i, c in enumerate(candidates):
+    groups.setdefault(compiles.program(c.config), []).append(i)
+  compile_all([g[0] for g in groups.values() if len(groups) > 1 and not set(g) & set(done)])
+  skipped, failed = _behind(candidates, groups, done)
+  compile_all([i for i in range(len(candidates)) if i not in done and i not in skipped])
+  if skipped:
+    kept = [i for i in range(len(candidates)) if i not in skipped]
+    candidates = [candidates[i] for i in kept]
+    done = {new: done[old] for new, old in enumerate(kept)}
+  times, reports = [], []
   for i, c in enumerate(candidates):
     r = done[i]
     if isinstance(r, Exception):
@@ -403,6 +417,30 @@ def select(
     how="cost_model",
   )
   return choice, reports
+
+
+def _behind(candidates: list[Candidate], groups: dict, done: dict) -> tuple[set[int], list[str]]:
+  """The variants not worth compiling: the rest of a program whose first variant's estimate
+  is more than :data:`BEHIND_FACTOR` times the best so far (its other variants differ in
+  XLA options or in the order of the same operations), with a note for each program."""
+  best = {
+    i: r.step_time_s for i, r in done.items() if not isinstance(r, Exception) and r is not None
+  }
+  if not best:
+    return set(), []
+  fastest = min(best.values())
+  skipped, notes = set(), []
+  for members in groups.values():
+    seen = [best[i] for i in members if i in best]
+    rest = [i for i in members if i not in done]
+    if seen and rest and min(seen) > BEHIND_FACTOR * fastest:
+      skipped.update(rest)
+      first = candidates[next(i for i in members if i in best)].name
+      notes.append(
+        f"{len(rest)} variant(s) like {first!r} skipped: estimated {min(seen) * 1e3:.3f} ms, "
+        f"more than {BEHIND_FACTOR:g}x the best so far ({fastest * 1e3:.3f} ms)"
+      )
+  return skipped, notes
 
 
 def recommended(settings) -> dict[str, Any]:
