@@ -282,7 +282,9 @@ def test_memory_plan_is_named_apart_from_the_runtime_plan():
     jax_overlap.budget.memory.Planned  # noqa: B018
 
 
-def test_a_program_far_behind_after_its_first_variant_is_not_compiled_further(monkeypatch):
+def test_a_program_that_cannot_win_after_its_first_variant_is_not_compiled_further(
+  monkeypatch,
+):
   # A cheap first pass: one variant of each program, then only programs that can still win.
   from jax_overlap._src.analysis import analyze as analysis
   from jax_overlap._src.transform import variants
@@ -290,40 +292,44 @@ def test_a_program_far_behind_after_its_first_variant_is_not_compiled_further(mo
   written = VariantConfig(prefetch=1, reduce_scatter="per_layer", annotate=False).as_written()
   rewritten = dataclasses.replace(written, prefetch=1, reduce_scatter="per_layer", loops="all")
   converted = dataclasses.replace(rewritten, program="shard_map")
-  times = {"w0": 10.0, "w1": 9.0, "r0": 12.0, "r1": 8.0, "s0": 16.0, "s1": 1.0, "s2": 1.0}
+  # name: (step ms, compute ms)
+  times = {
+    "w0": (10.0, 6.0),
+    "w1": (9.0, 6.0),
+    "r0": (16.0, 5.0),  # slow, but its compute alone could still win: its siblings compile
+    "r1": (8.0, 5.0),
+    "s0": (16.0, 11.0),  # its compute alone is over the best step (10 ms): siblings skipped
+    "s1": (1.0, 1.0),
+    "c0": (20.0, 15.0),  # the same program on cuBLAS GEMMs: a program of its own
+  }
   compiled = []
 
   def fake_analyze(fn, *args, name, xla_options, **kwargs):
     compiled.append(name)
+    step, compute = times[name]
     return types.SimpleNamespace(
-      step_time_s=times[name] * 1e-3, compute_time_s=1e-3, xla_options={}, notes=[]
+      step_time_s=step * 1e-3, compute_time_s=compute * 1e-3, xla_options={}, notes=[]
     )
 
   monkeypatch.setattr(analysis, "analyze", fake_analyze)
   cands = [records.Candidate(n, written) for n in ("w0", "w1")]
   cands += [records.Candidate(n, rewritten) for n in ("r0", "r1")]
-  cands += [records.Candidate(n, converted) for n in ("s0", "s1", "s2")]
+  cands += [records.Candidate(n, converted) for n in ("s0", "s1")]
+  cands += [records.Candidate("c0", rewritten, {"xla_gpu_enable_triton_gemm": False})]
   settings = types.SimpleNamespace(
     target=targets.get("h100x8"), schedule_from_estimates=False, xla_options={}
   )
   choice, reports = variants.select(settings, cands, lambda cfg, options: None, (), {})
-  # First each program's first variant; the shard_map form (16 ms, over 1.5x the best
-  # 10 ms) stops there, the rewritten step (12 ms) goes on and wins.
-  assert compiled[:3] == ["w0", "r0", "s0"] and sorted(compiled[3:]) == ["r1", "w1"]
-  assert choice.name == "r1" and [c.name for c in choice.candidates] == [
-    "w0",
-    "w1",
-    "r0",
-    "r1",
-    "s0",
-  ]
+  assert compiled[:4] == ["w0", "r0", "s0", "c0"] and sorted(compiled[4:]) == ["r1", "w1"]
+  assert choice.name == "r1"
+  assert [c.name for c in choice.candidates] == ["w0", "w1", "r0", "r1", "s0", "c0"]
   assert len(reports) == len(choice.candidates) == len(choice.estimates)
   assert choice.failed == (
-    "2 variant(s) like 's0' skipped: estimated 16.000 ms, more than 1.5x the best so far "
-    "(10.000 ms)",
+    "1 variant(s) of the program of 's0' skipped: its compute alone takes 11.000 ms, more "
+    "than the best step so far (10.000 ms)",
   )
-  # Within the factor, every variant compiles.
-  times["s0"] = 14.0
+  # Where the compute could still win, every variant compiles.
+  times["s0"] = (16.0, 9.0)
   compiled.clear()
   choice, _ = variants.select(settings, cands, lambda cfg, options: None, (), {})
-  assert sorted(compiled) == sorted(times) and choice.name in ("s1", "s2") and not choice.failed
+  assert sorted(compiled) == sorted(times) and choice.name == "s1" and not choice.failed

@@ -113,7 +113,9 @@ ENTRIES: tuple[Flag, ...] = (
     "Cost collectives and fusions with an analytical model in the latency-hiding scheduler.",
     default=False,
     why="On Ampere (a100x8, a40x8) it is what lets the scheduler hide each layer's all-gather "
-    "under the previous layer (exposed communication of an 8-layer FSDP step: 90% -> 6%); on "
+    "under the previous layer (an 8-layer FSDP step, deviceless for a100x8: 95.7% of the "
+    "communication exposed with XLA's defaults, 15.0% with the recommended options, this one "
+    "among them; benchmarks/results/transform_fsdp.md); on "
     "Hopper XLA's default speed-of-light estimator does better, so it is not set there. Not "
     "recommended on a jaxlib where it aborts compiles of programs with loops (see aborts).",
     # Seen on 0.11.0, 0.11.1, 0.11.2 and 0.12.0 (not on 0.10.2) compiling grad of a 2-step

@@ -33,7 +33,7 @@ def workers() -> int:
   return max(1, min(4, os.cpu_count() or 1))
 
 
-def analyze_all(settings, jobs, make, args, kwargs, errors, kernels=None):
+def analyze_all(settings, jobs, make, args, kwargs, errors, kernels=None, learned=None):
   """Reports (or the exception) for ``jobs`` (:class:`~.variants.Candidate`), in their order,
   compiled by :func:`workers` threads. ``kernels`` (a :class:`kernel_cache.Shared`): seeded
   by the first job alone if no compile has; the others take the kernels of those before,
@@ -42,12 +42,14 @@ def analyze_all(settings, jobs, make, args, kwargs, errors, kernels=None):
 
   Variants share the program's dots: once one compile needed the fallback for XLA's
   deviceless Triton tiling failure (``compile.TILING_FALLBACK``), the variants compiled
-  after it start with it instead of failing first, unless they set those options."""
+  after it start with it instead of failing first, unless they set those options.
+  ``learned``: where that fallback is kept between calls of one selection (a dict, filled
+  in place)."""
   from jax_overlap._src.analysis import analyze as analysis
   from jax_overlap._src.compile import compiler as compile_lib
 
   kernels = kernels or kernel_cache.Shared(enabled=False)
-  learned: dict = {}
+  learned = {} if learned is None else learned
   lock = threading.Lock()
   fallback_keys = set(compile_lib.TILING_FALLBACK)
 

@@ -31,9 +31,10 @@ _DOT_MERGER = ("xla_gpu_dot_merger_threshold_mb",)
 # Latency-profiled recompiles tried per step (the fastest variants by estimate).
 PROFILED_VARIANTS = 3
 PROFILED_SUFFIX = ", scheduled by the cost model's estimates"
-# A program whose first variant is estimated this many times slower than the best variant so
-# far is not compiled in its other variants (options and orderings of the same operations).
-BEHIND_FACTOR = 1.5
+# A program whose first variant's compute alone takes this many times the best step so far
+# is not compiled in its other variants (options and orderings of the same operations,
+# whose kernels differ little: the margin covers that).
+BEHIND_FACTOR = 1.05
 # Names of the variants of a GSPMD step's shard_map form begin with this.
 CONVERTED_PREFIX = "shard_map form, "
 
@@ -354,18 +355,21 @@ def select(
   done = dict(known or {})
   errors = (ValueError, RuntimeError, TypeError)
 
+  learned: dict = {}  # the deviceless tiling fallback, once a variant needed it
+
   def compile_all(indices: list[int]) -> None:
     jobs = [candidates[i] for i in indices]
-    for i, r in zip(
-      indices, compiles.analyze_all(settings, jobs, make, args, kwargs, errors, kernels)
-    ):
+    reports = compiles.analyze_all(settings, jobs, make, args, kwargs, errors, kernels, learned)
+    for i, r in zip(indices, reports):
       done[i] = r
 
   # A cheap first pass: the first variant of each program (the step as written, rewritten,
-  # its shard_map form...), then the rest of the programs that can still win.
+  # its shard_map form...; GEMMs through Triton or cuBLAS), then the rest of the programs
+  # that can still win.
   groups: dict[tuple, list[int]] = {}
   for i, c in enumerate(candidates):
-    groups.setdefault(compiles.program(c.config), []).append(i)
+    gemms = c.options.get("xla_gpu_enable_triton_gemm")
+    groups.setdefault((compiles.program(c.config), gemms), []).append(i)
   compile_all([g[0] for g in groups.values() if len(groups) > 1 and not set(g) & set(done)])
   skipped, failed = _behind(candidates, groups, done)
   compile_all([i for i in range(len(candidates)) if i not in done and i not in skipped])
@@ -420,25 +424,28 @@ def select(
 
 
 def _behind(candidates: list[Candidate], groups: dict, done: dict) -> tuple[set[int], list[str]]:
-  """The variants not worth compiling: the rest of a program whose first variant's estimate
-  is more than :data:`BEHIND_FACTOR` times the best so far (its other variants differ in
-  XLA options or in the order of the same operations), with a note for each program."""
-  best = {
-    i: r.step_time_s for i, r in done.items() if not isinstance(r, Exception) and r is not None
-  }
-  if not best:
+  """The variants that cannot win, not worth compiling: the rest of a program whose first
+  variant's compute alone (what a schedule can at best leave of its step) takes longer
+  than :data:`BEHIND_FACTOR` times the best step so far; the others differ from it only
+  in XLA options or in the order of the same operations. A note for each program."""
+  reports = {i: r for i, r in done.items() if r is not None and not isinstance(r, Exception)}
+  if not reports:
     return set(), []
-  fastest = min(best.values())
+  fastest = min(r.step_time_s for r in reports.values())
   skipped, notes = set(), []
   for members in groups.values():
-    seen = [best[i] for i in members if i in best]
+    seen = [i for i in members if i in reports]
     rest = [i for i in members if i not in done]
-    if seen and rest and min(seen) > BEHIND_FACTOR * fastest:
+    if not seen or not rest:
+      continue
+    first = min(seen, key=lambda i: reports[i].compute_time_s)
+    compute = reports[first].compute_time_s
+    if compute > BEHIND_FACTOR * fastest:
       skipped.update(rest)
-      first = candidates[next(i for i in members if i in best)].name
       notes.append(
-        f"{len(rest)} variant(s) like {first!r} skipped: estimated {min(seen) * 1e3:.3f} ms, "
-        f"more than {BEHIND_FACTOR:g}x the best so far ({fastest * 1e3:.3f} ms)"
+        f"{len(rest)} variant(s) of the program of {candidates[first].name!r} skipped: its "
+        f"compute alone takes {compute * 1e3:.3f} ms, more than the best step so far "
+        f"({fastest * 1e3:.3f} ms)"
       )
   return skipped, notes
 
