@@ -19,6 +19,7 @@ from jax_overlap._src.collective_matmul.rings import (
   _out_dim,
   _perm,
   _ring_order,
+  accumulate,
 )
 
 
@@ -248,7 +249,7 @@ def dot_general_reduce_scatter(
   accs = [part(0, j, dj) for j, dj in enumerate(dirs)]
   for s in range(1, n):
     accs = [
-      lax.ppermute(a, axis, _perm(n, dj)) + part(s, j, dj)
+      accumulate(lax.ppermute(a, axis, _perm(n, dj)), part(s, j, dj))
       for j, (a, dj) in enumerate(zip(accs, dirs))
     ]
   out = accs[0] if len(accs) == 1 else jnp.concatenate(accs, axis=scatter_dim)
