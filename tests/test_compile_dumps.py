@@ -23,7 +23,9 @@ MAXTEXT_XLA_FLAGS = (
 )
 
 # The child: analyze a small FSDP step (its jit is not named train_step) and the same step
-# decorated by jax_overlap.overlap; prints what the reports and the choice are.
+# decorated by jax_overlap.overlap (choosing among its variants, without the recompiles
+# with latency profiles: the same compile path, a third of the time); prints what the
+# reports and the choice are.
 _CHILD = r"""
 import json, sys
 import jax_overlap
@@ -51,7 +53,7 @@ except ValueError as e:
 if sys.argv[1] == "analyze":
   print("JAX_OVERLAP_CHILD" + json.dumps(out))
   sys.exit(0)
-ov = jax_overlap.overlap(fn, target="h100x8")
+ov = jax_overlap.overlap(fn, target="h100x8", schedule_from_estimates=False)
 explained = ov.explain(*args)
 out["overlap"] = summary(jax_overlap.analyze(ov, *args, target="h100x8"))
 out["chosen"] = explained.chosen
@@ -109,12 +111,10 @@ def test_maxtext_xla_flags_give_the_same_reports(tmp_path):
   assert _child(tmp_path, MAXTEXT_XLA_FLAGS.format(dump=dump)) == plain
   # XLA_FLAGS's own dump folder got no module of these steps.
   assert not dump.exists() or not any(dump.iterdir())
-  # The module filter alone, and the other settings that hide or bury the files read.
-  for flags in (
-    "--xla_dump_hlo_module_re=jit_train_step",
-    "--xla_dump_hlo_as_proto --xla_dump_max_hlo_modules=1 --xla_dump_hlo_pass_re=.*",
-  ):
-    assert _child(tmp_path, flags, "analyze") == {"plain": plain["plain"]}, flags
+  # The other settings that hide the files read (a format alone, a module count) or bury
+  # them (per-pass dumps).
+  flags = "--xla_dump_hlo_as_proto --xla_dump_max_hlo_modules=1 --xla_dump_hlo_pass_re=.*"
+  assert _child(tmp_path, flags, "analyze") == {"plain": plain["plain"]}
 
 
 @needs_plugin
