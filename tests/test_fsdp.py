@@ -699,8 +699,9 @@ def _bracketed(body, kind):
 def test_schedule_h100_gather_and_reduce_scatter_bracket_compute(estimator):
   from jax_overlap._src.flags.configuration import loop_schedule_options
 
-  # With the loop options jax_overlap recommends for this XLA (from jaxlib 0.12: without
-  # its async dynamic-slice copies, which take the GEMMs from the reduce-scatter).
+  # With the loop options jax_overlap recommends for this XLA: without its async
+  # dynamic-slice copies where it has them (on jaxlib 0.12 they take the reduce-scatter's
+  # GEMMs).
   flags = dict(
     SCHEDULE_FLAGS, **loop_schedule_options(), xla_gpu_enable_analytical_latency_estimator=estimator
   )

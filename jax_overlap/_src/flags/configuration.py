@@ -40,7 +40,7 @@ def check_workload(workload: str) -> str:
   return workload
 
 
-# XLA:GPU's pass (jaxlib 0.12 and later) that wraps dynamic-slice and dynamic-update-slice
+# XLA:GPU's pass (jaxlib 0.11 and later) that wraps dynamic-slice and dynamic-update-slice
 # copies in async start/done pairs before scheduling.
 ASYNC_SLICE_COPY_PASS = "dynamic-slice-copy-fusion-async-wrapper"
 

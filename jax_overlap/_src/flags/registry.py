@@ -352,13 +352,14 @@ ENTRIES: tuple[Flag, ...] = (
     "list",
     "Comma list of XLA passes not to run (every invocation of each named pass).",
     default="",
-    why="From jaxlib 0.12 XLA:GPU runs the copies that read and write one layer of a "
-    "stacked array in a loop (dynamic-slice-copy-fusion-async-wrapper) asynchronously, and "
-    "the latency-hiding scheduler spends the layer's GEMMs hiding them: in the backward "
-    "loop of scanned FSDP layers the reduce-scatter whose result is written into the "
-    "stacked gradients then brackets no GEMM (deviceless h100x8, jaxlib 0.12.0.1). Without "
-    "the pass the loop is scheduled as on jaxlib 0.10 and 0.11. Recommended for loop "
-    "workloads only where the installed XLA has the pass.",
+    why="XLA:GPU (jaxlib 0.11 and later) runs the copies that read and write one layer of "
+    "a stacked array in a loop asynchronously (dynamic-slice-copy-fusion-async-wrapper), "
+    "and from jaxlib 0.12 the latency-hiding scheduler spends the layer's GEMMs hiding "
+    "them: in the backward loop of scanned FSDP layers the reduce-scatter whose result is "
+    "written into the stacked gradients then brackets no GEMM (deviceless h100x8, jaxlib "
+    "0.12.0.1). Without the pass the loop is scheduled as on jaxlib 0.10 (5 GEMMs beside "
+    "the gather and 5 beside the reduce-scatter); 0.11.2 schedules it so with the pass or "
+    "without. Recommended for loop workloads wherever the installed XLA has the pass.",
   ),
   # --- runtime --------------------------------------------------------------------------
   _f(
