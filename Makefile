@@ -37,16 +37,20 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests -n $(JOBS) --dist worksteal --durations=15 $(ARGS)
 
 # The suite against another jax release in its own venv, e.g. the GPU machines' 0.11.2
-# (Python 3.12 or later): `make test-jax JAX=0.11.2 PYTHON=python3.12`.
+# (Python 3.12 or later): `make test-jax JAX=0.11.2 PYTHON=python3.12`. JAX=latest takes the
+# newest release the package index serves that interpreter with a CUDA plugin of the same
+# version (jax uses a plugin only when its version is jaxlib's: .ci/newest_jax.py).
 JAX ?= 0.11.2
-JAX_VENV := .venv-jax$(JAX)
 test-jax:
-	test -x $(JAX_VENV)/bin/python || $(PYTHON) -m venv $(JAX_VENV)
-	$(JAX_VENV)/bin/python -m pip install -q uv
-	$(JAX_VENV)/bin/uv pip install -q --compile-bytecode --python $(JAX_VENV)/bin/python \
+	v='$(JAX)'; \
+	if test "$$v" = latest; then v=$$($(PYTHON) .ci/newest_jax.py) || exit 1; fi; \
+	venv=.venv-jax$$v; echo "jax $$v in $$venv"; \
+	test -x $$venv/bin/python || $(PYTHON) -m venv $$venv || exit 1; \
+	$$venv/bin/python -m pip install -q uv && \
+	$$venv/bin/uv pip install -q --compile-bytecode --python $$venv/bin/python \
 	  -e ".[test,plot,progress]" \
-	  "jax==$(JAX)" "jaxlib==$(JAX)" "jax-cuda13-plugin==$(JAX)" "jax-cuda13-pjrt==$(JAX)"
-	$(JAX_VENV)/bin/python -m pytest -q tests -n $(JOBS) --dist worksteal --durations=15 $(ARGS)
+	  "jax==$$v" "jaxlib==$$v" "jax-cuda13-plugin==$$v" "jax-cuda13-pjrt==$$v" && \
+	$$venv/bin/python -m pytest -q tests -n $(JOBS) --dist worksteal --durations=15 $(ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check jax_overlap tests benchmarks

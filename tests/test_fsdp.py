@@ -650,6 +650,14 @@ SCHEDULE_FLAGS = {
 def _compiled_schedule(prefetch, flags):
   """The collectives of each while-loop body of grad(scan_layers stack) on h100x8."""
   from jax_overlap._src.analysis import hlo, schedule
+
+  module = hlo.parse_module(_compiled_hlo(flags, prefetch))
+  return [schedule.collective_brackets(module, body) for body in schedule.while_bodies(module)]
+
+
+@functools.cache
+def _compiled_hlo(flags, prefetch=1):
+  """The scheduled HLO of grad(scan_layers stack) on h100x8."""
   from jax_overlap._src.compile.compiler import compile_for_target
   from jax_overlap._src.targets import compile_only_mesh
 
@@ -678,8 +686,7 @@ def _compiled_schedule(prefetch, flags):
   step = compile_for_target(
     jax.jit(jax.grad(loss)), ps, cs, target="h100x8", xla_options=dict(flags)
   )
-  module = hlo.parse_module(step.hlo_text)
-  return [schedule.collective_brackets(module, body) for body in schedule.while_bodies(module)]
+  return step.hlo_text
 
 
 def _bracketed(body, kind):
@@ -690,7 +697,14 @@ def _bracketed(body, kind):
 @pytest.mark.skipif(not _HAS_CUDA_PLUGIN, reason="needs jax-cuda13-plugin for deviceless compiles")
 @pytest.mark.parametrize("estimator", [False, True], ids=["default", "analytical"])
 def test_schedule_h100_gather_and_reduce_scatter_bracket_compute(estimator):
-  flags = dict(SCHEDULE_FLAGS, xla_gpu_enable_analytical_latency_estimator=estimator)
+  from jax_overlap._src.flags.configuration import loop_schedule_options
+
+  # With the loop options jax_overlap recommends for this XLA: without its async
+  # dynamic-slice copies where it has them (on jaxlib 0.12 they take the reduce-scatter's
+  # GEMMs).
+  flags = dict(
+    SCHEDULE_FLAGS, **loop_schedule_options(), xla_gpu_enable_analytical_latency_estimator=estimator
+  )
   if estimator and aborts.aborts("xla_gpu_enable_analytical_latency_estimator")[0]:
     # This jaxlib's XLA aborts compiling loops with the estimator: refused, not aborted.
     with pytest.raises(ConfigError, match="abort the process compiling a program with a while"):
@@ -709,3 +723,22 @@ def test_schedule_h100_gather_and_reduce_scatter_bracket_compute(estimator):
   for b in bwd:
     assert min(_bracketed(b, "all-gather")) >= 2, b
     assert min(_bracketed(b, "reduce-scatter")) >= 2, b
+
+
+@pytest.mark.skipif(not _HAS_CUDA_PLUGIN, reason="needs jax-cuda13-plugin for deviceless compiles")
+def test_loop_schedule_options_name_a_pass_this_xla_runs():
+  # The option is recommended exactly where the compiled loop has async slice copies.
+  from jax_overlap._src.flags import configuration
+
+  opts = configuration.loop_schedule_options()
+  flags = dict(SCHEDULE_FLAGS, xla_gpu_enable_analytical_latency_estimator=False)
+  text = _compiled_hlo(tuple(sorted(flags.items())))
+  assert ("fusion-start" in text) == configuration.async_slice_copies()
+  assert opts == (
+    {"xla_disable_hlo_passes": configuration.ASYNC_SLICE_COPY_PASS}
+    if configuration.async_slice_copies()
+    else {}
+  )
+  if opts:
+    assert "fusion-start" not in _compiled_hlo(tuple(sorted({**flags, **opts}.items())))
+    assert opts.items() <= configuration.recommended(target="h100x8", workload="fsdp").items()

@@ -1,7 +1,11 @@
 """Latency profiles written from the analysis and read back by XLA's scheduler."""
 
+import importlib.util
+import json
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -22,10 +26,15 @@ def test_profile_names_every_instruction_once_with_the_analysis_costs(tmp_path, 
   text = jax_overlap.latency_profile.profile_text(report)
   entries = re.findall(r'costs \{ name: "([^"]+)" cost_us: ([0-9.]+) \}', text)
   names = [n for n, _ in entries]
-  assert len(names) == len(set(names)) == len(text.strip().splitlines())
+  assert len(names) == len(set(names)) == len(re.findall("^costs ", text, re.M))
   # Loop iterations (name@i) collapse to the instruction's name.
   assert not any("@" in n for n in names)
   expected = {k.name.split("@")[0]: k.time_s for k in [*report.kernels, *report.collectives]}
+  # Async fusions' starts and dones are named too (costing nothing; their kernel is named).
+  from jax_overlap._src.analysis.latency_profile import _async_pairs
+
+  for start, _, ends in _async_pairs(report.hlo_text):
+    expected.update(dict.fromkeys((start, *ends), 0.0))
   assert set(names) == set(expected)
   for n, us in entries:
     assert abs(float(us) - expected[n] * 1e6) <= 1e-3
@@ -44,7 +53,11 @@ def test_xla_recompiles_with_the_profile_and_keeps_the_names(tmp_path, analysed)
   )
   assert again.xla_options[jax_overlap.latency_profile.OPTION] == path
   names = {k.name.split("@")[0] for k in [*again.kernels, *again.collectives]}
-  profiled = set(re.findall(r'name: "([^"]+)"', open(path).read()))
+  from jax_overlap._src.analysis.latency_profile import _async_pairs
+
+  profiled = set(re.findall(r'costs \{ name: "([^"]+)"', open(path).read())) - {
+    n for start, _, ends in _async_pairs(report.hlo_text) for n in (start, *ends)
+  }
   # The recompile has the instructions the profile names, so XLA uses every cost.
   assert names == profiled
 
@@ -143,3 +156,114 @@ def test_a_conditional_costs_its_counted_branch_and_xla_misses_nothing_it_costs(
   # Without the conditional's entry XLA says so (what the check above would see).
   without = "".join(line + "\n" for line in text.splitlines() if cond.name not in line)
   assert cond.name in missed(without)
+
+
+# A child process: a scanned FSDP step compiled with a profile written from its analysis
+# (scanned layers: XLA from jaxlib 0.11 runs their slice copies as async fusion-start /
+# fusion-done pairs), and once more with a profile of the analysis' kernels and collectives
+# alone. Prints what XLA wrote on fd 2 during each recompile.
+_PROFILED_CHILD = r"""
+import json, os, re, sys, tempfile
+import jax_overlap
+from jax_overlap._src.analysis import latency_profile
+from jax_overlap.examples import shard_map_fsdp as S
+
+fn, args = S.build("h100x8", layers=4, hidden=1024, mlp=2048, heads=8, seq=64, form="scan_layers")
+opts = {"xla_gpu_enable_latency_hiding_scheduler": True}
+report = jax_overlap.analyze(fn, *args, target="h100x8", xla_options=opts)
+full = latency_profile.profile_text(report)
+named = {k.name.split("@")[0] for k in [*report.kernels, *report.collectives]}
+bare = "".join(
+  ln + "\n" for ln in full.splitlines()
+  if ln.startswith("costs") and re.search(r'name: "([^"]+)"', ln).group(1) in named
+)
+out = {"async_starts": len(latency_profile._async_pairs(report.hlo_text))}
+for key, text in (("full", full), ("bare", bare)):
+  path = os.path.join(sys.argv[1], key + ".pbtxt")
+  open(path, "w").write(text)
+  with tempfile.TemporaryFile() as err:
+    saved = os.dup(2)
+    os.dup2(err.fileno(), 2)
+    try:
+      jax_overlap.analyze(
+        fn, *args, target="h100x8", xla_options={**opts, latency_profile.OPTION: path}
+      )
+    finally:
+      os.dup2(saved, 2)
+      os.close(saved)
+    err.seek(0)
+    out[key] = err.read().decode(errors="replace")
+print("JAX_OVERLAP_CHILD" + json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(
+  importlib.util.find_spec("jax_plugins.xla_cuda13") is None,
+  reason="needs jax-cuda13-plugin for deviceless compiles",
+)
+def test_a_compile_with_a_written_profile_prints_no_pgle_warning(tmp_path):
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env.update(
+    JAX_PLATFORMS="cpu",
+    JAX_OVERLAP_COMPILE_CACHE="0",
+    JAX_OVERLAP_CACHE_DIR=str(tmp_path / "cache"),
+    PYTHONPATH=os.pathsep.join(p for p in [root, env.get("PYTHONPATH", "")] if p),
+  )
+  p = subprocess.run(
+    [sys.executable, "-c", _PROFILED_CHILD, str(tmp_path)],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=600,
+  )
+  line = next((ln for ln in p.stdout.splitlines() if ln.startswith("JAX_OVERLAP_CHILD")), None)
+  assert line is not None, p.stderr[-3000:]
+  out = json.loads(line[len("JAX_OVERLAP_CHILD") :])
+  warned = lambda err: [ln for ln in err.splitlines() if "profile_guided_latency_estimator" in ln]
+  assert warned(out["full"]) == [], out["full"][-3000:]
+  assert warned(p.stderr) == []
+  # Where XLA runs async fusions, a profile without their starts and dones is warned of.
+  if out["async_starts"]:
+    missed = set(re.findall(r"profile_guided_latency_estimator\.cc:\d+\]   (\S+)", out["bare"]))
+    assert missed and all(n.startswith("fusion-") for n in missed), out["bare"][-3000:]
+
+
+def test_async_fusions_are_named_with_the_latency_of_their_kernel():
+  # XLA asks the start and the done their cost by name, and their latency by the start's
+  # name (or the wrapped instruction's); the scheduling name is the one XLA knows.
+  from jax_overlap._src.analysis.analyze import analyze_hlo
+
+  hlo_text = """HloModule m, is_scheduled=true
+
+%fused (q0: f32[4096,1024], q1: s32[]) -> f32[1,1024] {
+  %q0 = f32[4096,1024]{1,0} parameter(0)
+  %q1 = s32[] parameter(1)
+  %z = s32[] constant(0)
+  ROOT %ds = f32[1,1024]{1,0} dynamic-slice(%q0, %q1, %z), dynamic_slice_sizes={1,1024}
+}
+
+%wrapped (p0: f32[4096,1024], p1: s32[]) -> f32[1,1024] {
+  %p0 = f32[4096,1024]{1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  ROOT %copy_fusion.2 = f32[1,1024]{1,0} fusion(%p0, %p1), kind=kLoop, calls=%fused
+}
+
+ENTRY %main (a: f32[4096,1024], i: s32[]) -> f32[1,1024] {
+  %a = f32[4096,1024]{1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %fusion-start.1 = ((f32[4096,1024]{1,0}, s32[]), f32[1,1024]{1,0}, u32[]) async-start(%a, %i), calls=%wrapped, metadata={scheduling_name="fusion-start"}
+  ROOT %fusion-done.1 = f32[1,1024]{1,0} async-done(%fusion-start.1), metadata={scheduling_name="fusion-done"}
+}
+"""
+  report = analyze_hlo(hlo_text, target="h100x8")
+  (kernel,) = report.kernels
+  assert kernel.name == "copy_fusion.2" and kernel.time_s > 0
+  lines = jax_overlap.latency_profile.profile_text(report).splitlines()
+  assert lines == [
+    f'costs {{ name: "copy_fusion.2" cost_us: {kernel.time_s * 1e6:.3f} }}',
+    'costs { name: "fusion-start" cost_us: 0.000 }',
+    'costs { name: "fusion-done" cost_us: 0.000 }',
+    f'latencies {{ source: "fusion-start" target: "fusion-done" latency_us: '
+    f"{kernel.time_s * 1e6:.3f} }}",
+  ]

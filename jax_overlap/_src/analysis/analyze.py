@@ -18,6 +18,7 @@ from jax_overlap._src.analysis import schedule as schedule_lib
 from jax_overlap._src.analysis import timeline as timeline_lib
 from jax_overlap._src.analysis.report import Report
 from jax_overlap._src.compile import compiler as compile_lib
+from jax_overlap._src.compile import dumps
 from jax_overlap._src.compile.memory_stats import MemoryStats
 
 __all__ = ["analyze", "analyze_compiled", "analyze_hlo"]
@@ -102,6 +103,8 @@ def analyze(
   step = compile_lib.compile_for_target(
     fn, *args, target=topo, xla_options=xla_options, mesh=mesh, api_name="analyze", **kwargs
   )
+  if not step.hlo_text.strip():
+    raise dumps.missing_dump("analyze", "optimised HLO (*after_optimizations.txt)")
   return analyze_compiled(
     step, name=name or _fn_name(fn), cost_model=cost_model, xla_options=dict(xla_options or {})
   )

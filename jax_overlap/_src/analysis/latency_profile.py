@@ -49,6 +49,14 @@ def profile_text(report: report_lib.Report) -> str:
   for name, t in report.uncounted_costs.items():
     costs.setdefault(name, t)
   costs.update(_conditional_costs(report, costs))
+  pairs = _async_pairs(report.hlo_text or "")
+  latencies = []
+  for start, wrapped, ends in pairs:
+    # The start and its done are asked their own cost (issuing them costs next to nothing)
+    # and the time between them: that of the kernel they run.
+    for n in (start, *ends):
+      costs.setdefault(n, 0.0)
+    latencies.append((start, ends[-1], costs.get(wrapped, 0.0)))
   # XLA's scheduler knows an instruction by the name it had then (``scheduling_name`` in
   # its metadata): XLA 0.11 turns a collective with nothing beside it into a synchronous
   # one after scheduling ("all-reduce.3", scheduled as "all-reduce-start").
@@ -56,7 +64,50 @@ def profile_text(report: report_lib.Report) -> str:
   lines = [
     f'costs {{ name: "{names.get(n, n)}" cost_us: {t * 1e6:.3f} }}' for n, t in costs.items()
   ]
+  lines += [
+    f'latencies {{ source: "{names.get(a, a)}" target: "{names.get(b, b)}" '
+    f"latency_us: {t * 1e6:.3f} }}"
+    for a, b, t in latencies
+  ]
   return "\n".join(lines) + "\n"
+
+
+def _async_pairs(hlo_text: str) -> list[tuple[str, str, str]]:
+  """``(start, wrapped, (update..., done))`` for each ``async-start`` of ``hlo_text`` that
+  runs a kernel rather than a collective (from jaxlib 0.11 XLA issues some fusions so: a
+  scan's dynamic-slice and dynamic-update-slice copies become ``fusion-start`` /
+  ``fusion-done``). XLA's profile-guided estimator asks a cost of each start and done by
+  name, and the latency between them by the start's name or the wrapped instruction's,
+  warning of every one a profile leaves out."""
+  from jax_overlap._src.analysis import hlo, schedule
+
+  if "async-start" not in hlo_text:
+    return []
+  module = hlo.parse_module(hlo_text)
+  out = []
+  for comp in module.computations.values():
+    users: dict[str, list] = {}
+    for i in comp.instructions:
+      for o in i.operands[:1]:
+        users.setdefault(o, []).append(i)
+    for instr in comp.instructions:
+      if instr.opcode != "async-start":
+        continue
+      called = [module.computations[c] for c in instr.called if c in module.computations]
+      inner = [i for c in called for i in c.instructions]
+      if not called or any(i.opcode in schedule.COLLECTIVE_KINDS for i in inner):
+        continue  # a collective: the report names it
+      ends, at = [], instr.name
+      while True:
+        nxt = [u for u in users.get(at, []) if u.opcode in ("async-update", "async-done")]
+        if not nxt:
+          break
+        at = nxt[0].name
+        ends.append(at)
+      root = called[0].root
+      if ends and root is not None:
+        out.append((instr.name, root.name, tuple(ends)))
+  return out
 
 
 _SCHEDULING_NAME = re.compile(r'^\s*(?:ROOT )?%([^\s=]+) = [^\n]*?scheduling_name="([^"]+)"', re.M)

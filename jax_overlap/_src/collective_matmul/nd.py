@@ -15,6 +15,7 @@ from jax_overlap._src.collective_matmul.cost import Method
 from jax_overlap._src.collective_matmul.pieces import ag_pieces, rs_pieces
 from jax_overlap._src.collective_matmul.rings import (
   Kept,
+  accumulate,
   in_gathered_order,
   out_dim,
   ring_order,
@@ -250,7 +251,7 @@ def dot_general_reduce_scatter(
   accs = [part(0, j, dj) for j, dj in enumerate(dirs)]
   for s in range(1, n):
     accs = [
-      lax.ppermute(a, axis, ring_perm(n, dj)) + part(s, j, dj)
+      accumulate(lax.ppermute(a, axis, ring_perm(n, dj)), part(s, j, dj))
       for j, (a, dj) in enumerate(zip(accs, dirs))
     ]
   out = accs[0] if len(accs) == 1 else jnp.concatenate(accs, axis=scatter_dim)

@@ -47,6 +47,19 @@ def _step_dot(a, b, precision, preferred):
   return dot_block(a, b, precision, preferred)
 
 
+def accumulate(received, partial):
+  """A reduce-scatter ring step's sum: the partial sum that arrived plus this step's dot.
+
+  XLA from jaxlib 0.12 fuses an ``add`` that consumes a dot into the GEMM fusion's
+  epilogue, and the fused GEMM then waits for the hop that brings ``received``: the dot
+  no longer runs while the partial sum travels, and the ring runs its exchanges
+  synchronously. Passing the dot's result through an optimization barrier keeps the
+  add a kernel of its own (as earlier XLAs left it), so the dot depends only on this
+  device's operands.
+  """
+  return received + lax.optimization_barrier(partial)
+
+
 def ag_ring(x, w, axis, n, dirs, precision, preferred, collect):
   """``all_gather(x) @ w`` as a ring; also the gathered ``x`` if ``collect``."""
   d = lax.axis_index(axis)
@@ -87,7 +100,7 @@ def rs_ring(x, w, axis, n, dirs, precision, preferred):
   accs = [part(0, j, dj) for j, dj in enumerate(dirs)]
   for s in range(1, n):
     sent = [lax.ppermute(a, axis, ring_perm(n, dj)) for a, dj in zip(accs, dirs)]
-    accs = [snt + part(s, j, dj) for j, (snt, dj) in enumerate(zip(sent, dirs))]
+    accs = [accumulate(snt, part(s, j, dj)) for j, (snt, dj) in enumerate(zip(sent, dirs))]
   return accs[0] if len(accs) == 1 else jnp.concatenate(accs, axis=0)
 
 

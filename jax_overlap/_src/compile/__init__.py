@@ -4,6 +4,7 @@
   the meshes captured in its jaxpr);
 * ``compiler``: ``compile_for_target`` (deviceless for NVIDIA targets), XLA's dumps read
   back into a :class:`~.compiler.CompiledStep`, the in-process memo of compiles;
+* ``dumps``: the dump settings of those compiles, set per compile over ``XLA_FLAGS``'s;
 * ``store``: those artefacts on disk, for other processes;
 * ``kernel_cache``: XLA's kernel cache shared by the compiles of one selection's variants;
 * ``ptx``: registers and shared memory of each kernel, from ``ptxas`` on XLA's PTX.

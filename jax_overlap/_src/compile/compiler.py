@@ -33,7 +33,7 @@ from jax.sharding import Mesh
 
 from jax_overlap._src import errors
 from jax_overlap._src import targets as targets_lib
-from jax_overlap._src.compile import kernel_cache, retarget
+from jax_overlap._src.compile import dumps, kernel_cache, retarget
 from jax_overlap._src.compile import store as compile_store
 from jax_overlap._src.compile.memory_stats import MemoryStats, memory_stats
 from jax_overlap._src.flags import aborts as aborts_lib
@@ -182,7 +182,7 @@ def compile_lowered(
     ConfigError: before compiling, if the options (or ``XLA_FLAGS``) would make the
       installed XLA abort the process on this program (:mod:`.flags.aborts`).
   """
-  options = per_compile.spelled(options)
+  options = dumps.with_dump_settings(per_compile.spelled(options))
   aborts_lib.check_program(lowered, options)
   with _kept_from_jax_cache(topo):
     try:

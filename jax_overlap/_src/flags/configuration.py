@@ -40,6 +40,45 @@ def check_workload(workload: str) -> str:
   return workload
 
 
+# XLA:GPU's pass (jaxlib 0.11 and later) that wraps dynamic-slice and dynamic-update-slice
+# copies in async start/done pairs before scheduling.
+ASYNC_SLICE_COPY_PASS = "dynamic-slice-copy-fusion-async-wrapper"
+
+
+@functools.cache
+def async_slice_copies() -> bool:
+  """Whether the installed XLA:GPU (its CUDA plugin) has :data:`ASYNC_SLICE_COPY_PASS`.
+
+  Asked of the plugin library itself, whose pass names are strings in it: a feature, not a
+  version, so a jaxlib that drops or renames the pass is not given an option for it.
+  """
+  import importlib.util
+  import mmap
+
+  for name in ("jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12"):
+    try:
+      spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+      spec = None
+    if spec is None or not spec.submodule_search_locations:
+      continue
+    for folder in spec.submodule_search_locations:
+      path = os.path.join(folder, "xla_cuda_plugin.so")
+      try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+          return m.find(ASYNC_SLICE_COPY_PASS.encode()) >= 0
+      except (OSError, ValueError):
+        continue
+  return False
+
+
+def loop_schedule_options() -> dict[str, Any]:
+  """XLA options that keep a layer loop's collectives overlapping its GEMMs on the installed
+  XLA: ``xla_disable_hlo_passes`` naming :data:`ASYNC_SLICE_COPY_PASS` where XLA has the pass
+  (see the registry's ``why``), else none."""
+  return {"xla_disable_hlo_passes": ASYNC_SLICE_COPY_PASS} if async_slice_copies() else {}
+
+
 @functools.lru_cache(maxsize=64)
 def _recommended(target: str, workload: str) -> tuple[tuple[str, Any], ...]:
   """The recommendation table. Each choice is justified in the flag's ``why``.
@@ -66,6 +105,7 @@ def _recommended(target: str, workload: str) -> tuple[tuple[str, Any], ...]:
         "xla_gpu_enable_pipelined_all_gather": True,
         "xla_gpu_enable_pipelined_reduce_scatter": True,
         "xla_gpu_enable_while_loop_double_buffering": True,
+        **loop_schedule_options(),
       }
     )
     if hopper:

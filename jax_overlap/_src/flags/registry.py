@@ -348,6 +348,21 @@ ENTRIES: tuple[Flag, ...] = (
     default=(1 << 63) - 1,
     minimum=0,
   ),
+  _f(
+    "xla_disable_hlo_passes",
+    "xla",
+    "list",
+    "Comma list of XLA passes not to run (every invocation of each named pass).",
+    default="",
+    why="XLA:GPU (jaxlib 0.11 and later) runs the copies that read and write one layer of "
+    "a stacked array in a loop asynchronously (dynamic-slice-copy-fusion-async-wrapper), "
+    "and from jaxlib 0.12 the latency-hiding scheduler spends the layer's GEMMs hiding "
+    "them: in the backward loop of scanned FSDP layers the reduce-scatter whose result is "
+    "written into the stacked gradients then brackets no GEMM (deviceless h100x8, jaxlib "
+    "0.12.0.1). Without the pass the loop is scheduled as on jaxlib 0.10 (5 GEMMs beside "
+    "the gather and 5 beside the reduce-scatter); 0.11.2 schedules it so with the pass or "
+    "without. Recommended for loop workloads wherever the installed XLA has the pass.",
+  ),
   # --- runtime --------------------------------------------------------------------------
   _f(
     "xla_gpu_enable_command_buffer",
