@@ -272,15 +272,24 @@ def select(
   if len(cands) == 1 and not gspmd_step:
     return Choice(tuple(cands), 0, how="only_candidate")
   settings_key = st.key(planned.config.annotate, traced.jit_kwargs)
+  # The program's text keys the cache and the job's agreement: printed once, and only for
+  # them (a large step's jaxpr prints slowly).
+  shared = jax.process_count() > 1
+  program_text = str(traced.closed) if st.cache or shared else ""
+  entry_key = (
+    selection_cache.key(program_text, traced.signature, settings_key) if st.cache else None
+  )
   # A GSPMD step's compiler-option variants all evaluate the step as written.
   fallback = planned.config.as_written() if gspmd_step else None
-  agreement = shared_choice.begin(str(traced.closed), traced.signature, settings_key)
+  agreement = shared_choice.begin(program_text, traced.signature, settings_key)
   if shared_choice.follows(agreement):  # process 0 chooses; no compiles, no cache here
     choice = shared_choice.receive(agreement, cands, fallback)
     if choice is None:
       choice = Choice(tuple(cands), 0, how="only_candidate")
   else:
-    choice = _choose(step, st, traced, planned, converted, cands, fallback, args, kwargs, notes)
+    choice = _choose(
+      step, st, traced, planned, converted, cands, fallback, entry_key, args, kwargs, notes
+    )
     if st.select == "measure" and agreement is not None:
       notes.append(
         "select='measure': nothing timed in a multi-process job (every process would have "
@@ -288,8 +297,7 @@ def select(
       )
     elif st.select == "measure":
       choice = _measured(step, traced, planned, converted, choice, args, kwargs, notes)
-    entry_key = selection_cache.key(str(traced.closed), traced.signature, settings_key)
-    if st.cache and entry_key and choice.how in ("cost_model", "measured"):
+    if entry_key and choice.how in ("cost_model", "measured"):
       variants.remember(entry_key, choice)
   shared_choice.settle(agreement, choice, notes)
   return choice
@@ -303,14 +311,14 @@ def _choose(
   converted: PlannedProgram | None,
   cands: list[Candidate],
   fallback: VariantConfig | None,
+  entry_key: str | None,
   args,
   kwargs,
   notes: list[str],
 ) -> Choice:
-  """The choice remembered on disk, or the cost model's among the compiled variants."""
-  settings_key = st.key(planned.config.annotate, traced.jit_kwargs)
-  entry_key = selection_cache.key(str(traced.closed), traced.signature, settings_key)
-  if st.cache and entry_key:
+  """The choice remembered on disk under ``entry_key`` (None: not looked up), or the cost
+  model's among the compiled variants."""
+  if entry_key:
     remembered = variants.recall(st, entry_key, cands, fallback)
     if remembered is not None:  # no compile needed
       return remembered
