@@ -358,16 +358,9 @@ def _measured(
 ) -> Choice:
   """``choice`` with the cost model's best variants timed on the devices (:mod:`.measure`)."""
   programs = _programs(planned, converted)
-  undonated = {
-    k: v for k, v in traced.jit_kwargs.items() if k not in ("donate_argnums", "donate_argnames")
-  }
 
-  def runner(c: Candidate):
-    return jax.jit(
-      _rewritten(programs, c.config, traced, step.statics),
-      compiler_options=flags_lib.per_compile.spelled(c.options) or None,
-      **undonated,
-    )
+  def runner(c: Candidate):  # timed on the caller's arguments: no donation
+    return _jitted(_rewritten(programs, c.config, traced, step.statics), c, traced, donate=False)
 
   return measure.measured_choice(choice, runner, args, kwargs, notes)
 
@@ -400,12 +393,21 @@ def build(
     actions, dict(chosen.options), notes, list(choice.estimates), chosen.name, choice
   )
   python_fn = _rewritten(_programs(planned, converted), chosen.config, traced, step.statics)
-  jitted = jax.jit(
+  return Built(_jitted(python_fn, chosen, traced), explanation, python_fn, choice)
+
+
+def _jitted(python_fn, candidate: Candidate, traced: TracedStep, *, donate: bool = True):
+  """``python_fn`` (a variant's program) under ``jax.jit`` with the candidate's XLA options
+  and the step's jit keywords (without its donation where ``donate`` is False)."""
+  jit_kwargs = dict(traced.jit_kwargs)
+  if not donate:
+    jit_kwargs.pop("donate_argnums", None)
+    jit_kwargs.pop("donate_argnames", None)
+  return jax.jit(
     python_fn,
-    compiler_options=flags_lib.per_compile.spelled(chosen.options) or None,
-    **traced.jit_kwargs,
+    compiler_options=flags_lib.per_compile.spelled(candidate.options) or None,
+    **jit_kwargs,
   )
-  return Built(jitted, explanation, python_fn, choice)
 
 
 def _programs(planned: PlannedProgram, converted: PlannedProgram | None) -> dict[str, Any]:
