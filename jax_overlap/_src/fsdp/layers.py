@@ -22,7 +22,7 @@ from jax_overlap._src.fsdp.pipeline import (
   _pipeline,
   _scatter,
   _store,
-  _varying,
+  varying,
 )
 
 
@@ -200,9 +200,9 @@ def _defer_replicated(layer_fn, layer_out, example_params, stacked, carry, const
     return None
   leaves = jax.tree.leaves(example_params)
   stacked_leaves = jax.tree.leaves(stacked)
-  types = [_varying(x) for x in leaves]
-  checked = [_varying(x) for x, d in zip(stacked_leaves, cfg.dims) if d is not None]
-  checked += [_varying(x) for x in jax.tree.leaves(carry)]
+  types = [varying(x) for x in leaves]
+  checked = [varying(x) for x, d in zip(stacked_leaves, cfg.dims) if d is not None]
+  checked += [varying(x) for x in jax.tree.leaves(carry)]
   if any(t is None for t in types + checked) or not any(axes <= t for t in checked):
     return None  # types unknown, or shard_map does not check them
   mask = [
@@ -231,8 +231,8 @@ def _defer_replicated(layer_fn, layer_out, example_params, stacked, carry, const
     after = jax.eval_shape(lambda p, c: fn_b(vary(p), c, *consts), example_params, carry)
   except Exception:  # noqa: BLE001 - any failure keeps the per-layer reductions
     return None
-  if [_varying(x) for x in jax.tree.leaves(layer_out)] != [
-    _varying(x) for x in jax.tree.leaves(after)
+  if [varying(x) for x in jax.tree.leaves(layer_out)] != [
+    varying(x) for x in jax.tree.leaves(after)
   ]:
     return None
   return fn_b, vary, reduce

@@ -201,13 +201,13 @@ def after(x, prev):
   make ``x`` vary over ``prev``'s axes and fail shard_map's checks); otherwise
   ``x`` unchanged.
   """
-  if _varying(x) != _varying(prev):
+  if varying(x) != varying(prev):
     return x
   x, _ = lax.optimization_barrier((x, prev))
   return x
 
 
-def _varying(x):
+def varying(x):
   """The manual mesh axes ``x`` varies over (shard_map's type), or None if unknown."""
   aval = jax.typeof(x)
   vma = getattr(aval, "vma", None)

@@ -184,7 +184,9 @@ def overlap(
       ``targets.Topology``); None: the devices the step runs on (on GPUs, their topology
       from ``targets.from_devices``, and the selection runs as for a named target; on
       CPU, no variant is compiled for a GPU).
-    prefetch: how many layers ahead parameter all-gathers are issued (>= 0).
+    prefetch: 0 leaves parameter all-gathers where written; >= 1 issues each one by the
+      cost model's time, to arrive when first used, and gathers that many iterations ahead
+      in a ``lax.scan`` it pipelines.
     reduce_scatter: "per_layer" (issue each gradient reduce-scatter as soon as
       its input exists, and keep them separate) or "as_written".
     collective_matmul: "auto" decomposes an activation all-gather feeding a

@@ -11,7 +11,7 @@ import jax
 from jax.experimental.xla_metadata import set_xla_metadata
 
 from jax_overlap._src.collective_matmul.nd import gather_dots_kept
-from jax_overlap._src.fsdp.pipeline import after
+from jax_overlap._src.fsdp.pipeline import after, varying
 from jax_overlap._src.transform import scan_pipeline
 from jax_overlap._src.transform.explain import Action
 from jax_overlap._src.transform.jaxprs import OPAQUE, contains_collectives, is_var, scan_sizes
@@ -54,6 +54,35 @@ def _after_all(x, prevs: list):
   for p in prevs:
     x = after(x, p)
   return x
+
+
+def _tied(x, prev_eqn, read):
+  """``x`` ordered after an output of ``prev_eqn`` that varies over the same mesh axes (the
+  issue point of a gather placed by time); ``x`` unchanged if none does."""
+  axes = varying(x)
+  for v in prev_eqn.outvars:
+    if is_var(v) and axes is not None and varying(read(v)) == axes:
+      return after(x, read(v))
+  return x
+
+
+def _tied_before(i: int, eqn, invals: list, plan, read, jaxpr) -> list:
+  """A loop's inputs, one of them tied after the reduce-scatters the plan finishes before
+  the loop (``BodyPlan.scatters_before_loop``): the first input that varies over the same
+  mesh axes as their results."""
+  rs = plan.scatters_before_loop.get(i, ())
+  if not rs:
+    return invals
+  outs = [read(jaxpr.eqns[r].outvars[0]) for r in rs]
+  axes = varying(outs[0])
+  # A scan's carries first (the first iteration reads them; an unused input's tie would be
+  # removed with it), then its other inputs.
+  n_consts, n_carry = scan_sizes(eqn) if eqn.primitive.name == "scan" else (0, len(invals))
+  carries = range(n_consts, n_consts + n_carry)
+  for k in [*carries, *(k for k in range(len(invals)) if k not in carries)]:
+    if is_var(eqn.invars[k]) and axes is not None and varying(invals[k]) == axes:
+      return [*invals[:k], _after_all(invals[k], outs), *invals[k + 1 :]]
+  return invals
 
 
 def _run_ring(ring, env, read, wait_for: list, kept: dict) -> bool:
@@ -208,7 +237,7 @@ def _run_env(jaxpr, consts, args, plan: BodyPlan | None, skip: frozenset = froze
         env[eqn.outvars[0]] = fn(a, b, **kw)
       continue
     if plan is not None and (i in plan.scans or i in plan.loop_bodies):
-      invals = [read(v) for v in eqn.invars]
+      invals = _tied_before(i, eqn, [read(v) for v in eqn.invars], plan, read, jaxpr)
       inner = plan.loop_bodies.get(i)  # None: the iteration as written
       if i not in plan.scans:
         outs = _scan(eqn, invals, inner)
@@ -217,15 +246,28 @@ def _run_env(jaxpr, consts, args, plan: BodyPlan | None, skip: frozenset = froze
         def layer(jx, cs, xs, skip_, given_, inner=inner):
           return _run_env(jx, cs, xs, inner, skip_, given_)
 
-        outs = scan_pipeline.run(eqn, invals, plan.scans[i], _eval_eqn, layer)
+        issued = plan.prologue_after.get(i)
+        outs = scan_pipeline.run(
+          eqn,
+          invals,
+          plan.scans[i],
+          _eval_eqn,
+          layer,
+          None if issued is None else lambda x, e=jaxpr.eqns[issued]: _tied(x, e, read),
+        )
       for v, o in zip(eqn.outvars, outs):
         env[v] = o
       continue
     md = plan.metadata.get(i) if plan is not None else None
     invals = [read(v) for v in eqn.invars]
+    if plan is not None and i in plan.scatters_before_loop:
+      invals = _tied_before(i, eqn, invals, plan, read, jaxpr)
     prev = plan.chain_prev.get(i) if plan is not None else None
     if prev is not None and invals:
       invals[0] = after(invals[0], read(jaxpr.eqns[prev].outvars[0]))
+    issued = plan.issue_after.get(i) if plan is not None else None
+    if issued is not None and invals:
+      invals[0] = _tied(invals[0], jaxpr.eqns[issued], read)
     outs = _eval_eqn(eqn, invals, md)
     if plan is not None and i in plan.wgrad_before:  # its users wait for the weight gradients
       outs = [_after_all(outs[0], weight_gradients_before(i))]
@@ -253,7 +295,7 @@ class VariantConfig:
   annotate: bool
   collective_matmul: CollectiveMatmul = "off"
   target: Any = None  # a targets.Topology, or None for the cost model's default
-  chain: bool = False  # issue the first layer's gathers and every reduce-scatter one by one
+  chain: bool = False  # issue the step's first gathers and every reduce-scatter one by one
   # id(shard_map body) -> positions of its inputs that carry parameters (parameter_inputs)
   param_inputs: dict | None = dataclasses.field(default=None, compare=True, hash=False)
   param_avals: frozenset | None = None  # parameter_avals

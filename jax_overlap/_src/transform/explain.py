@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 class Action:
   """One thing the transform did (or left alone, with the reason)."""
 
-  # "convert", "classify", "prefetch", "reduce_scatter", "collective_matmul",
+  # "convert", "classify", "prefetch", "gather_timing", "reduce_scatter", "collective_matmul",
   # "kept_gather", "weight_gradient", "annotate", "compiler_option", "left_alone"
   kind: str
   where: str
@@ -53,6 +53,7 @@ class Explanation:
       "convert",
       "classify",
       "prefetch",
+      "gather_timing",
       "reduce_scatter",
       "collective_matmul",
       "kept_gather",

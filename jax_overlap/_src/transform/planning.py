@@ -11,6 +11,7 @@ import dataclasses
 import heapq
 
 from jax_overlap._src.transform import matmul_sites, scan_pipeline, weight_gradients
+from jax_overlap._src.transform import prefetch as prefetch_lib
 from jax_overlap._src.transform.explain import Action
 from jax_overlap._src.transform.jaxprs import (
   COLLECTIVES,
@@ -197,6 +198,13 @@ class BodyPlan:
   assemble_beside: dict = dataclasses.field(default_factory=dict)
   # lax.scan equations whose body runs with a plan of its own: eqn index -> BodyPlan.
   loop_bodies: dict = dataclasses.field(default_factory=dict)
+  # A loop with collectives -> the gradient reduce-scatters computed before it that finish
+  # before it starts (tied to its inputs) instead of waiting for it.
+  scatters_before_loop: dict = dataclasses.field(default_factory=dict)
+  # Parameter gather -> the equation it is issued after (prefetch by time); a pipelined loop
+  # -> the equation its first gathers are issued after.
+  issue_after: dict = dataclasses.field(default_factory=dict)
+  prologue_after: dict = dataclasses.field(default_factory=dict)
   reverse: bool = False  # this is a loop body, of a reversed scan (a backward pass's)
 
 
@@ -373,28 +381,25 @@ def plan_body(
   def closure(i: int) -> list[int]:
     return sorted(ancestors_of(deps, i))
 
-  if prefetch > 0 and groups:
-    for k, g in enumerate(groups):
-      anchor = groups[k - prefetch][-1] if k >= prefetch else -1
-      first = min(g)
-      if anchor >= first - 1:
-        continue  # already issued there
-      for r, i in enumerate(g):
-        new_key = anchor + 0.5 + r * 1e-6
-        for d in closure(i):
+  # Each parameter gather (and each pipelined loop's first gathers) issued by the cost
+  # model's time, so that it arrives when first used (prefetch.py).
+  issues = _issues(eqns, groups, scans, target) if prefetch > 0 else []
+  issue_after: dict[int, int] = {}
+  prologue_after: dict[int, int] = {}
+  for it in issues:
+    if it.eqn in scans:
+      if it.after is not None:
+        prologue_after[it.eqn] = it.after
+    else:
+      new_key = (it.after if it.after is not None else -1) + 0.5 + it.eqn * 1e-6
+      if new_key < key[it.eqn]:
+        for d in closure(it.eqn):
           key[d] = min(key[d], new_key - 0.25 + d * 1e-9)
-        key[i] = new_key
-      label = f"layer {k}" + (
-        f" before layer {k - prefetch}'s compute" if k >= prefetch else " at the start"
-      )
-      actions.append(
-        Action(
-          "prefetch",
-          where,
-          f"{len(g)} all-gather(s) of {label} ({group_bytes[k] / 2**20:.1f} MiB gathered), "
-          f"issued {prefetch} layer(s) ahead of first use",
-        )
-      )
+        key[it.eqn] = new_key
+      if it.after is not None:
+        issue_after[it.eqn] = it.after
+  if issues:
+    actions.extend(_issue_actions(eqns, issues, scans, where))
 
   # 2. Reduce-scatters right after the op producing their input.
   max_scatter = 0
@@ -451,14 +456,19 @@ def plan_body(
           f"class; {len(metadata) - n_coll} matmul(s) tagged as the compute they hide under",
         )
       )
-  # Fine-grained issue: the first layer's gathers, and the reduce-scatters, one
+  # Fine-grained issue: the gathers issued at the start, and the reduce-scatters, one
   # after another (an optimization barrier ties each one's input to the previous
   # one's result), so XLA cannot merge them and compute starts on the first
   # tensors while the rest are in flight.
   chain_prev: dict[int, int] = {}
   if chain:
     pos = {i: p for p, i in enumerate(order)}
-    if groups:
+    # The gathers issued at the start (nothing to hide them), in order of first use: the
+    # first matmul starts when its own weight arrives. Without prefetch: the first group.
+    at_start = [it.eqn for it in issues if it.after is None and it.eqn not in scans]
+    if not issues and groups:
+      at_start = sorted(groups[0], key=lambda i: pos[i])
+    if at_start:
       # In order of first use: the first matmul each gathered tensor reaches.
       first_use = [float("inf")] * n
       for i in range(n - 1, -1, -1):
@@ -466,7 +476,7 @@ def plan_body(
           first_use[i] = i
         for d in deps[i]:
           first_use[d] = min(first_use[d], first_use[i])
-      first = sorted(groups[0], key=lambda i: (first_use[i], pos[i]))
+      first = sorted(at_start, key=lambda i: (first_use[i], pos[i]))
       for a_, b_ in zip(first, first[1:]):
         chain_prev[b_] = a_
     if reduce_scatter == "per_layer":
@@ -486,8 +496,8 @@ def plan_body(
         Action(
           "reduce_scatter" if not groups else "prefetch",
           where,
-          f"{len(chain_prev)} collective(s) issued one by one (first layer's gathers, "
-          "reduce-scatters) so that none is merged with the next",
+          f"{len(chain_prev)} collective(s) issued one by one (the gathers issued at the "
+          "start, reduce-scatters) so that none is merged with the next",
         )
       )
   # 5. Weight gradients of the backward pass wait for the next activation all-gather's
@@ -527,7 +537,22 @@ def plan_body(
         "the all-gather's input, and the all-gather's users wait for it",
       )
     )
-  # 6. Gathered values kept for the backward pass are put in order beside the next
+  # 6. Gradients that exist before a loop with collectives (the output projection's, computed
+  # before the scanned backward) are reduce-scattered before it, not after it: XLA keeps an
+  # asynchronous collective from spanning a loop that runs collectives of its own.
+  before_loop = (
+    scatters_before_loops(eqns, deps, kinds, order) if reduce_scatter == "per_layer" else {}
+  )
+  for loop_i, rs in before_loop.items():
+    actions.append(
+      Action(
+        "reduce_scatter",
+        where,
+        f"{len(rs)} gradient reduce-scatter(s) computed before the loop at equation {loop_i} "
+        "finish before it starts (issued when their gradient exists, not after the loop)",
+      )
+    )
+  # 7. Gathered values kept for the backward pass are put in order beside the next
   # reduce-scatter whose last piece has nothing else to hide it.
   beside, copies_s, room_s = matmul_sites.kept_assembly_sites(
     eqns, order, rings, ring_of, fused, body_outputs, target
@@ -574,7 +599,107 @@ def plan_body(
     wgrad_before=wgrad_before,
     assemble_beside=beside,
     loop_bodies=loop_bodies,
+    scatters_before_loop=before_loop,
+    issue_after=issue_after,
+    prologue_after=prologue_after,
   )
+
+
+def _issues(eqns, groups: list[list[int]], scans: dict, target) -> list:
+  """:func:`prefetch.issue_by_time` for the body's parameter gathers (``groups``) and its
+  pipelined loops' first gathers (``scans``)."""
+  from jax_overlap._src import targets as targets_lib
+
+  users = var_users(eqns)
+  wanted: dict[int, tuple[int, int, int]] = {}
+  for g in (i for grp in groups for i in grp):
+    readers = users.get(eqns[g].outvars[0], [])
+    if readers:
+      e = eqns[g]
+      wanted[g] = (min(readers), nbytes(e.outvars[0].aval), int(e.params.get("axis_size", 1)))
+  for li, sp in scans.items():
+    if sp.gathers:
+      inner = scan_pipeline.loop_body(eqns[li])[0].eqns
+      size = sum(nbytes(inner[g].outvars[0].aval) for g in sp.gathers) * sp.depth
+      devices = max(int(inner[g].params.get("axis_size", 1)) for g in sp.gathers)
+      wanted[li] = (li, size, devices)
+  if not wanted:
+    return []
+  topo = targets_lib.get(target or "h100x8")
+  return prefetch_lib.issue_by_time(eqns, list(range(len(eqns))), wanted, topo)
+
+
+def _issue_actions(eqns, issues: list, scans: dict, where: str) -> list[Action]:
+  """A summary (``prefetch``) and one ``gather_timing`` action per gather placed by time:
+  where it is issued and the compute it hides under, by the cost model."""
+  gathers = [it for it in issues if it.eqn not in scans]  # loops say theirs themselves
+  at_start = sum(1 for it in gathers if it.after is None)
+  out = []
+  if gathers:
+    out.append(
+      Action(
+        "prefetch",
+        where,
+        f"{len(gathers)} parameter all-gather(s) issued by the cost model's time to arrive "
+        f"when first used: {len(gathers) - at_start} after the compute that hides them, "
+        f"{at_start} at the start (too little compute before their use); "
+        f"{sum(it.exposed_s for it in gathers) * 1e3:.3f} ms expected exposed",
+      )
+    )
+  for it in issues:
+    what = (
+      f"the first gathers of the loop at equation {it.eqn}"
+      if it.eqn in scans
+      else f"all-gather #{it.eqn}"
+    )
+    when = "at the start" if it.after is None else f"after equation {it.after}"
+    use = "" if it.eqn in scans else f", first used at equation {it.first_use}"
+    out.append(
+      Action(
+        "gather_timing",
+        where,
+        f"{what} ({it.nbytes / 2**20:.1f} MiB, {it.time_s * 1e3:.3f} ms) issued {when}{use}: "
+        f"hides under {it.hidden_s * 1e3:.3f} ms of compute ({it.matmuls} matmul(s))"
+        + (f", {it.exposed_s * 1e3:.3f} ms exposed" if it.exposed_s > 0 else ""),
+      )
+    )
+  return out
+
+
+def scatters_before_loops(eqns, deps, kinds: dict, order: list[int]) -> dict[int, tuple]:
+  """Each loop with collectives (``lax.scan``/``while``) -> the gradient reduce-scatters that
+  ``order`` runs before it and that it does not already wait for, by equation index."""
+  pos = {i: p for p, i in enumerate(order)}
+  loops = sorted(
+    (
+      i
+      for i, e in enumerate(eqns)
+      if e.primitive.name in ("scan", "while") and contains_collectives(e)
+    ),
+    key=pos.__getitem__,
+  )
+  out: dict[int, tuple] = {}
+  taken: set[int] = set()
+  for loop in loops:
+    waits = ancestors_of(deps, loop)
+    rs = tuple(
+      sorted(
+        (
+          i
+          for i, k in kinds.items()
+          if k == "gradient"
+          and eqns[i].primitive.name == SCATTER
+          and pos[i] < pos[loop]
+          and i not in waits
+          and i not in taken
+        ),
+        key=pos.__getitem__,
+      )
+    )
+    if rs:
+      out[loop] = rs
+      taken.update(rs)
+  return out
 
 
 def _loop_body_plan(

@@ -204,12 +204,20 @@ def plan(eqn, *, gathers: bool = True, scatters: bool = True) -> ScanPlan:
   return ScanPlan(tuple(found_g), chains, tuple(found_s), outputs, tails)
 
 
-def run(eqn, invals: list, p: ScanPlan, eval_eqn: Callable, layer_env: Callable):
+def run(
+  eqn,
+  invals: list,
+  p: ScanPlan,
+  eval_eqn: Callable,
+  layer_env: Callable,
+  issue: Callable | None = None,
+):
   """Evaluates scan ``eqn`` on ``invals`` with the collectives of ``p`` moved (module
   docstring). ``eval_eqn(eqn, invals, metadata)`` binds one equation; ``layer_env(jaxpr,
   consts, args, skip, given)`` evaluates one iteration's body without the equations in
   ``skip`` (their outputs from ``given``: eqn index -> value, where there), returning its
-  environment and reader."""
+  environment and reader. ``issue(x)``: ``x`` ordered where the gathers before the loop are
+  to be issued (prefetch by time), applied to their inputs; None: where XLA puts them."""
   jaxpr, body_consts = loop_body(eqn)
   n_consts, n_carry = scan_sizes(eqn)
   length, reverse = int(eqn.params["length"]), bool(eqn.params["reverse"])
@@ -273,7 +281,8 @@ def run(eqn, invals: list, p: ScanPlan, eval_eqn: Callable, layer_env: Callable)
   # scattered after the loop. Every layer runs inside the loop, as the scan it replaces
   # compiled it, so results are bit-identical.
   depth = p.depth  # 1 <= depth < length, as the planner sets it
-  ahead = [gather(slice_at(idx(j))) for j in range(depth)]
+  first = issue or (lambda x: x)
+  ahead = [gather([first(x) for x in slice_at(idx(j))]) for j in range(depth)]
   pending = [_zeros(eqns[s], eqns[s].invars[0]) for s in p.scatters]
   step = -1 if reverse else 1
   # The scattered gradients go straight into their stacked outputs (updated in place).

@@ -186,12 +186,12 @@ def _candidate_tuples(settings, cfg: VariantConfig, stats: RewriteStats) -> list
         },
       )
     )
-    # Merged dots wait for all of their weights: with the first layer's gathers
-    # issued one by one, its first matmul should start on the first tensor.
+    # Merged dots wait for all of their weights: with the step's first gathers (those
+    # nothing hides) issued one by one, its first matmul should start on the first tensor.
     unmerged = {k: 0 for k in _DOT_MERGER if flags_lib.accepted_by_jaxlib(k, 0)}
     out.append(
       (
-        "rewritten, first layer and reduce-scatters issued one by one"
+        "rewritten, first gathers and reduce-scatters issued one by one"
         + (", XLA's dot merger off" if unmerged else ""),
         dataclasses.replace(cfg, chain=True),
         {**per_layer, **unmerged, **settings.xla_options},

@@ -1,0 +1,134 @@
+"""Parameter gathers issued by time (transform/prefetch.py), gradients that exist before a
+scanned backward reduce-scattered before it, on a whole Llama-style FSDP model
+(jax_overlap.examples.llama_fsdp): the same numbers as the step as written, and the timing the
+plan claims checked against XLA's schedule of the deviceless h100x8 compile."""
+
+import re
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_overlap
+from jax_overlap.examples import llama_fsdp as L
+
+_TIMING = re.compile(
+  r"all-gather #(\d+) \(([\d.]+) MiB, ([\d.]+) ms\) issued (at the start|after equation (\d+)), "
+  r"first used at equation (\d+): hides under ([\d.]+) ms of compute"
+)
+
+
+def _small(form, gather, **kw):
+  cfg = dict(layers=3, hidden=64, mlp=128, heads=4, kv_heads=2, vocab=256, seq=8, dtype="float32")
+  cfg.update(kw)
+  return L.Config(form=form, gather=gather, learning_rate=0.1, **cfg)
+
+
+@pytest.mark.slow
+@pytest.mark.xla_default_cpu_emitters  # bit for bit under XLA's own code generation
+@pytest.mark.parametrize("form", L.FORMS)
+@pytest.mark.parametrize("gather", L.GATHERS)
+def test_same_losses_and_parameters_as_the_step_as_written(form, gather):
+  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Auto,))
+  cfg = _small(form, gather)
+  params = L.init_params(cfg, mesh, jax.random.key(0))
+  sh = NamedSharding(mesh, P("fsdp"))
+  tokens = jax.device_put(jax.random.randint(jax.random.key(1), (8, cfg.seq), 0, cfg.vocab), sh)
+  labels = jax.device_put(jax.random.randint(jax.random.key(2), (8, cfg.seq), 0, cfg.vocab), sh)
+  step = L.make_step(cfg, mesh)
+  # The rewrite planned for h100x8 (gathers timed by its cost model), run on CPU devices.
+  ov = jax_overlap.overlap(step, target="h100x8", select="rewrite", cache=False)
+  e = ov.explain(params, tokens, labels)
+  assert e.of_kind("gather_timing"), str(e)
+  if form == "scan_remat":
+    assert any("finish before it starts" in a.detail for a in e.of_kind("reduce_scatter")), str(e)
+  p1, p2, losses = params, params, []
+  for _ in range(3):
+    p1, l1 = jax.jit(step)(p1, tokens, labels)
+    p2, l2 = ov(p2, tokens, labels)
+    losses.append((float(l1), float(l2)))
+  assert all(a == b for a, b in losses), losses
+  for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _timings(explanation):
+  out = []
+  for a in explanation.of_kind("gather_timing"):
+    m = _TIMING.search(a.detail)
+    if m:
+      g, mib, ms, _, after, use, hidden = m.groups()
+      out.append(
+        (int(g), float(ms), None if after is None else int(after), int(use), float(hidden))
+      )
+  return out
+
+
+@pytest.mark.slow
+def test_gathers_go_in_order_of_first_use_each_hidden_where_the_model_says():
+  fn, args = L.build(
+    "h100x8", layers=3, hidden=1024, mlp=2816, heads=8, kv_heads=2, vocab=4096, seq=1024
+  )
+  ov = jax_overlap.overlap(fn, target="h100x8", select="rewrite", cache=False)
+  e = ov.explain(*args)
+  timings = _timings(e)
+  n_params = 3 * 9 + 3  # nine per layer (norm scales included), the embedding, ln_f, head
+  assert len(timings) == n_params, str(e)
+  uses = [t[3] for t in timings]
+  assert uses == sorted(uses)  # listed, and queued on the link, in order of first use
+  issued = [-1 if t[2] is None else t[2] for t in timings]
+  assert issued == sorted(
+    issued
+  )  # so a later-needed gather is never issued ahead of one needed sooner
+  tied = [t for t in timings if t[2] is not None]
+  assert tied, str(e)
+  for g, _, after, use, _ in tied:
+    assert after < g and after < use
+  # Where the model has room (every gather but the first ones), each hides under compute at
+  # least as long as itself.
+  hidden_ok = [t for t in tied if "exposed" not in _detail_of(e, t[0])]
+  assert hidden_ok and all(hidden >= ms - 1e-3 for _, ms, _, _, hidden in hidden_ok)
+
+
+def _detail_of(explanation, g):
+  return next(
+    a.detail for a in explanation.of_kind("gather_timing") if f"all-gather #{g} " in a.detail
+  )
+
+
+@pytest.mark.slow
+def test_the_output_projections_gradient_is_scattered_before_the_scanned_backward():
+  """In XLA's schedule (deviceless h100x8 compile of the rewritten step), the reduce-scatter
+  of the output projection's gradient (computed right after the loss) ends before the
+  scanned backward's first reduce-scatter starts; as written it is issued after the loop."""
+  fn, args = L.build(
+    "h100x8",
+    form="scan_remat",
+    layers=3,
+    hidden=1024,
+    mlp=2816,
+    heads=8,
+    kv_heads=2,
+    vocab=8192,
+    seq=1024,
+  )
+  head_bytes = 1024 * 8192 * 2  # bf16 (hidden, vocab)
+
+  def head_scatter_and_loop_start(report):
+    scatters = [c for c in report.collectives if c.kind == "reduce-scatter"]
+    # The output projection's and the embedding's gradients are the same size (and XLA may
+    # combine them).
+    head = [c for c in scatters if "while/body" not in c.op_name and c.bytes >= head_bytes]
+    in_loop = [c for c in scatters if "while/body" in c.op_name]
+    assert len(head) >= 1 and in_loop, [(c.name, c.bytes) for c in report.collectives]
+    return head, min(c.start_s for c in in_loop)
+
+  ov = jax_overlap.overlap(fn, target="h100x8", select="rewrite", cache=False)
+  rewritten = jax_overlap.analyze(ov, *args, target="h100x8")
+  head, loop_start = head_scatter_and_loop_start(rewritten)
+  assert any(c.end_s <= loop_start for c in head), [(c.name, c.start_s, c.end_s) for c in head]
+  as_written = jax_overlap.analyze(fn, *args, target="h100x8")
+  head, loop_start = head_scatter_and_loop_start(as_written)
+  assert all(c.start_s >= loop_start for c in head)
