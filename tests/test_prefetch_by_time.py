@@ -1,11 +1,13 @@
 """Parameter gathers issued by time (transform/prefetch.py), gradients that exist before a
-scanned backward reduce-scattered before it, on a whole Llama-style FSDP model
+scanned backward reduce-scattered before it, embedding lookups without gathering the table
+(transform/embedding.py), on a whole Llama-style FSDP model
 (jax_overlap.examples.llama_fsdp): the same numbers as the step as written, and the timing the
 plan claims checked against XLA's schedule of the deviceless h100x8 compile."""
 
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding
@@ -21,7 +23,11 @@ _TIMING = re.compile(
 
 
 def _small(form, gather, **kw):
-  cfg = dict(layers=3, hidden=64, mlp=128, heads=4, kv_heads=2, vocab=256, seq=8, dtype="float32")
+  # A table large enough against 64 tokens for the cost model to look rows up where they
+  # are held (16 MiB against 32 KiB of activations).
+  cfg = dict(
+    layers=2, hidden=128, mlp=128, heads=4, kv_heads=2, vocab=32768, seq=8, dtype="float32"
+  )
   cfg.update(kw)
   return L.Config(form=form, gather=gather, learning_rate=0.1, **cfg)
 
@@ -35,13 +41,16 @@ def test_same_losses_and_parameters_as_the_step_as_written(form, gather):
   cfg = _small(form, gather)
   params = L.init_params(cfg, mesh, jax.random.key(0))
   sh = NamedSharding(mesh, P("fsdp"))
-  tokens = jax.device_put(jax.random.randint(jax.random.key(1), (8, cfg.seq), 0, cfg.vocab), sh)
+  # Ids from a few rows: the same row is looked up (and its gradient added) on many devices.
+  tokens = jax.device_put(jax.random.randint(jax.random.key(1), (8, cfg.seq), 0, 24), sh)
   labels = jax.device_put(jax.random.randint(jax.random.key(2), (8, cfg.seq), 0, cfg.vocab), sh)
   step = L.make_step(cfg, mesh)
   # The rewrite planned for h100x8 (gathers timed by its cost model), run on CPU devices.
   ov = jax_overlap.overlap(step, target="h100x8", select="rewrite", cache=False)
   e = ov.explain(params, tokens, labels)
   assert e.of_kind("gather_timing"), str(e)
+  lookup, gradient = (a.detail for a in e.of_kind("embedding"))
+  assert "without gathering its table" in lookup and "scatter-added where" in gradient
   if form == "scan_remat":
     assert any("finish before it starts" in a.detail for a in e.of_kind("reduce_scatter")), str(e)
   p1, p2, losses = params, params, []
@@ -132,3 +141,44 @@ def test_the_output_projections_gradient_is_scattered_before_the_scanned_backwar
   as_written = jax_overlap.analyze(fn, *args, target="h100x8")
   head, loop_start = head_scatter_and_loop_start(as_written)
   assert all(c.start_s >= loop_start for c in head)
+
+
+@pytest.mark.parametrize("mode", [None, "clip"])
+def test_rows_looked_up_where_held_equal_the_gathered_tables(mode):
+  """A lookup in an all-gathered table and its reduce-scattered gradient, rewritten to look
+  rows up where they are held: the same rows and gradient bit for bit, ids outside the table
+  (filled or clipped rows, dropped or clipped updates) and ids repeated across devices
+  included."""
+  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Auto,))
+  vocab, hidden = 32768, 128  # 16 MiB: the cost model moves the rows instead
+  sh = NamedSharding(mesh, P("fsdp"))
+  table = jax.device_put(jax.random.normal(jax.random.key(0), (vocab, hidden)), sh)
+  ids = np.array(jax.random.randint(jax.random.key(1), (8, 5), 0, 6))
+  ids[0, 0], ids[1, 1], ids[2, 2] = vocab + 2, -vocab - 3, vocab - 1  # outside, outside, last
+  ids = jax.device_put(ids, sh)
+  ct = jax.device_put(jax.random.normal(jax.random.key(2), (8, 5, hidden)), sh)
+
+  def body(t, i, c):
+    full = jax.lax.all_gather(t, "fsdp", axis=0, tiled=True)
+    rows, pull = jax.vjp(lambda f: jnp.take(f, i, axis=0, mode=mode), full)
+    (g,) = pull(c)
+    return rows, jax.lax.psum_scatter(g, "fsdp", scatter_dimension=0, tiled=True)
+
+  step = jax.shard_map(body, mesh=mesh, in_specs=(P("fsdp"),) * 3, out_specs=(P("fsdp"),) * 2)
+  ov = jax_overlap.overlap(step, target="h100x8", select="rewrite", cache=False)
+  assert len(ov.explain(table, ids, ct).of_kind("embedding")) == 2
+  (rows_a, grad_a), (rows_b, grad_b) = jax.jit(step)(table, ids, ct), ov(table, ids, ct)
+  if mode is None:  # filled with NaN
+    assert np.isnan(np.asarray(rows_a)[0, 0]).all()
+  np.testing.assert_array_equal(np.asarray(rows_a), np.asarray(rows_b))
+  np.testing.assert_array_equal(np.asarray(grad_a), np.asarray(grad_b))
+
+
+def test_a_small_table_is_gathered_as_written():
+  """Where the table's all-gather is cheaper than moving the activations (by the cost
+  model), the lookup is left as written."""
+  fn, args = L.build(
+    "h100x8", layers=1, hidden=256, mlp=512, heads=4, kv_heads=2, vocab=512, seq=2048
+  )
+  e = jax_overlap.overlap(fn, target="h100x8", select="rewrite", cache=False).explain(*args)
+  assert not e.of_kind("embedding") and e.of_kind("gather_timing")

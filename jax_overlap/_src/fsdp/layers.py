@@ -18,10 +18,10 @@ from jax_overlap._src.fsdp.pipeline import (
   _gather,
   _index,
   _one_by_one,
-  _pcast_varying,
   _pipeline,
   _scatter,
   _store,
+  pcast_varying,
   varying,
 )
 
@@ -194,7 +194,7 @@ def _defer_replicated(layer_fn, layer_out, example_params, stacked, carry, const
   with ``remat_policy`` (its residuals are typed by the forward), under
   ``shard_map(check_vma=False)`` or where the types cannot be read.
   """
-  pcast = _pcast_varying()
+  pcast = pcast_varying()
   axes = set(cfg.axes)
   if cfg.remat_policy is not None or pcast is None:
     return None

@@ -216,7 +216,7 @@ def varying(x):
   return None if vma is None else frozenset(vma)
 
 
-def _pcast_varying():
+def pcast_varying():
   """``x, axes -> x`` typed as varying over ``axes`` (shard_map), or None if unavailable."""
   pcast = getattr(lax, "pcast", None)
   if pcast is not None:

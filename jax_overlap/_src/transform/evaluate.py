@@ -12,7 +12,7 @@ from jax.experimental.xla_metadata import set_xla_metadata
 
 from jax_overlap._src.collective_matmul.nd import gather_dots_kept
 from jax_overlap._src.fsdp.pipeline import after, varying
-from jax_overlap._src.transform import scan_pipeline
+from jax_overlap._src.transform import embedding, scan_pipeline
 from jax_overlap._src.transform.explain import Action
 from jax_overlap._src.transform.jaxprs import OPAQUE, contains_collectives, is_var, scan_sizes
 from jax_overlap._src.transform.planning import BodyPlan, plan_body
@@ -236,6 +236,16 @@ def _run_env(jaxpr, consts, args, plan: BodyPlan | None, skip: frozenset = froze
       else:
         env[eqn.outvars[0]] = fn(a, b, **kw)
       continue
+    if plan is not None and i in plan.lookups:  # the table stays sharded
+      lk = plan.lookups[i]
+      outs = embedding.eval_lookup(eqn, lk, jaxpr.eqns[lk.table], read, _eval_eqn)
+      env.update(zip(eqn.outvars, outs))
+      continue
+    if plan is not None and i in plan.row_scatters:  # its reduce-scatter's result, directly
+      rs = plan.row_scatters[i]
+      (out,) = embedding.eval_scatter(eqn, rs, jaxpr.eqns[rs.scatter], read, _eval_eqn)
+      env[jaxpr.eqns[rs.scatter].outvars[0]] = out
+      continue
     if plan is not None and (i in plan.scans or i in plan.loop_bodies):
       invals = _tied_before(i, eqn, [read(v) for v in eqn.invars], plan, read, jaxpr)
       inner = plan.loop_bodies.get(i)  # None: the iteration as written
@@ -302,6 +312,9 @@ class VariantConfig:
   # Which program the variant evaluates: the step as traced, or its shard_map form
   # (a GSPMD step converted by to_shard_map).
   program: Program = "traced"
+  # Row lookups of a table sharded by rows run without gathering it, where the cost model
+  # says so (embedding.py).
+  embedding: bool = True
   # Backward weight gradients run while the next activation all-gather travels.
   defer_weight_gradients: bool = True
   # Which lax.scan bodies get collective matmuls and deferred weight gradients of their own:
@@ -335,6 +348,7 @@ class VariantConfig:
       chain=False,
       defer_weight_gradients=False,
       loops="none",
+      embedding=False,
     )
 
 
@@ -455,6 +469,7 @@ def _plan_for(cfg: VariantConfig, eqn, where: str) -> BodyPlan:
     cfg.param_inputs,
     frozenset(),
     cfg.loops,
+    lookups=cfg.embedding,
   )
 
 

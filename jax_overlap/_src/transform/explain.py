@@ -14,7 +14,7 @@ class Action:
   """One thing the transform did (or left alone, with the reason)."""
 
   # "convert", "classify", "prefetch", "gather_timing", "reduce_scatter", "collective_matmul",
-  # "kept_gather", "weight_gradient", "annotate", "compiler_option", "left_alone"
+  # "kept_gather", "embedding", "weight_gradient", "annotate", "compiler_option", "left_alone"
   kind: str
   where: str
   detail: str
@@ -57,6 +57,7 @@ class Explanation:
       "reduce_scatter",
       "collective_matmul",
       "kept_gather",
+      "embedding",
       "weight_gradient",
       "annotate",
       "compiler_option",

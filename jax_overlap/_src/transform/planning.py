@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 
-from jax_overlap._src.transform import matmul_sites, scan_pipeline, weight_gradients
+from jax_overlap._src.transform import embedding, matmul_sites, scan_pipeline, weight_gradients
 from jax_overlap._src.transform import prefetch as prefetch_lib
 from jax_overlap._src.transform.explain import Action
 from jax_overlap._src.transform.jaxprs import (
@@ -205,6 +205,10 @@ class BodyPlan:
   # -> the equation its first gathers are issued after.
   issue_after: dict = dataclasses.field(default_factory=dict)
   prologue_after: dict = dataclasses.field(default_factory=dict)
+  # Row lookups and their gradients' scatter-adds run without the table's collectives:
+  # call eqn -> embedding.Lookup / embedding.RowScatter.
+  lookups: dict = dataclasses.field(default_factory=dict)
+  row_scatters: dict = dataclasses.field(default_factory=dict)
   reverse: bool = False  # this is a loop body, of a reversed scan (a backward pass's)
 
 
@@ -224,11 +228,14 @@ def plan_body(
   exclude: frozenset = frozenset(),
   loops: str = "all",
   in_loop: bool = False,
+  lookups: bool = False,
 ) -> BodyPlan:
   """The plan of one body (a shard_map's, or a loop's inside one). ``nested_params``:
   :func:`parameter_inputs` for the loops inside it; ``exclude``: collectives another plan
   moves out of this body (a pipelined loop's), left alone here; ``loops``: which loops
-  inside get plans of their own (:func:`_loop_body_plan`); ``in_loop``: this is one."""
+  inside get plans of their own (:func:`_loop_body_plan`); ``in_loop``: this is one;
+  ``lookups``: row lookups of a table sharded by rows may run without gathering it
+  (embedding.py)."""
   eqns = list(jaxpr.eqns)
   n = len(eqns)
   producer = producers(eqns)
@@ -365,6 +372,13 @@ def plan_body(
         f"candidates for collective matmuls), {n_rs['gradient']} gradient reduce-scatter(s)",
       )
     )
+  # Row lookups of a table sharded by rows, without gathering the table (embedding.py).
+  lookups, row_scatters, emb_actions = (
+    embedding.plan(eqns, var_users(eqns), kinds, target, where) if lookups else ({}, {}, [])
+  )
+  actions.extend(emb_actions)
+  skipped = set(skipped) | {lk.table for lk in lookups.values()}
+  skipped |= {rs.scatter for rs in row_scatters.values()}
   groups: list[list[int]] = []
   current: list[int] = []
   for i, e in enumerate(eqns):
@@ -602,6 +616,8 @@ def plan_body(
     scatters_before_loop=before_loop,
     issue_after=issue_after,
     prologue_after=prologue_after,
+    lookups=lookups,
+    row_scatters=row_scatters,
   )
 
 
