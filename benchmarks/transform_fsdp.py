@@ -5,7 +5,10 @@ sequence per GPU, written with shard_map (jax_overlap.examples.shard_map_fsdp)
 in four forms (unrolled, lax.scan, lax.scan under jax.checkpoint,
 jax_overlap.fsdp.scan_layers) and as plain jax.jit over sharded arrays (GSPMD:
 jax_overlap.examples.fsdp_transformer, unrolled and lax.scan under
-jax.checkpoint, the partitioner inserting the collectives), compiled
+jax.checkpoint, the partitioner inserting the collectives), and whole models
+with an embedding and an output projection (llama_*: jax_overlap.examples.llama_fsdp,
+every weight gathered at each use or once per layer, unrolled or lax.scan +
+jax.checkpoint; llama_gspmd; flax: jax_overlap.examples.flax_optax), compiled
 for h100x8 and a100x8 under XLA defaults, the recommended flags, and
 @jax_overlap.overlap;
 see transform_overhead.py for the decorator's CPU costs.
@@ -35,19 +38,47 @@ from jax_overlap.examples import shard_map_fsdp as S  # noqa: E402
 FLAGS = absl_flags.FLAGS
 absl_flags.DEFINE_list("targets", ["h100x8", "a100x8"], "Targets.")
 FORMS = ["unrolled", "scan", "scan_remat", "scan_layers", "gspmd", "gspmd_scan_remat"]
+# Whole models (embedding, output projection, next-token loss): jax_overlap.examples.llama_fsdp
+# (grouped-query attention, every weight gathered at each use or once per layer, unrolled or
+# lax.scan + jax.checkpoint), fsdp_transformer with a vocabulary under plain jax.jit (GSPMD),
+# and flax_optax's Linen model with optax AdamW (float32 parameters, as Flax creates them).
+MODELS = ["llama_per_use", "llama_per_layer", "llama_scan_remat", "llama_gspmd", "flax"]
 absl_flags.DEFINE_list(
   "forms",
-  FORMS,
-  "Layer loop forms (gspmd*: plain jax.jit over sharded arrays, no shard_map).",
+  FORMS + MODELS,
+  "Layer loop forms (gspmd*: plain jax.jit over sharded arrays, no shard_map) and whole "
+  "models (llama_*, flax).",
 )
 
 
 def _build(target: str, form: str, cfg: dict):
+  if form in MODELS:
+    return _build_model(target, form, cfg)
   if form == "gspmd":
     return G.build(target, **cfg)
   if form == "gspmd_scan_remat":
     return G.build(target, scan=True, remat=True, **cfg)
   return S.build(target, form=form, **cfg)
+
+
+def _build_model(target: str, form: str, cfg: dict):
+  sizes = dict(layers=cfg["layers"], seq=cfg["seq"], batch_per_device=cfg["batch_per_device"])
+  if form == "flax":
+    from jax_overlap.examples import flax_optax
+
+    return flax_optax.build(target, hidden=cfg["hidden"], vocab=32000, **sizes)
+  if form == "llama_gspmd":
+    return G.build(target, vocab=32000, **cfg)
+  from jax_overlap.examples import llama_fsdp
+
+  loop, gather = {
+    "llama_per_use": ("unrolled", "per_use"),
+    "llama_per_layer": ("unrolled", "per_layer"),
+    "llama_scan_remat": ("scan_remat", "per_use"),
+  }[form]
+  return llama_fsdp.build(
+    target, form=loop, gather=gather, hidden=cfg["hidden"], mlp=cfg["mlp"], **sizes
+  )
 
 
 absl_flags.DEFINE_integer("layers", 8, "Layers.")
@@ -134,7 +165,7 @@ def _merged(name: str, rows: list, tables: list) -> tuple[list, list]:
     "### " + t.rstrip("\n") + "\n" for t in old_sections if t.split("\n", 1)[0] not in new_keys
   ]
   order = {f"{t}, {f}": (i, j) for i, t in enumerate(["h100x8", "a100x8", *FLAGS.targets])
-           for j, f in enumerate(FORMS)}  # fmt: skip
+           for j, f in enumerate(FORMS + MODELS)}  # fmt: skip
   sections = sorted(kept + tables, key=lambda t: order.get(t[4:].split("\n", 1)[0], (99, 99)))
   return kept_rows + rows, sections
 
@@ -157,7 +188,12 @@ def main(argv):
     "# @jax_overlap.overlap on a Llama-style FSDP step\n\n"
     f"{FLAGS.layers} layers, bf16, hidden 4096, MLP 11008, 32 heads, sequence 2048, {per_gpu}; "
     f"shard_map with explicit gathers, and GSPMD (gspmd*: sharded arrays under jax.jit; "
-    f"@overlap also tries their shard_map form, variants named 'shard_map form'). "
+    f"@overlap also tries their shard_map form, variants named 'shard_map form'); whole "
+    "models (llama_*: embedding and output projection over a vocabulary of 32000, "
+    "grouped-query attention with 8 KV heads, every weight sharded and gathered at each use "
+    "(per_use) or once per layer (per_layer), unrolled or lax.scan + jax.checkpoint; "
+    "llama_gspmd: the gspmd step with a vocabulary; flax: flax_optax's Linen MLP language "
+    "model with optax AdamW, float32 parameters). "
     f"Machine of the latest run: {payload['machine']} (each section's selection time is "
     "from its own run).\n\n"
     "Estimates from jax_overlap.analyze (deviceless compile for the target, roofline and "

@@ -11,7 +11,7 @@ numbers as the undecorated one.
 
 from __future__ import annotations
 
-__all__ = ["require", "make_model", "init", "init_opt_state", "make_train_step"]
+__all__ = ["require", "make_model", "init", "init_opt_state", "make_train_step", "build"]
 
 
 def require():
@@ -152,3 +152,65 @@ def main():
 
 if __name__ == "__main__":
   main()
+
+
+def build(
+  target: str = "h100x8",
+  hidden: int = 4096,
+  layers: int = 8,
+  vocab: int = 32000,
+  seq: int = 2048,
+  batch_per_device: int = 1,
+):
+  """Builder for ``jax-overlap analyze``: the jitted train step and abstract (params,
+  opt_state, tokens) on ``target``'s compile-only mesh, at a training size."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from jax_overlap._src import targets as targets_lib
+
+  mesh = targets_lib.compile_only_mesh(target, ("fsdp",))
+  n = mesh.shape["fsdp"]
+  embed, blocks, head = make_model(hidden, layers, vocab)
+  x = jnp.zeros((1, hidden))
+
+  def shapes(key):
+    keys = jax.random.split(key, layers + 2)
+    return {
+      "embed": embed.init(keys[0], jnp.zeros((1,), jnp.int32))["params"],
+      "blocks": [b.init(k, x)["params"] for b, k in zip(blocks, keys[1:-1])],
+      "head": head.init(keys[-1], x)["params"],
+    }
+
+  abstract = jax.eval_shape(shapes, jax.random.key(0))
+  specs = jax.tree.map(
+    lambda a: P("fsdp") if a.ndim >= 1 and a.shape[0] % n == 0 else P(), abstract
+  )
+  params = jax.tree.map(
+    lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)),
+    abstract,
+    specs,
+  )
+  step, tx = make_train_step(mesh, specs, hidden, layers, vocab)
+  pstruct = jax.tree.structure(params)
+
+  def like_params(sub):
+    if jax.tree.structure(sub) == pstruct:
+      return jax.tree.map(
+        lambda a, p: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=p.sharding), sub, params
+      )
+    return jax.tree.map(
+      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P())), sub
+    )
+
+  opt_state = jax.tree.map(
+    like_params,
+    jax.eval_shape(tx.init, params),
+    is_leaf=lambda s: jax.tree.structure(s) == pstruct,
+  )
+  tokens = jax.ShapeDtypeStruct(
+    (batch_per_device * n, seq + 1), jnp.int32, sharding=NamedSharding(mesh, P("fsdp"))
+  )
+  return jax.jit(step), (params, opt_state, tokens)

@@ -305,7 +305,9 @@ class VariantConfig:
   annotate: bool
   collective_matmul: CollectiveMatmul = "off"
   target: Any = None  # a targets.Topology, or None for the cost model's default
-  chain: bool = False  # issue the step's first gathers and every reduce-scatter one by one
+  # Tie each gather where the cost model issues it; the step's first gathers and every
+  # reduce-scatter one by one.
+  chain: bool = False
   # id(shard_map body) -> positions of its inputs that carry parameters (parameter_inputs)
   param_inputs: dict | None = dataclasses.field(default=None, compare=True, hash=False)
   param_avals: frozenset | None = None  # parameter_avals

@@ -400,20 +400,22 @@ def plan_body(
   issues = _issues(eqns, groups, scans, target) if prefetch > 0 else []
   issue_after: dict[int, int] = {}
   prologue_after: dict[int, int] = {}
+  # Each is placed there in the program; ``chain`` also ties it there (its input after that
+  # equation's output), so that XLA cannot issue it earlier.
   for it in issues:
     if it.eqn in scans:
-      if it.after is not None:
+      if it.after is not None and chain:
         prologue_after[it.eqn] = it.after
     else:
       new_key = (it.after if it.after is not None else -1) + 0.5 + it.eqn * 1e-6
-      if new_key < key[it.eqn]:
+      if new_key < key[it.eqn] or (chain and it.after is not None):
         for d in closure(it.eqn):
           key[d] = min(key[d], new_key - 0.25 + d * 1e-9)
         key[it.eqn] = new_key
-      if it.after is not None:
+      if it.after is not None and chain:
         issue_after[it.eqn] = it.after
   if issues:
-    actions.extend(_issue_actions(eqns, issues, scans, where))
+    actions.extend(_issue_actions(eqns, issues, scans, where, tied=chain))
 
   # 2. Reduce-scatters right after the op producing their input.
   max_scatter = 0
@@ -645,9 +647,10 @@ def _issues(eqns, groups: list[list[int]], scans: dict, target) -> list:
   return prefetch_lib.issue_by_time(eqns, list(range(len(eqns))), wanted, topo)
 
 
-def _issue_actions(eqns, issues: list, scans: dict, where: str) -> list[Action]:
+def _issue_actions(eqns, issues: list, scans: dict, where: str, tied: bool) -> list[Action]:
   """A summary (``prefetch``) and one ``gather_timing`` action per gather placed by time:
-  where it is issued and the compute it hides under, by the cost model."""
+  where it is issued and the compute it hides under, by the cost model; ``tied``: tied
+  there (else placed there in the program, XLA free to issue it earlier)."""
   gathers = [it for it in issues if it.eqn not in scans]  # loops say theirs themselves
   at_start = sum(1 for it in gathers if it.after is None)
   out = []
@@ -657,8 +660,9 @@ def _issue_actions(eqns, issues: list, scans: dict, where: str) -> list[Action]:
         "prefetch",
         where,
         f"{len(gathers)} parameter all-gather(s) issued by the cost model's time to arrive "
-        f"when first used: {len(gathers) - at_start} after the compute that hides them, "
-        f"{at_start} at the start (too little compute before their use); "
+        f"when first used: {len(gathers) - at_start} after the compute that hides them "
+        + ("(tied there)" if tied else "(placed there; XLA may issue them earlier)")
+        + f", {at_start} at the start (too little compute before their use); "
         f"{sum(it.exposed_s for it in gathers) * 1e3:.3f} ms expected exposed",
       )
     )
@@ -669,12 +673,13 @@ def _issue_actions(eqns, issues: list, scans: dict, where: str) -> list[Action]:
       else f"all-gather #{it.eqn}"
     )
     when = "at the start" if it.after is None else f"after equation {it.after}"
+    verb = "issued" if tied or it.after is None else "placed"
     use = "" if it.eqn in scans else f", first used at equation {it.first_use}"
     out.append(
       Action(
         "gather_timing",
         where,
-        f"{what} ({it.nbytes / 2**20:.1f} MiB, {it.time_s * 1e3:.3f} ms) issued {when}{use}: "
+        f"{what} ({it.nbytes / 2**20:.1f} MiB, {it.time_s * 1e3:.3f} ms) {verb} {when}{use}: "
         f"hides under {it.hidden_s * 1e3:.3f} ms of compute ({it.matmuls} matmul(s))"
         + (f", {it.exposed_s * 1e3:.3f} ms exposed" if it.exposed_s > 0 else ""),
       )

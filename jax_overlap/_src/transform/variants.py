@@ -186,12 +186,14 @@ def _candidate_tuples(settings, cfg: VariantConfig, stats: RewriteStats) -> list
         },
       )
     )
-    # Merged dots wait for all of their weights: with the step's first gathers (those
-    # nothing hides) issued one by one, its first matmul should start on the first tensor.
+    # Each gather tied after the compute the cost model issues it behind (XLA may not issue
+    # it earlier), the step's first gathers (those nothing hides) and the reduce-scatters
+    # one by one. Merged dots wait for all of their weights: with the first gathers issued
+    # one by one, the first matmul should start on the first tensor.
     unmerged = {k: 0 for k in _DOT_MERGER if flags_lib.accepted_by_jaxlib(k, 0)}
     out.append(
       (
-        "rewritten, first gathers and reduce-scatters issued one by one"
+        "rewritten, gathers tied where the cost model issues them, first ones and reduce-scatters one by one"
         + (", XLA's dot merger off" if unmerged else ""),
         dataclasses.replace(cfg, chain=True),
         {**per_layer, **unmerged, **settings.xla_options},
