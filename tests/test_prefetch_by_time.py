@@ -97,6 +97,10 @@ def test_gathers_go_in_order_of_first_use_each_hidden_where_the_model_says():
   timings = _timings(e)
   n_params = 3 * 9 + 3  # nine per layer (norm scales included), the embedding, ln_f, head
   assert len(timings) == n_params, str(e)
+  (summary,) = e.of_kind("prefetch")
+  ahead = float(re.search(r"at most ([\d.]+) MiB gathered ahead of first use", summary.detail)[1])
+  layer_mib = (3 * 1024 * 1024 + 2 * 1024 * 256 + 3 * 1024 * 2816) * 2 / 2**20  # one layer
+  assert 0 < ahead < 2 * layer_mib  # just in time: never two layers' weights ahead
   uses = [t[3] for t in timings]
   assert uses == sorted(uses)  # listed, and queued on the link, in order of first use
   issued = [-1 if t[2] is None else t[2] for t in timings]

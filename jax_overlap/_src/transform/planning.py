@@ -663,7 +663,8 @@ def _issue_actions(eqns, issues: list, scans: dict, where: str, tied: bool) -> l
         f"when first used: {len(gathers) - at_start} after the compute that hides them "
         + ("(tied there)" if tied else "(placed there; XLA may issue them earlier)")
         + f", {at_start} at the start (too little compute before their use); "
-        f"{sum(it.exposed_s for it in gathers) * 1e3:.3f} ms expected exposed",
+        f"{sum(it.exposed_s for it in gathers) * 1e3:.3f} ms expected exposed; at most "
+        f"{_ahead_bytes(gathers) / 2**20:.1f} MiB gathered ahead of first use",
       )
     )
   for it in issues:
@@ -685,6 +686,21 @@ def _issue_actions(eqns, issues: list, scans: dict, where: str, tied: bool) -> l
       )
     )
   return out
+
+
+def _ahead_bytes(issues: list) -> int:
+  """The most bytes gathered and not yet used at any point of the body (each gather held
+  from its issue to its first use)."""
+  events = sorted(
+    [(-1 if it.after is None else it.after, it.nbytes) for it in issues]
+    + [(it.first_use, -it.nbytes) for it in issues],
+    key=lambda e: (e[0], e[1]),  # at one equation, uses before issues
+  )
+  held = peak = 0
+  for _, b in events:
+    held += b
+    peak = max(peak, held)
+  return peak
 
 
 def scatters_before_loops(eqns, deps, kinds: dict, order: list[int]) -> dict[int, tuple]:
