@@ -58,8 +58,12 @@ def _after_all(x, prevs: list):
 
 def _tied(x, prev_eqn, read):
   """``x`` ordered after an output of ``prev_eqn`` that varies over the same mesh axes (the
-  issue point of a gather placed by time); ``x`` unchanged if none does."""
+  issue point of a gather placed by time); ``x`` unchanged if none does, or where the body's
+  values carry no mesh axes (a GSPMD step's shard_map form, built without shard_map's type
+  checks: there the ties gave the selection and the built step different schedules)."""
   axes = varying(x)
+  if not axes:
+    return x
   for v in prev_eqn.outvars:
     if is_var(v) and axes is not None and varying(read(v)) == axes:
       return after(x, read(v))
