@@ -198,3 +198,29 @@ def test_a_small_table_is_gathered_as_written():
   )
   e = jax_overlap.overlap(fn, target="h100x8", select="rewrite", cache=False).explain(*args)
   assert not e.of_kind("embedding") and e.of_kind("gather_timing")
+
+
+def test_a_table_also_used_as_the_output_projection_is_gathered():
+  """Tied embeddings: the gathered table is also the output projection's weight, and its
+  gradient sums both uses; the lookup is left as written (the table is needed whole)."""
+  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Auto,))
+  vocab, hidden = 32768, 128
+  sh = NamedSharding(mesh, P("fsdp"))
+  table = jax.device_put(jax.random.normal(jax.random.key(0), (vocab, hidden)) * 0.02, sh)
+  ids = jax.device_put(jax.random.randint(jax.random.key(1), (8, 4), 0, vocab), sh)
+
+  def loss(t, i):
+    full = jax.lax.all_gather(t, "fsdp", axis=0, tiled=True)
+    x = jnp.take(full, i, axis=0)
+    return jax.lax.psum(jnp.mean(jax.nn.logsumexp(x @ full.T, axis=-1)), "fsdp")
+
+  def step(t, i):
+    value, grad = jax.value_and_grad(
+      jax.shard_map(loss, mesh=mesh, in_specs=(P("fsdp"), P("fsdp")), out_specs=P())
+    )(t, i)
+    return t - 0.1 * grad, value
+
+  ov = jax_overlap.overlap(step, target="h100x8", select="rewrite", cache=False)
+  assert not ov.explain(table, ids).of_kind("embedding")
+  for a, b in zip(jax.jit(step)(table, ids), ov(table, ids)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -11,8 +11,8 @@ import jax
 from jax.experimental.xla_metadata import set_xla_metadata
 
 from jax_overlap._src.collective_matmul.nd import gather_dots_kept
-from jax_overlap._src.fsdp.pipeline import after, varying
-from jax_overlap._src.transform import embedding, scan_pipeline
+from jax_overlap._src.fsdp.pipeline import after
+from jax_overlap._src.transform import embedding, scan_pipeline, ties
 from jax_overlap._src.transform.explain import Action
 from jax_overlap._src.transform.jaxprs import OPAQUE, contains_collectives, is_var, scan_sizes
 from jax_overlap._src.transform.planning import BodyPlan, plan_body
@@ -48,47 +48,6 @@ def _environment(jaxpr, consts, args):
   return env, read
 
 
-def _after_all(x, prevs: list):
-  """``x``, ordered after every value in ``prevs`` (see
-  :func:`~jax_overlap._src.fsdp.pipeline.after`)."""
-  for p in prevs:
-    x = after(x, p)
-  return x
-
-
-def _tied(x, prev_eqn, read):
-  """``x`` ordered after an output of ``prev_eqn`` that varies over the same mesh axes (the
-  issue point of a gather placed by time); ``x`` unchanged if none does, or where the body's
-  values carry no mesh axes (a GSPMD step's shard_map form, built without shard_map's type
-  checks: there the ties gave the selection and the built step different schedules)."""
-  axes = varying(x)
-  if not axes:
-    return x
-  for v in prev_eqn.outvars:
-    if is_var(v) and axes is not None and varying(read(v)) == axes:
-      return after(x, read(v))
-  return x
-
-
-def _tied_before(i: int, eqn, invals: list, plan, read, jaxpr) -> list:
-  """A loop's inputs, one of them tied after the reduce-scatters the plan finishes before
-  the loop (``BodyPlan.scatters_before_loop``): the first input that varies over the same
-  mesh axes as their results."""
-  rs = plan.scatters_before_loop.get(i, ())
-  if not rs:
-    return invals
-  outs = [read(jaxpr.eqns[r].outvars[0]) for r in rs]
-  axes = varying(outs[0])
-  # A scan's carries first (the first iteration reads them; an unused input's tie would be
-  # removed with it), then its other inputs.
-  n_consts, n_carry = scan_sizes(eqn) if eqn.primitive.name == "scan" else (0, len(invals))
-  carries = range(n_consts, n_consts + n_carry)
-  for k in [*carries, *(k for k in range(len(invals)) if k not in carries)]:
-    if is_var(eqn.invars[k]) and axes is not None and varying(invals[k]) == axes:
-      return [*invals[:k], _after_all(invals[k], outs), *invals[k + 1 :]]
-  return invals
-
-
 def _run_ring(ring, env, read, wait_for: list, kept: dict) -> bool:
   """Runs an N-D gather -> dots ring; False (and the plain gather) if a weight is not ready.
   The ring's dots wait for ``wait_for`` (weight gradients run while it travels). A
@@ -101,12 +60,12 @@ def _run_ring(ring, env, read, wait_for: list, kept: dict) -> bool:
     w = d.invars[1] if lhs else d.invars[0]
     if is_var(w) and w not in env:
       out = _eval_eqn(gather, [read(x)], None)[0]
-      env[gather.outvars[0]] = _after_all(out, wait_for)
+      env[gather.outvars[0]] = ties.after_all(out, wait_for)
       return False
     aval = d.outvars[0].aval
     eqns_w.append(
       (
-        _after_all(read(w), wait_for),
+        ties.after_all(read(w), wait_for),
         lhs,
         d.params["dimension_numbers"],
         d.params.get("precision"),
@@ -251,7 +210,7 @@ def _run_env(jaxpr, consts, args, plan: BodyPlan | None, skip: frozenset = froze
       env[jaxpr.eqns[rs.scatter].outvars[0]] = out
       continue
     if plan is not None and (i in plan.scans or i in plan.loop_bodies):
-      invals = _tied_before(i, eqn, [read(v) for v in eqn.invars], plan, read, jaxpr)
+      invals = ties.tied_before(i, eqn, [read(v) for v in eqn.invars], plan, read, jaxpr)
       inner = plan.loop_bodies.get(i)  # None: the iteration as written
       if i not in plan.scans:
         outs = _scan(eqn, invals, inner)
@@ -267,7 +226,7 @@ def _run_env(jaxpr, consts, args, plan: BodyPlan | None, skip: frozenset = froze
           plan.scans[i],
           _eval_eqn,
           layer,
-          None if issued is None else lambda x, e=jaxpr.eqns[issued]: _tied(x, e, read),
+          None if issued is None else lambda x, e=jaxpr.eqns[issued]: ties.tied(x, e, read),
         )
       for v, o in zip(eqn.outvars, outs):
         env[v] = o
@@ -275,16 +234,16 @@ def _run_env(jaxpr, consts, args, plan: BodyPlan | None, skip: frozenset = froze
     md = plan.metadata.get(i) if plan is not None else None
     invals = [read(v) for v in eqn.invars]
     if plan is not None and i in plan.scatters_before_loop:
-      invals = _tied_before(i, eqn, invals, plan, read, jaxpr)
+      invals = ties.tied_before(i, eqn, invals, plan, read, jaxpr)
     prev = plan.chain_prev.get(i) if plan is not None else None
     if prev is not None and invals:
       invals[0] = after(invals[0], read(jaxpr.eqns[prev].outvars[0]))
     issued = plan.issue_after.get(i) if plan is not None else None
     if issued is not None and invals:
-      invals[0] = _tied(invals[0], jaxpr.eqns[issued], read)
+      invals[0] = ties.tied(invals[0], jaxpr.eqns[issued], read)
     outs = _eval_eqn(eqn, invals, md)
     if plan is not None and i in plan.wgrad_before:  # its users wait for the weight gradients
-      outs = [_after_all(outs[0], weight_gradients_before(i))]
+      outs = [ties.after_all(outs[0], weight_gradients_before(i))]
     for v, o in zip(eqn.outvars, outs):
       env[v] = o
   for v in list(kept):  # kept for the body's outputs or for nothing this order reached

@@ -186,10 +186,8 @@ def _candidate_tuples(settings, cfg: VariantConfig, stats: RewriteStats) -> list
         },
       )
     )
-    # Each gather tied after the compute the cost model issues it behind (XLA may not issue
-    # it earlier), the step's first gathers (those nothing hides) and the reduce-scatters
-    # one by one. Merged dots wait for all of their weights: with the first gathers issued
-    # one by one, the first matmul should start on the first tensor.
+    # Gathers tied where the cost model issues them, the first ones and the reduce-scatters
+    # one by one; XLA's dot merger off, so the first matmul starts on the first tensor.
     unmerged = {k: 0 for k in _DOT_MERGER if flags_lib.accepted_by_jaxlib(k, 0)}
     out.append(
       (
