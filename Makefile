@@ -40,6 +40,7 @@ test: $(STAMP)
 # (Python 3.12 or later): `make test-jax JAX=0.11.2 PYTHON=python3.12`. JAX=latest takes the
 # newest release the package index serves that interpreter with a CUDA plugin of the same
 # version (jax uses a plugin only when its version is jaxlib's: .ci/newest_jax.py).
+# From Python 3.12 it also installs MaxText's train step (the maxtext extra: tests/test_maxtext.py).
 JAX ?= 0.11.2
 test-jax:
 	v='$(JAX)'; \
@@ -48,7 +49,7 @@ test-jax:
 	test -x $$venv/bin/python || $(PYTHON) -m venv $$venv || exit 1; \
 	$$venv/bin/python -m pip install -q uv && \
 	$$venv/bin/uv pip install -q --compile-bytecode --python $$venv/bin/python \
-	  -e ".[test,plot,progress]" \
+	  -e ".[test,plot,progress,maxtext]" \
 	  "jax==$$v" "jaxlib==$$v" "jax-cuda13-plugin==$$v" "jax-cuda13-pjrt==$$v" && \
 	$$venv/bin/python -m pytest -q tests -n $(JOBS) --dist worksteal --durations=15 $(ARGS)
 

@@ -275,6 +275,11 @@ def test_layout_conversions_are_exact():
     (L(((), ()), frozenset({"fsdp"})), L((("fsdp",), ()))),
     (L(((), ()), frozenset({"fsdp", "data"})), L(((), ()))),
     (L(((), ())), L(((), ()), frozenset({"data"}))),
+    # A split moved to another dimension over the same axes (each way round: the whole
+    # value is gathered before a device keeps its piece along the new dimension).
+    (L((("fsdp",), ())), L(((), ("fsdp",)))),
+    (L(((), ("fsdp",))), L((("fsdp",), ()))),
+    (L(((), ("fsdp",))), L((("data", "fsdp"), ()))),
   ]
   for src, dst in cases:
     # Per-device input laid out `src` (a sum: device 0 of each group holds x, the rest 0).
@@ -294,6 +299,28 @@ def test_layout_conversions_are_exact():
     got = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))(x)
     for g in np.asarray(got).reshape(-1, *x.shape):
       np.testing.assert_allclose(g, np.asarray(x), rtol=1e-6, atol=1e-6)
+
+
+def test_a_transposed_value_constrained_as_before_the_transpose():
+  # MaxText's RMSNorm: a dot_general of the fsdp-split scale with the batch-split
+  # activations, transposed, then constrained to the batch split: the split moves from one
+  # dimension to another over the same axis.
+  mesh = _mesh((8,), ("fsdp",))
+  scale = jax.device_put(
+    jax.random.normal(jax.random.key(0), (16,)), NamedSharding(mesh, P("fsdp"))
+  )
+  x = jax.device_put(
+    jax.random.normal(jax.random.key(1), (8, 4, 16)), NamedSharding(mesh, P("fsdp"))
+  )
+
+  def f(scale, x):
+    y = jax.lax.dot_general(scale, x, (((), ()), ((0,), (2,))))
+    y = jnp.transpose(y, (1, 2, 0))
+    return jax.lax.with_sharding_constraint(y, NamedSharding(mesh, P("fsdp")))
+
+  conv, leaves = _convert(jax.jit(f), (scale, x))
+  (got,) = jax.jit(conv.fn)(*leaves)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(jax.jit(f)(scale, x)), rtol=1e-6)
 
 
 @pytest.mark.slow

@@ -192,13 +192,15 @@ class Interpreter:
         red = red - set(dst.dims[d])
       if red:
         x = lax.psum(x, tuple(a for a in self.sizes if a in red))
-    for d in range(len(dims)):
-      a, b = dims[d], dst.dims[d]
-      if a == b:
-        continue
-      if a:
-        x = lax.all_gather(x, a, axis=d, tiled=True)
-      if b:
+    # Every gather before any slice: a split moved from one dimension to another over the
+    # same axes (a transposed value constrained as it was before the transpose) must be
+    # whole along the old one before a device keeps its piece along the new one.
+    changed = [d for d in range(len(dims)) if dims[d] != dst.dims[d]]
+    for d in changed:
+      if dims[d]:
+        x = lax.all_gather(x, dims[d], axis=d, tiled=True)
+    for d in changed:
+      if b := dst.dims[d]:
         size = x.shape[d] // self.n(b)
         x = lax.dynamic_slice_in_dim(x, self._index(b) * size, size, axis=d)
     add = set(dst.partial) - set(src.partial)
