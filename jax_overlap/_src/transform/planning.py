@@ -364,8 +364,8 @@ def plan_body(
       Action(
         "classify",
         where,
-        f"{n_kind['parameter']} parameter all-gather(s) (inputs only parameters: prefetched "
-        f"ahead of their layer), {n_kind['input']} all-gather(s) of other inputs "
+        f"{n_kind['parameter']} parameter all-gather(s) (inputs only parameters: issued "
+        f"ahead of their first use), {n_kind['input']} all-gather(s) of other inputs "
         f"({'a loop carries or saves' if in_loop else 'the batch'}), "
         f"{n_kind['activation']} activation all-gather(s) and "
         f"{n_act_rs} activation reduce-scatter(s) (computed in the step: on the critical path, "

@@ -143,8 +143,8 @@ def issue_by_time(
     u = pos[use]
     if g in issue_at:
       q = tie(g, bisect.bisect_right(ends, issue_at[g] + 1e-12))
-      hidden = stalled_begin[u] - issue_at[g]
       exposed = max(0.0, finish[g] - (ends[u - 1] if u else 0.0))  # the wait it adds
+      hidden = max(0.0, t_of[g] - exposed)  # compute that runs while it travels
     else:
       q = tie(g, bisect.bisect_right(begin, start[g] + 1e-12) - 1)
       hidden, exposed = begin[u] - begin[q], 0.0
