@@ -28,7 +28,7 @@ from jax import lax
 
 from jax_overlap._src.fsdp.pipeline import pcast_varying, varying
 from jax_overlap._src.transform.explain import Action
-from jax_overlap._src.transform.jaxprs import GATHER, SCATTER, is_var, nbytes
+from jax_overlap._src.transform.jaxprs import GATHER, SCATTER, is_var, nbytes, producers
 
 _CALLS = ("pjit", "jit")
 
@@ -137,14 +137,26 @@ def _find_scatter(e, out_var):
   return None
 
 
+def _times(table_kind: str, table: int, rows_kind: str, rows: int, ids: int, n: int, topo):
+  """The table's collective against the ids' all-gather and the rows' collective, by the
+  cost model (seconds)."""
+  from jax_overlap._src.analysis import cost_model as cost
+
+  t_table = cost.collective_time(table_kind, table, n, topo)
+  t_rows = cost.collective_time("all-gather", ids, n, topo) + cost.collective_time(
+    rows_kind, rows, n, topo
+  )
+  return t_table, t_rows
+
+
 def plan(eqns, users: dict, kinds: dict, target, where: str) -> tuple[dict, dict, list]:
   """The row lookups and row scatters of a body to run without the table's collectives,
   where the cost model says the activations' collectives are cheaper: ({call eqn:
   Lookup}, {call eqn: RowScatter}, actions)."""
   from jax_overlap._src import targets as targets_lib
-  from jax_overlap._src.analysis import cost_model as cost
 
   topo = targets_lib.get(target or "h100x8")
+  producer = producers(eqns)
   lookups: dict[int, Lookup] = {}
   scatters: dict[int, RowScatter] = {}
   actions: list[Action] = []
@@ -163,10 +175,7 @@ def plan(eqns, users: dict, kinds: dict, target, where: str) -> tuple[dict, dict
       table = nbytes(e.outvars[0].aval)
       rows = nbytes(g.outvars[0].aval) * n  # every device's tokens' rows
       ids = nbytes(g.invars[1].aval) * n
-      t_table = cost.collective_time("all-gather", table, n, topo)
-      t_rows = cost.collective_time("all-gather", ids, n, topo) + cost.collective_time(
-        "reduce-scatter", rows, n, topo
-      )
+      t_table, t_rows = _times("all-gather", table, "reduce-scatter", rows, ids, n, topo)
       if t_rows < t_table:
         lookups[f] = Lookup(f, t, g)
         actions.append(
@@ -185,7 +194,7 @@ def plan(eqns, users: dict, kinds: dict, target, where: str) -> tuple[dict, dict
         continue
       n = int(p.get("axis_size", 1))
       src = e.invars[0]
-      b = next((k for k, x in enumerate(eqns) if any(v is src for v in x.outvars)), None)
+      b = producer.get(src)
       if b is None or n <= 1 or _only_reader(users, src) != t:
         continue
       s = _find_scatter(eqns[b], src)
@@ -194,10 +203,7 @@ def plan(eqns, users: dict, kinds: dict, target, where: str) -> tuple[dict, dict
       table = nbytes(src.aval)
       rows = nbytes(s.invars[2].aval) * n
       ids = nbytes(s.invars[1].aval) * n
-      t_table = cost.collective_time("reduce-scatter", table, n, topo)
-      t_rows = cost.collective_time("all-gather", ids, n, topo) + cost.collective_time(
-        "all-gather", rows, n, topo
-      )
+      t_table, t_rows = _times("reduce-scatter", table, "all-gather", rows, ids, n, topo)
       if t_rows < t_table:
         scatters[b] = RowScatter(b, t, s)
         actions.append(

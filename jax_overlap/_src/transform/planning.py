@@ -372,9 +372,10 @@ def plan_body(
         f"candidates for collective matmuls), {n_rs['gradient']} gradient reduce-scatter(s)",
       )
     )
+  users = var_users(eqns)
   # Row lookups of a table sharded by rows, without gathering the table (embedding.py).
   lookups, row_scatters, emb_actions = (
-    embedding.plan(eqns, var_users(eqns), kinds, target, where) if lookups else ({}, {}, [])
+    embedding.plan(eqns, users, kinds, target, where) if lookups else ({}, {}, [])
   )
   actions.extend(emb_actions)
   skipped = set(skipped) | {lk.table for lk in lookups.values()}
@@ -397,7 +398,7 @@ def plan_body(
 
   # Each parameter gather (and each pipelined loop's first gathers) issued by the cost
   # model's time, so that it arrives when first used (prefetch.py).
-  issues = _issues(eqns, groups, scans, target) if prefetch > 0 else []
+  issues = _issues(eqns, users, groups, scans, target) if prefetch > 0 else []
   issue_after: dict[int, int] = {}
   prologue_after: dict[int, int] = {}
   # Each is placed there in the program; ``chain`` also ties it there (its input after that
@@ -526,7 +527,7 @@ def plan_body(
     else {}
   )
   if deferred:
-    readers = var_users(eqns)
+    readers = users
     extra: dict[int, set[int]] = {}
     for w, (p, g) in deferred.items():
       extra.setdefault(w, set()).add(p)
@@ -623,12 +624,11 @@ def plan_body(
   )
 
 
-def _issues(eqns, groups: list[list[int]], scans: dict, target) -> list:
+def _issues(eqns, users: dict, groups: list[list[int]], scans: dict, target) -> list:
   """:func:`prefetch.issue_by_time` for the body's parameter gathers (``groups``) and its
   pipelined loops' first gathers (``scans``)."""
   from jax_overlap._src import targets as targets_lib
 
-  users = var_users(eqns)
   wanted: dict[int, tuple[int, int, int]] = {}
   for g in (i for grp in groups for i in grp):
     readers = users.get(eqns[g].outvars[0], [])
