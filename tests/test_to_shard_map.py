@@ -182,6 +182,83 @@ def test_optax_step_without_constraints(shape, names, batch_spec):
     assert re.search(r"psum\[[^\]]*axes=\('data',\)", text)
 
 
+def _walk(jaxpr, in_loop=False):
+  """(primitive, inside a loop, operand elements) of every equation of ``jaxpr``."""
+  from jax_overlap._src.transform.jaxprs import subjaxprs
+
+  for e in jaxpr.eqns:
+    size = max(
+      (int(np.prod(v.aval.shape)) for v in e.invars if hasattr(v.aval, "shape")), default=0
+    )
+    yield e.primitive.name, in_loop, size
+    for sub in subjaxprs(e):
+      yield from _walk(sub, in_loop or e.primitive.name in ("scan", "while"))
+
+
+def test_scanned_step_written_as_maxtext_writes_it():
+  # MaxText's patterns: layer weights stacked along dimension 1 and moved to the front for
+  # the scan, activations named for the remat policy (checkpoint_name), an RMSNorm scale
+  # multiplied in by an einsum, gradients clipped by their global norm, then AdamW (whose
+  # first moment is g ** 1). Converted, the step gathers no activation, reduce-scatters
+  # each layer's gradients inside the backward loop, and all-reduces nothing weight-sized.
+  from jax.ad_checkpoint import checkpoint_name
+
+  mesh = _mesh((8,), ("fsdp",))
+  layers, d, f = 2, 32, 64
+  shapes = {
+    "wi": ((d, layers, f), P("fsdp", None, None)),
+    "wo": ((f, layers, d), P(None, None, "fsdp")),
+    "scale": ((d, layers), P("fsdp", None)),
+  }
+  keys = jax.random.split(jax.random.key(0), 4)
+  params = {
+    k: jax.device_put(jax.random.normal(key, shape) / np.sqrt(shape[0]), NamedSharding(mesh, spec))
+    for key, (k, (shape, spec)) in zip(keys, shapes.items())
+  }
+  batch_sharding = NamedSharding(mesh, P("fsdp", None, None))
+  x = jax.device_put(jax.random.normal(keys[3], (16, 4, d)), batch_sharding)
+
+  def layer(h, w):
+    wi, wo, scale = w
+    n = h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + 1e-6)
+    n = jax.lax.with_sharding_constraint(jnp.einsum("bsd,d->bsd", n, scale), batch_sharding)
+    u = checkpoint_name(jnp.einsum("bsd,df->bsf", n, wi), "mlp")
+    return h + jnp.einsum("bsf,fd->bsd", jax.nn.relu(u), wo), None
+
+  policy = jax.checkpoint_policies.save_only_these_names("mlp")
+
+  def loss_fn(p, x):
+    stacked = tuple(jnp.moveaxis(p[k], 1, 0) for k in ("wi", "wo", "scale"))
+    h, _ = jax.lax.scan(jax.checkpoint(layer, policy=policy), x, stacked)
+    return jnp.mean(h**2)
+
+  tx = optax.chain(optax.clip_by_global_norm(1e-3), optax.adamw(1e-2))
+  like = {a.shape: a.sharding for a in jax.tree.leaves(params)}
+  state = jax.tree.map(
+    lambda a: jax.device_put(a, like.get(a.shape, NamedSharding(mesh, P()))),
+    jax.jit(tx.init)(params),
+  )
+
+  def step(p, s, x):
+    g = jax.grad(loss_fn)(p, x)
+    updates, s = tx.update(g, s, p)
+    return optax.apply_updates(p, updates), s
+
+  fn = jax.jit(step, out_shardings=jax.tree.map(lambda a: a.sharding, (params, state)))
+  conv, leaves = _convert(fn, (params, state, x), params_argnums=(0, 1))
+  _assert_same(jax.jit(conv.fn)(*leaves), fn(params, state, x))
+  assert not conv.replicated
+  found = list(_walk(jax.make_jaxpr(conv.fn)(*leaves).jaxpr))
+  weight = d * f
+  # Each layer's two matrix gradients, reduce-scattered in the backward loop.
+  assert sum(1 for n, loop, size in found if n == "reduce_scatter" and loop and size >= weight) == 2
+  assert not [(n, size) for n, _, size in found if n == "psum" and size >= weight // 8]
+  # Gathers: the two matrices (forward and rematerialised backward) and the scale; the
+  # activations stay split by batch.
+  gathered = sorted(size for n, _, size in found if n == "all_gather")
+  assert gathered == sorted([d // 8] * 2 + [weight // 8] * 4), gathered
+
+
 def test_flax_nn_scan_remat_step():
   class Block(nn.Module):
     @nn.compact
@@ -542,3 +619,15 @@ def test_host_arrays_and_scalars_are_laid_out_as_the_jits_in_shardings_say():
   np.testing.assert_allclose(
     np.asarray(ov(w, x, 0.1)), np.asarray(fn(w, x, 0.1)), rtol=2e-6, atol=2e-7
   )
+
+
+def test_a_primitive_without_a_rule_is_named_even_where_its_input_is_gathered_early():
+  # top_k has no rule: it runs on whole values. The pass that settles the layouts gathers
+  # its input where that is made (the exp), so only an earlier pass sees top_k gather it.
+  mesh = _mesh((8,), ("fsdp",))
+  x = jax.device_put(jnp.arange(64.0).reshape(16, 4), NamedSharding(mesh, P("fsdp")))
+  fn = jax.jit(lambda x: jax.lax.top_k(jnp.exp(x).T, 3)[0].sum())
+  conv, leaves = _convert(fn, (x,))
+  assert conv.replicated == ["top_k"]
+  assert "computed whole on every device: top_k" in conv.summary()
+  np.testing.assert_allclose(jax.jit(conv.fn)(*leaves)[0], fn(x), rtol=1e-6)

@@ -49,6 +49,11 @@ class Layout:
   def whole(ndim: int) -> Layout:
     return Layout(((),) * ndim)
 
+  def valid(self) -> bool:
+    """Whether no axis both splits a dimension and sums addends (a device cannot hold a
+    piece of an addend)."""
+    return not {a for d in self.dims for a in d} & set(self.partial)
+
   def axes(self) -> set[str]:
     return {a for d in self.dims for a in d} | set(self.partial)
 
@@ -74,6 +79,7 @@ _LINEAR_ALL = {
   "real",
   "imag",
   "conj",
+  "name",  # jax.ad_checkpoint.checkpoint_name: the value itself, named for remat policies
 }
 # Linear in one operand at a time (the others must be whole sums).
 _LINEAR_ONE = {"mul"}
@@ -140,7 +146,8 @@ def elementwise(it, eqn, lays):
   # by zeroing it on all devices but one), one factor of a product, a quotient's
   # numerator; none of a nonlinear function.
   parts = [frozenset(lay.partial) - used for lay in lays]
-  if name in _LINEAR_ALL or name == "select_n":
+  # x ** 1 is x (optax's first moment: (1 - b1) * g ** 1 + b1 * mu).
+  if name in _LINEAR_ALL or name == "select_n" or (name == "integer_pow" and eqn.params["y"] == 1):
     first = 1 if name == "select_n" else 0
     partial = frozenset().union(*parts[first:])
     keep = {i: partial for i in range(first, len(lays))}
@@ -212,7 +219,9 @@ def _reshape(it, eqn, lays):
   if hint is not None and not hint.partial and hint != out and len(hint.dims) == len(dst):
     placed, back = _reshaped(it, dst, src, Layout(hint.dims))
     if placed.dims == hint.dims and _reshaped(it, src, dst, back)[1].dims == hint.dims:
-      want, out = Layout(back.dims, lay.partial), Layout(hint.dims, lay.partial)
+      # A sum over the axes the hint splits is reduce-scattered on the way in.
+      partial = lay.partial - {a for d in hint.dims for a in d}
+      want, out = Layout(back.dims, partial), Layout(hint.dims, partial)
   params = _per_device(eqn.params, new_sizes=it.local_shape(dst, out))
   return [want], [out], params, None
 
@@ -321,10 +330,18 @@ def _dot_general(it, eqn, lays):
   r_params = is_literal(rv) or rv in it.params_only
   for a, b in zip(lb, rb):
     if L[a] != R[b]:
+      # A batch dimension split on one side only: a parameter's split is gathered (an
+      # RMSNorm scale multiplied in by an einsum: FSDP), an activation's is followed.
       if L[a] and not R[b]:
-        R[b] = L[a]
+        if l_params and not r_params:
+          L[a] = ()
+        else:
+          R[b] = L[a]
       elif R[b] and not L[a]:
-        L[a] = R[b]
+        if r_params and not l_params:
+          R[b] = ()
+        else:
+          L[a] = R[b]
       else:
         R[b] = L[a]
   partial: set[str] = set()
@@ -384,9 +401,16 @@ def _dot_general(it, eqn, lays):
         return None
       # Gather first the side whose output dim the later uses do not want split over
       # ``a`` (a sequence-split activation is gathered where the result's constraint
-      # splits the weight's dim: tensor parallelism), then parameters (FSDP).
+      # splits the weight's dim: tensor parallelism), then parameters (FSDP), then the
+      # smaller operand (a weight gradient keeps the larger activation's split).
       wanted_split = {c for c in cands if hint is not None and a in hint.dims[pos[c]]}
-      cands.sort(key=lambda c: (c in wanted_split, not (r_params if c[0] == "R" else l_params)))
+      cands.sort(
+        key=lambda c: (
+          c in wanted_split,
+          not (r_params if c[0] == "R" else l_params),
+          nbytes((rv if c[0] == "R" else lv).aval),
+        )
+      )
       side, d = cands[0]
       if side == "R":
         R[d] = ()

@@ -138,7 +138,9 @@ class Interpreter:
     self.uses: dict = {}  # other var -> (its layout, the layouts its uses want)
     self.counts: collections.Counter = collections.Counter()
     self.replicated: list[str] = []
-    self.root: dict = {}  # var holding a sum -> the var the sum was made in
+    # var holding a sum -> (the var the sum was made in, which of its dims each of the
+    # var's dims is: None where they are the same)
+    self.root: dict = {}
     self.in_loop = False  # running a loop body
     self._memo: list[dict] = []  # per jaxpr being run: (var, layout) -> converted value
 
@@ -160,7 +162,13 @@ class Interpreter:
     """``x`` (laid out ``src``) laid out ``dst``; records the demand in abstract mode."""
     if var is not None and not is_literal(var):
       if src.partial:
-        self.demands[self.root.get(var, var)].append(dst)
+        root, perm = self.root.get(var, (var, None))
+        if perm is not None:  # the layout asked for, in the root's dimensions
+          dims: list = [()] * len(perm)
+          for d, p in enumerate(perm):
+            dims[p] = dst.dims[d]
+          dst = Layout(tuple(dims), dst.partial)
+        self.demands[root].append(dst)
       else:
         self.uses[var] = (src, self.uses.get(var, (src, []))[1] + [dst])
     if src == dst:
@@ -276,9 +284,10 @@ class Interpreter:
       if len(jaxpr.invars) != len(ins):
         raise Refused(f"{name}: its jaxpr takes {len(jaxpr.invars)} inputs, given {len(ins)}")
       self._mark(jaxpr.invars, eqn.invars)
-      return self.run(jaxpr, consts, [x for x, _ in ins], [lay for _, lay in ins])
+      outs = self.run(jaxpr, consts, [x for x, _ in ins], [lay for _, lay in ins])
+      return self._link(jaxpr, eqn, outs)
     if name in _REMAT:
-      return self._remat(eqn, ins)
+      return self._link(eqn.params["jaxpr"], eqn, self._remat(eqn, ins))
     if name == "scan":
       return self._scan(eqn, ins)
     if name == "while":
@@ -296,7 +305,21 @@ class Interpreter:
     if planned is None:
       return self._replicated(eqn, ins)
     wants, out_lays, params, post = planned
+    bad = [lay for lay in (*wants, *out_lays) if not lay.valid()]
+    if bad:  # a rule's mistake: refused rather than computed wrong
+      raise Refused(
+        f"{name}: no layout can be both split and summed over one axis ({bad[0].describe()})"
+      )
     return self._bind(eqn, ins, wants, out_lays, params, post)
+
+  def _link(self, jaxpr, eqn, outs):
+    """``outs`` of a called ``jaxpr``; a sum it returns keeps, outside, the root it has
+    inside (so that the layout its uses want reaches where it was made)."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    for inner, outer, (_, lay) in zip(jaxpr.outvars, eqn.outvars, outs):
+      if lay.partial and not is_literal(inner) and not isinstance(outer, jcore.DropVar):
+        self.root[outer] = self.root.get(inner, (inner, None))
+    return outs
 
   def _mark(self, inner, outer) -> None:
     """Marks the inputs of a called jaxpr that hold parameters."""
@@ -316,7 +339,11 @@ class Interpreter:
       if post is not None:
         self.counts["all-reduce"] += 1
     # A sum made here is its own root; one passed through an elementwise linear op keeps
-    # its root (whose dimensions are the same).
+    # its root (whose dimensions are the same), also where the sums it combines share one
+    # (a clipped gradient: select_n(norm > max, g * scale, g)); a transposed one keeps it
+    # with its dimensions permuted (a scanned layer's stacked gradient, laid out as the
+    # parameter), so that the layout its uses want reaches where the sum was made.
+    name = eqn.primitive.name
     for v, lay in zip(eqn.outvars, out_lays):
       if lay.partial:
         src = [
@@ -324,12 +351,19 @@ class Interpreter:
           for u, (_, l_in), w in zip(eqn.invars, ins, wants)
           if not is_literal(u) and w.partial and l_in.partial
         ]
-        same = (
-          eqn.primitive.name in ELEMENTWISE
-          and len(src) == 1
-          and tuple(src[0].aval.shape) == tuple(v.aval.shape)
-        )
-        self.root[v] = self.root.get(src[0], src[0]) if same else v
+        roots = {self.root.get(u, (u, None)) for u in src}
+        shape = tuple(v.aval.shape)
+        if name in ELEMENTWISE and len(roots) == 1 and all(u.aval.shape == shape for u in src):
+          self.root[v] = roots.pop()
+        elif name == "transpose" and len(roots) == 1:
+          root, perm = roots.pop()
+          order = eqn.params["permutation"]
+          self.root[v] = (
+            root,
+            tuple(order[d] if perm is None else perm[order[d]] for d in range(len(order))),
+          )
+        else:
+          self.root[v] = (v, None)
     return list(zip(outs, out_lays))
 
   def _replicated(self, eqn, ins):
@@ -420,7 +454,7 @@ class Interpreter:
     vals = [self.convert(v, x, lay, w) for v, (x, lay), w in zip(eqn.invars, ins, wants)]
     for v, lay in zip(eqn.outvars[nk:], out_lays[nk:]):
       if lay.partial:
-        self.root[v] = v
+        self.root[v] = (v, None)
     inner = self
     if self.abstract:
       self.run(body, bconsts, [None] * len(body.invars), lays[:nc] + carry + xs_body, carry + ys)
@@ -618,9 +652,13 @@ def convert(
     return [a if a is not None else Layout(g.dims) for a, g in zip(asked, got)]
 
   hints: dict = {}
+  # Primitives computed whole: from every pass (a later one gathers their inputs where
+  # they are made, following the hints, so it no longer sees them gathered).
+  replicated: list[str] = []
   for _ in range(8):
     it = Interpreter(sizes, set(params), hints, abstract=True)
     got = [lay for _, lay in it.run(jaxpr, consts, [None] * len(in_lays), in_lays)]
+    replicated += [r for r in it.replicated if r not in replicated]
     for v, lay, want in zip(jaxpr.outvars, got, outs_wanted(got)):
       it.convert(v, None, lay, want)  # what the outputs ask for, recorded like any use
     new: dict = {}
@@ -641,7 +679,7 @@ def convert(
       break
     hints = new
   out_lays = outs_wanted(got)
-  counts, replicated = dict(it.counts), list(it.replicated)
+  counts = dict(it.counts)
 
   def body(*local):
     run = Interpreter(sizes, set(params), hints, abstract=False)
