@@ -195,9 +195,11 @@ def overlap(
       is short, gathers are issued later than their time, each as little as the cap
       allows, and ``explain()`` gives the cap, how many it delayed, the expected exposed
       time with and without it, and the most bytes held (at most the cap, unless one
-      gather is larger: that one is issued just in time, alone). The variant that ties
-      each gather where it is issued holds XLA to it; the others place the gathers there
-      and XLA's scheduler may issue them earlier. Needs ``prefetch >= 1``; the layers a
+      gather is larger: that one is issued just in time, alone). Under a cap every variant
+      ties each gather after the equation it is issued after, so that XLA's scheduler,
+      which issues a free all-gather as early as it can, holds no more (not in a GSPMD
+      step's shard_map form, whose values carry no mesh axes to tie by), and XLA merges no
+      more than the cap into one all-gather. Needs ``prefetch >= 1``; the layers a
       pipelined loop carries inside it are set by ``prefetch``.
     reduce_scatter: "per_layer" (issue each gradient reduce-scatter as soon as
       its input exists, and keep them separate) or "as_written".

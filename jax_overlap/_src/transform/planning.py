@@ -681,7 +681,7 @@ def _issue_actions(
         f"{sum(it.exposed_s for it in gathers) * 1e3:.3f} ms expected exposed; at most "
         f"{_ahead_bytes(issues) / 2**20:.1f} MiB gathered ahead of first use"
         + (" (a loop's first gathers included)" if len(gathers) < len(issues) else "")
-        + ("" if cap is None else _cap_note(issues, cap, tied)),
+        + ("" if cap is None else _cap_note(issues, cap)),
       )
     )
   for it in issues:
@@ -706,7 +706,7 @@ def _issue_actions(
   return out
 
 
-def _cap_note(issues: list, cap: int, tied: bool) -> str:
+def _cap_note(issues: list, cap: int) -> str:
   """What the memory cap did to ``issues``: how many it delayed and what that costs."""
   mib = f"{cap / 2**20:.1f} MiB"
   delayed = sum(1 for it in issues if it.capped)
@@ -730,7 +730,6 @@ def _cap_note(issues: list, cap: int, tied: bool) -> str:
       if over
       else ""
     )
-    + ("" if tied else "; not tied: XLA's scheduler may still issue them earlier")
   )
 
 

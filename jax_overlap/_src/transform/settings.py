@@ -167,6 +167,12 @@ class Settings:
       return self.target is not None and self.select != "rewrite"
     return self.gspmd == "convert"
 
+  def gather_merge_bytes(self, n: int) -> int:
+    """The most bytes XLA may merge into one all-gather where ``n`` would do: ``n``, or the
+    memory cap where it is smaller (0: none merged), so that a merged gather does not hold
+    more than the cap."""
+    return int(n if self.prefetch_memory is None else min(n, self.prefetch_memory))
+
   def key(self, annotate: bool, jit_kwargs: dict[str, Any]) -> dict[str, Any]:
     """What the choice is made from besides the program: these settings and the jit
     keywords the variants compile with (output layouts, donation: they change what XLA
