@@ -250,6 +250,34 @@ class TestPlan:
     assert p.rows[-1].error == "RuntimeError: cannot build"
     assert "error: RuntimeError" in str(p)
 
+  def test_prefetch_memory_caps_are_searched_with_each_prefetch_depth(self):
+    calls = []
+
+    def builder(remat_policy, shard_opt_state, prefetch, prefetch_memory):
+      calls.append((prefetch, prefetch_memory))
+      return _make(_cpu_mesh(), policy=remat_policy, shard_opt_state=shard_opt_state)
+
+    p = memory.plan(
+      builder,
+      1 << 40,
+      target="cpu",
+      remat_policies=("nothing",),
+      shard_opt_state=(True,),
+      prefetch=(0, 1),
+      prefetch_memory=(None, "1MiB"),
+      estimator=lambda fn, *a, target: 1.0,
+      progress=False,
+    )
+    # Depth 0 gathers nothing ahead: no cap to search there.
+    assert sorted(calls, key=str) == sorted([(0, None), (1, None), (1, 2**20)], key=str)
+    assert {r.candidate.prefetch_memory for r in p.rows} == {None, 2**20}
+    text = str(p)
+    assert "pf_memory" in text and "1.00 MiB" in text
+
+  def test_a_bad_prefetch_memory_names_the_planner(self):
+    with pytest.raises(ValueError, match=r"budget.memory.plan: prefetch_memory must be .*'x'"):
+      memory.plan(_builder, 1 << 30, target="h100x8", prefetch_memory=("x",), progress=False)
+
   def test_all_failing(self):
     def builder(**kw):
       raise RuntimeError("no")

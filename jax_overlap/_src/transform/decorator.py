@@ -160,6 +160,7 @@ def overlap(
   mesh=None,
   target: str | targets_lib.Topology | None = None,
   prefetch: int = 1,
+  prefetch_memory: int | float | str | None = None,
   reduce_scatter: ReduceScatter = "per_layer",
   collective_matmul: CollectiveMatmul = "auto",
   weight_gradients: WeightGradients = "defer",
@@ -187,6 +188,19 @@ def overlap(
     prefetch: 0 leaves parameter all-gathers where written; >= 1 issues each one by the
       cost model's time, to arrive when first used, and gathers that many iterations ahead
       in a ``lax.scan`` it pipelines.
+    prefetch_memory: the most bytes of parameters gathered ahead of their first use at any
+      point of a ``shard_map`` body (per device; an int, or a string such as ``"2GiB"`` or
+      ``"512 MiB"``); None: no cap. A gather holds its bytes from its issue (in flight or
+      arrived) to its first use, a pipelined loop's first gathers included; where the cap
+      is short, gathers are issued later than their time, each as little as the cap
+      allows, and ``explain()`` gives the cap, how many it delayed, the expected exposed
+      time with and without it, and the most bytes held (at most the cap, unless one
+      gather is larger: that one is issued just in time, alone). Under a cap every variant
+      ties each gather after the equation it is issued after, so that XLA's scheduler,
+      which issues a free all-gather as early as it can, holds no more (not in a GSPMD
+      step's shard_map form, whose values carry no mesh axes to tie by), and XLA merges no
+      more than the cap into one all-gather. Needs ``prefetch >= 1``; the layers a
+      pipelined loop carries inside it are set by ``prefetch``.
     reduce_scatter: "per_layer" (issue each gradient reduce-scatter as soon as
       its input exists, and keep them separate) or "as_written".
     collective_matmul: "auto" decomposes an activation all-gather feeding a
@@ -259,8 +273,9 @@ def overlap(
     An :class:`Overlapped` callable with the same signature and outputs.
 
   Raises:
-    ValueError: for a negative prefetch, an unknown mode or target.
-    TypeError: for a keyword that is neither ``overlap``'s nor ``jax.jit``'s (naming the
+    ValueError: for a negative prefetch, a negative or unreadable prefetch_memory (or one
+      given with prefetch=0), an unknown mode or target.
+    TypeError: for a prefetch_memory that is not a number or a string; for a keyword that is neither ``overlap``'s nor ``jax.jit``'s (naming the
       closest one).
 
   Example:
@@ -272,6 +287,7 @@ def overlap(
     mesh=mesh,
     target=target,
     prefetch=prefetch,
+    prefetch_memory=prefetch_memory,
     reduce_scatter=reduce_scatter,
     collective_matmul=collective_matmul,
     weight_gradients=weight_gradients,

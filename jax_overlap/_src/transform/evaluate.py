@@ -239,7 +239,11 @@ def _run_env(jaxpr, consts, args, plan: BodyPlan | None, skip: frozenset = froze
     if prev is not None and invals:
       invals[0] = after(invals[0], read(jaxpr.eqns[prev].outvars[0]))
     issued = plan.issue_after.get(i) if plan is not None else None
-    if issued is not None and invals:
+    if issued is not None and invals and plan.ties_read_through:
+      invals[0], v, through = ties.tied_through(invals[0], jaxpr.eqns[issued], read)
+      if v is not None:
+        env[v] = through
+    elif issued is not None and invals:
       invals[0] = ties.tied(invals[0], jaxpr.eqns[issued], read)
     outs = _eval_eqn(eqn, invals, md)
     if plan is not None and i in plan.wgrad_before:  # its users wait for the weight gradients
@@ -285,6 +289,8 @@ class VariantConfig:
   # Which lax.scan bodies get collective matmuls and deferred weight gradients of their own:
   # "all", "forward" (not the reversed scans of the backward pass) or "none".
   loops: Loops = "all"
+  # The most bytes of parameters gathered ahead of first use in a body (None: no cap).
+  prefetch_memory: int | None = None
 
   @classmethod
   def from_settings(
@@ -301,6 +307,7 @@ class VariantConfig:
       param_inputs=param_inputs,
       param_avals=param_avals,
       defer_weight_gradients=settings.weight_gradients == "defer",
+      prefetch_memory=settings.prefetch_memory,
     )
 
   def as_written(self) -> VariantConfig:
@@ -435,6 +442,7 @@ def _plan_for(cfg: VariantConfig, eqn, where: str) -> BodyPlan:
     frozenset(),
     cfg.loops,
     lookups=cfg.embedding,
+    prefetch_memory=cfg.prefetch_memory,
   )
 
 

@@ -205,6 +205,9 @@ class BodyPlan:
   # -> the equation its first gathers are issued after.
   issue_after: dict = dataclasses.field(default_factory=dict)
   prologue_after: dict = dataclasses.field(default_factory=dict)
+  # The equations gathers are tied after are read through the tie's barrier by their later
+  # readers (ties.tied_through), so that XLA keeps every tie: under a memory cap.
+  ties_read_through: bool = False
   # Row lookups and their gradients' scatter-adds run without the table's collectives:
   # call eqn -> embedding.Lookup / embedding.RowScatter.
   lookups: dict = dataclasses.field(default_factory=dict)
@@ -229,13 +232,15 @@ def plan_body(
   loops: str = "all",
   in_loop: bool = False,
   lookups: bool = False,
+  prefetch_memory: int | None = None,
 ) -> BodyPlan:
   """The plan of one body (a shard_map's, or a loop's inside one). ``nested_params``:
   :func:`parameter_inputs` for the loops inside it; ``exclude``: collectives another plan
   moves out of this body (a pipelined loop's), left alone here; ``loops``: which loops
   inside get plans of their own (:func:`_loop_body_plan`); ``in_loop``: this is one;
   ``lookups``: row lookups of a table sharded by rows may run without gathering it
-  (embedding.py)."""
+  (embedding.py); ``prefetch_memory``: the most bytes of parameters gathered ahead of their
+  first use (prefetch.py), None: no cap."""
   eqns = list(jaxpr.eqns)
   n = len(eqns)
   producer = producers(eqns)
@@ -398,25 +403,28 @@ def plan_body(
 
   # Each parameter gather (and each pipelined loop's first gathers) issued by the cost
   # model's time, so that it arrives when first used (prefetch.py).
-  issues = _issues(eqns, users, groups, scans, target) if prefetch > 0 else []
+  issues = _issues(eqns, users, groups, scans, target, prefetch_memory) if prefetch > 0 else []
   issue_after: dict[int, int] = {}
   prologue_after: dict[int, int] = {}
   # Each is placed there in the program; ``chain`` also ties it there (its input after that
-  # equation's output), so that XLA cannot issue it earlier.
+  # equation's output), so that XLA cannot issue it earlier, and so does a memory cap in
+  # every variant (XLA's scheduler issues untied gathers early and would hold more).
+  tie = chain or prefetch_memory is not None
   for it in issues:
     if it.eqn in scans:
-      if it.after is not None and chain:
+      if it.after is not None and tie:
         prologue_after[it.eqn] = it.after
     else:
       new_key = (it.after if it.after is not None else -1) + 0.5 + it.eqn * 1e-6
-      if new_key < key[it.eqn] or (chain and it.after is not None):
+      # Later than written only where tied there (the memory cap may delay it).
+      if new_key < key[it.eqn] or (tie and it.after is not None):
         for d in closure(it.eqn):
           key[d] = min(key[d], new_key - 0.25 + d * 1e-9)
         key[it.eqn] = new_key
-      if it.after is not None and chain:
+      if it.after is not None and tie:
         issue_after[it.eqn] = it.after
   if issues:
-    actions.extend(_issue_actions(eqns, issues, scans, where, tied=chain))
+    actions.extend(_issue_actions(issues, scans, where, tie, prefetch_memory))
 
   # 2. Reduce-scatters right after the op producing their input.
   max_scatter = 0
@@ -619,14 +627,18 @@ def plan_body(
     scatters_before_loop=before_loop,
     issue_after=issue_after,
     prologue_after=prologue_after,
+    ties_read_through=prefetch_memory is not None,
     lookups=lookups,
     row_scatters=row_scatters,
   )
 
 
-def _issues(eqns, users: dict, groups: list[list[int]], scans: dict, target) -> list:
+def _issues(
+  eqns, users: dict, groups: list[list[int]], scans: dict, target, prefetch_memory: int | None
+) -> list:
   """:func:`prefetch.issue_by_time` for the body's parameter gathers (``groups``) and its
-  pipelined loops' first gathers (``scans``)."""
+  pipelined loops' first gathers (``scans``), within ``prefetch_memory`` bytes held ahead of
+  first use."""
   from jax_overlap._src import targets as targets_lib
 
   wanted: dict[int, tuple[int, int, int]] = {}
@@ -644,13 +656,16 @@ def _issues(eqns, users: dict, groups: list[list[int]], scans: dict, target) -> 
   if not wanted:
     return []
   topo = targets_lib.get(target or "h100x8")
-  return prefetch_lib.issue_by_time(eqns, list(range(len(eqns))), wanted, topo)
+  return prefetch_lib.issue_by_time(eqns, list(range(len(eqns))), wanted, topo, prefetch_memory)
 
 
-def _issue_actions(eqns, issues: list, scans: dict, where: str, tied: bool) -> list[Action]:
+def _issue_actions(
+  issues: list, scans: dict, where: str, tied: bool, cap: int | None
+) -> list[Action]:
   """A summary (``prefetch``) and one ``gather_timing`` action per gather placed by time:
   where it is issued and the compute it hides under, by the cost model; ``tied``: tied
-  there (else placed there in the program, XLA free to issue it earlier)."""
+  there (else placed there in the program, XLA free to issue it earlier); ``cap``: the
+  memory cap they were placed within (its cost in the summary)."""
   gathers = [it for it in issues if it.eqn not in scans]  # loops say theirs themselves
   at_start = sum(1 for it in gathers if it.after is None)
   out = []
@@ -664,7 +679,9 @@ def _issue_actions(eqns, issues: list, scans: dict, where: str, tied: bool) -> l
         + ("(tied there)" if tied else "(placed there; XLA may issue them earlier)")
         + f", {at_start} at the start (too little compute before their use); "
         f"{sum(it.exposed_s for it in gathers) * 1e3:.3f} ms expected exposed; at most "
-        f"{_ahead_bytes(gathers) / 2**20:.1f} MiB gathered ahead of first use",
+        f"{_ahead_bytes(issues) / 2**20:.1f} MiB gathered ahead of first use"
+        + (" (a loop's first gathers included)" if len(gathers) < len(issues) else "")
+        + ("" if cap is None else _cap_note(issues, cap)),
       )
     )
   for it in issues:
@@ -682,10 +699,38 @@ def _issue_actions(eqns, issues: list, scans: dict, where: str, tied: bool) -> l
         where,
         f"{what} ({it.nbytes / 2**20:.1f} MiB, {it.time_s * 1e3:.3f} ms) {verb} {when}{use}: "
         f"hides under {it.hidden_s * 1e3:.3f} ms of compute ({it.matmuls} matmul(s))"
-        + (f", {it.exposed_s * 1e3:.3f} ms exposed" if it.exposed_s > 0 else ""),
+        + (f", {it.exposed_s * 1e3:.3f} ms exposed" if it.exposed_s > 0 else "")
+        + ("; later than its time, to keep within prefetch_memory" if it.capped else ""),
       )
     )
   return out
+
+
+def _cap_note(issues: list, cap: int) -> str:
+  """What the memory cap did to ``issues``: how many it delayed and what that costs."""
+  mib = f"{cap / 2**20:.1f} MiB"
+  delayed = sum(1 for it in issues if it.capped)
+  if not delayed:
+    return f"; prefetch_memory={mib} delays none"
+  with_cap = sum(it.exposed_s for it in issues) * 1e3
+  without = sum(it.exposed_uncapped_s or 0.0 for it in issues) * 1e3
+  large = sum(1 for it in issues if it.nbytes > cap)
+  over = _ahead_bytes(issues) > cap
+  return (
+    f"; prefetch_memory={mib}: {delayed} issued later than their time to keep within it, "
+    f"{with_cap:.3f} ms expected exposed with the cap against {without:.3f} ms without it "
+    "(both placements on one timeline, the link taking one gather at a time)"
+    + (
+      f"; {large} gather(s) larger than the cap issued just in time for their use, alone"
+      if large
+      else ""
+    )
+    + (
+      "; above the cap where one gather is larger than it or one equation first reads several"
+      if over
+      else ""
+    )
+  )
 
 
 def _ahead_bytes(issues: list) -> int:

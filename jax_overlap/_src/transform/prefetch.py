@@ -16,6 +16,21 @@ nor issues it ahead of them.
 Compute time counts matmuls alone (a loop's: its body's times its length), by the roofline of
 :mod:`jax_overlap._src.analysis.cost_model`: the fused elementwise work is left out, so the
 gathers are issued early rather than late.
+
+A memory cap (``prefetch_memory``) bounds the bytes held ahead of first use: a gather holds its
+bytes from its issue point (in flight or arrived) to its first use, and at no point between two
+equations may the gathers held sum to more than the cap. Taken in order of first use (the
+link's order), each is issued at the first point after the compute that is no earlier than its
+time, no earlier than the one before it, and where what is still held leaves room for it:
+issue points only move later, each as little as the cap allows. A gather larger than the cap
+is issued just in time for its use (after the last compute before it), alone: the ones after
+it wait for its use. Gathers first read by one equation are held together, even above the cap.
+Where the cap delays a gather, both placements, with the cap and without it, are run on one
+timeline (:func:`timeline`): the link takes the gathers one at a time in order of first use,
+each as soon as it is issued and the link is free, and each first use waits for its gather.
+What each leaves exposed and hides under comes from there; that timeline also counts the
+waits for the link behind the step's first gathers, which the placement alone leaves out, so
+its exposed time without the cap can be above the one reported with no cap given.
 """
 
 from __future__ import annotations
@@ -38,9 +53,14 @@ class Issue:
       None when it is issued at the start.
     nbytes: bytes gathered.
     time_s: the gather's time by the cost model.
-    hidden_s: compute between its issue and its first use (matmuls, by the cost model).
+    hidden_s: compute between its issue and its first use (matmuls, by the cost model;
+      where a memory cap delays gathers, from its start on the link, :func:`timeline`).
     matmuls: how many matmuls run in that window.
     exposed_s: what the cost model expects it to leave exposed.
+    capped: issued later than its time to keep within the memory cap.
+    exposed_uncapped_s: with a memory cap, what it leaves exposed placed without the cap:
+      ``exposed_s`` where the cap delays nothing, else both on :func:`timeline`; None
+      without a cap.
   """
 
   eqn: int
@@ -51,6 +71,8 @@ class Issue:
   hidden_s: float
   matmuls: int
   exposed_s: float
+  capped: bool = False
+  exposed_uncapped_s: float | None = None
 
 
 def eqn_time(e, gpu) -> float:
@@ -84,12 +106,17 @@ def count_matmuls(e) -> int:
 
 
 def issue_by_time(
-  eqns, order: list[int], wanted: dict[int, tuple[int, int, int]], topo
+  eqns,
+  order: list[int],
+  wanted: dict[int, tuple[int, int, int]],
+  topo,
+  prefetch_memory: int | None = None,
 ) -> list[Issue]:
   """Each gather of ``wanted`` (equation -> (the equation first reading it, bytes gathered,
   devices it gathers over)), placed on the timeline of ``order`` (module docstring); in order
   of first use. A gather is tied after a matmul or a loop (whose results vary over the mesh as
-  the gathered weights do), never issued later than ``order`` has it."""
+  the gathered weights do), never issued later than ``order`` has it unless
+  ``prefetch_memory`` (the most bytes held ahead of first use; None: no cap) delays it."""
   from jax_overlap._src.analysis import cost_model as cost
 
   pos = {i: p for p, i in enumerate(order)}
@@ -137,6 +164,7 @@ def issue_by_time(
     clock += times[p]
     ends.append(clock)
   out: list[Issue] = []
+  at: list[int] = []  # the issue point of each, as a position
   last_q = 0  # issue points never go back: the link takes them in order of first use
   for g in by_use:
     use, size, _ = wanted[g]
@@ -153,6 +181,119 @@ def issue_by_time(
       hidden = begin[u] - begin[q]
       exposed = max(exposed, t_of[g] - hidden)
     last_q = max(last_q, q)
+    at.append(q)
     after = order[q - 1] if q >= 1 else None
     out.append(Issue(g, use, after, size, t_of[g], hidden, n_mm[u] - n_mm[q], exposed))
+  if prefetch_memory is None:
+    return out
+  return _within(prefetch_memory, out, at, [pos[it.first_use] for it in out], times, order, n_mm)
+
+
+def _within(
+  cap: int,
+  issues: list[Issue],
+  at: list[int],
+  uses: list[int],
+  times: list[float],
+  order: list[int],
+  n_mm: list[int],
+) -> list[Issue]:
+  """``issues`` (placed by time, in order of first use, issued before positions ``at`` and
+  first used at positions ``uses``) delayed as little as ``cap`` bytes held ahead of first use
+  allow (module docstring) and placed again on the timeline of ``times``."""
+  # Where a gather may be issued: at the start, right after a compute (as by time), or right
+  # after an earlier gather's first use (where the bytes held fall).
+  points = [q for q in range(len(times) + 1) if q == 0 or times[q - 1] > 0.0]
+  used: list[int] = []  # first uses of the gathers placed so far (non-decreasing)
+  held = [0]  # held[k]: bytes of the first k of them
+
+  def held_at(q: int) -> int:
+    """Bytes placed and still held at the point before position ``q`` (all issued by then:
+    issue points only move later)."""
+    return held[-1] - held[bisect.bisect_left(used, q)]
+
+  new_at: list[int] = []
+  last_q = 0
+  for it, q0, u in zip(issues, at, uses):
+    lo = max(q0, last_q)
+    room = cap - min(it.nbytes, cap)  # one larger than the cap goes alone
+    q = lo
+    if held_at(lo) > room:
+      # The first release after ``lo`` that leaves room, if one comes before its use;
+      # else just in time: after the last compute or release before its use.
+      k = bisect.bisect_left(used, lo)
+      while k < len(used) and used[k] < u and held_at(used[k] + 1) > room:
+        k += 1
+      if k < len(used) and used[k] < u:
+        q = used[k] + 1
+      else:
+        last = points[bisect.bisect_right(points, u) - 1]
+        release = used[bisect.bisect_left(used, u) - 1] + 1 if used and used[0] < u else 0
+        q = max(lo, last, release)
+    new_at.append(q)
+    last_q = q
+    used.append(u)
+    held.append(held[-1] + it.nbytes)
+  if new_at == at:  # the cap costs nothing
+    return [dataclasses.replace(it, exposed_uncapped_s=it.exposed_s) for it in issues]
+  # Both placements on one timeline that also counts the waits for the link.
+  uncapped = timeline(times, [(q, u, it.time_s) for it, q, u in zip(issues, at, uses)])
+  capped = timeline(times, [(q, u, it.time_s) for it, q, u in zip(issues, new_at, uses)])
+  return [
+    dataclasses.replace(
+      it,
+      after=order[q - 1] if q >= 1 else None,
+      hidden_s=hidden,
+      matmuls=n_mm[u] - n_mm[q],
+      exposed_s=exposed,
+      capped=q > q0,
+      exposed_uncapped_s=free,
+    )
+    for it, q0, q, u, (exposed, hidden), (free, _) in zip(
+      issues, at, new_at, uses, capped, uncapped
+    )
+  ]
+
+
+def timeline(
+  times: list[float], gathers: list[tuple[int, int, float]]
+) -> list[tuple[float, float]]:
+  """The compute of ``times`` (seconds per position) run with ``gathers`` ((issued before
+  position, first used at position, seconds on the link), in the link's order): the link
+  takes one at a time, each as soon as it is issued and the link is free, and its first use
+  waits for it. Per gather: (exposed, hidden), the wait it adds at its first use and the
+  compute that runs between its start on the link and its first use."""
+  issued: dict[int, list[int]] = {}
+  waited: dict[int, list[int]] = {}
+  for k, (q, u, _) in enumerate(gathers):
+    issued.setdefault(q, []).append(k)
+    waited.setdefault(u, []).append(k)
+  n = len(times)
+  starts, finish = [0.0] * len(gathers), [0.0] * len(gathers)
+  exposed = [0.0] * len(gathers)
+  run_start: list[float] = []  # when the compute at each position starts
+  clock = free = 0.0
+  for p in range(n + 1):
+    for k in issued.get(p, ()):
+      starts[k] = max(clock, free)
+      free = finish[k] = starts[k] + gathers[k][2]
+    for k in waited.get(p, ()):
+      exposed[k] = max(0.0, finish[k] - clock)
+      clock += exposed[k]
+    if p < n:
+      run_start.append(clock)
+      clock += times[p]
+  done = [0.0]  # compute before each position
+  for t in times:
+    done.append(done[-1] + t)
+  out = []
+  for k, (q, u, _) in enumerate(gathers):
+    # Positions from q on whose compute ends after it starts on the link.
+    p = max(q, bisect.bisect_right(run_start, starts[k]) - 1)
+    hidden = 0.0
+    if p < u:
+      hidden = (
+        done[u] - done[p + 1] + max(0.0, run_start[p] + times[p] - max(run_start[p], starts[k]))
+      )
+    out.append((exposed[k], hidden))
   return out

@@ -4,6 +4,8 @@ reduce-scatters planned before it)."""
 
 from __future__ import annotations
 
+from jax import lax
+
 from jax_overlap._src.fsdp.pipeline import after, varying
 from jax_overlap._src.transform.jaxprs import is_var, scan_sizes
 
@@ -28,6 +30,26 @@ def tied(x, prev_eqn, read):
     if is_var(v) and axes is not None and varying(read(v)) == axes:
       return after(x, read(v))
   return x
+
+
+def tied_through(x, prev_eqn, read):
+  """:func:`tied`, the output of ``prev_eqn`` passed through the same barrier: ``(x, var,
+  value)``, the output's later readers to read ``value`` for ``var``; ``(x, None, None)``
+  where no output varies as ``x`` does.
+
+  A barrier operand that nothing reads after the barrier is dropped by XLA's algebraic
+  simplifier once the barrier is its only reader (a matmul whose reshape XLA folds into a
+  new matmul, as a projection split into heads): the tie goes with it and XLA issues the
+  gather from the start. Read through the barrier, the operand stays, and so does the tie.
+  """
+  axes = varying(x)
+  if not axes:
+    return x, None, None
+  for v in prev_eqn.outvars:
+    if is_var(v) and axes is not None and varying(read(v)) == axes:
+      x, y = lax.optimization_barrier((x, read(v)))
+      return x, v, y
+  return x, None, None
 
 
 def tied_before(i: int, eqn, invals: list, plan, read, jaxpr) -> list:

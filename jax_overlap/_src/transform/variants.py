@@ -158,18 +158,18 @@ def _candidate_tuples(settings, cfg: VariantConfig, stats: RewriteStats) -> list
   base: dict[str, Any] = {}
   if settings.target is not None:
     base.update(flags_lib.as_compiler_options(target=settings.target, workload=settings.workload))
-  p = max(stats.axis_size, 1)
+  p, ag = max(stats.axis_size, 1), "xla_gpu_all_gather_combine_threshold_bytes"
   per_layer = dict(base)
   if stats.max_group_gather_bytes:
-    # Large enough for one layer's gathers, too small to merge two layers.
-    per_layer["xla_gpu_all_gather_combine_threshold_bytes"] = int(stats.max_group_gather_bytes)
+    # Large enough for one layer's gathers, too small to merge two layers (or over a cap).
+    per_layer[ag] = settings.gather_merge_bytes(stats.max_group_gather_bytes)
     if settings.reduce_scatter == "per_layer":
       per_layer["xla_gpu_reduce_scatter_combine_threshold_bytes"] = int(
         stats.max_group_gather_bytes // p
       )
   per_op = dict(base)
   if stats.max_gather_bytes:
-    per_op["xla_gpu_all_gather_combine_threshold_bytes"] = int(stats.max_gather_bytes)
+    per_op[ag] = settings.gather_merge_bytes(stats.max_gather_bytes)
   if stats.max_scatter_out_bytes and settings.reduce_scatter == "per_layer":
     per_op["xla_gpu_reduce_scatter_combine_threshold_bytes"] = int(stats.max_scatter_out_bytes)
   out = [("rewritten, one layer per collective", cfg, {**per_layer, **settings.xla_options})]

@@ -24,8 +24,10 @@ own per-device total,
   ``fragmentation`` (allocation bytes no value occupies at that moment).
 
 :func:`plan` searches remat policy x optimizer-state sharding x prefetch depth
-through a user step builder, compiles each candidate, keeps those within the
-budget and ranks them by estimated step time, returning the whole table.
+(and, given ``prefetch_memory=``, the cap on gathered parameters held ahead of
+their first use, ``overlap(prefetch_memory=...)``) through a user step builder,
+compiles each candidate, keeps those within the budget and ranks them by
+estimated step time, returning the whole table.
 
 Layout: :mod:`.breakdown` (the categories), :mod:`.dump` (reading XLA's dumps),
 :mod:`.planner` (the search).

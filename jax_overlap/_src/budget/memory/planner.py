@@ -1,6 +1,6 @@
-"""The memory planner: remat policy x optimizer-state sharding x prefetch depth searched
-through a user step builder, each candidate compiled, those within the budget ranked by
-estimated step time."""
+"""The memory planner: remat policy x optimizer-state sharding x prefetch depth (x, when
+asked, the cap on gathered parameters held ahead of first use) searched through a user step
+builder, each candidate compiled, those within the budget ranked by estimated step time."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from jax_overlap._src.budget.memory.breakdown import (
   _fmt_bytes,
   breakdown,
 )
+from jax_overlap._src.transform import settings as settings_lib
 
 _POLICY_ALIASES = {
   "nothing": "nothing_saveable",
@@ -77,17 +78,29 @@ class Candidate:
     shard_opt_state: whether the optimizer state is sharded over the data axis.
     prefetch: overlap prefetch depth: how many weight gathers may be in flight
       ahead of the compute that needs them (0: none, gathers are synchronous).
+    prefetch_memory: the most bytes of gathered parameters held ahead of their first use
+      (``overlap(prefetch_memory=...)``), None: no cap.
   """
 
   remat: str
   shard_opt_state: bool
   prefetch: int
+  prefetch_memory: int | None = None
 
   def __post_init__(self):
     if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
       raise ValueError(
         f"budget.memory.plan: prefetch depths must be integers >= 0, got {self.prefetch!r}"
       )
+    cap = settings_lib.byte_count(self.prefetch_memory, "budget.memory.plan: prefetch_memory")
+    object.__setattr__(self, "prefetch_memory", cap)
+
+  def describe(self) -> str:
+    """``remat=... shard_opt_state=... prefetch=...`` (and ``prefetch_memory=``, if set)."""
+    cap = "" if self.prefetch_memory is None else f" prefetch_memory={self.prefetch_memory}"
+    return (
+      f"remat={self.remat} shard_opt_state={self.shard_opt_state} prefetch={self.prefetch}{cap}"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,14 +134,20 @@ class MemoryPlan:
   def __str__(self) -> str:
     head = (
       f"memory plan for {self.target}, budget {_fmt_bytes(self.budget_bytes)} per device: "
-      f"choose remat={self.choice.candidate.remat} "
-      f"shard_opt_state={self.choice.candidate.shard_opt_state} "
-      f"prefetch={self.choice.candidate.prefetch}"
+      f"choose {self.choice.candidate.describe()}"
     )
+    capped = any(r.candidate.prefetch_memory is not None for r in self.rows)
+
+    def cap(c: Candidate) -> tuple[str, ...]:
+      if not capped:
+        return ()
+      return ("-" if c.prefetch_memory is None else _fmt_bytes(c.prefetch_memory),)
+
     cols = (
       "remat",
       "opt_shard",
       "prefetch",
+      *(("pf_memory",) if capped else ()),
       "total",
       "weights",
       "opt_state",
@@ -146,7 +165,7 @@ class MemoryPlan:
       c = row.candidate
       if row.breakdown is None:
         lines.append(
-          fmt((c.remat, str(c.shard_opt_state), str(c.prefetch))) + f"  error: {row.error}"
+          fmt((c.remat, str(c.shard_opt_state), str(c.prefetch), *cap(c))) + f"  error: {row.error}"
         )
         continue
       b = row.breakdown.categories
@@ -154,6 +173,7 @@ class MemoryPlan:
         c.remat,
         str(c.shard_opt_state),
         str(c.prefetch),
+        *cap(c),
         _fmt_bytes(row.total_bytes or 0),
         _fmt_bytes(b["weights"]),
         _fmt_bytes(b["optimizer_state"]),
@@ -210,6 +230,7 @@ def plan(
   remat_policies: Sequence[str] = ("nothing", "dots", "everything"),
   shard_opt_state: Sequence[bool] = (False, True),
   prefetch: Sequence[int] = (0, 1, 2),
+  prefetch_memory: Sequence[int | str | None] = (None,),
   estimator: Callable[..., float] | None = None,
   arg_kinds: Sequence[str | None] | None = None,
   progress: bool = True,
@@ -223,7 +244,10 @@ def plan(
   on the target's compile-only mesh. The step compiles deviceless, its
   :func:`breakdown` is taken, candidates within ``budget_bytes`` per device
   are ranked by estimated step time (ties: less memory), and the fastest is
-  chosen.
+  chosen. Given ``prefetch_memory`` caps, the builder is also passed
+  ``prefetch_memory=<bytes or None>`` and the caps are searched too (with each
+  prefetch depth >= 1: at depth 0 nothing is gathered ahead); a builder that
+  decorates with ``jax_overlap.overlap`` passes both on to it.
 
   Args:
     step_builder: builds a candidate, see above.
@@ -232,6 +256,9 @@ def plan(
     remat_policies: policy names for :func:`remat_policy`.
     shard_opt_state: optimizer-state sharding choices.
     prefetch: prefetch depths.
+    prefetch_memory: caps on the bytes of gathered parameters held ahead of their first
+      use (ints, strings such as ``"256MiB"``, or None for no cap); the default
+      ``(None,)`` searches none and does not pass the keyword to the builder.
     estimator: ``estimator(fn, *args, target=...) -> seconds``; default: the
       step time :func:`jax_overlap.analyze` gives the candidate's optimized HLO
       (read from the compile that measured its memory).
@@ -245,15 +272,21 @@ def plan(
     A :class:`MemoryPlan`.
 
   Raises:
-    ValueError: for a budget that is not a positive number, for no candidates,
-      or when no candidate fits (stating the smallest need and its candidate).
+    ValueError: for a budget that is not a positive number, for no candidates, for a
+      prefetch_memory that is not a size, or when no candidate fits (stating the smallest
+      need and its candidate).
     RuntimeError: when every candidate failed to build or compile.
 
   Example:
     >>> def build(remat_policy, shard_opt_state, prefetch):  # doctest: +SKIP
     ...   return jax.jit(make_step(remat_policy, shard_opt_state, prefetch)), args
-    >>> p = plan(build, 40 * 2**30, "h100x8")  # doctest: +SKIP
+    >>> p = plan(build, 40 * 2**30, target="h100x8")  # doctest: +SKIP
     >>> print(p)  # doctest: +SKIP
+    >>> def build(remat_policy, shard_opt_state, prefetch, prefetch_memory):  # doctest: +SKIP
+    ...   step = jax_overlap.overlap(make_step(remat_policy, shard_opt_state), target="h100x8",
+    ...                              prefetch=prefetch, prefetch_memory=prefetch_memory)
+    ...   return step, args
+    >>> p = plan(build, 40 * 2**30, prefetch_memory=(None, "1GiB"))  # doctest: +SKIP
   """
   if (
     isinstance(budget_bytes, bool)
@@ -265,12 +298,17 @@ def plan(
       f"budget.memory.plan: budget_bytes must be a positive number of bytes per device, got "
       f"{budget_bytes!r}"
     )
-  candidates = [
-    Candidate(str(r), bool(s), int(p))
-    for r in remat_policies
-    for s in shard_opt_state
-    for p in prefetch
-  ]
+  caps = list(prefetch_memory)
+  searched = any(c is not None for c in caps)
+  candidates = list(
+    dict.fromkeys(  # a cap is dropped at depth 0 (nothing gathered ahead): one such row
+      Candidate(str(r), bool(s), int(p), cap if int(p) > 0 else None)
+      for r in remat_policies
+      for s in shard_opt_state
+      for p in prefetch
+      for cap in caps
+    )
+  )
   if not candidates:
     raise ValueError(
       "budget.memory.plan: the search space is empty (no remat policy, "
@@ -284,10 +322,12 @@ def plan(
     key = (target, cand)
     if key not in cache:
       try:
+        kw = {"prefetch_memory": cand.prefetch_memory} if searched else {}
         built = step_builder(
           remat_policy=remat_policy(cand.remat),
           shard_opt_state=cand.shard_opt_state,
           prefetch=cand.prefetch,
+          **kw,
         )
         fn, args = built[0], tuple(built[1])
         b = breakdown(fn, *args, target=target, arg_kinds=arg_kinds)
@@ -313,9 +353,7 @@ def plan(
     raise ValueError(
       f"budget.memory.plan: no candidate fits {_fmt_bytes(budget_bytes)} per device on "
       f"{target}; the smallest needs {_fmt_bytes(smallest.total_bytes)} ({smallest.total_bytes} "
-      f"bytes) with remat={smallest.candidate.remat} "
-      f"shard_opt_state={smallest.candidate.shard_opt_state} "
-      f"prefetch={smallest.candidate.prefetch}"
+      f"bytes) with {smallest.candidate.describe()}"
     )
   rest = sorted(
     (r for r in rows if not r.fits), key=lambda r: (r.total_bytes is None, r.total_bytes or 0)
