@@ -287,17 +287,20 @@ def test_a_program_that_cannot_win_after_its_first_variant_is_not_compiled_furth
 ):
   # A cheap first pass: one variant of each program, then only programs that can still win.
   from jax_overlap._src.analysis import analyze as analysis
-  from jax_overlap._src.transform import variants
+  from jax_overlap._src.transform import search
 
   written = VariantConfig(prefetch=1, reduce_scatter="per_layer", annotate=False).as_written()
   rewritten = dataclasses.replace(written, prefetch=1, reduce_scatter="per_layer", loops="all")
+  forward = dataclasses.replace(rewritten, loops="forward")
   converted = dataclasses.replace(rewritten, program="shard_map")
   # name: (step ms, compute ms)
   times = {
     "w0": (10.0, 6.0),
     "w1": (9.0, 6.0),
-    "r0": (16.0, 5.0),  # slow, but its compute alone could still win: its siblings compile
+    "r0": (10.5, 5.0),  # 5% behind the best step, its compute could still win: siblings compile
     "r1": (8.0, 5.0),
+    "f0": (11.5, 5.0),  # 15% behind the best step (10 ms): siblings skipped
+    "f1": (1.0, 1.0),
     "s0": (16.0, 11.0),  # its compute alone is over the best step (10 ms): siblings skipped
     "s1": (1.0, 1.0),
     "c0": (20.0, 15.0),  # the same program on cuBLAS GEMMs: a program of its own
@@ -312,24 +315,70 @@ def test_a_program_that_cannot_win_after_its_first_variant_is_not_compiled_furth
     )
 
   monkeypatch.setattr(analysis, "analyze", fake_analyze)
-  cands = [records.Candidate(n, written) for n in ("w0", "w1")]
-  cands += [records.Candidate(n, rewritten) for n in ("r0", "r1")]
-  cands += [records.Candidate(n, converted) for n in ("s0", "s1")]
+  # Variants of one program differ in their options.
+  cands = [records.Candidate(n, written, {"o": n}) for n in ("w0", "w1")]
+  cands += [records.Candidate(n, rewritten, {"o": n}) for n in ("r0", "r1")]
+  cands += [records.Candidate(n, forward, {"o": n}) for n in ("f0", "f1")]
+  cands += [records.Candidate(n, converted, {"o": n}) for n in ("s0", "s1")]
   cands += [records.Candidate("c0", rewritten, {"xla_gpu_enable_triton_gemm": False})]
+  # One that compiles w0's program with w0's options: compiled once.
+  cands += [records.Candidate("w0 again", written, {"o": "w0"})]
   settings = types.SimpleNamespace(
     target=targets.get("h100x8"), schedule_from_estimates=False, xla_options={}
   )
-  choice, reports = variants.select(settings, cands, lambda cfg, options: None, (), {})
-  assert compiled[:4] == ["w0", "r0", "s0", "c0"] and sorted(compiled[4:]) == ["r1", "w1"]
+  choice, reports = search.select(settings, cands, lambda cfg, options: None, (), {})
+  assert sorted(compiled[:5]) == ["c0", "f0", "r0", "s0", "w0"]
+  assert sorted(compiled[5:]) == ["r1", "w1"]
   assert choice.name == "r1"
-  assert [c.name for c in choice.candidates] == ["w0", "w1", "r0", "r1", "s0", "c0"]
+  assert [c.name for c in choice.candidates] == ["w0", "w1", "r0", "r1", "f0", "s0", "c0"]
   assert len(reports) == len(choice.candidates) == len(choice.estimates)
   assert choice.failed == (
+    "w0 again: not compiled, the same program and options as 'w0'",
+    "1 variant(s) of the program of 'f0' skipped: its step takes 11.500 ms, 15% behind the "
+    "best step so far (10.000 ms), more than the other variants of one program (options and "
+    "orderings) gain over its first (10% allowed)",
     "1 variant(s) of the program of 's0' skipped: its compute alone takes 11.000 ms, more "
     "than the best step so far (10.000 ms)",
   )
-  # Where the compute could still win, every variant compiles.
-  times["s0"] = (16.0, 9.0)
+  # Where the compute could still win and the first variant is close, every variant compiles.
+  times["s0"] = (10.9, 9.0)
+  times["f0"] = (10.9, 5.0)
   compiled.clear()
-  choice, _ = variants.select(settings, cands, lambda cfg, options: None, (), {})
-  assert sorted(compiled) == sorted(times) and choice.name == "s1" and not choice.failed
+  choice, _ = search.select(settings, cands, lambda cfg, options: None, (), {})
+  assert sorted(compiled) == sorted(times) and choice.name == "f1"
+
+
+def test_the_first_pass_profiles_its_fastest_variant_at_once(monkeypatch):
+  # The fastest first variant is recompiled with a latency profile before the rest: the
+  # step it reaches is the one the other programs must come near.
+  from jax_overlap._src.analysis import analyze as analysis
+  from jax_overlap._src.analysis import latency_profile
+  from jax_overlap._src.transform import search
+
+  written = VariantConfig(prefetch=1, reduce_scatter="per_layer", annotate=False).as_written()
+  rewritten = dataclasses.replace(written, prefetch=1, reduce_scatter="per_layer", loops="all")
+  suffix = search.PROFILED_SUFFIX
+  # name: (step ms, compute ms); the profiled step as written is 9 ms: r0 (10.5 ms) is then
+  # more than 10% behind it and r1 is not compiled.
+  times = {"w0": (10.0, 8.5), "w0" + suffix: (9.0, 8.5), "r0": (10.5, 8.0), "r1": (8.0, 8.0)}
+  times["r0" + suffix] = (9.5, 8.0)  # its compute could still win: profiled at the end
+  compiled = []
+
+  def fake_analyze(fn, *args, name, xla_options, **kwargs):
+    compiled.append(name)
+    step, compute = times[name]
+    return types.SimpleNamespace(
+      step_time_s=step * 1e-3, compute_time_s=compute * 1e-3, xla_options={}, notes=[]
+    )
+
+  monkeypatch.setattr(analysis, "analyze", fake_analyze)
+  monkeypatch.setattr(latency_profile, "write_profile", lambda report: "/profile.pbtxt")
+  cands = [records.Candidate("w0", written)]
+  cands += [records.Candidate(n, rewritten, {"o": i}) for i, n in enumerate(("r0", "r1"))]
+  settings = types.SimpleNamespace(
+    target=targets.get("h100x8"), schedule_from_estimates=True, xla_options={}
+  )
+  choice, _ = search.select(settings, cands, lambda cfg, options: None, (), {})
+  assert sorted(compiled[:2]) == ["r0", "w0"] and compiled[2:] == ["w0" + suffix, "r0" + suffix]
+  assert choice.name == "w0" + suffix
+  assert any(n.startswith("1 variant(s) of the program of 'r0' skipped") for n in choice.failed)

@@ -150,12 +150,12 @@ def test_cost_model_choice_is_never_worse_than_the_flags_alone():
   assert times[e.chosen] == min(times.values())
   # A few are also tried scheduled from the cost model's own estimates: the fastest first,
   # then those with the least compute (the rule: test_latency_profiles_go_to_the_fastest_...).
-  from jax_overlap._src.transform import variants
+  from jax_overlap._src.transform import search
 
   suffix = ", scheduled by the cost model's estimates"
   profiled = [n[: -len(suffix)] for n in times if n.endswith(suffix)]
   plain = sorted((t, n) for n, t in times.items() if not n.endswith(suffix))
-  assert 1 <= len(profiled) <= variants.PROFILED_VARIANTS
+  assert 1 <= len(profiled) <= search.PROFILED_VARIANTS
   assert set(profiled) <= {n for _, n in plain}
   assert profiled[0] == plain[0][1]
   off = jax_overlap.overlap(fn, target="h100x8", schedule_from_estimates=False).explain(*args)
@@ -443,7 +443,7 @@ def test_chain_with_a_gather_feeding_another():
 def test_latency_profiles_go_to_the_fastest_then_the_least_compute():
   import types
 
-  from jax_overlap._src.transform import variants
+  from jax_overlap._src.transform import search
 
   def r(compute):
     return types.SimpleNamespace(compute_time_s=compute)
@@ -452,9 +452,9 @@ def test_latency_profiles_go_to_the_fastest_then_the_least_compute():
   reports = [r(8.0), r(8.0), r(7.0), r(9.6), r(9.0), None, r(9.7)]
   # 4 is the fastest; 2 and 0 have the least compute; 1 is 0 again (same estimates);
   # 3's compute alone is longer than the best step.
-  assert variants.worth_profiling(times, reports) == [4, 2, 0]
-  assert variants.worth_profiling([5.0, 6.0], [r(5.0), r(6.0)]) == []
-  assert variants.worth_profiling([float("inf")], [None]) == []
+  assert search.worth_profiling(times, reports) == [4, 2, 0]
+  assert search.worth_profiling([5.0, 6.0], [r(5.0), r(6.0)]) == []
+  assert search.worth_profiling([float("inf")], [None]) == []
 
 
 def test_a_jitted_step_keeps_its_donation():

@@ -19,6 +19,29 @@ from jax_overlap._src.compile import kernel_cache
 _LEADER_ALONE_MAX_THREADS = 2
 
 
+# Set on every compile a selection makes for a target (unless the user's options set it):
+# compiled deviceless, XLA cannot time its candidate kernels, yet with autotuning on it
+# still compiles every fusion apart to choose among its emitters, which takes half of a
+# compile of a large step and, on the steps checked (tests/test_selection_compiles.py),
+# changes no kernel, grid or estimate. The built step keeps XLA's autotuning.
+NO_AUTOTUNING = {"xla_gpu_autotune_level": 0}
+
+
+def for_selection(settings, options: dict) -> dict:
+  """``options`` for a compile the selection makes: :data:`NO_AUTOTUNING` added for a
+  target, where the installed jaxlib takes it and the options do not set it."""
+  from jax_overlap._src import flags as flags_lib
+
+  if settings.target is None:
+    return options
+  extra = {
+    k: v
+    for k, v in NO_AUTOTUNING.items()
+    if k not in options and k not in settings.xla_options and flags_lib.accepted_by_jaxlib(k, v)
+  }
+  return {**options, **extra}
+
+
 def workers() -> int:
   """Variants compiled at once: XLA compiles without holding Python's lock, so a second
   core compiles a second variant (``JAX_OVERLAP_SELECT_WORKERS`` overrides)."""
@@ -57,7 +80,7 @@ def analyze_all(settings, jobs, make, args, kwargs, errors, kernels=None, learne
     name, cfg_c, options = job.name, job.config, job.options
     with lock:
       inherited = dict(learned) if not fallback_keys & set(options) else {}
-    compile_options = {**options, **inherited}
+    compile_options = for_selection(settings, {**options, **inherited})
     compile_options = (
       kernels.seed(compile_options, program(cfg_c)) if seed else kernels.copy(compile_options)
     )

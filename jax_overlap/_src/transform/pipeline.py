@@ -35,6 +35,7 @@ from jax_overlap._src.transform import (
   arguments,
   measure,
   out_layouts,
+  search,
   selection_cache,
   shared_choice,
   to_shard_map,
@@ -340,7 +341,7 @@ def _choose(
         st, planned.config, make, args, kwargs, notes, known, kernels
       )
       cands += converted_ones
-    choice, _ = variants.select(st, cands, make, args, kwargs, known, kernels)
+    choice, _ = search.select(st, cands, make, args, kwargs, known, kernels)
   finally:
     kernels.close()
   return choice

@@ -21,6 +21,7 @@ from jax_overlap._src.analysis import latency_profile
 from jax_overlap._src.transform import compiles, gspmd, selection_cache
 from jax_overlap._src.transform.evaluate import RewriteStats, VariantConfig
 from jax_overlap._src.transform.records import Candidate, Choice, Estimate
+from jax_overlap._src.transform.search import PROFILED_SUFFIX
 
 _LOOP_PIPELINER = (
   "xla_gpu_enable_pipelined_all_gather",
@@ -28,13 +29,6 @@ _LOOP_PIPELINER = (
   "xla_gpu_enable_pipelined_all_reduce",
 )
 _DOT_MERGER = ("xla_gpu_dot_merger_threshold_mb",)
-# Latency-profiled recompiles tried per step (the fastest variants by estimate).
-PROFILED_VARIANTS = 3
-PROFILED_SUFFIX = ", scheduled by the cost model's estimates"
-# A program whose first variant's compute alone takes this many times the best step so far
-# is not compiled in its other variants (options and orderings of the same operations,
-# whose kernels differ little: the margin covers that).
-BEHIND_FACTOR = 1.05
 # Names of the variants of a GSPMD step's shard_map form begin with this.
 CONVERTED_PREFIX = "shard_map form, "
 
@@ -49,104 +43,6 @@ def pipeliner_off(options: dict[str, Any]) -> dict[str, Any]:
     if new and options.get(new) not in (None, False, "off"):
       off[new] = "off"
   return off
-
-
-def worth_profiling(times: list[float], reports: list) -> list[int]:
-  """The variants to recompile with a latency profile, at most ``PROFILED_VARIANTS``.
-
-  A schedule can at best hide all of a variant's exposed communication: a variant whose
-  compute alone takes longer than the best step so far cannot win and is not tried.
-  The fastest variant is tried first; the rest are those with the least compute (the
-  most a better schedule can reach), skipping variants whose estimates equal one
-  already picked (the same program compiled under options that changed nothing).
-  """
-  finite = [i for i in range(len(times)) if times[i] < float("inf")]
-  if not finite:
-    return []
-  best = min(times)
-  fastest = min(finite, key=lambda i: (times[i], i))
-  rest = sorted(finite, key=lambda i: (reports[i].compute_time_s, times[i], i))
-  picked, seen = [], set()
-  for i in [fastest, *rest]:
-    same = (times[i], reports[i].compute_time_s)
-    if same in seen or reports[i].compute_time_s >= best:
-      continue
-    seen.add(same)
-    picked.append(i)
-    if len(picked) == PROFILED_VARIANTS:
-      break
-  return picked
-
-
-def windowed_notes(candidates, reports) -> list[str]:
-  """What XLA's windowed einsum decomposed, for each variant that asked for it, against the
-  same program compiled as written (the first candidate)."""
-  out = []
-  for c, report in zip(candidates, reports):
-    if (
-      report is None
-      or reports[0] is None
-      or c.name.endswith(PROFILED_SUFFIX)
-      or "xla_gpu_threshold_for_windowed_einsum_mib" not in c.options
-    ):
-      continue
-    change = gspmd.decomposed(gspmd.found(reports[0]), gspmd.found(report))
-    out.append(f"{c.name}: {change}")
-  return out
-
-
-def judged_notes(candidates, chosen: int, reports) -> list[str]:
-  """Notes that judge the chosen variant a second time: the simulator's contention-aware
-  estimate beside the analysis's, the same for the step as written where another variant
-  was chosen (and a line saying so where the two models order them differently), and a
-  mark where the analysis judged a schedule it wrote."""
-  name, report = candidates[chosen].name, reports[chosen]
-  if report is None:
-    return []
-  from jax_overlap._src.sim import realize as realize_lib
-
-  def simulated(r):
-    res = realize_lib.realize(r, realize_lib.XLA_POLICY)
-    return res, res.results[realize_lib.XLA_POLICY].makespan_s
-
-  out = []
-  try:
-    res, sim_s = simulated(report)
-  except (ValueError, TypeError, RuntimeError) as e:
-    return [f"chosen variant not simulated: {str(e).splitlines()[0][:200]}"]
-  out.append(
-    f"chosen variant judged twice: the analysis {report.step_time_s * 1e3:.3f} ms, "
-    f"sim.realize (SM contention, XLA's stream priority) {sim_s * 1e3:.3f} ms"
-  )
-  written = [i for i, c in enumerate(candidates) if c.name.startswith("as written") and reports[i]]
-  if written and chosen not in written:
-    base = min(written, key=lambda i: reports[i].step_time_s)
-    try:
-      base_sim = simulated(reports[base])[1]
-    except (ValueError, TypeError, RuntimeError):
-      base_sim = None
-    if base_sim is not None:
-      w = reports[base]
-      out.append(
-        f"step as written ({candidates[base].name}) judged the same way: the analysis "
-        f"{w.step_time_s * 1e3:.3f} ms, sim.realize {base_sim * 1e3:.3f} ms"
-      )
-      if base_sim < sim_s:
-        losses = res.losses()
-        out.append(
-          "the two models disagree: the simulator estimates the step as written "
-          f"{(sim_s - base_sim) * 1e3:.3f} ms faster than the chosen variant, whose "
-          f"collectives wait {losses.collective_wait_s * 1e3:.2f} ms for SMs and run "
-          f"{losses.collective_stretch_s * 1e3:.2f} ms beyond their time alone while its "
-          f"kernels lose {losses.compute_slowdown_s * 1e3:.2f} ms to them; only a "
-          "measurement on the GPUs settles which is right"
-        )
-  if name.endswith(PROFILED_SUFFIX):
-    out.append(
-      "self-judged: the chosen schedule came from a latency profile written by the same cost "
-      "model that estimated it"
-    )
-  return out
 
 
 def candidates(settings, cfg: VariantConfig, stats: RewriteStats) -> list[Candidate]:
@@ -345,111 +241,6 @@ def remember(entry_key: str, choice: Choice) -> None:
   )
 
 
-def select(
-  settings, candidates: list[Candidate], make, args, kwargs, known=None, kernels=None
-) -> tuple[Choice, list]:
-  """The fastest candidate by the cost model (profiled recompiles appended) and the
-  reports, by candidate (None where a variant did not compile); ``known``: reports already
-  made, by candidate index; ``kernels``: the selection's shared kernel cache."""
-  candidates = list(candidates)
-  done = dict(known or {})
-  errors = (ValueError, RuntimeError, TypeError)
-
-  learned: dict = {}  # the deviceless tiling fallback, once a variant needed it
-
-  def compile_all(indices: list[int]) -> None:
-    jobs = [candidates[i] for i in indices]
-    reports = compiles.analyze_all(settings, jobs, make, args, kwargs, errors, kernels, learned)
-    for i, r in zip(indices, reports):
-      done[i] = r
-
-  # A cheap first pass: the first variant of each program (the step as written, rewritten,
-  # its shard_map form...; GEMMs through Triton or cuBLAS), then the rest of the programs
-  # that can still win.
-  groups: dict[tuple, list[int]] = {}
-  for i, c in enumerate(candidates):
-    gemms = c.options.get("xla_gpu_enable_triton_gemm")
-    groups.setdefault((compiles.program(c.config), gemms), []).append(i)
-  compile_all([g[0] for g in groups.values() if len(groups) > 1 and not set(g) & set(done)])
-  skipped, failed = _behind(candidates, groups, done)
-  compile_all([i for i in range(len(candidates)) if i not in done and i not in skipped])
-  if skipped:
-    kept = [i for i in range(len(candidates)) if i not in skipped]
-    candidates = [candidates[i] for i in kept]
-    done = {new: done[old] for new, old in enumerate(kept)}
-  times, reports = [], []
-  for i, c in enumerate(candidates):
-    r = done[i]
-    if isinstance(r, Exception):
-      failed.append(f"{c.name}: {str(r).splitlines()[0][:200]}")
-      times.append(float("inf"))
-      reports.append(None)
-    else:
-      times.append(r.step_time_s)
-      reports.append(r)
-  if all(t == float("inf") for t in times):
-    raise done[len(candidates) - 1]
-  # A few again, scheduled by XLA from the analysis' own costs (a latency profile)
-  # instead of XLA's estimates, unless the user gave a profile.
-  if settings.schedule_from_estimates and latency_profile.OPTION not in settings.xla_options:
-    jobs = []
-    for i in worth_profiling(times, reports):
-      c = candidates[i]
-      label = c.name + PROFILED_SUFFIX
-      try:
-        profiled = {**c.options, latency_profile.OPTION: latency_profile.write_profile(reports[i])}
-      except OSError as e:
-        failed.append(f"{label}: {str(e).splitlines()[0][:200]}")
-        continue
-      jobs.append(c.renamed(label, profiled))
-    results = compiles.analyze_all(settings, jobs, make, args, kwargs, errors + (OSError,), kernels)
-    for job, r in zip(jobs, results):
-      if isinstance(r, Exception):
-        failed.append(f"{job.name}: {str(r).splitlines()[0][:200]}")
-        continue
-      candidates.append(job)
-      times.append(r.step_time_s)
-      reports.append(r)
-  best = min(range(len(times)), key=lambda i: (times[i], i))
-  judged = judged_notes(candidates, best, reports) + windowed_notes(candidates, reports)
-  choice = Choice(
-    tuple(candidates),
-    best,
-    tuple(Estimate(c.name, t) for c, t in zip(candidates, times)),
-    failed=tuple(failed),
-    judged=tuple(judged),
-    how="cost_model",
-  )
-  return choice, reports
-
-
-def _behind(candidates: list[Candidate], groups: dict, done: dict) -> tuple[set[int], list[str]]:
-  """The variants that cannot win, not worth compiling: the rest of a program whose first
-  variant's compute alone (what a schedule can at best leave of its step) takes longer
-  than :data:`BEHIND_FACTOR` times the best step so far; the others differ from it only
-  in XLA options or in the order of the same operations. A note for each program."""
-  reports = {i: r for i, r in done.items() if r is not None and not isinstance(r, Exception)}
-  if not reports:
-    return set(), []
-  fastest = min(r.step_time_s for r in reports.values())
-  skipped, notes = set(), []
-  for members in groups.values():
-    seen = [i for i in members if i in reports]
-    rest = [i for i in members if i not in done]
-    if not seen or not rest:
-      continue
-    first = min(seen, key=lambda i: reports[i].compute_time_s)
-    compute = reports[first].compute_time_s
-    if compute > BEHIND_FACTOR * fastest:
-      skipped.update(rest)
-      notes.append(
-        f"{len(rest)} variant(s) of the program of {candidates[first].name!r} skipped: its "
-        f"compute alone takes {compute * 1e3:.3f} ms, more than the best step so far "
-        f"({fastest * 1e3:.3f} ms)"
-      )
-  return skipped, notes
-
-
 def recommended(settings) -> dict[str, Any]:
   """The target's recommended options for the workload, with the user's on top."""
   return {
@@ -467,12 +258,15 @@ def gspmd_candidates(settings, cfg, make, args, kwargs, notes, known, kernels=No
   as_written = cfg.as_written()
   base = recommended(settings)
   name = "as written, recommended flags"
+  options = compiles.for_selection(settings, base)
   report = analysis.analyze(
     make(as_written, base),
     *args,
     target=settings.target,
     name=name,
-    xla_options=kernels.seed(base, compiles.program(as_written)) if kernels is not None else base,
+    xla_options=kernels.seed(options, compiles.program(as_written))
+    if kernels is not None
+    else options,
     **kwargs,
   )
   found = gspmd.found(report)

@@ -1,0 +1,292 @@
+"""The cost model's search among a selection's compiled variants.
+
+A cheap first pass compiles one variant of each program (the step as written, rewritten, its
+shard_map form...; GEMMs through Triton or cuBLAS) and recompiles the fastest of them with a
+latency profile at once, so that the rest are measured against the best step a schedule has
+reached so far: a program whose compute alone is behind it, or whose first variant is far
+behind it, is not compiled in its other variants. Then the rest compile, a few of the
+fastest again with a latency profile written from their analysis, and the fastest by
+estimate is chosen. Variants that would compile the same program with the same options are
+compiled once.
+"""
+
+from __future__ import annotations
+
+from jax_overlap._src.analysis import latency_profile
+from jax_overlap._src.transform import compiles, gspmd
+from jax_overlap._src.transform.records import Candidate, Choice, Estimate
+
+# Latency-profiled recompiles tried per step (the fastest variants by estimate).
+PROFILED_VARIANTS = 3
+PROFILED_SUFFIX = ", scheduled by the cost model's estimates"
+# A program whose first variant's compute alone takes this many times the best step so far
+# is not compiled in its other variants (options and orderings of the same operations,
+# whose kernels differ little: the margin covers that).
+BEHIND_FACTOR = 1.05
+# A program whose first variant's step is this much behind the best step so far is not
+# compiled in its other variants either: on the committed comparisons
+# (benchmarks/results/transform_maxtext.md, transform_fsdp.md) the options and orderings of
+# one program gained at most 4.5% over its first variant.
+FAR_BEHIND = 0.10
+
+
+def worth_profiling(times: list[float], reports: list) -> list[int]:
+  """The variants to recompile with a latency profile, at most ``PROFILED_VARIANTS``.
+
+  A schedule can at best hide all of a variant's exposed communication: a variant whose
+  compute alone takes longer than the best step so far cannot win and is not tried.
+  The fastest variant is tried first; the rest are those with the least compute (the
+  most a better schedule can reach), skipping variants whose estimates equal one
+  already picked (the same program compiled under options that changed nothing).
+  """
+  finite = [i for i in range(len(times)) if times[i] < float("inf")]
+  if not finite:
+    return []
+  best = min(times)
+  fastest = min(finite, key=lambda i: (times[i], i))
+  rest = sorted(finite, key=lambda i: (reports[i].compute_time_s, times[i], i))
+  picked, seen = [], set()
+  for i in [fastest, *rest]:
+    same = (times[i], reports[i].compute_time_s)
+    if same in seen or reports[i].compute_time_s >= best:
+      continue
+    seen.add(same)
+    picked.append(i)
+    if len(picked) == PROFILED_VARIANTS:
+      break
+  return picked
+
+
+def windowed_notes(candidates, reports) -> list[str]:
+  """What XLA's windowed einsum decomposed, for each variant that asked for it, against the
+  same program compiled as written (the first candidate)."""
+  out = []
+  for c, report in zip(candidates, reports):
+    if (
+      report is None
+      or reports[0] is None
+      or c.name.endswith(PROFILED_SUFFIX)
+      or "xla_gpu_threshold_for_windowed_einsum_mib" not in c.options
+    ):
+      continue
+    change = gspmd.decomposed(gspmd.found(reports[0]), gspmd.found(report))
+    out.append(f"{c.name}: {change}")
+  return out
+
+
+def judged_notes(candidates, chosen: int, reports) -> list[str]:
+  """Notes that judge the chosen variant a second time: the simulator's contention-aware
+  estimate beside the analysis's, the same for the step as written where another variant
+  was chosen (and a line saying so where the two models order them differently), and a
+  mark where the analysis judged a schedule it wrote."""
+  name, report = candidates[chosen].name, reports[chosen]
+  if report is None:
+    return []
+  from jax_overlap._src.sim import realize as realize_lib
+
+  def simulated(r):
+    res = realize_lib.realize(r, realize_lib.XLA_POLICY)
+    return res, res.results[realize_lib.XLA_POLICY].makespan_s
+
+  out = []
+  try:
+    res, sim_s = simulated(report)
+  except (ValueError, TypeError, RuntimeError) as e:
+    return [f"chosen variant not simulated: {str(e).splitlines()[0][:200]}"]
+  out.append(
+    f"chosen variant judged twice: the analysis {report.step_time_s * 1e3:.3f} ms, "
+    f"sim.realize (SM contention, XLA's stream priority) {sim_s * 1e3:.3f} ms"
+  )
+  written = [i for i, c in enumerate(candidates) if c.name.startswith("as written") and reports[i]]
+  if written and chosen not in written:
+    base = min(written, key=lambda i: reports[i].step_time_s)
+    try:
+      base_sim = simulated(reports[base])[1]
+    except (ValueError, TypeError, RuntimeError):
+      base_sim = None
+    if base_sim is not None:
+      w = reports[base]
+      out.append(
+        f"step as written ({candidates[base].name}) judged the same way: the analysis "
+        f"{w.step_time_s * 1e3:.3f} ms, sim.realize {base_sim * 1e3:.3f} ms"
+      )
+      if base_sim < sim_s:
+        losses = res.losses()
+        out.append(
+          "the two models disagree: the simulator estimates the step as written "
+          f"{(sim_s - base_sim) * 1e3:.3f} ms faster than the chosen variant, whose "
+          f"collectives wait {losses.collective_wait_s * 1e3:.2f} ms for SMs and run "
+          f"{losses.collective_stretch_s * 1e3:.2f} ms beyond their time alone while its "
+          f"kernels lose {losses.compute_slowdown_s * 1e3:.2f} ms to them; only a "
+          "measurement on the GPUs settles which is right"
+        )
+  if name.endswith(PROFILED_SUFFIX):
+    out.append(
+      "self-judged: the chosen schedule came from a latency profile written by the same cost "
+      "model that estimated it"
+    )
+  return out
+
+
+def select(
+  settings, candidates: list[Candidate], make, args, kwargs, known=None, kernels=None
+) -> tuple[Choice, list]:
+  """The fastest candidate by the cost model (profiled recompiles appended) and the
+  reports, by candidate (None where a variant did not compile); ``known``: reports already
+  made, by candidate index; ``kernels``: the selection's shared kernel cache."""
+  candidates, done, failed = _unique(list(candidates), dict(known or {}))
+  errors = (ValueError, RuntimeError, TypeError)
+
+  learned: dict = {}  # the deviceless tiling fallback, once a variant needed it
+
+  def compile_all(indices: list[int]) -> None:
+    jobs = [candidates[i] for i in indices]
+    reports = compiles.analyze_all(settings, jobs, make, args, kwargs, errors, kernels, learned)
+    for i, r in zip(indices, reports):
+      done[i] = r
+
+  profiling = (
+    settings.schedule_from_estimates and latency_profile.OPTION not in settings.xla_options
+  )
+  # A cheap first pass: the first variant of each program (the step as written, rewritten,
+  # its shard_map form...; GEMMs through Triton or cuBLAS), the fastest of them again with a
+  # latency profile, then the rest of the programs that can still win.
+  groups: dict[tuple, list[int]] = {}
+  for i, c in enumerate(candidates):
+    gemms = c.options.get("xla_gpu_enable_triton_gemm")
+    groups.setdefault((compiles.program(c.config), gemms), []).append(i)
+  compile_all([g[0] for g in groups.values() if len(groups) > 1 and not set(g) & set(done)])
+  if profiling and len(candidates) > 1:
+    ok = [i for i, r in done.items() if not isinstance(r, Exception) and r is not None]
+    if ok:
+      fastest = min(ok, key=lambda i: (done[i].step_time_s, i))
+      job = _profiled(candidates[fastest], done[fastest], failed)
+      if job is not None:
+        (r,) = compiles.analyze_all(
+          settings, [job], make, args, kwargs, errors + (OSError,), kernels, learned
+        )
+        if isinstance(r, Exception):
+          failed.append(f"{job.name}: {str(r).splitlines()[0][:200]}")
+        else:
+          candidates.append(job)
+          done[len(candidates) - 1] = r
+  skipped, notes = _behind(candidates, groups, done)
+  failed += notes
+  compile_all([i for i in range(len(candidates)) if i not in done and i not in skipped])
+  if skipped:
+    kept = [i for i in range(len(candidates)) if i not in skipped]
+    candidates = [candidates[i] for i in kept]
+    done = {new: done[old] for new, old in enumerate(kept)}
+  times, reports = [], []
+  for i, c in enumerate(candidates):
+    r = done[i]
+    if isinstance(r, Exception):
+      failed.append(f"{c.name}: {str(r).splitlines()[0][:200]}")
+      times.append(float("inf"))
+      reports.append(None)
+    else:
+      times.append(r.step_time_s)
+      reports.append(r)
+  if all(t == float("inf") for t in times):
+    raise done[len(candidates) - 1]
+  # A few again, scheduled by XLA from the analysis' own costs (a latency profile)
+  # instead of XLA's estimates, unless the user gave a profile (the first pass's fastest
+  # variant already was).
+  if profiling:
+    names = {c.name for c in candidates}
+    jobs = []
+    for i in worth_profiling(times, reports):
+      c = candidates[i]
+      if c.name.endswith(PROFILED_SUFFIX) or c.name + PROFILED_SUFFIX in names:
+        continue
+      job = _profiled(c, reports[i], failed)
+      if job is not None:
+        jobs.append(job)
+    results = compiles.analyze_all(settings, jobs, make, args, kwargs, errors + (OSError,), kernels)
+    for job, r in zip(jobs, results):
+      if isinstance(r, Exception):
+        failed.append(f"{job.name}: {str(r).splitlines()[0][:200]}")
+        continue
+      candidates.append(job)
+      times.append(r.step_time_s)
+      reports.append(r)
+  best = min(range(len(times)), key=lambda i: (times[i], i))
+  judged = judged_notes(candidates, best, reports) + windowed_notes(candidates, reports)
+  choice = Choice(
+    tuple(candidates),
+    best,
+    tuple(Estimate(c.name, t) for c, t in zip(candidates, times)),
+    failed=tuple(failed),
+    judged=tuple(judged),
+    how="cost_model",
+  )
+  return choice, reports
+
+
+def _profiled(c: Candidate, report, failed: list) -> Candidate | None:
+  """``c`` recompiled with a latency profile written from its ``report`` (None, with a note
+  in ``failed``, where the profile cannot be written)."""
+  label = c.name + PROFILED_SUFFIX
+  try:
+    profile = latency_profile.write_profile(report)
+  except OSError as e:
+    failed.append(f"{label}: {str(e).splitlines()[0][:200]}")
+    return None
+  return c.renamed(label, {**c.options, latency_profile.OPTION: profile})
+
+
+def _unique(candidates: list[Candidate], done: dict) -> tuple[list[Candidate], dict, list[str]]:
+  """``candidates`` without those that compile the same program with the same options as
+  one before them (an option variant that sets what the recommended flags already set),
+  ``done`` renumbered, and a note for each left out."""
+  kept: list[int] = []
+  notes = []
+  for i, c in enumerate(candidates):
+    same = next(
+      (j for j in kept if candidates[j].config == c.config and candidates[j].options == c.options),
+      None,
+    )
+    if same is None:
+      kept.append(i)
+    else:
+      notes.append(
+        f"{c.name}: not compiled, the same program and options as {candidates[same].name!r}"
+      )
+  return [candidates[i] for i in kept], {n: done[o] for n, o in enumerate(kept) if o in done}, notes
+
+
+def _behind(candidates: list[Candidate], groups: dict, done: dict) -> tuple[set[int], list[str]]:
+  """The variants that cannot win, not worth compiling: the rest of a program whose first
+  variant's compute alone (what a schedule can at best leave of its step) takes longer
+  than :data:`BEHIND_FACTOR` times the best step so far, or whose first variant's step is
+  :data:`FAR_BEHIND` behind it; the others differ from it only in XLA options or in the
+  order of the same operations. A note for each program."""
+  reports = {i: r for i, r in done.items() if r is not None and not isinstance(r, Exception)}
+  if not reports:
+    return set(), []
+  fastest = min(r.step_time_s for r in reports.values())
+  skipped, notes = set(), []
+  for members in groups.values():
+    seen = [i for i in members if i in reports]
+    rest = [i for i in members if i not in done]
+    if not seen or not rest:
+      continue
+    first = min(seen, key=lambda i: reports[i].compute_time_s)
+    compute = reports[first].compute_time_s
+    step = min(reports[i].step_time_s for i in seen)
+    if compute > BEHIND_FACTOR * fastest:
+      skipped.update(rest)
+      notes.append(
+        f"{len(rest)} variant(s) of the program of {candidates[first].name!r} skipped: its "
+        f"compute alone takes {compute * 1e3:.3f} ms, more than the best step so far "
+        f"({fastest * 1e3:.3f} ms)"
+      )
+    elif step > (1 + FAR_BEHIND) * fastest:
+      skipped.update(rest)
+      notes.append(
+        f"{len(rest)} variant(s) of the program of {candidates[first].name!r} skipped: its "
+        f"step takes {step * 1e3:.3f} ms, {100 * (step / fastest - 1):.0f}% behind the best "
+        f"step so far ({fastest * 1e3:.3f} ms), more than the other variants of one program "
+        f"(options and orderings) gain over its first ({100 * FAR_BEHIND:.0f}% allowed)"
+      )
+  return skipped, notes
