@@ -333,7 +333,7 @@ def test_a_program_that_cannot_win_after_its_first_variant_is_not_compiled_furth
   assert [c.name for c in choice.candidates] == ["w0", "w1", "r0", "r1", "f0", "s0", "c0"]
   assert len(reports) == len(choice.candidates) == len(choice.estimates)
   assert choice.failed == (
-    "w0 again: not compiled, the same program and options as 'w0'",
+    "w0 again: the same program and options as 'w0'",
     "1 variant(s) of the program of 'f0' skipped: its step takes 11.500 ms, 15% behind the "
     "best step so far (10.000 ms), more than the other variants of one program (options and "
     "orderings) gain over its first (5% allowed)",

@@ -260,9 +260,7 @@ def _unique(candidates: list[Candidate], done: dict) -> tuple[list[Candidate], d
     if same is None:
       kept.append(i)
     else:
-      notes.append(
-        f"{c.name}: not compiled, the same program and options as {candidates[same].name!r}"
-      )
+      notes.append(f"{c.name}: the same program and options as {candidates[same].name!r}")
   return [candidates[i] for i in kept], {n: done[o] for n, o in enumerate(kept) if o in done}, notes
 
 
