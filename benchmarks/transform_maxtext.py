@@ -80,7 +80,7 @@ def main(argv):
       sections.append(
         f"### {key}\n\nbatch {BATCH[parallelism]}\n\n{table.to_markdown()}\n\n"
         f"@overlap chose: {result['chosen']} (selection took {result['selection_s']:.0f} s, "
-        "a fresh cache: every variant compiled and analysed).\n"
+        "a fresh cache).\n"
       )
       print(f"\n{key}\n{table}\nchosen: {result['chosen']} ({result['selection_s']:.0f} s)")
   rows, sections = _merged(rows, sections)
@@ -95,10 +95,12 @@ def main(argv):
       "maxtext_utils.get_functional_train_with_signature): Llama 2 7B's layer, bf16, scanned "
       "layers rematerialised in full, AdamW, sequence 2048, XLA's dot-product attention. "
       "Estimates from jax_overlap.analyze (a deviceless compile for the target); 'XLA "
-      "defaults' and 'recommended flags' are the step as written, '@overlap' the variant its "
-      "cost model chose. The selection time is the wall clock of a selection on the machine "
-      "below with a fresh cache (no stored compile, no remembered choice: every variant "
-      "compiled deviceless on its CPU cores, beside whatever else ran there).",
+      "defaults' and 'recommended flags' are the step as written, 'shard_map form' the step "
+      "converted to shard_map as @overlap converts it, as written (recommended flags), "
+      "'@overlap' the variant its cost model chose. The selection time is the wall clock of a "
+      "selection on the machine below with a fresh cache (no stored compile, no remembered "
+      "choice: the variants its search compiles, deviceless on the machine's CPU cores beside "
+      "whatever else ran there).",
       "",
       *sections,
     ],

@@ -29,7 +29,16 @@ import sys
 import time
 from typing import Any
 
-__all__ = ["DEFAULTS", "require", "config", "build", "build_local", "compare", "main"]
+__all__ = [
+  "DEFAULTS",
+  "require",
+  "config",
+  "build",
+  "build_local",
+  "shard_map_form",
+  "compare",
+  "main",
+]
 
 # MaxText's train step in the configuration of the repository's FSDP benchmarks: Llama 2
 # 7B's layer, one sequence of 2048 per device, scanned layers rematerialised in full.
@@ -220,8 +229,33 @@ def build_local(*, seed: int = 0, donate: bool = True, **overrides):
   return step, (real_state, real_batch)
 
 
+def shard_map_form(step, args):
+  """The step converted to one ``shard_map`` as ``@overlap`` converts it (the program its
+  variants named "shard_map form" rewrite), as written: ``(jitted function, its arguments
+  as abstract arrays, the conversion's record)``; the state's leaves count as parameters,
+  as ``@overlap``'s ``params_argnums=(0,)`` has them."""
+  import jax
+
+  from jax_overlap._src.transform import arguments, out_layouts, to_shard_map
+
+  traced = step.trace(*args)
+  closed = traced.jaxpr
+  leaves = jax.tree.leaves(args)
+  avals = arguments.abstract_leaves(
+    leaves, closed.jaxpr.invars, getattr(traced, "_params", {}).get("in_shardings")
+  )
+  converted = to_shard_map.convert(
+    closed,
+    avals,
+    out_layouts.partitioner_choice(traced),
+    params_leaves=range(len(jax.tree.leaves(args[0]))),
+  )
+  return jax.jit(converted.fn), avals, converted
+
+
 def compare(target: str = "h100x8", *, workload: str = "fsdp", **overrides) -> dict:
   """MaxText's step analysed for ``target`` as written (under XLA's defaults, and under the
+  recommended flags), in its shard_map form as written (:func:`shard_map_form`, the
   recommended flags) and under ``@overlap`` (its selection timed, with no cached choice; the
   compiles it makes are kept in jax_overlap's compile store, so time it with an empty one).
 
@@ -242,14 +276,15 @@ def compare(target: str = "h100x8", *, workload: str = "fsdp", **overrides) -> d
   t0 = time.perf_counter()
   explanation = decorated.explain(*args)
   selection_s = time.perf_counter() - t0
+  recommended = jax_overlap.flags.as_compiler_options(target=target, workload=workload)
+  converted, converted_args, _ = shard_map_form(step, args)
   reports = {
     "XLA defaults": jax_overlap.analyze(step, *args, target=target, name="XLA defaults"),
     "recommended flags": jax_overlap.analyze(
-      step,
-      *args,
-      target=target,
-      name="recommended flags",
-      xla_options=jax_overlap.flags.as_compiler_options(target=target, workload=workload),
+      step, *args, target=target, name="recommended flags", xla_options=recommended
+    ),
+    "shard_map form": jax_overlap.analyze(
+      converted, *converted_args, target=target, name="shard_map form", xla_options=recommended
     ),
     "@overlap": jax_overlap.analyze(decorated, *args, target=target, name="@overlap"),
   }
