@@ -37,7 +37,9 @@ def for_selection(settings, options: dict) -> dict:
   extra = {
     k: v
     for k, v in NO_AUTOTUNING.items()
-    if k not in options and k not in settings.xla_options and flags_lib.accepted_by_jaxlib(k, v)
+    if k not in options
+    and k not in getattr(settings, "xla_options", {})
+    and flags_lib.accepted_by_jaxlib(k, v)
   }
   return {**options, **extra}
 
