@@ -619,3 +619,40 @@ def test_explain_judges_the_step_as_written_by_both_models():
     # Both estimates are printed to 3 decimals, their difference from the unrounded ones.
     faster = float(re.search(r"([0-9.]+) ms faster", disagree[0]).group(1))
     assert faster == pytest.approx(sim_chosen - sim_written, abs=1.5e-3)
+
+
+def test_a_named_matmul_output_is_reduce_scattered_in_pieces():
+  """A row-parallel projection whose output is named for a remat policy before its
+  reduce-scatter (MaxText's ``checkpoint_name(out, "out_proj")``): the name is the
+  matmul's value, so the pair is still a collective matmul, forward and backward, and the
+  step computes the same values."""
+  from jax.ad_checkpoint import checkpoint_name
+
+  mesh = _mesh(8)
+  S, H, K = 16, 32, 64
+
+  def loss(ws, x):
+    xg = jax.lax.all_gather(x, "tensor", axis=2, tiled=True)
+    a = jnp.tanh(jnp.einsum("bsh,hk->bsk", xg, ws[0]))
+    o = checkpoint_name(jnp.einsum("bsk,kh->bsh", a, ws[1]), "out_proj")
+    y = x + jax.lax.psum_scatter(o, "tensor", scatter_dimension=2, tiled=True)
+    return jax.lax.pmean(jnp.mean(y**2), ("data", "tensor"))
+
+  f = jax.jit(
+    jax.shard_map(
+      jax.value_and_grad(loss),
+      mesh=mesh,
+      in_specs=((P(None, "tensor"), P("tensor", None)), P("data", None, "tensor")),
+      out_specs=(P(), (P(None, "tensor"), P("tensor", None))),
+    )
+  )
+  key = jax.random.key(4)
+  ws = (
+    jax.random.normal(jax.random.fold_in(key, 0), (8 * H, 8 * K)) * 0.1,
+    jax.random.normal(jax.random.fold_in(key, 1), (8 * K, 8 * H)) * 0.1,
+  )
+  x = jax.random.normal(jax.random.fold_in(key, 2), (8, S, 8 * H))
+  ov = jax_overlap.overlap(f, collective_matmul="pieces")
+  _close(f(ws, x), ov(ws, x))
+  found = [a.detail for a in ov.explain(ws, x).of_kind("collective_matmul")]
+  assert any("-> reduce-scatter along dim 2" in r for r in found), found

@@ -19,6 +19,9 @@ from jax_overlap._src.transform.jaxprs import (
   var_users,
 )
 
+# Primitives whose output is their input's value (a name for remat policies, a copy).
+_SAME_VALUE = {"name", "copy", "copy_p"}
+
 
 def plan_collective_matmuls(
   eqns,
@@ -158,6 +161,16 @@ def plan_collective_matmuls(
       prod = next((j for j in range(i) if src in eqns[j].outvars), None)
       if prod is None or len(users.get(src, [])) != 1 or src in outvars:
         continue
+      # The matmul's output may reach the reduce-scatter through a name alone (MaxText's
+      # checkpoint_name of an output projection): skipped with the matmul.
+      passed = []
+      while eqns[prod].primitive.name in _SAME_VALUE and is_var(eqns[prod].invars[0]):
+        v = eqns[prod].invars[0]
+        up = next((j for j in range(prod) if v in eqns[j].outvars), None)
+        if up is None or len(users.get(v, [])) != 1 or v in outvars:
+          break
+        passed.append(prod)
+        prod = up
       d = eqns[prod]
       if d.primitive.name != "dot_general":
         continue
@@ -189,6 +202,7 @@ def plan_collective_matmuls(
           },
         )
         skipped.add(prod)
+        skipped.update(passed)
         actions.append(
           Action(
             "collective_matmul",
@@ -218,6 +232,7 @@ def plan_collective_matmuls(
       else:
         fused[i] = ("reduce_scatter", d.invars[0], d.invars[1], _ring_kwargs(axis, d, bidi))
       skipped.add(prod)
+      skipped.update(passed)
       actions.append(
         Action(
           "collective_matmul",
