@@ -631,3 +631,76 @@ def test_a_primitive_without_a_rule_is_named_even_where_its_input_is_gathered_ea
   assert conv.replicated == ["top_k"]
   assert "computed whole on every device: top_k" in conv.summary()
   np.testing.assert_allclose(jax.jit(conv.fn)(*leaves)[0], fn(x), rtol=1e-6)
+
+
+def _gathered_shapes(fn, leaves, prim="all_gather") -> list[str]:
+  text = str(jax.make_jaxpr(fn)(*leaves))
+  return [
+    line.split("=")[0].split(":")[-1].strip() for line in text.splitlines() if f"{prim}[" in line
+  ]
+
+
+def test_an_unreduced_sum_is_reduced_before_it_is_broadcast():
+  """An RMSNorm of feature-split activations, differentiated: its backward sums over the
+  split features and broadcasts the sum back over them. The sum is all-reduced while it is
+  small (one number per row), as the partitioner does, not broadcast unreduced and then
+  reduce-scattered at the features' size; the values are the jitted step's."""
+  mesh = _mesh((8,), ("t",))
+  s, h = 16, 64
+
+  def loss(scale, x):
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + 1e-6)
+    return jnp.sum(jnp.sin(y * scale))
+
+  fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+  keys = jax.random.split(jax.random.key(5), 2)
+  scale = jax.device_put(1 + jax.random.normal(keys[0], (h,)) / 4, NamedSharding(mesh, P("t")))
+  x = jax.device_put(jax.random.normal(keys[1], (2, s, h)), NamedSharding(mesh, P(None, None, "t")))
+  conv, leaves = _convert(fn, (scale, x))
+  _assert_same(jax.jit(conv.fn)(*leaves), jax.tree.leaves(fn(scale, x)))
+  assert not _gathered_shapes(conv.fn, leaves, "reduce_scatter")
+  summed = _gathered_shapes(conv.fn, leaves, "psum")
+  assert summed and all(not g.endswith(f",{h}]") for g in summed), summed
+
+
+def test_a_weight_gradient_reuses_the_gathered_cotangent():
+  """Scanned layers whose output projection is written as MaxText writes it: head-split
+  activations times a head-split weight, the result constrained feature-split. In the
+  backward the cotangent is gathered for the activations' gradient; the weight's gradient
+  contracts that gathered cotangent with the head-split activations, so it comes out split
+  as the weight is (the partitioner's choice): no gather of the activations, nor of the
+  stacked gradient at the update."""
+  mesh = _mesh((8,), ("t",))
+  s, heads, d, h, layers = 16, 8, 4, 32, 2
+
+  def c(t, *spec):
+    return jax.lax.with_sharding_constraint(t, NamedSharding(mesh, P(*spec)))
+
+  def loss(ws, x):
+    def layer(x, w):
+      wi, wo = w
+      a = c(jnp.sin(jnp.einsum("bse,ehd->bshd", x, wi)), None, None, "t", None)
+      return x + c(jnp.einsum("bshd,hde->bse", a, wo), None, None, "t"), None
+
+    return jnp.sum(jnp.square(jax.lax.scan(layer, x, ws)[0]))
+
+  @jax.jit
+  def fn(ws, x):
+    value, g = jax.value_and_grad(loss)(ws, x)
+    return value, jax.tree.map(lambda w, g: w - 0.1 * g, ws, g)
+
+  keys = iter(jax.random.split(jax.random.key(6), 3))
+  specs = [P(None, None, "t", None), P(None, "t", None, None)]
+  ws = tuple(
+    jax.device_put(jax.random.normal(next(keys), shape) / 8, NamedSharding(mesh, spec))
+    for shape, spec in zip([(layers, h, heads, d), (layers, heads, d, h)], specs)
+  )
+  x = jax.device_put(
+    jax.random.normal(next(keys), (2, s, h)), NamedSharding(mesh, P(None, None, "t"))
+  )
+  conv, leaves = _convert(fn, (ws, x))
+  _assert_same(jax.jit(conv.fn)(*leaves), jax.tree.leaves(fn(ws, x)))
+  gathered = _gathered_shapes(conv.fn, leaves)
+  # The layer's input forward, the cotangent and the input recomputed in the backward.
+  assert len(gathered) == 3 and all(g.endswith(f"[2,{s},{h}]") for g in gathered), gathered

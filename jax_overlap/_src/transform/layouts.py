@@ -195,14 +195,32 @@ def _broadcast_in_dim(it, eqn, lays):
   in_shape = eqn.invars[0].aval.shape
   dims: list[Axes] = [()] * len(shape)
   want = list(lay.dims)
+  kept = set()  # output dims that are the input's, at its size
   for i, d in enumerate(bd):
+    if in_shape[i] == shape[d]:
+      kept.add(d)
     if lay.dims[i] and in_shape[i] == shape[d]:
       dims[d] = lay.dims[i]
     else:
       want[i] = ()
-  out = Layout(tuple(dims), lay.partial)
+  partial = lay.partial
+  if partial and math.prod(shape) > math.prod(in_shape):
+    # An unreduced sum summed before it is broadcast (the RMSNorm backward's sum over the
+    # split features, broadcast back over them): an all-reduce of the small value, not a
+    # reduce-scatter of the large one, as the partitioner does.
+    partial = frozenset()
+  hint = it.hints.get(eqn.outvars[0])
+  if not partial and hint is not None and not hint.partial and len(hint.dims) == len(shape):
+    # A broadcast dimension is made split where its uses want it so: each device
+    # broadcasts to its own piece (the values are the same along it).
+    used = {a for ax in dims for a in ax}
+    for d, ax in enumerate(hint.dims):
+      if d not in kept and ax and not set(ax) & used and shape[d] % it.n(ax) == 0:
+        dims[d] = ax
+        used |= set(ax)
+  out = Layout(tuple(dims), partial)
   params = _per_device(eqn.params, shape=it.local_shape(shape, out))
-  return [Layout(tuple(want), lay.partial)], [out], params, None
+  return [Layout(tuple(want), partial)], [out], params, None
 
 
 def _reshape(it, eqn, lays):
@@ -401,12 +419,15 @@ def _dot_general(it, eqn, lays):
         return None
       # Gather first the side whose output dim the later uses do not want split over
       # ``a`` (a sequence-split activation is gathered where the result's constraint
-      # splits the weight's dim: tensor parallelism), then parameters (FSDP), then the
-      # smaller operand (a weight gradient keeps the larger activation's split).
+      # splits the weight's dim: tensor parallelism), then one another use gathers anyway
+      # (a weight gradient reuses the cotangent its input's gradient gathers, and keeps
+      # the split of the other operand, the parameter's), then parameters (FSDP), then
+      # the smaller operand (a weight gradient keeps the larger activation's split).
       wanted_split = {c for c in cands if hint is not None and a in hint.dims[pos[c]]}
       cands.sort(
         key=lambda c: (
           c in wanted_split,
+          not _gathered_elsewhere(it, eqn, rv if c[0] == "R" else lv, c[1], a),
           not (r_params if c[0] == "R" else l_params),
           nbytes((rv if c[0] == "R" else lv).aval),
         )
@@ -425,6 +446,17 @@ def _dot_general(it, eqn, lays):
     [out],
     params,
     None,
+  )
+
+
+def _gathered_elsewhere(it, eqn, var, d: int, axis: str) -> bool:
+  """Whether another use of ``var`` (in the previous abstract run) wants its dimension
+  ``d`` not split over ``axis``, where this one has it split."""
+  if is_literal(var):
+    return False
+  return any(
+    i != id(eqn) and len(w.dims) > d and axis not in w.dims[d]
+    for i, w in it.wanted_before.get(var, ())
   )
 
 

@@ -19,6 +19,9 @@ from jax_overlap._src.transform.jaxprs import (
   var_users,
 )
 
+# Primitives whose output is their input's value (a name for remat policies, a copy).
+_SAME_VALUE = {"name", "copy", "copy_p"}
+
 
 def plan_collective_matmuls(
   eqns,
@@ -49,13 +52,15 @@ def plan_collective_matmuls(
       and all(getattr(v.aval, "ndim", 0) == 2 for v in d.invars)
     )
 
-  def worth(e, m, n, k, dtype, kind, block, collect=False):
+  def worth(e, m, n, k, dtype, kind, block, collect=False, only=None, contracted=False):
     """The cost model's best decomposition of collective ``e`` over blocks of ``block``
-    rows: (estimate, method, pieces, bidirectional)."""
+    rows (``only``: that method alone, kept worthwhile or not as ``mode`` says):
+    (estimate, method, pieces, bidirectional)."""
     bidi = block % 2 == 0
     p = int(e.params.get("axis_size", 1))
-    args = (cm_lib.estimate_gain, mode, target or "h100x8", m, n, k, p, dtype, kind)
-    args += (bidi, block, collect)
+    how_ = mode if only is None else (only if mode in ("on", only) else "auto_" + only)
+    args = (cm_lib.estimate_gain, how_, target or "h100x8", m, n, k, p, dtype, kind)
+    args += (bidi, block, collect, contracted)
     try:
       return (*_best_decomposition(*args), bidi)
     except TypeError:  # an unhashable target object: asked without the memo
@@ -85,9 +90,9 @@ def plan_collective_matmuls(
       and not _simple_ag_dot(e, users, outvars, eqns, plain_dot)
     ):
       ring = _plan_ring(i, e, eqns, users, outvars)
-      if ring is None:
+      if ring is None or (ring[2] and mode == "ring"):
         continue
-      dots, collect = ring
+      dots, collect, contracts = ring
       # A dot another ring computes (both its operands gathered) is a user like any other:
       # this gather's value is then kept for it.
       claimed = {d for r in rings.values() for d in r[2]}
@@ -99,7 +104,9 @@ def plan_collective_matmuls(
       n *= int(e.params.get("axis_size", 1))  # estimate_gain takes the global weight
       blk = e.invars[0].aval.shape[e.params["all_gather_dimension"]]
       dtype = e.outvars[0].aval.dtype
-      est, method, pieces, bidi = worth(e, m, n, k, dtype, "all_gather", blk, collect)
+      est, method, pieces, bidi = worth(
+        e, m, n, k, dtype, "all_gather", blk, collect, "pieces" if contracts else None, contracts
+      )
       if not est.worthwhile:
         continue
       rings[i] = (
@@ -158,6 +165,16 @@ def plan_collective_matmuls(
       prod = next((j for j in range(i) if src in eqns[j].outvars), None)
       if prod is None or len(users.get(src, [])) != 1 or src in outvars:
         continue
+      # The matmul's output may reach the reduce-scatter through a name alone (MaxText's
+      # checkpoint_name of an output projection): skipped with the matmul.
+      passed = []
+      while eqns[prod].primitive.name in _SAME_VALUE and is_var(eqns[prod].invars[0]):
+        v = eqns[prod].invars[0]
+        up = next((j for j in range(prod) if v in eqns[j].outvars), None)
+        if up is None or len(users.get(v, [])) != 1 or v in outvars:
+          break
+        passed.append(prod)
+        prod = up
       d = eqns[prod]
       if d.primitive.name != "dot_general":
         continue
@@ -189,6 +206,7 @@ def plan_collective_matmuls(
           },
         )
         skipped.add(prod)
+        skipped.update(passed)
         actions.append(
           Action(
             "collective_matmul",
@@ -218,6 +236,7 @@ def plan_collective_matmuls(
       else:
         fused[i] = ("reduce_scatter", d.invars[0], d.invars[1], _ring_kwargs(axis, d, bidi))
       skipped.add(prod)
+      skipped.update(passed)
       actions.append(
         Action(
           "collective_matmul",
@@ -231,7 +250,7 @@ def plan_collective_matmuls(
 
 @functools.lru_cache(maxsize=4096)
 def _best_decomposition(
-  estimate, mode, target, m, n, k, p, dtype, kind, bidirectional, block, collect
+  estimate, mode, target, m, n, k, p, dtype, kind, bidirectional, block, collect, contracted=False
 ):
   """The best decomposition by the cost model ``estimate`` among those ``mode`` allows:
   the ring (both link directions only when the block splits in two), or the collective in
@@ -244,7 +263,7 @@ def _best_decomposition(
   options = []
   if mode in ("auto", "on", "ring"):
     options.append(("ring", None))
-  if mode in ("auto", "on", "pieces") and block is not None:
+  if mode in ("auto", "on", "pieces", "auto_pieces") and block is not None:
     options.extend(("pieces", sizes) for sizes in _piece_schedules(block, p))
   best = None
   for method, pieces in options:
@@ -260,13 +279,14 @@ def _best_decomposition(
       method=method,
       chunks=pieces,
       collect=collect,
+      contracted=contracted,
     )
     if best is None or est.speedup > best[0].speedup:
       best = (est, method, pieces)
   if best is None:
     return cm_lib.GainEstimate(0.0, 0.0, 0.0, 0.0, 0.0, False), "ring", None
   est, method, pieces = best
-  if mode != "auto" and not est.worthwhile:
+  if not mode.startswith("auto") and not est.worthwhile:
     est = dataclasses.replace(est, worthwhile=True)
   return est, method, pieces
 
@@ -367,19 +387,22 @@ def _simple_ag_dot(e, users, outvars, eqns, plain_dot) -> bool:
 
 
 def _plan_ring(i, e, eqns, users, outvars):
-  """The dots an N-D gather feeds along a free dimension: (dots, collect) or None."""
+  """The dots an N-D gather feeds along a free or a contracted dimension: (dots, collect,
+  whether one contracts it) or None. A contracted one is decomposed only in pieces (each
+  piece's dot an addend of the output: the projections of feature-split activations, as
+  MaxText's tensor parallelism lays them out); the dots that contract it are taken only
+  where none keeps it free."""
   out = e.outvars[0]
   gd = e.params.get("all_gather_dimension")
-  dots, other = [], False
-  for u in users.get(out, []):
-    if gathered_dim_role(eqns[u], out, gd) != "free":
-      # not a dot, or gathered along a contracted or batch dimension: not a ring of slices
-      other = True
-      continue
-    dots.append(u)
+  roles = {u: gathered_dim_role(eqns[u], out, gd) for u in users.get(out, [])}
+  free = [u for u, r in roles.items() if r == "free"]
+  dots = free or [u for u, r in roles.items() if r == "contracting"]
   if not dots:
     return None
-  return tuple(dots), other or out in outvars
+  # Any other user (not a dot, gathered along a batch dimension, or a dot left out above)
+  # reads the gathered value itself.
+  other = len(dots) < len(roles)
+  return tuple(dots), other or out in outvars, not free
 
 
 def _ring_mnk(e, eqns, dots) -> tuple[int, int, int]:

@@ -129,11 +129,22 @@ def _sub_closed(eqn):
 class Interpreter:
   """Runs a jaxpr on per-device values (``abstract``: on layouts only)."""
 
-  def __init__(self, sizes: dict[str, int], params_only: set, hints: dict, abstract: bool):
+  def __init__(
+    self,
+    sizes: dict[str, int],
+    params_only: set,
+    hints: dict,
+    abstract: bool,
+    wanted_before: dict | None = None,
+  ):
     self.sizes = sizes
     self.params_only = params_only  # vars that depend only on parameters
     self.hints = hints  # var -> Layout it is converted to right after it is made
     self.abstract = abstract
+    # var -> [(id of an equation using it, the layout that use wanted)]: this run's, and
+    # the previous abstract run's (what a rule may ask of the other uses of an operand)
+    self.wanted: dict = collections.defaultdict(list)
+    self.wanted_before: dict = wanted_before if wanted_before is not None else {}
     self.demands: dict = collections.defaultdict(list)  # root var -> wanted layouts
     self.uses: dict = {}  # other var -> (its layout, the layouts its uses want)
     self.counts: collections.Counter = collections.Counter()
@@ -328,6 +339,9 @@ class Interpreter:
         self.params_only.add(v)
 
   def _bind(self, eqn, ins, wants, out_lays, params=None, post=None):
+    for v, w in zip(eqn.invars, wants):
+      if not is_literal(v):
+        self.wanted[v].append((id(eqn), w))
     vals = [self.convert(v, x, lay, w) for v, (x, lay), w in zip(eqn.invars, ins, wants)]
     if not self.abstract:
       outs = eqn.primitive.bind(*vals, **(params if params is not None else eqn.params))
@@ -423,14 +437,14 @@ class Interpreter:
     """A fixed point of the carry's layouts through ``body`` (abstract runs)."""
     carry = list(carry_lays)
     for _ in range(6):
-      sub = Interpreter(self.sizes, set(self.params_only), self.hints, abstract=True)
+      sub = Interpreter(self.sizes, set(self.params_only), self.hints, True, self.wanted_before)
       outs = sub.run(body, consts, [None] * len(body.invars), const_lays + carry + rest_lays)
       new = [lay for _, lay in outs[:n_out]]
       if new == carry:
         return carry, [lay for _, lay in outs]
       carry = new
     carry = [Layout.whole(len(c.dims)) for c in carry]
-    sub = Interpreter(self.sizes, set(self.params_only), self.hints, abstract=True)
+    sub = Interpreter(self.sizes, set(self.params_only), self.hints, True, self.wanted_before)
     outs = sub.run(body, consts, [None] * len(body.invars), const_lays + carry + rest_lays)
     return carry, [lay for _, lay in outs]
 
@@ -517,7 +531,7 @@ class Interpreter:
     lays = [Layout.whole(0)] + [lay for _, lay in ins[1:]]
     per = []
     for br in branches:
-      sub = Interpreter(self.sizes, set(self.params_only), self.hints, abstract=True)
+      sub = Interpreter(self.sizes, set(self.params_only), self.hints, True, self.wanted_before)
       per.append(
         [
           lay
@@ -655,8 +669,9 @@ def convert(
   # Primitives computed whole: from every pass (a later one gathers their inputs where
   # they are made, following the hints, so it no longer sees them gathered).
   replicated: list[str] = []
+  wanted_before: dict = {}
   for _ in range(8):
-    it = Interpreter(sizes, set(params), hints, abstract=True)
+    it = Interpreter(sizes, set(params), hints, True, wanted_before)
     got = [lay for _, lay in it.run(jaxpr, consts, [None] * len(in_lays), in_lays)]
     replicated += [r for r in it.replicated if r not in replicated]
     for v, lay, want in zip(jaxpr.outvars, got, outs_wanted(got)):
@@ -675,14 +690,14 @@ def convert(
       if len(set(wanted)) == 1 and not wanted[0].partial:
         if wanted[0] != lay or hints.get(var) == wanted[0]:
           new[var] = wanted[0]
-    if new == hints:
+    if new == hints and it.wanted == wanted_before:
       break
-    hints = new
+    hints, wanted_before = new, dict(it.wanted)
   out_lays = outs_wanted(got)
   counts = dict(it.counts)
 
   def body(*local):
-    run = Interpreter(sizes, set(params), hints, abstract=False)
+    run = Interpreter(sizes, set(params), hints, False, wanted_before)
     outs = run.run(jaxpr, consts, list(local), in_lays, out_lays)
     return tuple(x for x, _ in outs)
 
