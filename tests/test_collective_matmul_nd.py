@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import jax_overlap
@@ -656,78 +656,3 @@ def test_a_named_matmul_output_is_reduce_scattered_in_pieces():
   _close(f(ws, x), ov(ws, x))
   found = [a.detail for a in ov.explain(ws, x).of_kind("collective_matmul")]
   assert any("-> reduce-scatter along dim 2" in r for r in found), found
-
-
-@pytest.mark.parametrize("pieces", [2, 8, (6, 2), (4, 2, 1, 1)])
-def test_a_gather_along_the_contracted_dimension_in_pieces(pieces):
-  """Feature-split activations gathered along the dimension the projections contract (as
-  MaxText's tensor parallelism lays them out): in pieces, each piece's dots meet the rows
-  of ``w`` its columns hold and add up to the output; the kept gathered value and the
-  outputs are the gather-then-dot values. A ring refuses it and says so."""
-  mesh = jax.make_mesh((8,), ("tensor",), axis_types=(AxisType.Auto,))
-  key = jax.random.key(7)
-  x = jax.random.normal(jax.random.fold_in(key, 0), (2, 16, 64))
-  w1 = jax.random.normal(jax.random.fold_in(key, 1), (64, 3, 5))
-  w2 = jax.random.normal(jax.random.fold_in(key, 2), (7, 64))
-  dn1, dn2 = (((2,), (0,)), ((), ())), (((1,), (2,)), ((), ()))
-
-  def dots(w1, w2):
-    return [
-      (w1, True, dn1, None, None, (2, 16, 3, 5), jnp.float32),
-      (w2, False, dn2, None, None, (7, 2, 16), jnp.float32),
-    ]
-
-  def want(x, w1, w2):
-    g = jax.lax.all_gather(x, "tensor", axis=2, tiled=True)
-    return jax.lax.dot_general(g, w1, dn1), jax.lax.dot_general(w2, g, dn2), g
-
-  def got(x, w1, w2):
-    (a, b), g = cm.all_gather_dot_generals(
-      x, dots(w1, w2), axis="tensor", gather_dim=2, method="pieces", pieces=pieces, collect=True
-    )
-    return a, b, g
-
-  def run(fn):
-    specs = (P(None, None, "tensor"), P(), P())
-    g = jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=(P(), P(), P()), check_vma=False)
-    args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((x, w1, w2), specs)]
-    return jax.jit(g)(*args)
-
-  _close(run(want), run(got))
-
-  def ring(x, w1, w2):
-    return cm.all_gather_dot_generals(x, dots(w1, w2), axis="tensor", gather_dim=2)[0][0]
-
-  with pytest.raises(ValueError, match="contracting dimension of dots.*with method='pieces'"):
-    run(lambda x, w1, w2: (ring(x, w1, w2),) * 3)
-
-
-def test_projections_of_a_feature_split_activation_in_pieces():
-  """A shard_map layer that gathers feature-split activations for three projections whose
-  kernels are each cast just before their own dot (as Flax's dtype=bfloat16 layers do):
-  with collective_matmul="pieces" the gather is decomposed along the contracted features
-  for all three (their kernels made before the first dot), and the step's values stay."""
-  mesh = jax.make_mesh((8,), ("tensor",), axis_types=(AxisType.Auto,))
-  H, K = 64, 4
-
-  def loss(ws, x):
-    xg = jax.lax.all_gather(x, "tensor", axis=2, tiled=True)
-    q, k, v = (jnp.einsum("bsh,hk->bsk", xg, w.astype(jnp.float32)) for w in ws)
-    return jax.lax.pmean(jnp.mean(jnp.tanh(q) * k + v), "tensor")
-
-  f = jax.jit(
-    jax.shard_map(
-      loss, mesh=mesh, in_specs=((P(None, "tensor"),) * 3, P(None, None, "tensor")), out_specs=P()
-    )
-  )
-  key = jax.random.key(8)
-  ws = tuple(
-    jax.random.normal(jax.random.fold_in(key, i), (H, 8 * K), jnp.bfloat16) for i in range(3)
-  )
-  x = jax.random.normal(jax.random.fold_in(key, 9), (2, 16, H))
-  ov = jax_overlap.overlap(f, collective_matmul="pieces")
-  _close(f(ws, x), ov(ws, x))
-  found = [a.detail for a in ov.explain(ws, x).of_kind("collective_matmul")]
-  assert any("along dim 2 feeding 3 matmul(s)" in r for r in found), found
-  jaxpr = str(jax.make_jaxpr(lambda a, b: ov(a, b))(ws, x))
-  assert jaxpr.count("all_gather[") >= 2, jaxpr.count("all_gather[")

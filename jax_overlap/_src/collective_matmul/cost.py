@@ -20,10 +20,6 @@ kernel), for ``y = x @ w`` with global shapes
   piece's dots. A reduce-scatter, mirrored: ``t_0 + sum_{j>0} max(t_j, e_{j-1}) +
   e_{c-1}``. Equal pieces give ``t + e + (c - 1) max(t, e)``; a small first gather (last
   reduce-scatter) and growing (shrinking) pieces expose less with fewer collectives;
-* a gather in pieces along the contracted dimension (``contracted``): each piece's dot
-  writes all of this device's output in float32 (``4 m n / N`` bytes), each after the
-  first is added to the sum (a kernel reading two and writing one), and the sum is
-  rounded to the output's type (read in float32, written in it);
 * the copies a decomposition adds on the compute stream (``copies_s``, in
   ``overlapped_s``), each a memory-bound kernel that reads and writes its bytes: the
   slices a gather's pieces are cut into, the outputs put in device order, the gathered
@@ -99,7 +95,6 @@ def estimate_gain(
   cost_model: _cost.CostModel | None = None,
   method: Method = "ring",
   collect: bool = False,
-  contracted: bool = False,
 ) -> GainEstimate:
   """Predicts the gain of a collective matmul over a collective followed by a GEMM.
 
@@ -129,9 +124,6 @@ def estimate_gain(
       the last reduce-scatter is not hidden).
     collect: the gathered value is also kept (a gather's: the backward's weight gradient
       needs it), so the decomposition puts it in order too.
-    contracted: a gather in pieces along the dimension the dots contract (``k``): each
-      piece's dot writes an addend of the whole output in float32, summed by an
-      elementwise kernel and rounded once at the end.
 
   Returns:
     A :class:`GainEstimate`.
@@ -193,19 +185,7 @@ def estimate_gain(
       for f in fractions
     ]
     c = len(fractions)
-    if kind == "all_gather" and contracted and c > 1:
-      acc = m * n / big_n * 4.0  # this device's output in float32
-      in_bytes = (m * k + k * n / big_n) * itemsize
-      add = _cost.kernel_time(0.0, 3.0 * acc, gpu, dtype="f32", cost_model=model)
-      t = [
-        gemm(flops * f, in_bytes * f + acc) + (add if j else 0.0) for j, f in enumerate(fractions)
-      ]
-      overlapped = e[0] + sum(max(t[j], e[j + 1]) for j in range(c - 1)) + t[-1]
-      cast = _cost.kernel_time(0.0, acc + out_local, gpu, dtype="f32", cost_model=model)
-      copies = sum(copy(x_local * f) for f in fractions) + cast
-      if collect:
-        copies += copy(m * k * itemsize)
-    elif kind == "all_gather":
+    if kind == "all_gather":
       overlapped = e[0] + sum(max(t[j], e[j + 1]) for j in range(c - 1)) + t[-1]
       if c > 1:  # one piece is the plain all-gather: nothing cut, nothing put in order
         copies = sum(copy(x_local * f) for f in fractions) + copy(out_local)

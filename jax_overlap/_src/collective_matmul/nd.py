@@ -51,9 +51,7 @@ def all_gather_dot_generals(
       and ``out_shape`` the full dot output's (checked against the dot; None: not checked).
     axis: the mesh axis of the gather.
     gather_dim: the dimension of ``x`` gathered; must be free (neither contracting nor
-      batch) in every dot, or, with ``method="pieces"``, may be one a dot contracts (its
-      pieces' dots, each with the rows of ``w`` the piece's columns meet, summed in
-      float32 and rounded once).
+      batch) in every dot.
     collect: also return the gathered value.
     bidirectional: split the block in halves sent in opposite directions (both link
       directions); the block's size along ``gather_dim`` must be even.
@@ -86,7 +84,7 @@ def all_gather_dot_generals(
 def gather_dots_kept(x, dots, *, axis, gather_dim, bidirectional=False, method="ring", pieces=None):
   """:func:`all_gather_dot_generals` returning the gathered value unassembled:
   (the dots' outputs, :class:`Kept`)."""
-  _check_gather(x, dots, gather_dim, method)
+  _check_gather(x, dots, gather_dim)
   _check_out_shapes(x, dots, gather_dim, int(lax.axis_size(axis)))
   if method == "pieces":
     return ag_pieces(x, dots, axis, gather_dim, pieces)
@@ -282,9 +280,9 @@ def _check_out_shapes(x, dots, gather_dim: int, n: int) -> None:
       )
 
 
-def _check_gather(x, dots, gather_dim, method="ring") -> None:
+def _check_gather(x, dots, gather_dim) -> None:
   """Refuses a ``dots`` entry of the wrong form, or a ``gather_dim`` that is not a free
-  dimension of ``x`` in every dot (or, in pieces, a contracting one)."""
+  dimension of ``x`` in every dot."""
   api = "all_gather_dot_generals"
   if not isinstance(gather_dim, int) or not 0 <= gather_dim < x.ndim:
     raise ValueError(
@@ -301,10 +299,7 @@ def _check_gather(x, dots, gather_dim, method="ring") -> None:
     taken = (tuple(lc) + tuple(lb)) if lhs else (tuple(rc) + tuple(rb))
     if gather_dim in taken:
       role = "contracting" if gather_dim in (lc if lhs else rc) else "batch"
-      if role == "contracting" and method == "pieces":
-        continue  # each piece's dot is an addend of the output
       raise ValueError(
         f"{api}: gather_dim {gather_dim} is a {role} dimension of dots[{i}] "
-        f"(dimension_numbers {dn}); the gathered dimension must be free in every dot "
-        "(or contracting, with method='pieces')"
+        f"(dimension_numbers {dn}); the gathered dimension must be free in every dot"
       )

@@ -25,15 +25,7 @@ def ag_pieces(x, dots, axis, gather_dim, pieces):
   m = x.shape[gather_dim]
   sizes = piece_sizes("all_gather_dot_generals", pieces, n, m)
   c = len(sizes)
-  # A dot contracting the gathered dimension sums its pieces' dots, each with the rows of
-  # ``w`` that piece's columns meet (slice j of every device's block); one keeping it free
-  # puts its pieces' outputs in order.
-  contracted = [_w_contracting(gather_dim, lhs, dn) for (_, lhs, dn, *_) in dots]
-  pos = [
-    None if wd is not None else out_dim(x.ndim, w.ndim, lhs, dn, gather_dim)
-    for (w, lhs, dn, *_), wd in zip(dots, contracted)
-  ]
-  starts = [sum(sizes[:j]) for j in range(c)]
+  pos = [out_dim(x.ndim, w.ndim, lhs, dn, gather_dim) for (w, lhs, dn, *_) in dots]
   # Every slice is cut before the first gather: a gather then waits for nothing on the
   # compute stream but the gather before it, so it is issued as soon as that one is done,
   # not after a slice copy queued behind the previous piece's dots.
@@ -59,50 +51,13 @@ def ag_pieces(x, dots, axis, gather_dim, pieces):
       for i, d in enumerate(done):
         parts[i][j - 1] = d
     for i, (w, lhs, dn, precision, preferred, _, dtype) in enumerate(dots):
-      wd = contracted[i]
-      if wd is not None:
-        w = _rows_of_piece(w, wd, n, m, starts[j], sizes[j])
       a, b = lax.optimization_barrier((gathered[j], w))  # one dot per piece (see _step_dot)
-      if wd is None:
-        part = lax.dot_general(
-          a if lhs else b,
-          b if lhs else a,
-          dn,
-          precision=precision,
-          preferred_element_type=preferred,
-        )
-        parts[i][j] = part.astype(dtype)
-      else:
-        # Addends summed in float32 and rounded once, as the one dot rounds its sum.
-        part = lax.dot_general(
-          a if lhs else b,
-          b if lhs else a,
-          dn,
-          precision=precision,
-          preferred_element_type=jnp.float32,
-        )
-        parts[i][j] = part if j == 0 else parts[i][j - 1] + part
-  outs = [
-    ps[-1].astype(dots[i][6]) if od is None else pieces_in_order(ps, od, n)
-    for i, (ps, od) in enumerate(zip(parts, pos))
-  ]
+      part = lax.dot_general(
+        a if lhs else b, b if lhs else a, dn, precision=precision, preferred_element_type=preferred
+      )
+      parts[i][j] = part.astype(dtype)
+  outs = [pieces_in_order(ps, od, n) for ps, od in zip(parts, pos)]
   return outs, Kept(tuple(gathered), functools.partial(pieces_in_order, dim=gather_dim, n=n))
-
-
-def _w_contracting(gather_dim: int, x_is_lhs: bool, dn) -> int | None:
-  """The dimension of ``w`` contracted with the gathered one, or None (it is free)."""
-  (lc, rc), _ = dn
-  xc, wc = (lc, rc) if x_is_lhs else (rc, lc)
-  return wc[list(xc).index(gather_dim)] if gather_dim in xc else None
-
-
-def _rows_of_piece(w, dim: int, n: int, m: int, start: int, size: int):
-  """The rows of ``w`` along ``dim`` that a piece's gathered columns meet: ``start`` to
-  ``start + size`` of each of the ``n`` blocks of ``m``, device-major (as gathered)."""
-  shape = w.shape
-  blocks = w.reshape(shape[:dim] + (n, m) + shape[dim + 1 :])
-  piece = lax.slice_in_dim(blocks, start, start + size, axis=dim + 1)
-  return piece.reshape(shape[:dim] + (n * size,) + shape[dim + 1 :])
 
 
 def pieces_in_order(parts: list, dim: int, n: int):

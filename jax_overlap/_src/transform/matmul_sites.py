@@ -52,15 +52,13 @@ def plan_collective_matmuls(
       and all(getattr(v.aval, "ndim", 0) == 2 for v in d.invars)
     )
 
-  def worth(e, m, n, k, dtype, kind, block, collect=False, only=None, contracted=False):
+  def worth(e, m, n, k, dtype, kind, block, collect=False):
     """The cost model's best decomposition of collective ``e`` over blocks of ``block``
-    rows (``only``: that method alone, kept worthwhile or not as ``mode`` says):
-    (estimate, method, pieces, bidirectional)."""
+    rows: (estimate, method, pieces, bidirectional)."""
     bidi = block % 2 == 0
     p = int(e.params.get("axis_size", 1))
-    how_ = mode if only is None else (only if mode in ("on", only) else "auto_" + only)
-    args = (cm_lib.estimate_gain, how_, target or "h100x8", m, n, k, p, dtype, kind)
-    args += (bidi, block, collect, contracted)
+    args = (cm_lib.estimate_gain, mode, target or "h100x8", m, n, k, p, dtype, kind)
+    args += (bidi, block, collect)
     try:
       return (*_best_decomposition(*args), bidi)
     except TypeError:  # an unhashable target object: asked without the memo
@@ -90,9 +88,9 @@ def plan_collective_matmuls(
       and not _simple_ag_dot(e, users, outvars, eqns, plain_dot)
     ):
       ring = _plan_ring(i, e, eqns, users, outvars)
-      if ring is None or (ring[2] and mode == "ring"):
+      if ring is None:
         continue
-      dots, collect, contracts = ring
+      dots, collect = ring
       # A dot another ring computes (both its operands gathered) is a user like any other:
       # this gather's value is then kept for it.
       claimed = {d for r in rings.values() for d in r[2]}
@@ -104,9 +102,7 @@ def plan_collective_matmuls(
       n *= int(e.params.get("axis_size", 1))  # estimate_gain takes the global weight
       blk = e.invars[0].aval.shape[e.params["all_gather_dimension"]]
       dtype = e.outvars[0].aval.dtype
-      est, method, pieces, bidi = worth(
-        e, m, n, k, dtype, "all_gather", blk, collect, "pieces" if contracts else None, contracts
-      )
+      est, method, pieces, bidi = worth(e, m, n, k, dtype, "all_gather", blk, collect)
       if not est.worthwhile:
         continue
       rings[i] = (
@@ -250,7 +246,7 @@ def plan_collective_matmuls(
 
 @functools.lru_cache(maxsize=4096)
 def _best_decomposition(
-  estimate, mode, target, m, n, k, p, dtype, kind, bidirectional, block, collect, contracted=False
+  estimate, mode, target, m, n, k, p, dtype, kind, bidirectional, block, collect
 ):
   """The best decomposition by the cost model ``estimate`` among those ``mode`` allows:
   the ring (both link directions only when the block splits in two), or the collective in
@@ -263,7 +259,7 @@ def _best_decomposition(
   options = []
   if mode in ("auto", "on", "ring"):
     options.append(("ring", None))
-  if mode in ("auto", "on", "pieces", "auto_pieces") and block is not None:
+  if mode in ("auto", "on", "pieces") and block is not None:
     options.extend(("pieces", sizes) for sizes in _piece_schedules(block, p))
   best = None
   for method, pieces in options:
@@ -279,14 +275,13 @@ def _best_decomposition(
       method=method,
       chunks=pieces,
       collect=collect,
-      contracted=contracted,
     )
     if best is None or est.speedup > best[0].speedup:
       best = (est, method, pieces)
   if best is None:
     return cm_lib.GainEstimate(0.0, 0.0, 0.0, 0.0, 0.0, False), "ring", None
   est, method, pieces = best
-  if not mode.startswith("auto") and not est.worthwhile:
+  if mode != "auto" and not est.worthwhile:
     est = dataclasses.replace(est, worthwhile=True)
   return est, method, pieces
 
@@ -387,22 +382,19 @@ def _simple_ag_dot(e, users, outvars, eqns, plain_dot) -> bool:
 
 
 def _plan_ring(i, e, eqns, users, outvars):
-  """The dots an N-D gather feeds along a free or a contracted dimension: (dots, collect,
-  whether one contracts it) or None. A contracted one is decomposed only in pieces (each
-  piece's dot an addend of the output: the projections of feature-split activations, as
-  MaxText's tensor parallelism lays them out); the dots that contract it are taken only
-  where none keeps it free."""
+  """The dots an N-D gather feeds along a free dimension: (dots, collect) or None."""
   out = e.outvars[0]
   gd = e.params.get("all_gather_dimension")
-  roles = {u: gathered_dim_role(eqns[u], out, gd) for u in users.get(out, [])}
-  free = [u for u, r in roles.items() if r == "free"]
-  dots = free or [u for u, r in roles.items() if r == "contracting"]
+  dots, other = [], False
+  for u in users.get(out, []):
+    if gathered_dim_role(eqns[u], out, gd) != "free":
+      # not a dot, or gathered along a contracted or batch dimension: not a ring of slices
+      other = True
+      continue
+    dots.append(u)
   if not dots:
     return None
-  # Any other user (not a dot, gathered along a batch dimension, or a dot left out above)
-  # reads the gathered value itself.
-  other = len(dots) < len(roles)
-  return tuple(dots), other or out in outvars, not free
+  return tuple(dots), other or out in outvars
 
 
 def _ring_mnk(e, eqns, dots) -> tuple[int, int, int]:

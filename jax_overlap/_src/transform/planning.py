@@ -448,7 +448,6 @@ def plan_body(
   if any(pos[d] > pos[i] for i in range(n) for d in deps[i]):
     order = list(range(n))
     actions = [Action("left_alone", where, "reordering would break a dependency; order kept")]
-  order = _ring_weights_first(order, deps, eqns, rings, producer)
 
   # 4. Annotations.
   if annotate:
@@ -833,27 +832,6 @@ def _loop_body_plan(
   inner.actions[:] = [a for a in inner.actions if a.kind in keep]
   inner.reverse = bool(e.params.get("reverse"))
   return inner
-
-
-def _ring_weights_first(order, deps, eqns, rings, producer) -> list[int]:
-  """``order`` with the weights of every ring's dots made before the first of them (a
-  layer's query, key and value kernels each cast to bfloat16 just before its own dot): the
-  ring runs where its first dot is, and needs them all."""
-  if not rings:
-    return order
-  pos = {i: p for p, i in enumerate(order)}
-  extra: dict[int, set[int]] = {}
-  for _, gather, dots, *_ in rings.values():
-    first = min(dots, key=pos.__getitem__)
-    out = gather.outvars[0]
-    ws = [v for d in dots for v in eqns[d].invars if is_var(v) and v is not out]
-    made = {producer[v] for v in ws if v in producer and pos[producer[v]] > pos[first]}
-    for d in dots if made else ():  # every dot: none may move ahead of another's weight
-      extra.setdefault(d, set()).update(made)
-  if not extra:
-    return order
-  reordered = topological(order, deps, extra)
-  return reordered if reordered is not None else order
 
 
 def topological(order: list[int], deps: list[list[int]], extra: dict) -> list[int] | None:
