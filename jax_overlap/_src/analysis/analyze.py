@@ -131,6 +131,7 @@ def analyze_compiled(
     compile_time_s=step.compile_time_s,
   )
   report.notes.extend(step.notes)
+  report.profile_missing = step.profile_missing
   return report
 
 

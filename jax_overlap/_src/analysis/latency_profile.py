@@ -22,10 +22,11 @@ import tempfile
 
 from jax_overlap._src import cache as cache_lib
 from jax_overlap._src.analysis import report as report_lib
+from jax_overlap._src.compile import compiler as compile_lib
 
 __all__ = ["OPTION", "profile_text", "write_profile"]
 
-OPTION = "xla_gpu_pgle_profile_file_or_directory_path"
+OPTION = compile_lib.PROFILE_OPTION
 
 
 def profile_text(report: report_lib.Report) -> str:

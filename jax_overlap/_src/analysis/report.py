@@ -54,6 +54,9 @@ class Report:
     loops: one :class:`LoopInfo` per while loop, with its trip count.
     uncounted_costs: estimated cost (s) of each kernel and collective in the branches of a
       conditional the step does not count (all but the most expensive), by instruction name.
+    profile_missing: for a compile scheduled from a latency profile, the instructions XLA's
+      scheduler costed itself because the profile does not name them (XLA's own warnings
+      about them are kept off stderr and summarised in ``notes``); None without a profile.
   """
 
   name: str
@@ -76,6 +79,9 @@ class Report:
   hlo_text: str = dataclasses.field(default="", repr=False, compare=False)
   uncounted_costs: dict[str, float] = dataclasses.field(
     default_factory=dict, repr=False, compare=False
+  )
+  profile_missing: tuple[str, ...] | None = dataclasses.field(
+    default=None, repr=False, compare=False
   )
 
   # Simulator interface: the topology object behind ``target``.

@@ -33,7 +33,7 @@ from jax.sharding import Mesh
 
 from jax_overlap._src import errors
 from jax_overlap._src import targets as targets_lib
-from jax_overlap._src.compile import dumps, kernel_cache, retarget
+from jax_overlap._src.compile import dumps, kernel_cache, retarget, xla_log
 from jax_overlap._src.compile import store as compile_store
 from jax_overlap._src.compile.memory_stats import MemoryStats, memory_stats
 from jax_overlap._src.flags import aborts as aborts_lib
@@ -63,6 +63,8 @@ class CompiledStep:
     fallback_options: XLA options added for that, on top of the requested ones.
     memory: XLA's memory statistics (:class:`MemoryStats`); None where the backend
       gives none.
+    profile_missing: for a compile scheduled from a latency profile, the instructions XLA's
+      scheduler found no cost for in it (:mod:`.xla_log`); None without a profile.
     reused_kernels: compiled with XLA's kernel cache (:mod:`.kernel_cache`): kernels
       found there keep the names of the compile that made them, so the thunk listing's
       kernel names need not be those a compile of this step alone gives the driver.
@@ -82,6 +84,7 @@ class CompiledStep:
   memory: MemoryStats | None = None
   thunk_metadata: str = ""
   reused_kernels: bool = False
+  profile_missing: tuple[str, ...] | None = None
 
 
 # What the on-disk store keeps of a step (XLA's output, not the executable).
@@ -95,6 +98,7 @@ _STORED = (
   "memory",
   "thunk_metadata",
   "reused_kernels",
+  "profile_missing",
 )
 
 
@@ -127,6 +131,9 @@ def _from_store(entry: dict[str, Any], topo, mesh) -> CompiledStep | None:
       memory=MemoryStats.of(entry["memory"]),
       thunk_metadata=str(entry.get("thunk_metadata", "")),
       reused_kernels=bool(entry.get("reused_kernels", False)),
+      profile_missing=(
+        None if entry.get("profile_missing") is None else tuple(entry["profile_missing"])
+      ),
     )
   except (KeyError, TypeError, ValueError, AttributeError):
     return None  # another format: compiled again
@@ -168,6 +175,17 @@ def _ptx_dump_options() -> dict[str, Any]:
   from jax_overlap._src.flags.validation import version_tuple
 
   return {"xla_dump_emitter_re": "^ptx$"} if version_tuple(jaxlib.__version__) >= (0, 11) else {}
+
+
+PROFILE_OPTION = "xla_gpu_pgle_profile_file_or_directory_path"
+
+
+def _quiet_profile(options: Mapping[str, Any]):
+  """XLA's latency-profile lines kept off stderr (:mod:`.xla_log`) for a compile scheduled
+  from a profile; a context yielding an empty record otherwise."""
+  if options.get(PROFILE_OPTION):
+    return xla_log.quiet()
+  return contextlib.nullcontext(xla_log.ProfileLookups())
 
 
 def compile_lowered(
@@ -438,7 +456,11 @@ def compile_for_target(
         return dataclasses.replace(hit, notes=list(hit.notes))
       # Kernels taken from a kernel cache keep the names of the compile that made them.
       reused = kernel_cache.OPTION in options
-      compiled, fallback = compile_lowered(lowered, options, topo)
+      with _quiet_profile(options) as lookups:
+        compiled, fallback = compile_lowered(lowered, options, topo)
+      if (said := xla_log.summary(lookups)) is not None:
+        notes.append(said)
+      missing = tuple(sorted(set(lookups.missing))) if options.get(PROFILE_OPTION) else None
       if fallback:
         notes.append(TILING_NOTE.format(options=spelled(fallback), what="report"))
     except (ValueError, errors.ConfigError):
@@ -471,6 +493,7 @@ def compile_for_target(
       memory=memory_stats(compiled),
       thunk_metadata=metadata,
       reused_kernels=reused,
+      profile_missing=missing,
     )
     if memo_key is not None:
       with _MEMO_LOCK:

@@ -20,6 +20,8 @@ import jax
 from jax_overlap._src import errors
 from jax_overlap._src import flags as flags_lib
 from jax_overlap._src import targets as targets_lib
+from jax_overlap._src.compile import compiler as compile_lib
+from jax_overlap._src.compile import xla_log
 from jax_overlap._src.flags.registry import Workload
 from jax_overlap._src.transform import arguments, pipeline
 from jax_overlap._src.transform.explain import Explanation
@@ -47,6 +49,7 @@ class Overlapped:
     self.fn = fn
     self.settings = settings
     self._built: dict[Any, Built] = {}
+    self._compiled: list[Built] = []  # built steps whose first call compiled them
     self._warned_nothing = False
     functools.update_wrapper(self, fn)
 
@@ -115,12 +118,26 @@ class Overlapped:
       # compiler options can only be set by the outermost jit.
       return built.python_fn(*args, **kwargs)
     try:
+      if not any(b is built for b in self._compiled):
+        self._compile_quietly(built, args, kwargs)
       return built.jitted(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 - XLA raises JaxRuntimeError and others
       unknown = flags_lib.per_compile.unknown_option_error("overlap", e)
       if unknown is not None:
         raise unknown from None
       raise
+
+  def _compile_quietly(self, built: Built, args, kwargs) -> None:
+    """The first call's compile of a variant scheduled from a latency profile, made here
+    (jax reuses it for the call) so that XLA's lines about the profile are kept off stderr
+    and said once in ``explain()`` (:mod:`~jax_overlap._src.compile.xla_log`)."""
+    self._compiled.append(built)
+    if not built.explanation.xla_options.get(compile_lib.PROFILE_OPTION):
+      return
+    with xla_log.quiet() as lookups:
+      built.jitted.lower(*args, **kwargs).compile()
+    if (said := xla_log.summary(lookups)) is not None:
+      built.explanation.notes.append(f"compiled for the devices: {said}")
 
   def lower(self, *args, **kwargs):
     """Lowers the rewritten step like ``jax.jit(...).lower``."""
