@@ -7,13 +7,16 @@ kernel there skips its code generation and ``ptxas``. :class:`Shared` gives the 
 compile of a selection (the seed) an empty cache file that XLA fills, and every later
 compile a copy of its own, so that compiles running at once never write one file.
 
-The copies are taken from the newest file of one line of descent: a compile that
-finished (:meth:`Shared.done`) and was copied from the file that is still the newest
-becomes the newest itself (XLA writes back what it loaded and what it compiled), so the
-kernels of one variant serve the variants compiled after it -- the rewritten forms of a
-GSPMD step share few fusions with the step as written that seeded the cache, and many with
-each other. Files are never merged: XLA gives a kernel it compiles a name no kernel of its
-cache file has, which holds along one line of descent but not between two siblings.
+The copies are taken from the newest file: a compile that finished (:meth:`Shared.done`)
+and was copied from the newest file as it still is becomes the newest itself (XLA writes
+back what it loaded and what it compiled), so the kernels of one variant serve the
+variants compiled after it -- the rewritten forms of a GSPMD step share few fusions with
+the step as written that seeded the cache, and many with each other. Where another
+compile finished in between (two compiles of different programs ran side by side), the
+two files are merged (:func:`merge`): the file is XLA's map from kernel name to kernel;
+XLA gives a kernel it compiles a name no kernel of its cache file has, which holds along
+one line of descent but not between two siblings, so where both name a kernel alike the
+newer one is kept and the other is compiled again by whichever compile needs it.
 
 ``JAX_OVERLAP_SHARED_KERNELS=0`` compiles every variant on its own.
 
@@ -34,7 +37,16 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["OPTION", "Shared", "has_kernels", "mark_unsupported", "sharing_on", "supported"]
+__all__ = [
+  "OPTION",
+  "Shared",
+  "has_kernels",
+  "mark_unsupported",
+  "merge",
+  "refused",
+  "sharing_on",
+  "supported",
+]
 
 OPTION = "xla_gpu_kernel_cache_file"
 
@@ -51,6 +63,136 @@ def sharing_on() -> bool:
 def has_kernels(path: str | None) -> bool:
   """Whether a compile given ``path`` as its kernel cache can take kernels from it."""
   return bool(path) and os.path.isfile(path) and os.path.getsize(path) > 0
+
+
+def _fields(data: bytes) -> tuple[dict, dict, dict] | None:
+  """The top-level fields of a kernel cache file (XLA's ``CompilationCacheProto``): its map
+  entries from kernel name to kernel (field 1), by name, and its other fields, by number,
+  each as its encoded bytes, and each kernel's fingerprint by name; None if ``data`` is
+  not a protocol buffer laid out so."""
+
+  def varint(i: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+      if i >= len(data) or shift > 63:
+        raise ValueError("truncated")
+      byte = data[i]
+      i += 1
+      value |= (byte & 0x7F) << shift
+      shift += 7
+      if byte < 0x80:
+        return value, i
+
+  entries: dict[bytes, bytes] = {}
+  fingerprints: dict[bytes, bytes | None] = {}
+  others: dict[int, bytes] = {}
+  i = 0
+  try:
+    while i < len(data):
+      start = i
+      tag, i = varint(i)
+      number, wire = tag >> 3, tag & 7
+      if wire == 0:
+        _, i = varint(i)
+      elif wire == 1:
+        i += 8
+      elif wire == 5:
+        i += 4
+      elif wire == 2:
+        size, i = varint(i)
+        if number == 1:  # a map entry: its key is its field 1, a string
+          key_tag, j = varint(i)
+          if key_tag != 0x0A:
+            return None
+          key_size, j = varint(j)
+          entries[data[j : j + key_size]] = data[start : i + size]
+          fingerprints[data[j : j + key_size]] = _fingerprint(data, j + key_size, i + size)
+        i += size
+      else:
+        return None
+      if i > len(data):
+        return None
+      if number != 1:
+        others[number] = data[start:i]
+  except ValueError:
+    return None
+  return entries, others, fingerprints
+
+
+def _fingerprint(data: bytes, at: int, end: int) -> bytes | None:
+  """The fingerprint of the kernel whose map entry's value (field 2, a
+  ``CompilationCacheEntry`` whose field 1 is the fingerprint) starts at ``at``; None where
+  it is not laid out so."""
+  if at + 2 > end or data[at] != 0x12:
+    return None
+  i, size, shift = at + 1, 0, 0
+  while i < end:
+    byte = data[i]
+    i += 1
+    size |= (byte & 0x7F) << shift
+    shift += 7
+    if byte < 0x80:
+      break
+  if i >= end or data[i] != 0x0A:
+    return None
+  i += 1
+  length, shift = 0, 0
+  while i < end:
+    byte = data[i]
+    i += 1
+    length |= (byte & 0x7F) << shift
+    shift += 7
+    if byte < 0x80:
+      break
+  return data[i : i + length] if i + length <= end else None
+
+
+def _entries(data: bytes) -> dict[bytes, bytes] | None:
+  """The kernels of a kernel cache file by name (:func:`_fields`), or None."""
+  fields = _fields(data)
+  return None if fields is None else fields[0]
+
+
+def merge(paths: list[str], out: str) -> bool:
+  """Writes to ``out`` the kernels of the cache files ``paths`` (a later file's kernel wins
+  over an earlier one of the same name, as do its other fields); False, writing nothing,
+  if a file cannot be read as a kernel cache."""
+  entries: dict[bytes, bytes] = {}
+  named: dict[bytes, bytes] = {}  # fingerprint -> the name its kernel is kept under
+  others: dict[int, bytes] = {}
+  for path in paths:
+    try:
+      with open(path, "rb") as f:
+        fields = _fields(f.read())
+    except OSError:
+      return False
+    if fields is None:
+      return False
+    for name, entry in fields[0].items():
+      fingerprint = fields[2][name]
+      if fingerprint is None:
+        return False
+      # XLA takes one kernel per fingerprint (and per name): two siblings that compiled the
+      # same fusion under two names keep the later one's.
+      old = named.pop(fingerprint, None)
+      if old is not None:
+        entries.pop(old, None)
+      if name in entries:
+        named = {f: n for f, n in named.items() if n != name}
+      entries[name] = entry
+      named[fingerprint] = name
+    others.update(fields[1])
+  try:
+    with open(out, "wb") as f:
+      f.write(b"".join(entries.values()) + b"".join(others.values()))
+  except OSError:
+    return False
+  return True
+
+
+def refused(error: Exception) -> bool:
+  """Whether ``error`` is XLA refusing a kernel cache file (its loader's checks)."""
+  return "kernel_reuse_cache" in str(error)
 
 
 def mark_unsupported() -> None:
@@ -82,7 +224,8 @@ class Shared:
     self._seed_given = False
     self._count = 0
     self._newest = "seed.bin"  # the file copies are taken from
-    self._copied_from: dict[str, str] = {}  # each copy's path -> the file it came from
+    self._version = 0  # counts the changes of the newest file (the seed's compile's too)
+    self._copied_from: dict[str, int] = {}  # each copy's path -> the version it came from
     self._lock = threading.RLock()
     self._programs: set = set()  # first_of's keys
 
@@ -96,6 +239,12 @@ class Shared:
 
   def _gives(self, options: Mapping[str, Any]) -> bool:
     return self.sharing() and OPTION not in options
+
+  def stop(self) -> None:
+    """No more kernels shared (XLA refused a file: :func:`refused`); compiles given a file
+    already keep it."""
+    with self._lock:
+      self._on = False
 
   def sharing(self) -> bool:
     """Whether compiles share kernels here."""
@@ -138,23 +287,42 @@ class Shared:
       self._count += 1
       path = self._file(f"copy{self._count}.bin")
       newest = self._file(self._newest)
-      self._copied_from[path] = self._newest
-    if has_kernels(newest):
-      try:
-        shutil.copyfile(newest, path)
-      except OSError:
-        pass  # a full disk: compiled from an empty cache
+      self._copied_from[path] = self._version
+      if has_kernels(newest):
+        try:
+          shutil.copyfile(newest, path)
+        except OSError:
+          pass  # a full disk: compiled from an empty cache
     return {**options, OPTION: path}
 
   def done(self, options: Mapping[str, Any]) -> None:
-    """Called when the compile given ``options`` (from :meth:`copy`) succeeded: its file
-    becomes the newest if it was copied from the file that still is (no other compile
-    finished in between; otherwise the other's kernels stay the newest)."""
+    """Called when the compile given ``options`` (from :meth:`seed` or :meth:`copy`)
+    succeeded: its file becomes the newest if it was copied from the newest as it still
+    is; otherwise (another compile finished in between) the newest becomes the two merged
+    (:func:`merge`), or stays as it is where they cannot be."""
     path = options.get(OPTION)
     with self._lock:
-      origin = self._copied_from.pop(path, None) if path is not None else None
-      if origin is not None and origin == self._newest and has_kernels(path):
+      if path is None or self._dir is None or os.path.dirname(path) != self._dir:
+        return
+      if os.path.basename(path) == "seed.bin":
+        if self._newest == "seed.bin":
+          origin = self._version
+        else:  # compiles copied from the empty seed finished first
+          origin = -1
+      else:
+        origin = self._copied_from.pop(path, None)
+        if origin is None:
+          return
+      if not has_kernels(path):
+        return
+      if origin == self._version:
         self._newest = os.path.basename(path)
+      else:
+        merged = self._file(f"merged{self._version}.bin")
+        if not merge([self._file(self._newest), path], merged):
+          return
+        self._newest = os.path.basename(merged)
+      self._version += 1
 
   def close(self) -> None:
     with self._lock:

@@ -11,14 +11,6 @@ import threading
 
 from jax_overlap._src.compile import kernel_cache
 
-# Up to this many threads, a program's first variant compiles alone (see analyze_all). With
-# two, a program's variants take as long either way (its first compile alone, then the rest
-# two by two from its kernels, against the first two together, each compiling the new
-# kernels) and about a third of the ptxas runs go; with more, the other threads would idle
-# while it compiles.
-_LEADER_ALONE_MAX_THREADS = 2
-
-
 # Set on every compile a selection makes for a target (unless the user's options set it):
 # compiled deviceless, XLA cannot time its candidate kernels, yet with autotuning on it
 # still compiles every fusion apart to choose among its emitters, which takes half of a
@@ -61,9 +53,9 @@ def workers() -> int:
 def analyze_all(settings, jobs, make, args, kwargs, errors, kernels=None, learned=None):
   """Reports (or the exception) for ``jobs`` (:class:`~.variants.Candidate`), in their order,
   compiled by :func:`workers` threads. ``kernels`` (a :class:`kernel_cache.Shared`): seeded
-  by the first job alone if no compile has; the others take the kernels of those before,
-  and, on two threads, the first job of a program not compiled yet (:func:`program`) runs
-  alone.
+  by the first job if no compile has; the others take the kernels of those finished
+  before them. The first job of a program not compiled yet (:func:`program`) starts
+  beside any other; the program's other jobs wait for it, to start from its kernels.
 
   Variants share the program's dots: once one compile needed the fallback for XLA's
   deviceless Triton tiling failure (``compile.TILING_FALLBACK``), the variants compiled
@@ -86,8 +78,9 @@ def analyze_all(settings, jobs, make, args, kwargs, errors, kernels=None, learne
     compile_options = (
       kernels.seed(compile_options, program(cfg_c)) if seed else kernels.copy(compile_options)
     )
-    try:
-      report = analysis.analyze(
+
+    def analyzed(compile_options):
+      return analysis.analyze(
         make(cfg_c, options),
         *args,
         target=settings.target,
@@ -95,6 +88,18 @@ def analyze_all(settings, jobs, make, args, kwargs, errors, kernels=None, learne
         xla_options=compile_options,
         **kwargs,
       )
+
+    try:
+      try:
+        report = analyzed(compile_options)
+      except errors as e:
+        if kernel_cache.OPTION not in compile_options or not kernel_cache.refused(e):
+          raise
+        # XLA refused the shared kernels (a constraint of its cache the files broke): this
+        # variant and the rest of the selection compile without them.
+        kernels.stop()
+        compile_options = {k: v for k, v in compile_options.items() if k != kernel_cache.OPTION}
+        report = analyzed(compile_options)
     except errors as e:
       return e
     kernels.done(compile_options)
@@ -112,30 +117,42 @@ def analyze_all(settings, jobs, make, args, kwargs, errors, kernels=None, learne
         learned.update(fell_back)
     return report
 
-  first: list = []
-  if jobs and kernels.needs_seed():
-    first, jobs = [one(jobs[0], seed=True)], jobs[1:]
+  seeding = bool(jobs) and kernels.needs_seed()
   threads = min(workers(), len(jobs))
   if threads <= 1:
-    return first + [one(j) for j in jobs]
-  if threads > _LEADER_ALONE_MAX_THREADS or not kernels.sharing():
+    return [one(j, seed=seeding and n == 0) for n, j in enumerate(jobs)]
+  if not kernels.sharing():
     with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="jax_overlap") as pool:
-      return first + list(pool.map(one, jobs))
-  # The first variant of a program not compiled yet runs alone, after those before it: the
-  # variants after it then start from its kernels (two that started together from the same
-  # file would each compile the new program's kernels, and only one's would be kept).
+      return list(pool.map(one, jobs))
+  # The first variant of a program not compiled yet (its leader) starts at once, beside
+  # any other; the program's other variants start once it has finished, from its kernels
+  # (two that started together would each compile the new program's kernels). Kernels
+  # of leaders compiled side by side are merged (kernel_cache.Shared.done).
+  leader: dict = {}
+  waiting = []
+  for n, job in enumerate(jobs):
+    key = program(job.config)
+    if kernels.first_of(key):
+      leader[key] = n
+    waiting.append((n, job, key))
   out: list = [None] * len(jobs)
+  finished: set[int] = set()
   with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="jax_overlap") as pool:
-    running: dict[int, concurrent.futures.Future] = {}
-    for i, job in enumerate(jobs):
-      if kernels.first_of(program(job.config)):
-        concurrent.futures.wait(running.values())
-        out[i] = one(job)
-      else:
-        running[i] = pool.submit(one, job)
-    for i, f in running.items():
-      out[i] = f.result()
-  return first + out
+    running: dict[concurrent.futures.Future, int] = {}
+    while waiting or running:
+      for item in list(waiting):
+        if len(running) >= threads:
+          break
+        n, job, key = item
+        if leader.get(key, n) == n or leader[key] in finished:
+          running[pool.submit(one, job, seeding and n == 0)] = n
+          waiting.remove(item)
+      ended, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
+      for f in ended:
+        n = running.pop(f)
+        out[n] = f.result()
+        finished.add(n)
+  return out
 
 
 def program(cfg) -> tuple:

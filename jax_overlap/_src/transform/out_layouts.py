@@ -19,7 +19,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding
 
-__all__ = ["jit_kwargs", "partitioner_choice", "requested"]
+__all__ = ["from_compiled", "jit_kwargs", "partitioner_choice", "requested"]
 
 
 def _unspecified(sharding) -> bool:
@@ -56,20 +56,35 @@ def jit_kwargs(traced, out_tree, given: dict[str, Any]) -> dict[str, Any]:
   return {"out_shardings": jax.tree.unflatten(out_tree, list(flat))}
 
 
-def partitioner_choice(traced) -> tuple | None:
+def partitioner_choice(traced, compiler_options: dict[str, Any] | None = None) -> tuple | None:
   """Each output leaf's sharding as ``jax.jit(step)`` returns it: the requested one, or
-  the one XLA's partitioner gives it, from the step as written compiled for the local
-  devices (only when some output is unspecified). Entries the conversion to shard_map
-  cannot read (not a NamedSharding) are None, as is the whole where the step cannot be
-  compiled here (the conversion then keeps the layouts it arrives at).
+  the one XLA's partitioner gives it, from the step as written compiled for its devices
+  with ``compiler_options`` (only when some output is unspecified; the partitioner's
+  choice does not depend on them: a selection passes those that make a compile cheaper,
+  such as no autotuning). Entries the conversion to shard_map cannot read (not a
+  NamedSharding) are None, as is the whole where the step cannot be compiled here (the
+  conversion then keeps the layouts it arrives at).
   """
   asked = getattr(traced, "_params", {}).get("out_shardings")
   if asked is not None and not any(_unspecified(s) for s in asked):
     return tuple(asked)
   try:
-    compiled = traced.lower().compile()
-    got = jax.tree.leaves(compiled.output_shardings)
+    compiled = traced.lower().compile(compiler_options or None)
   except Exception:  # noqa: BLE001 - any failure means no layouts to aim for, not an error
+    compiled = None
+  return from_compiled(traced, compiled)
+
+
+def from_compiled(traced, compiled) -> tuple | None:
+  """:func:`partitioner_choice` read from ``compiled``, the step as written (re-jitted as
+  ``@overlap`` re-jits it, for its devices or a target with the same mesh axes) compiled
+  already; None where ``compiled`` is None (the requested shardings, if any)."""
+  asked = getattr(traced, "_params", {}).get("out_shardings")
+  if asked is not None and not any(_unspecified(s) for s in asked):
+    return tuple(asked)
+  try:
+    got = jax.tree.leaves(compiled.output_shardings)
+  except Exception:  # noqa: BLE001 - no executable (or none that says): nothing to aim for
     return None if asked is None else tuple(None if _unspecified(s) else s for s in asked)
   if asked is not None and len(asked) == len(got):
     got = [g if _unspecified(a) else a for a, g in zip(asked, got)]

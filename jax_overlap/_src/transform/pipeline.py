@@ -20,6 +20,7 @@ returning a frozen record (:mod:`.records`) the next one reads, as
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -33,6 +34,8 @@ from jax_overlap._src import targets as targets_lib
 from jax_overlap._src.compile import kernel_cache
 from jax_overlap._src.transform import (
   arguments,
+  compiles,
+  first_compile,
   measure,
   out_layouts,
   search,
@@ -115,16 +118,52 @@ def run(step: StepFunction, args, kwargs, signature) -> Built:
   traced = trace(step, args, kwargs, signature)
   planned = plan(step, traced, st, args, kwargs)
   converted = None
-  if planned.shard_maps == 0:
-    notes.append(
-      "no shard_map in this program: its collectives are inserted by the SPMD partitioner, so "
-      "only compiler options apply; the full rewrite (prefetch, per-layer reduce-scatter, "
-      "annotations) needs shard_map or jax_overlap.fsdp.scan_layers"
-    )
-    if st.converts():
-      converted = convert(step, traced, planned, args, kwargs, notes)
-  choice = select(step, st, traced, planned, converted, args, kwargs, notes)
+  program_text = _program_text(st, traced)
+  with contextlib.ExitStack() as stack:
+    first = None
+    if planned.shard_maps == 0:
+      notes.append(
+        "no shard_map in this program: its collectives are inserted by the SPMD partitioner, "
+        "so only compiler options apply; the full rewrite (prefetch, per-layer "
+        "reduce-scatter, annotations) needs shard_map or jax_overlap.fsdp.scan_layers"
+      )
+      if st.converts():
+        if _selects_gspmd(st, traced, planned, program_text):
+          make = _maker({"traced": planned.program}, traced, step.statics)
+          first = stack.enter_context(
+            first_compile.FirstCompile(st, planned.config, make, traced.traced, args, kwargs)
+          )
+        converted = convert(step, st, traced, planned, args, kwargs, notes, first)
+    choice = select(step, st, traced, planned, converted, args, kwargs, notes, program_text, first)
   return build(step, st, traced, planned, converted, choice, notes)
+
+
+def _program_text(st: Settings, traced: TracedStep) -> str:
+  """The traced program's text, which keys the selection cache and a multi-process job's
+  agreement: printed once, and only for them (a large step's jaxpr prints slowly)."""
+  return str(traced.closed) if st.cache or jax.process_count() > 1 else ""
+
+
+def _selects_gspmd(st: Settings, traced: TracedStep, planned: PlannedProgram, text: str) -> bool:
+  """Whether a GSPMD step's selection will compile it as written for a target (not in a
+  multi-process job, where process 0 alone compiles, nor when its choice is remembered):
+  then that compile starts while the step is converted (:mod:`.first_compile`)."""
+  if st.target is None or st.select == "rewrite" or jax.process_count() > 1:
+    return False
+  if st.cache:
+    settings_key = st.key(planned.config.annotate, traced.jit_kwargs)
+    if selection_cache.load(selection_cache.key(text, traced.signature, settings_key)):
+      return False
+  return True
+
+
+def _maker(programs: Mapping[str, Any], traced: TracedStep, statics):
+  """``make(cfg, options)``: the jitted program of variant ``cfg``."""
+
+  def make(cfg: VariantConfig, options: Mapping[str, Any]):
+    return jax.jit(_rewritten(programs, cfg, traced, statics), **traced.jit_kwargs)
+
+  return make
 
 
 def resolve(step: StepFunction, args, kwargs, notes: list[str]) -> Settings:
@@ -192,10 +231,18 @@ def plan(step: StepFunction, traced: TracedStep, st: Settings, args, kwargs) -> 
 
 
 def convert(
-  step: StepFunction, traced: TracedStep, planned: PlannedProgram, args, kwargs, notes: list[str]
+  step: StepFunction,
+  st: Settings,
+  traced: TracedStep,
+  planned: PlannedProgram,
+  args,
+  kwargs,
+  notes: list[str],
+  first: first_compile.FirstCompile | None = None,
 ) -> PlannedProgram | None:
   """Step 4: a GSPMD step's shard_map form planned like a shard_map program, or None
-  with a note saying why it was not converted."""
+  with a note saying why it was not converted. ``first``: the step's first compile,
+  running, whose output layouts are the partitioner's choice."""
   statics, closed = step.statics, traced.closed
   leaves = jax.tree.leaves(statics.dynamic(args, kwargs))
   if len(leaves) != len(closed.jaxpr.invars):
@@ -206,7 +253,11 @@ def convert(
   jit_params = getattr(traced.traced, "_params", {})
   avals = arguments.abstract_leaves(leaves, closed.jaxpr.invars, jit_params.get("in_shardings"))
   # The layouts jax.jit(step) returns (asked for, or the partitioner's), for its outputs.
-  out_shardings = out_layouts.partitioner_choice(traced.traced)
+  out_shardings = first.output_shardings() if first is not None else None
+  if out_shardings is None:
+    # (Compiled without autotuning for a target: its kernels are not what is read.)
+    cheap = compiles.for_selection(st, {})
+    out_shardings = out_layouts.partitioner_choice(traced.traced, cheap)
   try:
     conv = to_shard_map.convert(closed, avals, out_shardings, params_leaves=params)
     smap = jax.make_jaxpr(conv.fn)(*avals)
@@ -264,19 +315,20 @@ def select(
   args,
   kwargs,
   notes: list[str],
+  program_text: str | None = None,
+  first: first_compile.FirstCompile | None = None,
 ) -> Choice:
   """Step 6: the variant to run: the only one, a remembered one, or the cost model's
   (then timed on the devices with ``select="measure"``); in a multi-process job, process
-  0's (:mod:`.shared_choice`)."""
+  0's (:mod:`.shared_choice`). ``program_text``: :func:`_program_text`, if made already;
+  ``first``: the GSPMD step's first compile, started already."""
   cands = candidates(st, planned, converted)
   gspmd_step = planned.shard_maps == 0 and st.target is not None and st.select != "rewrite"
   if len(cands) == 1 and not gspmd_step:
     return Choice(tuple(cands), 0, how="only_candidate")
   settings_key = st.key(planned.config.annotate, traced.jit_kwargs)
-  # The program's text keys the cache and the job's agreement: printed once, and only for
-  # them (a large step's jaxpr prints slowly).
-  shared = jax.process_count() > 1
-  program_text = str(traced.closed) if st.cache or shared else ""
+  if program_text is None:
+    program_text = _program_text(st, traced)
   entry_key = (
     selection_cache.key(program_text, traced.signature, settings_key) if st.cache else None
   )
@@ -289,7 +341,7 @@ def select(
       choice = Choice(tuple(cands), 0, how="only_candidate")
   else:
     choice = _choose(
-      step, st, traced, planned, converted, cands, fallback, entry_key, args, kwargs, notes
+      step, st, traced, planned, converted, cands, fallback, entry_key, args, kwargs, notes, first
     )
     if st.select == "measure" and agreement is not None:
       notes.append(
@@ -316,34 +368,42 @@ def _choose(
   args,
   kwargs,
   notes: list[str],
+  first: first_compile.FirstCompile | None = None,
 ) -> Choice:
   """The choice remembered on disk under ``entry_key`` (None: not looked up), or the cost
-  model's among the compiled variants."""
+  model's among the compiled variants (``first``: the GSPMD step's first compile)."""
   if entry_key:
     remembered = variants.recall(st, entry_key, cands, fallback)
     if remembered is not None:  # no compile needed
       return remembered
-  programs = _programs(planned, converted)
-
-  def make(cfg: VariantConfig, options: Mapping[str, Any]):
-    return jax.jit(_rewritten(programs, cfg, traced, step.statics), **traced.jit_kwargs)
-
+  make = _maker(_programs(planned, converted), traced, step.statics)
   known: dict[int, Any] = {}
   # The variants' deviceless compiles share the kernels they have in common (unless the
   # user's options name a kernel cache of their own).
-  kernels = kernel_cache.Shared(
-    enabled=st.target is not None and kernel_cache.OPTION not in st.xla_options
-  )
-  try:
+  with contextlib.ExitStack() as stack:
+    if first is not None:
+      kernels = first.kernels
+    else:
+      kernels = stack.enter_context(
+        kernel_cache.Shared(
+          enabled=st.target is not None and kernel_cache.OPTION not in st.xla_options
+        )
+      )
     if fallback is not None:  # a GSPMD step: its option variants come from compiling it
       converted_ones = [c for c in cands if c.config.program == "shard_map"]
       cands = variants.gspmd_candidates(
-        st, planned.config, make, args, kwargs, notes, known, kernels
+        st,
+        planned.config,
+        make,
+        args,
+        kwargs,
+        notes,
+        known,
+        kernels,
+        report=first.report() if first is not None else None,
       )
       cands += converted_ones
     choice, _ = search.select(st, cands, make, args, kwargs, known, kernels)
-  finally:
-    kernels.close()
   return choice
 
 

@@ -249,26 +249,46 @@ def recommended(settings) -> dict[str, Any]:
   }
 
 
-def gspmd_candidates(settings, cfg, make, args, kwargs, notes, known, kernels=None):
-  """Option variants for a program without shard_map, built for the collectives the
-  partitioner inserted (read from the step compiled as written for the target, which
-  seeds ``kernels``, the selection's shared kernel cache, when given)."""
+AS_WRITTEN = "as written, recommended flags"
+
+
+def compile_as_written(settings, cfg, make, args, kwargs, kernels=None):
+  """(report, XLA's executable or None where the compile was read back from the store):
+  the GSPMD step as written compiled for the target with the recommended flags, the
+  first compile of its selection (seeding ``kernels``, the selection's shared kernel
+  cache, when given)."""
   from jax_overlap._src.analysis import analyze as analysis
+  from jax_overlap._src.compile import compiler as compile_lib
+  from jax_overlap._src.compile import dumps
 
   as_written = cfg.as_written()
   base = recommended(settings)
-  name = "as written, recommended flags"
   options = compiles.for_selection(settings, base)
-  report = analysis.analyze(
+  if kernels is not None:
+    options = kernels.seed(options, compiles.program(as_written))
+  step = compile_lib.compile_for_target(
     make(as_written, base),
     *args,
     target=settings.target,
-    name=name,
-    xla_options=kernels.seed(options, compiles.program(as_written))
-    if kernels is not None
-    else options,
+    xla_options=options,
+    api_name="analyze",
     **kwargs,
   )
+  if not step.hlo_text.strip():
+    raise dumps.missing_dump("analyze", "optimised HLO (*after_optimizations.txt)")
+  if kernels is not None:
+    kernels.done(options)
+  return analysis.analyze_compiled(step, name=AS_WRITTEN, xla_options=options), step.compiled
+
+
+def gspmd_candidates(settings, cfg, make, args, kwargs, notes, known, kernels=None, report=None):
+  """Option variants for a program without shard_map, built for the collectives the
+  partitioner inserted (read from ``report``, the step as written compiled for the target
+  by :func:`compile_as_written`, compiled here when not given)."""
+  as_written = cfg.as_written()
+  base = recommended(settings)
+  if report is None:
+    report, _ = compile_as_written(settings, cfg, make, args, kwargs, kernels)
   found = gspmd.found(report)
   i = next(i for i, n in enumerate(notes) if n.startswith("no shard_map in this program"))
   converted = any(n.startswith("converted to shard_map") for n in notes)

@@ -1,0 +1,67 @@
+"""A GSPMD step's first compile, started while the step is converted to shard_map.
+
+A selection for a GSPMD step starts by compiling the step as written for the target
+(:func:`.variants.compile_as_written`: its collectives give the option variants, and it
+seeds the selection's kernel cache). The conversion to shard_map needs the output layouts
+XLA's partitioner chooses for the step (:mod:`.out_layouts`), which that same compile
+gives. :class:`FirstCompile` runs it on a thread of its own as soon as the step is traced,
+so that XLA compiles while Python converts, and no second compile asks the partitioner.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Any
+
+from jax_overlap._src.compile import kernel_cache
+from jax_overlap._src.transform import out_layouts, variants
+
+
+class FirstCompile:
+  """The step as written compiled for ``settings.target`` in the background.
+
+  Args:
+    settings: the selection's settings (a target, the user's options).
+    cfg: the traced program's variant configuration (compiled as written).
+    make: ``make(cfg, options)``, the jitted program of a variant.
+    traced: the user's step traced by its ``jax.jit`` (``jax.stages.Traced``).
+    args, kwargs: the step's arguments.
+
+  Attributes:
+    kernels: the selection's shared kernel cache, seeded by this compile.
+  """
+
+  def __init__(self, settings, cfg, make, traced, args, kwargs):
+    self.kernels = kernel_cache.Shared(
+      enabled=kernel_cache.OPTION not in getattr(settings, "xla_options", {})
+    )
+    self._traced = traced
+    self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jax_overlap")
+    self._future = self._pool.submit(
+      variants.compile_as_written, settings, cfg, make, args, kwargs, self.kernels
+    )
+
+  def report(self):
+    """The compile's report (its exception raised where it failed)."""
+    return self._future.result()[0]
+
+  def output_shardings(self) -> tuple | None:
+    """The partitioner's output layouts (:func:`.out_layouts.from_compiled`), or None where
+    the compile failed or was read back from the store (no executable to ask)."""
+    try:
+      _, compiled = self._future.result()
+    except Exception:  # noqa: BLE001 - the selection reports it; the conversion goes on
+      return None
+    if compiled is None:
+      return None
+    return out_layouts.from_compiled(self._traced, compiled)
+
+  def close(self) -> None:
+    self._pool.shutdown(wait=True)
+    self.kernels.close()
+
+  def __enter__(self) -> FirstCompile:
+    return self
+
+  def __exit__(self, *exc: Any) -> None:
+    self.close()
