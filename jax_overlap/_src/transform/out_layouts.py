@@ -7,9 +7,11 @@ Its outputs must come back laid out as the user's jitted step lays them out:
   variant's jit asks for the same (:func:`jit_kwargs`);
 - where it does not, XLA's SPMD partitioner chooses. The step as written, re-jitted, gets
   the same choice; its shard_map form has its layouts fixed by the conversion, which is
-  given the partitioner's choice to aim for (:func:`partitioner_choice`), read from the
-  step as written compiled for the local devices (one compile, only for a step that is
-  converted and leaves some output unspecified).
+  given the partitioner's choice to aim for, read from the step as written compiled: by
+  the selection's first compile for its target (:func:`from_compiled`,
+  :mod:`.first_compile`), else by a compile of its own without autotuning
+  (:func:`partitioner_choice`; only for a step that is converted and leaves some output
+  unspecified).
 """
 
 from __future__ import annotations
