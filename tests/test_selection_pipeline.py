@@ -382,3 +382,20 @@ def test_the_first_pass_profiles_its_fastest_variant_at_once(monkeypatch):
   assert sorted(compiled[:2]) == ["r0", "w0"] and compiled[2:] == ["w0" + suffix, "r0" + suffix]
   assert choice.name == "w0" + suffix
   assert any(n.startswith("1 variant(s) of the program of 'r0' skipped") for n in choice.failed)
+  # The fastest program's other variants (never skipped) compile beside its profiled one,
+  # so that no thread idles meanwhile.
+  from jax_overlap._src.transform import compiles
+
+  batches = []
+  analyze_all = compiles.analyze_all
+
+  def recorded(settings, jobs, *a, **k):
+    batches.append([j.name for j in jobs])
+    return analyze_all(settings, jobs, *a, **k)
+
+  monkeypatch.setattr(compiles, "analyze_all", recorded)
+  times["w1"] = (10.2, 8.5)
+  cands.insert(1, records.Candidate("w1", written, {"o": "w1"}))
+  choice, _ = search.select(settings, cands, lambda cfg, options: None, (), {})
+  assert batches == [["w0", "r0"], ["w0" + suffix, "w1"], [], ["r0" + suffix]]
+  assert choice.name == "w0" + suffix

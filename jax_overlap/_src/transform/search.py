@@ -163,14 +163,19 @@ def select(
       fastest = min(ok, key=lambda i: (done[i].step_time_s, i))
       job = _profiled(candidates[fastest], done[fastest], failed)
       if job is not None:
-        (r,) = compiles.analyze_all(
-          settings, [job], make, args, kwargs, errors + (OSError,), kernels, learned
+        # Beside it, the other variants of its program (the fastest program is never
+        # skipped), so that no thread idles while it compiles.
+        (same,) = [g for g in groups.values() if fastest in g]
+        rest = [i for i in same if i not in done]
+        jobs = [job] + [candidates[i] for i in rest]
+        results = compiles.analyze_all(
+          settings, jobs, make, args, kwargs, errors + (OSError,), kernels, learned
         )
-        if isinstance(r, Exception):
-          failed.append(f"{job.name}: {str(r).splitlines()[0][:200]}")
-        else:
+        for i, r in zip(rest, results[1:]):
+          done[i] = r
+        if _kept(job, results[0], failed):
           candidates.append(job)
-          done[len(candidates) - 1] = r
+          done[len(candidates) - 1] = results[0]
   skipped, notes = _behind(candidates, groups, done)
   failed += notes
   compile_all([i for i in range(len(candidates)) if i not in done and i not in skipped])
@@ -205,12 +210,10 @@ def select(
         jobs.append(job)
     results = compiles.analyze_all(settings, jobs, make, args, kwargs, errors + (OSError,), kernels)
     for job, r in zip(jobs, results):
-      if isinstance(r, Exception):
-        failed.append(f"{job.name}: {str(r).splitlines()[0][:200]}")
-        continue
-      candidates.append(job)
-      times.append(r.step_time_s)
-      reports.append(r)
+      if _kept(job, r, failed):
+        candidates.append(job)
+        times.append(r.step_time_s)
+        reports.append(r)
   best = min(range(len(times)), key=lambda i: (times[i], i))
   judged = judged_notes(candidates, best, reports) + windowed_notes(candidates, reports)
   choice = Choice(
@@ -222,6 +225,15 @@ def select(
     how="cost_model",
   )
   return choice, reports
+
+
+def _kept(job: Candidate, result, failed: list) -> bool:
+  """Whether a profiled recompile's ``result`` is a report to keep (else its failure is
+  noted in ``failed``)."""
+  if isinstance(result, Exception):
+    failed.append(f"{job.name}: {str(result).splitlines()[0][:200]}")
+    return False
+  return True
 
 
 def _profiled(c: Candidate, report, failed: list) -> Candidate | None:
