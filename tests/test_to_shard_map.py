@@ -704,3 +704,39 @@ def test_a_weight_gradient_reuses_the_gathered_cotangent():
   gathered = _gathered_shapes(conv.fn, leaves)
   # The layer's input forward, the cotangent and the input recomputed in the backward.
   assert len(gathered) == 3 and all(g.endswith(f"[2,{s},{h}]") for g in gathered), gathered
+
+
+@pytest.mark.parametrize("alias", ["checkpoint_name", "constraint", "jit"])
+def test_a_value_under_two_names_is_gathered_once(alias):
+  """MaxText passes one activation to the query and the key/value projections under two
+  names (checkpoint names, constraints it already meets, a jitted call's arguments): the
+  split value is gathered once for the three matmuls (as the partitioner's CSE would),
+  not once per name, and the collective matmul planner then sees one gather feeding them."""
+  from jax.ad_checkpoint import checkpoint_name
+
+  mesh = _mesh((4,), ("tensor",))
+  row = NamedSharding(mesh, P(None, "tensor"))
+
+  def same(x, tag):
+    if alias == "checkpoint_name":
+      return checkpoint_name(x, tag)
+    if alias == "constraint":
+      return jax.lax.with_sharding_constraint(x, row)
+    return jax.jit(lambda y: y)(x)
+
+  @jax.jit
+  def step(w, x):
+    q = same(x, "q_in") @ w["q"]
+    kv = same(x, "kv_in")
+    return jnp.sum(jnp.tanh(q) * (kv @ w["k"]) * (kv @ w["v"]))
+
+  keys = iter(jax.random.split(jax.random.key(0), 8))
+  col = NamedSharding(mesh, P(None, "tensor"))
+  w = {n: jax.device_put(jax.random.normal(next(keys), (16, 8)), col) for n in "qkv"}
+  x = jax.device_put(jax.random.normal(next(keys), (4, 16)), row)
+  conv, leaves = _convert(step, (w, x))
+  _assert_same(jax.jit(conv.fn)(*leaves), jax.tree.leaves(step(w, x)), rtol=1e-5, atol=1e-5)
+  text = str(jax.make_jaxpr(conv.fn)(*leaves))
+  gathered_x = [ln for ln in text.splitlines() if "all_gather[" in ln and "f32[4,16]" in ln]
+  assert len(gathered_x) == 1, gathered_x
+  assert conv.collectives["all-gather"] == text.count("all_gather[")

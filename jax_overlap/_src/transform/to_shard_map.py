@@ -107,6 +107,8 @@ class Converted:
 _INLINE = {"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
            "custom_vjp_call_jaxpr"}  # fmt: skip
 _REMAT = {"remat2", "checkpoint", "remat"}
+# Primitives whose output is their input's value (where its layout is the input's).
+_SAME_VALUE = {"name", "copy", "copy_p", "sharding_constraint", "reshard"}
 
 
 def _sub_closed(eqn):
@@ -154,6 +156,9 @@ class Interpreter:
     self.root: dict = {}
     self.in_loop = False  # running a loop body
     self._memo: list[dict] = []  # per jaxpr being run: (var, layout) -> converted value
+    # An inlined call's input var -> (the caller's var it is, the caller's memo): a value
+    # passed into two calls is converted once, in the caller's scope.
+    self._alias: dict = {}
 
   # -- layout helpers --------------------------------------------------------
 
@@ -185,16 +190,19 @@ class Interpreter:
     if src == dst:
       return x
     memo = self._memo[-1] if self._memo and var is not None and not is_literal(var) else None
-    if memo is not None and (var, dst) in memo:
-      return memo[var, dst]  # gathered once per scope (a parameter's forward and backward uses)
+    key = var
+    if memo is not None and var in self._alias:
+      key, memo = self._alias[var]
+    if memo is not None and (key, dst) in memo:
+      return memo[key, dst]  # gathered once per scope (a parameter's forward and backward uses)
     if self.abstract:
       self._count(src, dst)
       if memo is not None:
-        memo[var, dst] = None
+        memo[key, dst] = None
       return None
     x = self._converted(x, src, dst)
     if memo is not None:
-      memo[var, dst] = x
+      memo[key, dst] = x
     return x
 
   def _converted(self, x, src: Layout, dst: Layout):
@@ -249,6 +257,8 @@ class Interpreter:
       return self._run(jaxpr, consts, vals, lays, out_wants)
     finally:
       self._memo.pop()
+      for v in getattr(jaxpr, "eqns", ()) and [o for e in jaxpr.eqns for o in e.outvars]:
+        self._alias.pop(v, None)
 
   def _run(self, jaxpr, consts, vals, lays, out_wants):
     env: dict = {}
@@ -273,6 +283,12 @@ class Interpreter:
         for o in eqn.outvars:
           self.params_only.add(o)
       outs = self.eqn(eqn, ins)
+      if eqn.primitive.name in _SAME_VALUE and self._memo:
+        # The same value under another name (a checkpoint name, a constraint it already
+        # met): converted once for both.
+        for u, v, (_, lay) in zip(eqn.invars, eqn.outvars, outs):
+          if not is_literal(u) and not isinstance(v, jcore.DropVar) and lay == read(u)[1]:
+            self._alias[v] = self._alias.get(u, (u, self._memo[-1]))
       for v, (x, lay) in zip(eqn.outvars, outs):
         if isinstance(v, jcore.DropVar):
           continue
@@ -295,7 +311,26 @@ class Interpreter:
       if len(jaxpr.invars) != len(ins):
         raise Refused(f"{name}: its jaxpr takes {len(jaxpr.invars)} inputs, given {len(ins)}")
       self._mark(jaxpr.invars, eqn.invars)
-      outs = self.run(jaxpr, consts, [x for x, _ in ins], [lay for _, lay in ins])
+      # Evaluated in the caller's trace: a conversion of one of its inputs is the caller's.
+      before = {v: self._alias[v] for v in jaxpr.invars if v in self._alias}
+      if self._memo:
+        for v, u in zip(jaxpr.invars, eqn.invars):
+          if not is_literal(u):
+            self._alias[v] = self._alias.get(u, (u, self._memo[-1]))
+      try:
+        outs = self.run(jaxpr, consts, [x for x, _ in ins], [lay for _, lay in ins])
+        # An input the call returns as it is (an identity, a pass-through) is the same value.
+        for inner, outer, (_, lay) in zip(jaxpr.outvars, eqn.outvars, outs):
+          if (
+            not is_literal(inner) and inner in self._alias and not isinstance(outer, jcore.DropVar)
+          ):
+            src = dict(zip(jaxpr.invars, ins)).get(inner)
+            if src is not None and src[1] == lay:
+              self._alias[outer] = self._alias[inner]
+      finally:
+        for v in jaxpr.invars:
+          self._alias.pop(v, None)
+        self._alias.update(before)
       return self._link(jaxpr, eqn, outs)
     if name in _REMAT:
       return self._link(eqn.params["jaxpr"], eqn, self._remat(eqn, ins))
