@@ -22,11 +22,11 @@ import tempfile
 
 from jax_overlap._src import cache as cache_lib
 from jax_overlap._src.analysis import report as report_lib
-from jax_overlap._src.compile import compiler as compile_lib
+from jax_overlap._src.compile import xla_log
 
 __all__ = ["OPTION", "profile_text", "write_profile"]
 
-OPTION = compile_lib.PROFILE_OPTION
+OPTION = xla_log.PROFILE_OPTION
 
 
 def profile_text(report: report_lib.Report) -> str:

@@ -177,17 +177,6 @@ def _ptx_dump_options() -> dict[str, Any]:
   return {"xla_dump_emitter_re": "^ptx$"} if version_tuple(jaxlib.__version__) >= (0, 11) else {}
 
 
-PROFILE_OPTION = "xla_gpu_pgle_profile_file_or_directory_path"
-
-
-def _quiet_profile(options: Mapping[str, Any]):
-  """XLA's latency-profile lines kept off stderr (:mod:`.xla_log`) for a compile scheduled
-  from a profile; a context yielding an empty record otherwise."""
-  if options.get(PROFILE_OPTION):
-    return xla_log.quiet()
-  return contextlib.nullcontext(xla_log.ProfileLookups())
-
-
 def compile_lowered(
   lowered, options: Mapping[str, Any], topo, *, retry_dump_to: str | None = None
 ) -> tuple[Any, dict[str, Any]]:
@@ -456,11 +445,11 @@ def compile_for_target(
         return dataclasses.replace(hit, notes=list(hit.notes))
       # Kernels taken from a kernel cache keep the names of the compile that made them.
       reused = kernel_cache.OPTION in options
-      with _quiet_profile(options) as lookups:
+      with xla_log.quiet_if_profiled(options) as lookups:
         compiled, fallback = compile_lowered(lowered, options, topo)
       if (said := xla_log.summary(lookups)) is not None:
         notes.append(said)
-      missing = tuple(sorted(set(lookups.missing))) if options.get(PROFILE_OPTION) else None
+      missing = tuple(sorted(set(lookups.missing))) if options.get(xla_log.PROFILE_OPTION) else None
       if fallback:
         notes.append(TILING_NOTE.format(options=spelled(fallback), what="report"))
     except (ValueError, errors.ConfigError):

@@ -21,7 +21,10 @@ import sys
 import tempfile
 import threading
 
-__all__ = ["ProfileLookups", "quiet", "summary"]
+__all__ = ["PROFILE_OPTION", "ProfileLookups", "quiet", "quiet_if_profiled", "summary"]
+
+# The per-compile option naming a latency profile (``latency_profile.OPTION``).
+PROFILE_OPTION = "xla_gpu_pgle_profile_file_or_directory_path"
 
 _SOURCE = "profile_guided_latency_estimator.cc"
 _FOUND = re.compile(r"Found (\d+) instructions from the profile")
@@ -79,6 +82,14 @@ def quiet():
       if _capture is not None:
         _drain(restore=last)
       _listeners.remove(lookups)
+
+
+def quiet_if_profiled(options):
+  """:func:`quiet` for a compile scheduled from a latency profile (``options`` name one);
+  a context yielding an empty record otherwise."""
+  if options.get(PROFILE_OPTION):
+    return quiet()
+  return contextlib.nullcontext(ProfileLookups())
 
 
 def _drain(restore: bool) -> None:

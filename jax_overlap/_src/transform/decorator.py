@@ -20,7 +20,6 @@ import jax
 from jax_overlap._src import errors
 from jax_overlap._src import flags as flags_lib
 from jax_overlap._src import targets as targets_lib
-from jax_overlap._src.compile import compiler as compile_lib
 from jax_overlap._src.compile import xla_log
 from jax_overlap._src.flags.registry import Workload
 from jax_overlap._src.transform import arguments, pipeline
@@ -132,7 +131,7 @@ class Overlapped:
     (jax reuses it for the call) so that XLA's lines about the profile are kept off stderr
     and said once in ``explain()`` (:mod:`~jax_overlap._src.compile.xla_log`)."""
     self._compiled.append(built)
-    if not built.explanation.xla_options.get(compile_lib.PROFILE_OPTION):
+    if not built.explanation.xla_options.get(xla_log.PROFILE_OPTION):
       return
     with xla_log.quiet() as lookups:
       built.jitted.lower(*args, **kwargs).compile()

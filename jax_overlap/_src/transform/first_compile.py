@@ -13,8 +13,29 @@ from __future__ import annotations
 import concurrent.futures
 from typing import Any
 
+import jax
+
 from jax_overlap._src.compile import kernel_cache
-from jax_overlap._src.transform import out_layouts, variants
+from jax_overlap._src.transform import out_layouts, selection_cache, variants
+
+
+def program_text(st, traced) -> str:
+  """The traced program's text, which keys the selection cache and a multi-process job's
+  agreement: printed once, and only for them (a large step's jaxpr prints slowly)."""
+  return str(traced.closed) if st.cache or jax.process_count() > 1 else ""
+
+
+def wanted(st, traced, planned, text: str) -> bool:
+  """Whether a GSPMD step's selection will compile it as written for a target (not in a
+  multi-process job, where process 0 alone compiles, nor when its choice is remembered):
+  then that compile starts while the step is converted (:mod:`.first_compile`)."""
+  if st.target is None or st.select == "rewrite" or jax.process_count() > 1:
+    return False
+  if st.cache:
+    settings_key = st.key(planned.config.annotate, traced.jit_kwargs)
+    if selection_cache.load(selection_cache.key(text, traced.signature, settings_key)):
+      return False
+  return True
 
 
 class FirstCompile:

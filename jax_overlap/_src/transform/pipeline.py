@@ -118,7 +118,7 @@ def run(step: StepFunction, args, kwargs, signature) -> Built:
   traced = trace(step, args, kwargs, signature)
   planned = plan(step, traced, st, args, kwargs)
   converted = None
-  program_text = _program_text(st, traced)
+  program_text = first_compile.program_text(st, traced)
   with contextlib.ExitStack() as stack:
     first = None
     if planned.shard_maps == 0:
@@ -128,7 +128,7 @@ def run(step: StepFunction, args, kwargs, signature) -> Built:
         "reduce-scatter, annotations) needs shard_map or jax_overlap.fsdp.scan_layers"
       )
       if st.converts():
-        if _selects_gspmd(st, traced, planned, program_text):
+        if first_compile.wanted(st, traced, planned, program_text):
           make = _maker({"traced": planned.program}, traced, step.statics)
           first = stack.enter_context(
             first_compile.FirstCompile(st, planned.config, make, traced.traced, args, kwargs)
@@ -136,25 +136,6 @@ def run(step: StepFunction, args, kwargs, signature) -> Built:
         converted = convert(step, st, traced, planned, args, kwargs, notes, first)
     choice = select(step, st, traced, planned, converted, args, kwargs, notes, program_text, first)
   return build(step, st, traced, planned, converted, choice, notes)
-
-
-def _program_text(st: Settings, traced: TracedStep) -> str:
-  """The traced program's text, which keys the selection cache and a multi-process job's
-  agreement: printed once, and only for them (a large step's jaxpr prints slowly)."""
-  return str(traced.closed) if st.cache or jax.process_count() > 1 else ""
-
-
-def _selects_gspmd(st: Settings, traced: TracedStep, planned: PlannedProgram, text: str) -> bool:
-  """Whether a GSPMD step's selection will compile it as written for a target (not in a
-  multi-process job, where process 0 alone compiles, nor when its choice is remembered):
-  then that compile starts while the step is converted (:mod:`.first_compile`)."""
-  if st.target is None or st.select == "rewrite" or jax.process_count() > 1:
-    return False
-  if st.cache:
-    settings_key = st.key(planned.config.annotate, traced.jit_kwargs)
-    if selection_cache.load(selection_cache.key(text, traced.signature, settings_key)):
-      return False
-  return True
 
 
 def _maker(programs: Mapping[str, Any], traced: TracedStep, statics):
@@ -320,7 +301,7 @@ def select(
 ) -> Choice:
   """Step 6: the variant to run: the only one, a remembered one, or the cost model's
   (then timed on the devices with ``select="measure"``); in a multi-process job, process
-  0's (:mod:`.shared_choice`). ``program_text``: :func:`_program_text`, if made already;
+  0's (:mod:`.shared_choice`). ``program_text``: :func:`.first_compile.program_text`, if made already;
   ``first``: the GSPMD step's first compile, started already."""
   cands = candidates(st, planned, converted)
   gspmd_step = planned.shard_maps == 0 and st.target is not None and st.select != "rewrite"
@@ -328,7 +309,7 @@ def select(
     return Choice(tuple(cands), 0, how="only_candidate")
   settings_key = st.key(planned.config.annotate, traced.jit_kwargs)
   if program_text is None:
-    program_text = _program_text(st, traced)
+    program_text = first_compile.program_text(st, traced)
   entry_key = (
     selection_cache.key(program_text, traced.signature, settings_key) if st.cache else None
   )
