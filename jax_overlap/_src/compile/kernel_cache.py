@@ -65,24 +65,27 @@ def has_kernels(path: str | None) -> bool:
   return bool(path) and os.path.isfile(path) and os.path.getsize(path) > 0
 
 
+def _varint(data: bytes, i: int, end: int | None = None) -> tuple[int, int]:
+  """The protocol-buffer varint at ``data[i]`` and the index after it (ValueError where it
+  runs past ``end``, default the end of ``data``)."""
+  end = len(data) if end is None else end
+  value = shift = 0
+  while True:
+    if i >= end or shift > 63:
+      raise ValueError("truncated")
+    byte = data[i]
+    i += 1
+    value |= (byte & 0x7F) << shift
+    shift += 7
+    if byte < 0x80:
+      return value, i
+
+
 def _fields(data: bytes) -> tuple[dict, dict, dict] | None:
   """The top-level fields of a kernel cache file (XLA's ``CompilationCacheProto``): its map
   entries from kernel name to kernel (field 1), by name, and its other fields, by number,
   each as its encoded bytes, and each kernel's fingerprint by name; None if ``data`` is
   not a protocol buffer laid out so."""
-
-  def varint(i: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-      if i >= len(data) or shift > 63:
-        raise ValueError("truncated")
-      byte = data[i]
-      i += 1
-      value |= (byte & 0x7F) << shift
-      shift += 7
-      if byte < 0x80:
-        return value, i
-
   entries: dict[bytes, bytes] = {}
   fingerprints: dict[bytes, bytes | None] = {}
   others: dict[int, bytes] = {}
@@ -90,21 +93,21 @@ def _fields(data: bytes) -> tuple[dict, dict, dict] | None:
   try:
     while i < len(data):
       start = i
-      tag, i = varint(i)
+      tag, i = _varint(data, i)
       number, wire = tag >> 3, tag & 7
       if wire == 0:
-        _, i = varint(i)
+        _, i = _varint(data, i)
       elif wire == 1:
         i += 8
       elif wire == 5:
         i += 4
       elif wire == 2:
-        size, i = varint(i)
+        size, i = _varint(data, i)
         if number == 1:  # a map entry: its key is its field 1, a string
-          key_tag, j = varint(i)
+          key_tag, j = _varint(data, i)
           if key_tag != 0x0A:
             return None
-          key_size, j = varint(j)
+          key_size, j = _varint(data, j)
           entries[data[j : j + key_size]] = data[start : i + size]
           fingerprints[data[j : j + key_size]] = _fingerprint(data, j + key_size, i + size)
         i += size
@@ -125,25 +128,13 @@ def _fingerprint(data: bytes, at: int, end: int) -> bytes | None:
   it is not laid out so."""
   if at + 2 > end or data[at] != 0x12:
     return None
-  i, size, shift = at + 1, 0, 0
-  while i < end:
-    byte = data[i]
-    i += 1
-    size |= (byte & 0x7F) << shift
-    shift += 7
-    if byte < 0x80:
-      break
-  if i >= end or data[i] != 0x0A:
+  try:
+    _, i = _varint(data, at + 1, end)  # the value's size
+    if i >= end or data[i] != 0x0A:
+      return None
+    length, i = _varint(data, i + 1, end)
+  except ValueError:
     return None
-  i += 1
-  length, shift = 0, 0
-  while i < end:
-    byte = data[i]
-    i += 1
-    length |= (byte & 0x7F) << shift
-    shift += 7
-    if byte < 0x80:
-      break
   return data[i : i + length] if i + length <= end else None
 
 
