@@ -395,7 +395,10 @@ def test_the_first_pass_profiles_its_fastest_variant_at_once(monkeypatch):
 
   monkeypatch.setattr(compiles, "analyze_all", recorded)
   times["w1"] = (10.2, 8.5)
+  times["w1" + suffix] = (9.2, 8.5)
   cands.insert(1, records.Candidate("w1", written, {"o": "w1"}))
   choice, _ = search.select(settings, cands, lambda cfg, options: None, (), {})
-  assert batches == [["w0", "r0"], ["w0" + suffix, "w1"], [], ["r0" + suffix]]
+  # At the end, the fastest variant not profiled yet (w1), then the least compute (r0): three
+  # profiled recompiles in all.
+  assert batches == [["w0", "r0"], ["w0" + suffix, "w1"], [], ["w1" + suffix, "r0" + suffix]]
   assert choice.name == "w0" + suffix

@@ -31,8 +31,11 @@ BEHIND_FACTOR = 1.05
 FAR_BEHIND = 0.15
 
 
-def worth_profiling(times: list[float], reports: list) -> list[int]:
-  """The variants to recompile with a latency profile, at most ``PROFILED_VARIANTS``.
+def worth_profiling(
+  times: list[float], reports: list, done: frozenset = frozenset(), most: int = PROFILED_VARIANTS
+) -> list[int]:
+  """The variants to recompile with a latency profile, at most ``most``, none of ``done``
+  (those profiled already, or a profiled recompile themselves).
 
   A schedule can at best hide all of a variant's exposed communication: a variant whose
   compute alone takes longer than the best step so far cannot win and is not tried.
@@ -40,20 +43,30 @@ def worth_profiling(times: list[float], reports: list) -> list[int]:
   most a better schedule can reach), skipping variants whose estimates equal one
   already picked (the same program compiled under options that changed nothing).
   """
-  finite = [i for i in range(len(times)) if times[i] < float("inf")]
+  best = min(times, default=float("inf"))
+  # Variants whose estimates equal one profiled already compile the same schedule again.
+  seen = {(times[i], reports[i].compute_time_s) for i in done if times[i] < float("inf")}
+  if most <= 0:
+    return []
+  finite = [
+    i
+    for i in range(len(times))
+    if times[i] < float("inf")
+    and i not in done
+    and (times[i], reports[i].compute_time_s) not in seen
+  ]
   if not finite:
     return []
-  best = min(times)
   fastest = min(finite, key=lambda i: (times[i], i))
   rest = sorted(finite, key=lambda i: (reports[i].compute_time_s, times[i], i))
-  picked, seen = [], set()
+  picked = []
   for i in [fastest, *rest]:
     same = (times[i], reports[i].compute_time_s)
     if same in seen or reports[i].compute_time_s >= best:
       continue
     seen.add(same)
     picked.append(i)
-    if len(picked) == PROFILED_VARIANTS:
+    if len(picked) >= most:
       break
   return picked
 
@@ -200,11 +213,16 @@ def select(
   # variant already was).
   if profiling:
     names = {c.name for c in candidates}
+    profiled = frozenset(
+      i
+      for i, c in enumerate(candidates)
+      if c.name.endswith(PROFILED_SUFFIX) or c.name + PROFILED_SUFFIX in names
+    )
     jobs = []
-    for i in worth_profiling(times, reports):
+    # PROFILED_VARIANTS in all, the first pass's included.
+    most = PROFILED_VARIANTS - sum(c.name.endswith(PROFILED_SUFFIX) for c in candidates)
+    for i in worth_profiling(times, reports, profiled, most):
       c = candidates[i]
-      if c.name.endswith(PROFILED_SUFFIX) or c.name + PROFILED_SUFFIX in names:
-        continue
       job = _profiled(c, reports[i], failed)
       if job is not None:
         jobs.append(job)
