@@ -41,6 +41,7 @@ class Lookup:
   eqn: int
   table: int
   gather: object  # the gather equation (inside the call, or ``eqn``'s own)
+  dim: int = 0  # the table's sharded dimension: 0 by rows, a later one by columns
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +52,7 @@ class RowScatter:
   eqn: int
   scatter: int
   scatter_add: object
+  dim: int = 0  # the table's sharded dimension: 0 by rows, a later one by columns
 
 
 def _inner(e):
@@ -164,34 +166,39 @@ def plan(eqns, users: dict, kinds: dict, target, where: str) -> tuple[dict, dict
     if (
       e.primitive.name == GATHER
       and kinds.get(t) == "parameter"
-      and e.params.get("all_gather_dimension") == 0
       and e.params.get("tiled")
     ):
+      d = int(e.params.get("all_gather_dimension", 0))
       n = int(e.params.get("axis_size", 1))
       f = _only_reader(users, e.outvars[0])
       g = None if f is None else _find_lookup(eqns[f], e.outvars[0])
       if g is None or n <= 1 or g.invars[1].aval.shape[0] < 1:
         continue
       table = nbytes(e.outvars[0].aval)
-      rows = nbytes(g.outvars[0].aval) * n  # every device's tokens' rows
       ids = nbytes(g.invars[1].aval) * n
-      t_table, t_rows = _times("all-gather", table, "reduce-scatter", rows, ids, n, topo)
+      if d == 0:  # every device's tokens' rows, reduce-scattered
+        moved, how = nbytes(g.outvars[0].aval) * n, "reduce-scatter"
+        told = "rows looked up where they are held and reduce-scattered"
+      else:  # every device's tokens in this device's columns, exchanged
+        moved, how = nbytes(g.outvars[0].aval), "all-to-all"
+        told = "rows looked up in the columns each device holds and exchanged all-to-all"
+      t_table, t_rows = _times("all-gather", table, how, moved, ids, n, topo)
       if t_rows < t_table:
-        lookups[f] = Lookup(f, t, g)
+        lookups[f] = Lookup(f, t, g, d)
         actions.append(
           Action(
             "embedding",
             where,
             f"lookup at equation {f} without gathering its table (all-gather #{t}, "
-            f"{table / 2**20:.1f} MiB, {t_table * 1e3:.3f} ms): token ids gathered, rows "
-            f"looked up where they are held and reduce-scattered ({rows / 2**20:.1f} MiB, "
-            f"{t_rows * 1e3:.3f} ms by the cost model)",
+            f"{table / 2**20:.1f} MiB, {t_table * 1e3:.3f} ms): token ids gathered, {told} "
+            f"({moved / 2**20:.1f} MiB, {t_rows * 1e3:.3f} ms by the cost model)",
           )
         )
     elif e.primitive.name == SCATTER and kinds.get(t) == "gradient":
       p = e.params
-      if not (p.get("scatter_dimension") == 0 and p.get("tiled")):
+      if not p.get("tiled"):
         continue
+      d = int(p.get("scatter_dimension", 0))
       n = int(p.get("axis_size", 1))
       src = e.invars[0]
       b = producer.get(src)
@@ -201,19 +208,24 @@ def plan(eqns, users: dict, kinds: dict, target, where: str) -> tuple[dict, dict
       if s is None:
         continue
       table = nbytes(src.aval)
-      rows = nbytes(s.invars[2].aval) * n
       ids = nbytes(s.invars[1].aval) * n
-      t_table, t_rows = _times("reduce-scatter", table, "all-gather", rows, ids, n, topo)
+      if d == 0:  # every device's cotangents, gathered
+        moved, how = nbytes(s.invars[2].aval) * n, "all-gather"
+        told = "token ids and cotangents all-gathered"
+      else:  # every device's cotangents in this device's columns, exchanged
+        moved, how = nbytes(s.invars[2].aval), "all-to-all"
+        told = "token ids all-gathered, cotangents exchanged all-to-all"
+      t_table, t_rows = _times("reduce-scatter", table, how, moved, ids, n, topo)
       if t_rows < t_table:
-        scatters[b] = RowScatter(b, t, s)
+        scatters[b] = RowScatter(b, t, s, d)
         actions.append(
           Action(
             "embedding",
             where,
             f"gradient of a lookup (equation {b}) scatter-added where its rows are held "
             f"instead of reduce-scattering the table-sized gradient (reduce-scatter #{t}, "
-            f"{table / 2**20:.1f} MiB, {t_table * 1e3:.3f} ms): token ids and cotangents "
-            f"all-gathered ({rows / 2**20:.1f} MiB, {t_rows * 1e3:.3f} ms by the cost model)",
+            f"{table / 2**20:.1f} MiB, {t_table * 1e3:.3f} ms): {told} "
+            f"({moved / 2**20:.1f} MiB, {t_rows * 1e3:.3f} ms by the cost model)",
           )
         )
   return lookups, scatters, actions
@@ -228,6 +240,18 @@ def _local_ids(ids, rows: int, axis):
   """Ids relative to this device's rows, and whether it holds them."""
   local = ids - lax.axis_index(axis).astype(ids.dtype) * rows
   return local, (local >= 0) & (local < rows)
+
+
+def lookup_columns(shard, ids, g, axis, dim: int):
+  """``gather`` ``g`` (a row lookup in the full table) on the local ``shard`` of its
+  columns (the table's dimension ``dim``): every device's tokens looked up in them, and each
+  device's own tokens' rows put together by an all-to-all."""
+  every = lax.all_gather(ids, axis, axis=0, tiled=True)
+  params = dict(g.params)
+  params["slice_sizes"] = (1, *shard.shape[1:])
+  out = lax.gather_p.bind(shard, every, **params)
+  # The table's dimension `dim` is the output's dimension after the ids' batch dimensions.
+  return lax.all_to_all(out, axis, 0, ids.ndim - 1 + dim - 1, tiled=True)
 
 
 def lookup(shard, ids, g, axis, n: int):
@@ -256,6 +280,25 @@ def lookup(shard, ids, g, axis, n: int):
   return out
 
 
+def _partials_in_device_order(zero, local, upd, params, n: int):
+  """The scatter-adds of each source device's ``upd`` (``n`` equal blocks of dimension 0)
+  into ``zero`` by ``local``, each into a partial of its own, summed in device order."""
+  vary = pcast_varying()
+  if vary is not None and varying(upd) and not varying(zero):
+    zero = vary(zero, tuple(sorted(varying(upd))))
+  b = local.shape[0] // n
+  total = None
+  for k in range(n):  # one partial per source device, summed in device order
+    part = lax.scatter_add_p.bind(
+      zero, local[k * b : (k + 1) * b], upd[k * b : (k + 1) * b], **params
+    )
+    # The barrier keeps XLA from folding the sum into the scatter-adds (add(scatter(0, ...),
+    # x) -> scatter(x, ...)), which would add duplicate ids in another order.
+    part = lax.optimization_barrier(part)
+    total = part if total is None else total + part
+  return total
+
+
 def scatter_rows(zeros_shape, dtype, ids, updates, s, axis, n: int):
   """``scatter-add`` ``s`` (of ``updates`` into a zero table of ``zeros_shape`` rows by
   ``ids``), reduce-scattered over rows, computed as this device's rows of the sum."""
@@ -269,21 +312,19 @@ def scatter_rows(zeros_shape, dtype, ids, updates, s, axis, n: int):
   local = jnp.where(held, local, rows)  # out of this device's rows: dropped
   params = dict(s.params)
   params["mode"] = lax.GatherScatterMode.FILL_OR_DROP
-  b = ids.shape[0]
   zero = jnp.zeros((rows, *zeros_shape[1:]), dtype)
-  vary = pcast_varying()
-  if vary is not None and varying(upd) and not varying(zero):
-    zero = vary(zero, tuple(sorted(varying(upd))))
-  total = None
-  for k in range(n):  # one partial per source device, summed in device order
-    part = lax.scatter_add_p.bind(
-      zero, local[k * b : (k + 1) * b], upd[k * b : (k + 1) * b], **params
-    )
-    # The barrier keeps XLA from folding the sum into the scatter-adds (add(scatter(0, ...),
-    # x) -> scatter(x, ...)), which would add duplicate ids in another order.
-    part = lax.optimization_barrier(part)
-    total = part if total is None else total + part
-  return total
+  return _partials_in_device_order(zero, local, upd, params, n)
+
+
+def scatter_columns(zeros_shape, dtype, ids, updates, s, axis, n: int, dim: int):
+  """``scatter-add`` ``s`` (of ``updates`` into a zero table of ``zeros_shape`` by
+  ``ids``), reduce-scattered over the table's dimension ``dim``, computed as this device's
+  columns of the sum: every device's cotangents in those columns come by an all-to-all."""
+  every = lax.all_gather(ids, axis, axis=0, tiled=True)
+  upd = lax.all_to_all(updates, axis, ids.ndim - 1 + dim - 1, 0, tiled=True)
+  shape = list(zeros_shape)
+  shape[dim] //= n
+  return _partials_in_device_order(jnp.zeros(shape, dtype), every, upd, dict(s.params), n)
 
 
 def run_call(e, invals: list, inner_gather_or_scatter, replace: Callable, eval_eqn: Callable):
@@ -312,6 +353,8 @@ def eval_lookup(e, lk: Lookup, table_eqn, read, eval_eqn):
   shard = read(table_eqn.invars[0])
 
   def replace(g, vals):
+    if lk.dim:
+      return lookup_columns(shard, vals[1], g, axis, lk.dim)
     return lookup(shard, vals[1], g, axis, n)
 
   invals = [None if (is_var(v) and v is table_eqn.outvars[0]) else read(v) for v in e.invars]
@@ -325,6 +368,8 @@ def eval_scatter(e, rs: RowScatter, scatter_eqn, read, eval_eqn):
 
   def replace(s, vals):
     z = s.invars[0].aval
+    if rs.dim:
+      return scatter_columns(z.shape, z.dtype, vals[1], vals[2], s, axis, n, rs.dim)
     return scatter_rows(z.shape, z.dtype, vals[1], vals[2], s, axis, n)
 
   return run_call(e, [read(v) for v in e.invars], rs.scatter_add, replace, eval_eqn)
