@@ -163,11 +163,7 @@ def plan(eqns, users: dict, kinds: dict, target, where: str) -> tuple[dict, dict
   scatters: dict[int, RowScatter] = {}
   actions: list[Action] = []
   for t, e in enumerate(eqns):
-    if (
-      e.primitive.name == GATHER
-      and kinds.get(t) == "parameter"
-      and e.params.get("tiled")
-    ):
+    if e.primitive.name == GATHER and kinds.get(t) == "parameter" and e.params.get("tiled"):
       d = int(e.params.get("all_gather_dimension", 0))
       n = int(e.params.get("axis_size", 1))
       f = _only_reader(users, e.outvars[0])
