@@ -247,3 +247,26 @@ def test_a_table_also_used_as_the_output_projection_is_gathered():
   assert not ov.explain(table, ids).of_kind("embedding")
   for a, b in zip(jax.jit(step)(table, ids), ov(table, ids)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_scatter_add_into_a_nonzero_table_is_reduce_scattered_as_written():
+  """Only autodiff's scatter-add into a zero table is computed where the rows are held: a
+  scatter-add into other values (here a table of ones) keeps its reduce-scatter."""
+  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Auto,))
+  vocab, hidden = 32768, 128
+  sh = NamedSharding(mesh, P("fsdp"))
+  table = jax.device_put(jax.random.normal(jax.random.key(0), (vocab, hidden)), sh)
+  ids = jax.device_put(jax.random.randint(jax.random.key(1), (8, 5), 0, 6), sh)
+  upd = jax.device_put(jax.random.normal(jax.random.key(2), (8, 5, hidden)), sh)
+
+  def body(t, i, u):  # an update of `t` by a gradient-shaped reduce-scatter
+    base = jnp.ones((vocab, hidden), jnp.float32)
+    g = base.at[i].add(u, mode="drop")
+    return t - 0.5 * jax.lax.psum_scatter(g, "fsdp", scatter_dimension=0, tiled=True)
+
+  step = jax.shard_map(body, mesh=mesh, in_specs=(P("fsdp"),) * 3, out_specs=P("fsdp"))
+  ov = jax_overlap.overlap(step, target="h100x8", select="rewrite", cache=False)
+  assert not ov.explain(table, ids, upd).of_kind("embedding")
+  np.testing.assert_array_equal(
+    np.asarray(jax.jit(step)(table, ids, upd)), np.asarray(ov(table, ids, upd))
+  )

@@ -124,18 +124,33 @@ def _find_lookup(e, table_var):
   return readers[0]
 
 
-def _find_scatter(e, out_var):
-  """The row scatter-add producing ``out_var`` of ``e`` (directly, or as its call body's
-  output); None otherwise."""
+# Operations that leave a zero a zero (a cast of where it varies, a copy, a dtype change).
+_SAME_ZERO = ("pvary", "pcast", "copy", "copy_p", "convert_element_type")
+
+
+def _zeros(v, eqns) -> bool:
+  """``v`` is a broadcast zero made by ``eqns`` (autodiff's zero table)."""
+  for x in eqns:
+    if x.outvars and x.outvars[0] is v:
+      src = x.invars[0] if x.invars else None
+      if x.primitive.name in _SAME_ZERO and is_var(src):
+        return _zeros(src, eqns)
+      return x.primitive.name == "broadcast_in_dim" and not is_var(src) and not src.val
+  return False
+
+
+def _find_scatter(e, out_var, eqns):
+  """The row scatter-add into a zero table producing ``out_var`` of ``e`` (directly, zeros
+  made by one of ``eqns``, or as its call body's output); None otherwise."""
   if _row_scatter(e) and e.outvars[0] is out_var:
-    return e
+    return e if _zeros(e.invars[0], eqns) else None
   inner = _inner(e)
   if inner is None or len(e.outvars) != 1:
     return None
   (ov,) = inner.outvars
   for s in inner.eqns:
     if s.outvars and s.outvars[0] is ov:
-      return s if _row_scatter(s) else None
+      return s if _row_scatter(s) and _zeros(s.invars[0], inner.eqns) else None
   return None
 
 
@@ -200,7 +215,7 @@ def plan(eqns, users: dict, kinds: dict, target, where: str) -> tuple[dict, dict
       b = producer.get(src)
       if b is None or n <= 1 or _only_reader(users, src) != t:
         continue
-      s = _find_scatter(eqns[b], src)
+      s = _find_scatter(eqns[b], src, eqns)
       if s is None:
         continue
       table = nbytes(src.aval)
