@@ -76,9 +76,10 @@ def test_property_rewrite_matches_plain_jit(layers, hidden, dtype, prefetch, mes
   p2, l2 = _run(jax_overlap.overlap(step, prefetch=prefetch), params, x, n=2)
   np.testing.assert_allclose(l1, l2, rtol=1e-6)
   for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2)):
-    np.testing.assert_allclose(
-      np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-6, atol=0
-    )
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    # Sums reassociated by the pipelined collectives differ in their last bits, which is
+    # more than rtol where they cancel to near zero: the tolerance is scaled to the array.
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * float(np.abs(a).max()))
 
 
 def test_explain_lists_prefetch_reduce_scatter_and_options():

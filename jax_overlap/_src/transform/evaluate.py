@@ -12,14 +12,14 @@ from jax.experimental.xla_metadata import set_xla_metadata
 
 from jax_overlap._src.collective_matmul.nd import gather_dots_kept
 from jax_overlap._src.fsdp.pipeline import after
-from jax_overlap._src.transform import embedding, scan_pipeline, ties
+from jax_overlap._src.transform import embedding, first_pieces, scan_pipeline, ties
 from jax_overlap._src.transform.explain import Action
 from jax_overlap._src.transform.jaxprs import OPAQUE, contains_collectives, is_var, scan_sizes
 from jax_overlap._src.transform.planning import BodyPlan, plan_body
 from jax_overlap._src.transform.settings import CollectiveMatmul, ReduceScatter
 
 
-def _eval_eqn(eqn, invals, metadata: dict[str, str] | None):
+def eval_eqn(eqn, invals, metadata: dict[str, str] | None):
   """Binds one equation as ``jax.core.eval_jaxpr`` does, optionally under XLA metadata."""
   from jax._src import source_info_util
 
@@ -59,7 +59,7 @@ def _run_ring(ring, env, read, wait_for: list, kept: dict) -> bool:
     lhs = d.invars[0] is gather.outvars[0]
     w = d.invars[1] if lhs else d.invars[0]
     if is_var(w) and w not in env:
-      out = _eval_eqn(gather, [read(x)], None)[0]
+      out = eval_eqn(gather, [read(x)], None)[0]
       env[gather.outvars[0]] = ties.after_all(out, wait_for)
       return False
     aval = d.outvars[0].aval
@@ -133,11 +133,14 @@ def _run_env(jaxpr, consts, args, plan: BodyPlan | None, skip: frozenset = froze
   env, read_env = _environment(jaxpr, consts, args)
   order = plan.order if plan is not None else range(len(jaxpr.eqns))
   ring_done: dict[int, bool] = {}
+  pieced: dict = {}  # a first gather's value -> its pieces (first_pieces.py)
   kept: dict = {}  # gathered values rings keep, not yet put in order (rings.Kept)
 
   def read(v):
     if is_var(v) and v in kept:  # read before a reduce-scatter took it: assembled here
       env[v] = kept.pop(v).assemble()
+    if is_var(v) and v in pieced and v not in env:  # a first gather read whole
+      env[v] = pieced[v].whole()
     return read_env(v)
 
   def weight_gradients_before(g: int) -> list:
@@ -201,12 +204,12 @@ def _run_env(jaxpr, consts, args, plan: BodyPlan | None, skip: frozenset = froze
       continue
     if plan is not None and i in plan.lookups:  # the table stays sharded
       lk = plan.lookups[i]
-      outs = embedding.eval_lookup(eqn, lk, jaxpr.eqns[lk.table], read, _eval_eqn)
+      outs = embedding.eval_lookup(eqn, lk, jaxpr.eqns[lk.table], read, eval_eqn)
       env.update(zip(eqn.outvars, outs))
       continue
     if plan is not None and i in plan.row_scatters:  # its reduce-scatter's result, directly
       rs = plan.row_scatters[i]
-      (out,) = embedding.eval_scatter(eqn, rs, jaxpr.eqns[rs.scatter], read, _eval_eqn)
+      (out,) = embedding.eval_scatter(eqn, rs, jaxpr.eqns[rs.scatter], read, eval_eqn)
       env[jaxpr.eqns[rs.scatter].outvars[0]] = out
       continue
     if plan is not None and (i in plan.scans or i in plan.loop_bodies):
@@ -224,7 +227,7 @@ def _run_env(jaxpr, consts, args, plan: BodyPlan | None, skip: frozenset = froze
           eqn,
           invals,
           plan.scans[i],
-          _eval_eqn,
+          eval_eqn,
           layer,
           None if issued is None else lambda x, e=jaxpr.eqns[issued]: ties.tied(x, e, read),
         )
@@ -232,6 +235,14 @@ def _run_env(jaxpr, consts, args, plan: BodyPlan | None, skip: frozenset = froze
         env[v] = o
       continue
     md = plan.metadata.get(i) if plan is not None else None
+    if plan is not None and i in plan.piece_dots:  # the matmul first reading one, in pieces
+      g = plan.piece_dots[i]
+      var = jaxpr.eqns[g].outvars[0]
+      invals = [None if v is var else read(v) for v in eqn.invars]
+      env[eqn.outvars[0]] = pieced[var].dot(eqn, invals, var)
+      if plan.first_pieces[g].whole:  # its other readers get the pieces put together
+        env[var] = pieced[var].whole()
+      continue
     invals = [read(v) for v in eqn.invars]
     if plan is not None and i in plan.scatters_before_loop:
       invals = ties.tied_before(i, eqn, invals, plan, read, jaxpr)
@@ -245,7 +256,15 @@ def _run_env(jaxpr, consts, args, plan: BodyPlan | None, skip: frozenset = froze
         env[v] = through
     elif issued is not None and invals:
       invals[0] = ties.tied(invals[0], jaxpr.eqns[issued], read)
-    outs = _eval_eqn(eqn, invals, md)
+    first = plan.after_pieces.get(i) if plan is not None else None
+    if first is not None and jaxpr.eqns[first].outvars[0] in pieced:  # after its pieces
+      invals[0] = pieced[jaxpr.eqns[first].outvars[0]].before(invals[0])
+    if plan is not None and i in plan.first_pieces:  # a first gather, in pieces
+      fp = plan.first_pieces[i]
+      bind = lambda e, vals, md=md: eval_eqn(e, vals, md)  # noqa: E731
+      pieced[eqn.outvars[0]] = first_pieces.Gathering(eqn, invals[0], fp, bind)
+      continue
+    outs = eval_eqn(eqn, invals, md)
     if plan is not None and i in plan.wgrad_before:  # its users wait for the weight gradients
       outs = [ties.after_all(outs[0], weight_gradients_before(i))]
     for v, o in zip(eqn.outvars, outs):
@@ -337,7 +356,7 @@ def evaluate_program(closed, args, cfg: VariantConfig):
       outs = evaluate_program(eqn.params["jaxpr"], invals, cfg)
       outs = _constrain(outs, eqn.params.get("out_shardings"))
     else:
-      outs = _eval_eqn(eqn, invals, None)
+      outs = eval_eqn(eqn, invals, None)
     for v, o in zip(eqn.outvars, outs):
       env[v] = o
   return [read(v) for v in jaxpr.outvars]

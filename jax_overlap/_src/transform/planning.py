@@ -10,7 +10,13 @@ from __future__ import annotations
 import dataclasses
 import heapq
 
-from jax_overlap._src.transform import embedding, matmul_sites, scan_pipeline, weight_gradients
+from jax_overlap._src.transform import (
+  embedding,
+  first_pieces,
+  matmul_sites,
+  scan_pipeline,
+  weight_gradients,
+)
 from jax_overlap._src.transform import prefetch as prefetch_lib
 from jax_overlap._src.transform.explain import Action
 from jax_overlap._src.transform.jaxprs import (
@@ -212,6 +218,12 @@ class BodyPlan:
   # call eqn -> embedding.Lookup / embedding.RowScatter.
   lookups: dict = dataclasses.field(default_factory=dict)
   row_scatters: dict = dataclasses.field(default_factory=dict)
+  # The step's first gathers in pieces (first_pieces.py): gather -> first_pieces.Pieces, and
+  # the matmul first reading each -> that gather.
+  first_pieces: dict = dataclasses.field(default_factory=dict)
+  piece_dots: dict = dataclasses.field(default_factory=dict)
+  # The other gathers issued at the start -> the first gather whose last piece they follow.
+  after_pieces: dict = dataclasses.field(default_factory=dict)
   reverse: bool = False  # this is a loop body, of a reversed scan (a backward pass's)
 
 
@@ -286,20 +298,32 @@ def plan_body(
         if sp:
           length = int(e.params.get("length", 1))
           depth = max(1, min(prefetch, length - 1))
-          sp = dataclasses.replace(sp, depth=depth)
+          sp = dataclasses.replace(sp, depth=depth, peel=length - 2 > depth)
           scans[i] = sp
-          if sp.gathers:
+          layers = "layer" if depth == 1 else f"{depth} layers"
+          if sp.peel:  # scan_pipeline.run: the first and last iterations outside the loop
             early = (
-              "one iteration early (the first before the loop), one gathered layer carried"
-              if depth == 1
-              else f"{depth} iterations early (the first {depth} before the loop), {depth} "
-              "gathered layers carried"
+              f"{'one iteration' if depth == 1 else f'{depth} iterations'} early; the first "
+              "iteration runs before the loop with its gathers where it uses them, the next "
+              f"{layers} gathered beside it"
             )
+            late = (
+              "one iteration late; the last iteration runs after the loop with its "
+              "reduce-scatters where it computes them, the one before scattered beside it"
+            )
+          else:
+            early = (
+              f"{'one iteration' if depth == 1 else f'{depth} iterations'} early (the first "
+              f"{layers} before the loop)"
+            )
+            late = "one iteration late (the last after the loop)"
+          if sp.gathers:
             actions.append(
               Action(
                 "prefetch",
                 loop,
-                f"{len(sp.gathers)} all-gather(s) of each iteration's layer issued {early}",
+                f"{len(sp.gathers)} all-gather(s) of each iteration's layer issued {early}, "
+                f"{'one gathered layer' if depth == 1 else f'{depth} gathered layers'} carried",
               )
             )
           if sp.scatters:
@@ -307,9 +331,8 @@ def plan_body(
               Action(
                 "reduce_scatter",
                 loop,
-                f"{len(sp.scatters)} gradient reduce-scatter(s) issued "
-                "one iteration late (the last after the loop), one unscattered gradient "
-                "carried",
+                f"{len(sp.scatters)} gradient reduce-scatter(s) issued {late}, one "
+                "unscattered gradient carried",
               )
             )
         elif inner is None:
@@ -425,6 +448,26 @@ def plan_body(
         issue_after[it.eqn] = it.after
   if issues:
     actions.extend(_issue_actions(issues, scans, where, tie, prefetch_memory))
+  # The first gathers in pieces, where the first matmul can start on part of its weight.
+  pieces: dict = {}
+  if issues:
+    from jax_overlap._src import targets as targets_lib
+
+    pieces, piece_actions = first_pieces.plan(
+      eqns,
+      users,
+      [it for it in issues if it.eqn not in scans],
+      targets_lib.get(target or "h100x8"),
+      where,
+      jaxpr.outvars,
+    )
+    # A matmul a collective matmul computes (rings, fused) keeps its gathers whole.
+    pieces = {g: p for g, p in pieces.items() if p.dot not in ring_of and p.dot not in fused}
+    for g in pieces:  # evaluated first of the gathers at the start: the others follow it
+      for d in closure(g):
+        key[d] = min(key[d], -0.95 + d * 1e-9)
+      key[g] = min(key[g], -0.9)
+    actions.extend(a for a in piece_actions if any(f"#{g} " in a.detail for g in pieces))
 
   # 2. Reduce-scatters right after the op producing their input.
   max_scatter = 0
@@ -630,6 +673,9 @@ def plan_body(
     ties_read_through=prefetch_memory is not None,
     lookups=lookups,
     row_scatters=row_scatters,
+    first_pieces=pieces,
+    piece_dots={p.dot: g for g, p in pieces.items()},
+    after_pieces={o: g for g, p in pieces.items() for o in p.then},
   )
 
 

@@ -16,12 +16,28 @@ and :func:`run` evaluates the scan with the gathers one iteration early (the fir
 is gathered before the loop, iteration i gathers layer i+1 and carries it to iteration
 i+1; with ``prefetch`` = d, d iterations early, d gathered layers carried) and the
 reduce-scatters one iteration late (iteration i scatters iteration i-1's
-gradient, carried unscattered; the last one is scattered after the loop). Every layer
-still runs inside the loop, as the scan it replaces compiled it, so results are
-bit-identical. The cost: one gathered layer and one unscattered gradient carried between
-iterations, and per loop one gather (the last iteration's, of the first layer again) and
-one reduce-scatter (the first iteration's, of zeros) whose results are unused, both issued
-where the layer's compute can hide them.
+gradient, carried unscattered; the last one is scattered after the loop). The cost: one
+gathered layer and one unscattered gradient carried between iterations, and per loop one
+gather (the last iteration's, of the first layer again) and one reduce-scatter (the first
+iteration's, of zeros) whose results are unused, both issued where the layer's compute can
+hide them.
+
+Where the loop has iterations to spare (``length - 2 > prefetch``) its first and last
+iterations run outside it (``ScanPlan.peel``). XLA keeps no asynchronous collective in
+flight across a loop, so what comes before and after the loop otherwise has only the
+compute outside it to hide under: the step's first gathers, the reduce-scatter of a
+gradient computed before the backward loop (the output projection's), the last
+iteration's reduce-scatters. Peeled, the first iteration gathers its layer where it uses
+it (the first matmul waits for its own weight only), the next layer is gathered beside it
+and its gradient is carried into the loop unscattered (no reduce-scatter of zeros); the
+last iteration takes its layer from the loop and reduce-scatters each gradient where it
+computes it, beside the previous iteration's. The peeled iterations run the body's own
+operations; what goes in and out of each passes an optimization barrier, as a loop's carry
+does (no fusion across it: without it, bfloat16 results differed from the loop's on CPU),
+which also keeps the first iteration's gathers from starting before its carry exists (XLA
+would issue a backward loop's at the start of the step). They cost a little memory, what
+XLA keeps live around them outside the loop (on the 8-layer Llama step, h100x8: 3.28 ->
+3.35 GiB per device by XLA's buffer assignment).
 """
 
 from __future__ import annotations
@@ -32,6 +48,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from jax_overlap._src.fsdp.pipeline import varying
 from jax_overlap._src.transform.jaxprs import (
   GATHER,
   SCATTER,
@@ -60,6 +77,7 @@ class ScanPlan:
     reason: why nothing was moved (empty when something was).
     depth: how many iterations early the gathers go (``prefetch``): the first ``depth``
       layers are gathered before the loop and ``depth`` gathered layers are carried.
+    peel: the first and the last iteration run outside the loop (:func:`run`).
   """
 
   gathers: tuple[int, ...] = ()
@@ -69,6 +87,7 @@ class ScanPlan:
   tails: dict = dataclasses.field(default_factory=dict)
   reason: str = ""
   depth: int = 1
+  peel: bool = False
 
   @property
   def moved(self) -> frozenset:
@@ -263,38 +282,78 @@ def run(
       for s, u in zip(p.scatters, pending)
     ]
 
+  def slice_at(k: int) -> list:
+    return [x[k] for x in xs]
+
+  def outputs(env_read, scattered_inline: bool):
+    """One iteration's carry out and stacked outputs (None where a moved reduce-scatter
+    goes, unless it ran in place)."""
+    outs = [
+      None if (k in p.outputs.values() and not scattered_inline) else env_read(v)
+      for k, v in enumerate(jaxpr.outvars)
+    ]
+    return outs[:n_carry], outs[n_carry:]
+
   def layer(carry: list, step_xs: list, gathered: list):
     """One iteration of the body with its gathers given; its carry out, its stacked
     outputs (None where a moved reduce-scatter goes) and the unscattered gradients."""
     given = dict(zip(p.gathers, gathered))
     env, read = layer_env(jaxpr, body_consts, [*consts, *carry, *step_xs], skip, given)
     pending = [read(eqns[s].invars[0]) for s in p.scatters]
-    outs = [None if k in p.outputs.values() else read(v) for k, v in enumerate(jaxpr.outvars)]
-    return outs[:n_carry], outs[n_carry:], pending
+    return *outputs(read, False), pending
 
-  def slice_at(k: int) -> list:
-    return [x[k] for x in xs]
-
-  # The first `depth` layers are gathered before the loop; iteration i gathers layer
-  # i+depth (the last `depth` ones gather the first layers again, unused) and scatters
-  # iteration i-1's gradient (the first one scatters zeros, unused); the last gradient is
-  # scattered after the loop. Every layer runs inside the loop, as the scan it replaces
-  # compiled it, so results are bit-identical.
   depth = p.depth  # 1 <= depth < length, as the planner sets it
   first = issue or (lambda x: x)
-  ahead = [gather([first(x) for x in slice_at(idx(j))]) for j in range(depth)]
-  pending = [_zeros(eqns[s], eqns[s].invars[0]) for s in p.scatters]
-  step = -1 if reverse else 1
+  peel = p.peel and length - 2 > depth
+  if peel:
+    # The first iteration runs before the loop with its gathers where the body has them
+    # (the step's first gathers, per use) and its gradients left unscattered for the loop's
+    # first iteration; the next `depth` layers are gathered after its gathers, beside its
+    # compute. The loop runs the middle iterations; the last runs after it with its gathers
+    # carried out of the loop and its reduce-scatters in place, where the compute after
+    # the loop (and before it, for the first) can hide what they move.
+    # Its inputs through one barrier: its gathers start once its carry exists, as in the
+    # loop (XLA would otherwise issue them anywhere before: a backward loop's at the start
+    # of the step, beside the forward's first gathers).
+    entry = _fenced([*carry0, *[first(x) for x in slice_at(idx(0))]])
+    env, read = layer_env(jaxpr, body_consts, [*consts, *entry], skip - frozenset(p.gathers), {})
+    own = [read(eqns[g].outvars[0]) for g in p.gathers]
+    carry, ys0 = outputs(read, False)
+    carry, ys0 = _fenced(carry), [None if y is None else _fenced([y])[0] for y in ys0]
+    pending = _fenced([read(eqns[s].invars[0]) for s in p.scatters])
+    ahead = [gather([_after(x, own) for x in slice_at(idx(j))]) for j in range(1, depth + 1)]
+    lo, last_pos = 1, length - 2
+  else:
+    # The first `depth` layers are gathered before the loop; iteration i gathers layer
+    # i+depth (the last `depth` ones gather the first layers again, unused) and scatters
+    # iteration i-1's gradient (the first one scatters zeros, unused); the last gradient
+    # is scattered after the loop.
+    carry = list(carry0)
+    ahead = [gather([first(x) for x in slice_at(idx(j))]) for j in range(depth)]
+    pending = [_zeros(eqns[s], eqns[s].invars[0]) for s in p.scatters]
+    lo, last_pos = 0, length - 1
   # The scattered gradients go straight into their stacked outputs (updated in place).
   stacks = [_zeros(eqns[s], _final(s), (length,)) for s in p.scatters]
+  n_loop = last_pos - lo + 1
+  # The loop runs positions lo..last_pos, layers 1..length-2 when peeled (either way round).
+
+  step = -1 if reverse else 1
 
   def body(state, k):
+    """Layer ``k``."""
     carry, ahead, pending, stacks = state
     step_xs = [jax.lax.dynamic_index_in_dim(x, k, keepdims=False) for x in xs]
-    nxt = (k + depth * step) % length
+    if peel:  # at iteration position j; past the last position: a loop layer again, unused
+      j = length - 1 - k if reverse else k
+      nxt_j = j + depth
+      nxt = idx(jnp.where(nxt_j < length, nxt_j, lo + (nxt_j - lo) % n_loop))
+    else:  # past the end: the first layers again, unused
+      nxt = (k + depth * step) % length
     nxt_xs = [jax.lax.dynamic_index_in_dim(x, nxt, keepdims=False) for x in xs]
     following = gather(nxt_xs)  # nothing in this layer waits for it
-    prev = (k - step) % length  # the first iteration's is unused and overwritten later
+    # The previous iteration's gradient: without peeling, the first iteration's is zeros,
+    # overwritten after the loop; peeled, the first iteration's is the peeled one's.
+    prev = idx(j - 1) if peel else (k - step) % length
     stacks = [
       jax.lax.dynamic_update_index_in_dim(st, r, prev, 0) for st, r in zip(stacks, scatter(pending))
     ]
@@ -302,27 +361,71 @@ def run(
     ahead = [*ahead[1:], following]
     return (new_carry, ahead, new_pending, stacks), [y for y in ys if y is not None]
 
-  (carry, _, pending, stacks), ys_all = jax.lax.scan(
+  (carry, ahead, pending, stacks), ys_all = jax.lax.scan(
     body,
-    (list(carry0), ahead, pending, stacks),
-    jnp.arange(length),
+    (carry, ahead, pending, stacks),
+    jnp.arange(1, length - 1) if peel else jnp.arange(length),
     reverse=reverse,
     unroll=eqn.params.get("unroll", 1),
   )
-  last = idx(length - 1)
   stacks = [
-    jax.lax.dynamic_update_index_in_dim(st, r, last, 0) for st, r in zip(stacks, scatter(pending))
+    jax.lax.dynamic_update_index_in_dim(st, r, idx(last_pos), 0)
+    for st, r in zip(stacks, scatter(pending))
   ]
+  if peel:
+    given = dict(zip(p.gathers, ahead[0]))
+    env, read = layer_env(
+      jaxpr,
+      body_consts,
+      [*consts, *_fenced(carry), *slice_at(idx(length - 1))],
+      frozenset(p.gathers),
+      given,
+    )
+    carry, ys_last = outputs(read, True)
+    carry, ys_last = _fenced(carry), [None if y is None else _fenced([y])[0] for y in ys_last]
+    stacks = [
+      jax.lax.dynamic_update_index_in_dim(st, ys_last[p.outputs[s] - n_carry], idx(length - 1), 0)
+      for st, s in zip(stacks, p.scatters)
+    ]
   out_ys = []
   kept = 0
   for k in range(n_carry, n_out):
     moved = [j for j, sc in enumerate(p.scatters) if p.outputs[sc] == k]
     if moved:
       out_ys.append(stacks[moved[0]])
-    else:
-      out_ys.append(ys_all[kept])
-      kept += 1
+      continue
+    ys = ys_all[kept]  # in layer order
+    if peel:  # layers 0 and length-1 ran outside the loop
+      at_0, at_end = ys0[k - n_carry][None], ys_last[k - n_carry][None]
+      if reverse:
+        at_0, at_end = at_end, at_0
+      ys = jnp.concatenate([at_0.astype(ys.dtype), ys, at_end.astype(ys.dtype)])
+    out_ys.append(ys)
+    kept += 1
   return [*carry, *out_ys]
+
+
+def _fenced(values: list) -> list:
+  """``values`` through optimization barriers: computed as a loop iteration's carry is, with
+  no fusion across them (a peeled iteration then rounds what it hands on as the loop would,
+  and its results are the loop's). One barrier per set of mesh axes the values vary over
+  (a barrier's outputs vary over all its inputs' axes, which would retype the others)."""
+  values = list(values)
+  groups: dict = {}
+  for k, v in enumerate(values):
+    groups.setdefault(varying(v), []).append(k)
+  for ks in groups.values():
+    for k, v in zip(ks, jax.lax.optimization_barrier(tuple(values[k] for k in ks))):
+      values[k] = v
+  return values
+
+
+def _after(x, values: list):
+  """``x``, computed after ``values`` exist (an optimization barrier ties them)."""
+  if not values:
+    return x
+  tied = jax.lax.optimization_barrier((x, *values))
+  return tied[0]
 
 
 def _zeros(eqn, var, lead: tuple = ()):
