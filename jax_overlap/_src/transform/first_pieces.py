@@ -4,23 +4,23 @@ its weight.
 Nothing runs before the step's first gathers (:mod:`.prefetch` issues them at the start, in
 order of first use, the compute waiting for them), so the first matmul waits for its whole
 weight. Only the first gather the compute waits for is split: the ones after it share the
-link with it and wait for it anyway. Gathered in
-``k`` pieces along a dimension that matmul keeps (one of the weight's free dimensions: a dense
-layer's output columns), the matmul runs on each piece while the next one travels, and the
-outputs are put together along the output dimension it becomes; the other readers of the
-weight (the backward pass) get the pieces put together. Each piece is the same collective
-over the whole mesh, on a block of the shard's columns, and each is issued after the one
-before has arrived, so XLA neither merges them nor reorders them; the other gathers issued
-at the start go after the last piece (XLA's combiner would otherwise join a piece with
-them).
+link with it and wait for it anyway. Gathered in ``k`` pieces along a dimension that matmul
+keeps (one of the weight's free dimensions: a dense layer's output columns), the matmul
+runs on each piece while the next one travels, and the outputs are put together along the
+output dimension it becomes; the other readers of the weight (the backward pass) get the
+pieces put together. Each piece is the same collective over the whole mesh, on a block of
+the shard's columns, and each is issued after the one before has arrived, so XLA neither
+merges them nor reorders them; the other gathers issued at the start go after the last
+piece (XLA's combiner would otherwise join a piece with them).
 
 How many pieces is the cost model's choice (:func:`plan`): ``k`` gathers of a ``k``-th of
 the bytes (alpha-beta, each with its own latency) and ``k`` matmuls of a ``k``-th of the
 roofline time, pipelined, against the whole gather then the whole matmul; none where nothing
 is gained, and none where the matmul's other operand itself comes from a collective (an
 embedding's rows, reduce-scattered at the step's start): the link then carries both before
-the first matmul, the step's start is the link's, and pieces only add their latencies. Each output element is the same dot product as in the matmul as written, so
-results are bit-identical on CPU devices.
+the first matmul, the step's start is the link's, and pieces only add their latencies. Each
+output element is the same dot product as in the matmul as written, so results are
+bit-identical on CPU devices.
 """
 
 from __future__ import annotations
