@@ -239,7 +239,8 @@ def _run_env(jaxpr, consts, args, plan: BodyPlan | None, skip: frozenset = froze
       g = plan.piece_dots[i]
       var = jaxpr.eqns[g].outvars[0]
       invals = [None if v is var else read(v) for v in eqn.invars]
-      env[eqn.outvars[0]] = pieced[var].dot(eqn, invals, var)
+      bind = lambda e, vals, md=md: eval_eqn(e, vals, md)  # noqa: E731 - the dot's own
+      env[eqn.outvars[0]] = pieced[var].dot(eqn, invals, var, bind)
       if plan.first_pieces[g].whole:  # its other readers get the pieces put together
         env[var] = pieced[var].whole()
       continue

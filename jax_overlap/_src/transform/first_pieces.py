@@ -178,9 +178,9 @@ class Gathering:
     x, self.pieces[-1] = lax.optimization_barrier((x, self.pieces[-1]))
     return x
 
-  def dot(self, eqn, invals: list, var):
-    """Matmul ``eqn`` (``invals``; ``var``, its operand this gathers, not among them) in
-    pieces: one matmul per piece while the next piece travels (XLA's dot merger would join
+  def dot(self, eqn, invals: list, var, bind=None):
+    """Matmul ``eqn`` (``invals``; ``var``, its operand this gathers, not among them; bound
+    by ``bind``, by default the gather's) in pieces: one matmul per piece while the next piece travels (XLA's dot merger would join
     them; each waits for its piece after the matmul before), put together along the output
     dimension the weight's split dimension becomes."""
     k = next(k for k, v in enumerate(eqn.invars) if not (is_var(v) and v is var))
@@ -193,7 +193,7 @@ class Gathering:
       vals = list(invals)
       vals[k] = other
       vals[1 - k] = piece
-      outs.append(self.bind(eqn, vals)[0])
+      outs.append((bind or self.bind)(eqn, vals)[0])
     return jnp.concatenate(outs, axis=self.p.out_dim)
 
   def whole(self):
