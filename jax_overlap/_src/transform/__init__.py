@@ -6,11 +6,12 @@ arithmetic exactly as written (operations are reordered and annotated, never
 changed); a collective matmul computes the same products in row blocks, equal
 up to the order of floating-point accumulation:
 
-1. *Prefetch.* Inside each ``shard_map`` body, parameter all-gathers (gathers
-   whose input depends only on the body's inputs) are grouped into layers —
-   consecutive gathers in program order that no matmul separates — and each
-   group is issued ``prefetch`` layers ahead of its first use, so that the
-   gather of layer i+1 is in flight while layer i computes.
+1. *Prefetch.* Inside each ``shard_map`` body, each parameter all-gather (a gather
+   whose input depends only on the body's parameters) is issued by the cost model's
+   time, so that it has arrived when it is first used (:mod:`.prefetch`); the first
+   one the compute waits for goes in pieces where its first matmul gains
+   (:mod:`.first_pieces`), and a row lookup in a sharded table runs where the rows or
+   columns are held instead of gathering the table (:mod:`.embedding`).
 2. *Per-layer reduce-scatter.* Each ``psum_scatter`` is issued right after
    the operation that produces its input, so gradient reduce-scatters run
    during the rest of the backward pass instead of piling up at its end.
@@ -31,7 +32,8 @@ up to the order of floating-point accumulation:
 
 7. *Loops.* In a ``lax.scan`` over layers (and the loops autodiff makes of it),
    gathers of each iteration's layer are issued one iteration early and gradient
-   reduce-scatters one iteration late (:mod:`.scan_pipeline`).
+   reduce-scatters one iteration late, the first and last iterations outside the loop
+   where it has iterations to spare (:mod:`.scan_pipeline`).
 
 Programs without explicit collectives (GSPMD inserts them during partitioning)
 are compiled as written for the target, and the selection chooses among
