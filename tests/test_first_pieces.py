@@ -36,7 +36,7 @@ def test_pieces_equal_the_whole_gather_and_matmul():
   body = sm.params["jaxpr"]
   gather_eqn, dot_eqn = body.eqns
   for k in (2, 3, 4):
-    p = first_pieces.Pieces(0, 1, dim=1, out_dim=1, k=k, whole_s=0.0, pieces_s=0.0)
+    p = first_pieces.Pieces(0, 1, dim=1, out_dim=1, k=k)
 
     def pieced(w, x, p=p):
       g = first_pieces.Gathering(gather_eqn, w, p, _bind)

@@ -220,6 +220,15 @@ class Shared:
     self._lock = threading.RLock()
     self._programs: set = set()  # first_of's keys
 
+  @classmethod
+  def for_selection(cls, settings) -> Shared:
+    """The kernel cache a selection's compiles share: off without a target (nothing is
+    compiled for a GPU) or where the user's options name a kernel cache of their own."""
+    return cls(
+      enabled=getattr(settings, "target", None) is not None
+      and OPTION not in (getattr(settings, "xla_options", None) or {})
+    )
+
   def _file(self, name: str) -> str:
     with self._lock:
       if self._dir is None:

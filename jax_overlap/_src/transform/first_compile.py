@@ -53,9 +53,7 @@ class FirstCompile:
   """
 
   def __init__(self, settings, cfg, make, traced, args, kwargs):
-    self.kernels = kernel_cache.Shared(
-      enabled=kernel_cache.OPTION not in getattr(settings, "xla_options", {})
-    )
+    self.kernels = kernel_cache.Shared.for_selection(settings)
     self._traced = traced
     self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jax_overlap")
     self._future = self._pool.submit(

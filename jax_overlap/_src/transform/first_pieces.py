@@ -46,8 +46,6 @@ class Pieces:
   dim: int
   out_dim: int
   k: int
-  whole_s: float  # the gather then the matmul, by the cost model
-  pieces_s: float  # the same in pieces, pipelined
   whole: bool = True  # something else reads the gathered value: the pieces put together
   # The other gathers issued at the start, after this one: each waits for the last piece.
   then: tuple = ()
@@ -92,10 +90,13 @@ def pipelined(t_gather: float, t_dot: float, k: int, t_piece: float) -> float:
   return t_piece + (k - 1) * max(t_piece, t_dot / k) + t_dot / k
 
 
-def plan(eqns, users: dict, issues: list, topo, where: str, outvars=()) -> tuple[dict, list]:
+def plan(
+  eqns, users: dict, issues: list, topo, where: str, outvars=(), taken=frozenset()
+) -> tuple[dict, list]:
   """The first gather the compute waits for (issued at the start and exposed, by ``issues``
   of :func:`.prefetch.issue_by_time`), in pieces where the cost model says it pays:
-  ({gather: Pieces}, actions). ``outvars``: the body's outputs."""
+  ({gather: Pieces}, actions). ``outvars``: the body's outputs; ``taken``: matmuls a
+  collective matmul computes (their gathers stay whole)."""
   from jax_overlap._src.analysis import cost_model as cost
   from jax_overlap._src.transform.prefetch import eqn_time
 
@@ -115,6 +116,8 @@ def plan(eqns, users: dict, issues: list, topo, where: str, outvars=()) -> tuple
     if not readers:
       continue
     d = min(readers)
+    if d in taken:
+      continue
     dims = _free_dim(eqns[d], out)
     if dims is None or dims[0] == e.params.get("all_gather_dimension"):
       continue
@@ -141,7 +144,7 @@ def plan(eqns, users: dict, issues: list, topo, where: str, outvars=()) -> tuple
     then = tuple(
       o.eqn for o in issues if o.after is None and o.eqn != g and o.first_use > it.first_use
     )
-    found[g] = Pieces(g, d, dim, out_dim, k, t_gather + t_dot, t, whole, then)
+    found[g] = Pieces(g, d, dim, out_dim, k, whole, then)
     actions.append(
       Action(
         "prefetch",

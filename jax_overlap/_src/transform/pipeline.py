@@ -365,11 +365,7 @@ def _choose(
     if first is not None:
       kernels = first.kernels
     else:
-      kernels = stack.enter_context(
-        kernel_cache.Shared(
-          enabled=st.target is not None and kernel_cache.OPTION not in st.xla_options
-        )
-      )
+      kernels = stack.enter_context(kernel_cache.Shared.for_selection(st))
     if fallback is not None:  # a GSPMD step: its option variants come from compiling it
       converted_ones = [c for c in cands if c.config.program == "shard_map"]
       cands = variants.gspmd_candidates(

@@ -460,14 +460,13 @@ def plan_body(
       targets_lib.get(target or "h100x8"),
       where,
       jaxpr.outvars,
+      frozenset(ring_of) | frozenset(fused),
     )
-    # A matmul a collective matmul computes (rings, fused) keeps its gathers whole.
-    pieces = {g: p for g, p in pieces.items() if p.dot not in ring_of and p.dot not in fused}
     for g in pieces:  # evaluated first of the gathers at the start: the others follow it
       for d in closure(g):
         key[d] = min(key[d], -0.95 + d * 1e-9)
       key[g] = min(key[g], -0.9)
-    actions.extend(a for a in piece_actions if any(f"#{g} " in a.detail for g in pieces))
+    actions.extend(piece_actions)
 
   # 2. Reduce-scatters right after the op producing their input.
   max_scatter = 0
