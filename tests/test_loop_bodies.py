@@ -7,8 +7,9 @@ from jax.sharding import AxisType
 
 import jax_overlap
 from jax_overlap._src.transform import variants
-from jax_overlap._src.transform.evaluate import RewriteStats, VariantConfig
+from jax_overlap._src.transform.evaluate import VariantConfig
 from jax_overlap._src.transform.settings import Settings
+from jax_overlap._src.transform.stats import RewriteStats
 from jax_overlap.examples import tp_sp
 
 CFG = dict(layers=3, hidden=64, mlp=128, heads=8, seq=64, dtype="float32", scan_layers=True)

@@ -12,11 +12,12 @@ from jax.experimental.xla_metadata import set_xla_metadata
 
 from jax_overlap._src.collective_matmul.nd import gather_dots_kept
 from jax_overlap._src.fsdp.pipeline import after
-from jax_overlap._src.transform import embedding, first_pieces, scan_pipeline, ties
+from jax_overlap._src.transform import batch_halves, embedding, first_pieces, scan_pipeline, ties
 from jax_overlap._src.transform.explain import Action
 from jax_overlap._src.transform.jaxprs import OPAQUE, contains_collectives, is_var, scan_sizes
 from jax_overlap._src.transform.planning import BodyPlan, plan_body
 from jax_overlap._src.transform.settings import CollectiveMatmul, ReduceScatter
+from jax_overlap._src.transform.stats import RewriteStats
 
 
 def eval_eqn(eqn, invals, metadata: dict[str, str] | None):
@@ -212,6 +213,12 @@ def _run_env(jaxpr, consts, args, plan: BodyPlan | None, skip: frozenset = froze
       (out,) = embedding.eval_scatter(eqn, rs, jaxpr.eqns[rs.scatter], read, eval_eqn)
       env[jaxpr.eqns[rs.scatter].outvars[0]] = out
       continue
+    if plan is not None and i in plan.halved:  # the body in two halves of its batch
+      outs, _ = batch_halves.run_scan(
+        eqn, [read(v) for v in eqn.invars], plan.halved[i], lambda e, v: eval_eqn(e, v, None)
+      )
+      env.update(zip(eqn.outvars, outs))
+      continue
     if plan is not None and (i in plan.scans or i in plan.loop_bodies):
       invals = ties.tied_before(i, eqn, [read(v) for v in eqn.invars], plan, read, jaxpr)
       inner = plan.loop_bodies.get(i)  # None: the iteration as written
@@ -311,6 +318,9 @@ class VariantConfig:
   loops: Loops = "all"
   # The most bytes of parameters gathered ahead of first use in a body (None: no cap).
   prefetch_memory: int | None = None
+  # Loop bodies with activation collectives evaluated in two halves of their batch
+  # (batch_halves.py), in place of their own plans.
+  halves: bool = False
 
   @classmethod
   def from_settings(
@@ -341,6 +351,7 @@ class VariantConfig:
       defer_weight_gradients=False,
       loops="none",
       embedding=False,
+      halves=False,
     )
 
 
@@ -374,55 +385,12 @@ def _constrain(outs, shardings):
   return res
 
 
-@dataclasses.dataclass(frozen=True)
-class RewriteStats:
-  """What the planned rewrite found in a step's shard_map bodies; the variants' XLA
-  options (combine thresholds, which switches to try) are sized from it."""
-
-  gather_groups: int = 0  # layers of parameter gathers in the body with the most
-  max_group_gather_bytes: int = 0  # the bytes one such layer gathers, at most
-  max_gather_bytes: int = 0  # one all-gather's output bytes, at most
-  max_scatter_out_bytes: int = 0  # one reduce-scatter's output bytes, at most
-  axis_size: int = 1  # devices the collectives run over, at most
-  loops: int = 0  # loops over layers whose collectives are pipelined or kept
-  rings: int = 0  # collective matmuls planned
-  weight_gradients: int = 0  # backward weight gradients deferred to a later all-gather
-  loop_bodies: int = 0  # lax.scan bodies with plans of their own
-  reversed_loop_bodies: int = 0  # of those, reversed scans (a backward pass's)
-
-  def including(self, plan: BodyPlan) -> RewriteStats:
-    """These statistics and one more body's plan (and the plans of the loops in it)."""
-    stats = self
-    for inner in plan.loop_bodies.values():
-      stats = stats.including(inner)
-    return stats._plus(plan)
-
-  def _plus(self, plan: BodyPlan) -> RewriteStats:
-    return RewriteStats(
-      gather_groups=max(self.gather_groups, plan.gather_groups),
-      max_group_gather_bytes=max(self.max_group_gather_bytes, plan.max_group_gather_bytes),
-      max_gather_bytes=max(self.max_gather_bytes, plan.max_gather_bytes),
-      max_scatter_out_bytes=max(self.max_scatter_out_bytes, plan.max_scatter_out_bytes),
-      axis_size=max(self.axis_size, plan.axis_size),
-      loops=self.loops + plan.loops,
-      rings=self.rings + len(plan.rings) + len(plan.fused),
-      weight_gradients=self.weight_gradients + sum(len(w) for w in plan.wgrad_before.values()),
-      loop_bodies=self.loop_bodies + len(plan.loop_bodies),
-      reversed_loop_bodies=self.reversed_loop_bodies
-      + sum(b.reverse for b in plan.loop_bodies.values()),
-    )
-
-  @property
-  def has_collectives(self) -> bool:
-    """Whether the rewrite found collectives whose grouping the variants can change."""
-    return bool(self.gather_groups or self.max_scatter_out_bytes or self.loops)
-
-
 def collect_stats(
-  jaxpr, cfg: VariantConfig, actions: list, counter: list, stats: RewriteStats = RewriteStats()
+  jaxpr, cfg: VariantConfig, actions: list, counter: list, stats: RewriteStats | None = None
 ) -> RewriteStats:
   """Plans every shard_map body the evaluator will rewrite, in the same order; the
   statistics of ``stats`` and those bodies."""
+  stats = RewriteStats() if stats is None else stats
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
     if name == "shard_map":
@@ -463,6 +431,7 @@ def _plan_for(cfg: VariantConfig, eqn, where: str) -> BodyPlan:
     cfg.loops,
     lookups=cfg.embedding,
     prefetch_memory=cfg.prefetch_memory,
+    halves=cfg.halves,
   )
 
 

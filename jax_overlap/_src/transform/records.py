@@ -11,8 +11,9 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, NamedTuple
 
-from jax_overlap._src.transform.evaluate import RewriteStats, VariantConfig
+from jax_overlap._src.transform.evaluate import VariantConfig
 from jax_overlap._src.transform.explain import Action, Explanation
+from jax_overlap._src.transform.stats import RewriteStats
 
 __all__ = [
   "Built",

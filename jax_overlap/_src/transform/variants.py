@@ -19,9 +19,10 @@ from typing import Any
 from jax_overlap._src import flags as flags_lib
 from jax_overlap._src.analysis import latency_profile
 from jax_overlap._src.transform import compiles, gspmd, selection_cache
-from jax_overlap._src.transform.evaluate import RewriteStats, VariantConfig
+from jax_overlap._src.transform.evaluate import VariantConfig
 from jax_overlap._src.transform.records import Candidate, Choice, Estimate
 from jax_overlap._src.transform.search import PROFILED_SUFFIX
+from jax_overlap._src.transform.stats import RewriteStats
 
 _LOOP_PIPELINER = (
   "xla_gpu_enable_pipelined_all_gather",
@@ -164,6 +165,28 @@ def _candidate_tuples(settings, cfg: VariantConfig, stats: RewriteStats) -> list
           },
         )
       )
+    if stats.halvable_loops:
+      # Loop bodies in two halves of their batch (batch_halves.py), XLA's dot merger off
+      # (else it joins the halves' matmuls back into one); with and without XLA's loop
+      # pipeliner, which hides a loop's first and last collectives but, moving them,
+      # recomputes work (MaxText's tensor-parallel step: 9 % more matmul FLOPs).
+      halved = dataclasses.replace(cfg, halves=True)
+      out.append(
+        (
+          "rewritten, loop bodies in two batch halves, XLA's dot merger off",
+          halved,
+          {**per_layer, **unmerged, **settings.xla_options},
+        )
+      )
+      if pipeliner:
+        out.append(
+          (
+            "rewritten, loop bodies in two batch halves, XLA's dot merger off, XLA's loop "
+            "pipeliner off",
+            halved,
+            {**per_layer, **unmerged, **pipeliner, **settings.xla_options},
+          )
+        )
     as_written = cfg.as_written()
     if stats.loops and unmerged:
       # Loops left to XLA's own pipeliner, with its dot merger off (the loop's first

@@ -1,0 +1,477 @@
+"""Evaluating a jaxpr with values held as two halves along a dimension (:class:`Halves`),
+each equation once per half where a rule keeps the halves apart: the evaluator behind
+:mod:`.batch_halves`.
+
+A matmul or a sum over the split dimension adds the two halves' partial results
+(accumulated in float32 for 16-bit types); an equation no rule keeps apart is evaluated on
+the halves put together. Every rule is exact: the split is a representation of the value,
+so the program computes what it computed before, up to the order of the additions a split
+reduction makes. Equations repeated on the same values (a rematerialized body's) are
+evaluated once. Each collective is issued after the one of its kind before it (the first
+half's, then the second's); no reader of a collective's result waits for that order
+(:func:`~jax_overlap._src.fsdp.pipeline.after`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jax_overlap._src.fsdp.pipeline import after
+from jax_overlap._src.transform.jaxprs import COLLECTIVES, is_var
+
+# Primitives computed element by element (operands of the output's shape, of size 1 along a
+# dimension they are broadcast in, or scalars).
+ELEMENTWISE = frozenset(
+  """abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil clamp complex conj
+  convert_element_type copy copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1
+  floor ge gt imag integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg
+  nextafter not or population_count pow real reduce_precision rem round rsqrt select_n
+  shift_left shift_right_arithmetic shift_right_logical sign sin sinh sqrt square sub tan
+  tanh xor name threefry2x32""".split()
+)
+# Nested jaxprs evaluated in place, by parameter name.
+_NESTED = {
+  "pjit": "jaxpr",
+  "jit": "jaxpr",
+  "closed_call": "call_jaxpr",
+  "core_call": "call_jaxpr",
+  "checkpoint": "jaxpr",
+  "remat": "jaxpr",
+  "custom_jvp_call": "call_jaxpr",
+}
+_LOW = (jnp.bfloat16, jnp.float16)
+
+
+class Context:
+  """One evaluation's state: how equations are bound, each collective kind's last result
+  (the next one of its kind is issued after it), and counts of what was split."""
+
+  def __init__(self, bind: Callable):
+    self.bind = bind
+    self.last: dict[str, Any] = {}
+    self.split = 0
+    self.summed = 0
+    self.collectives = 0
+    self.joined: list[str] = []
+
+
+@dataclasses.dataclass(frozen=True)
+class Halves:
+  """A value held as its two halves along ``dim`` (``a`` first)."""
+
+  a: Any
+  b: Any
+  dim: int
+
+  def whole(self):
+    return lax.concatenate([self.a, self.b], self.dim)
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    s = list(np.shape(self.a))
+    s[self.dim] *= 2
+    return tuple(s)
+
+
+def halve(x, dim: int) -> Halves:
+  """``x`` as two halves along ``dim`` (its size there must be even)."""
+  n = np.shape(x)[dim]
+  return Halves(
+    lax.slice_in_dim(x, 0, n // 2, axis=dim), lax.slice_in_dim(x, n // 2, n, axis=dim), dim
+  )
+
+
+def whole(x):
+  return x.whole() if isinstance(x, Halves) else x
+
+
+def run(jaxpr, consts, args: Sequence, ctx: Context) -> list:
+  """Evaluates ``jaxpr`` on ``args`` (values or :class:`Halves`); its outputs, each a value or
+  :class:`Halves` (put them together with :func:`whole`)."""
+  env: dict = dict(zip(jaxpr.constvars, consts))
+  env.update(zip(jaxpr.invars, args))
+
+  def read(v):
+    return v.val if not is_var(v) else env[v]
+
+  seen: dict = {}
+  for eqn in jaxpr.eqns:
+    invals = [read(v) for v in eqn.invars]
+    # The same equation on the same values once (a rematerialized body repeats work that
+    # XLA's CSE would merge, but not across the ties this evaluation adds).
+    key = _cse_key(eqn, invals)
+    if key is not None and key in seen:
+      outs = seen[key]
+    else:
+      outs = _eval(eqn, invals, ctx)
+      if key is not None:
+        seen[key] = outs
+    env.update(zip(eqn.outvars, outs))
+  return [read(v) for v in jaxpr.outvars]
+
+
+def _cse_key(eqn, invals):
+  """Equal for equations computing the same thing from the same values (None: not merged:
+  effects other than naming a mesh axis)."""
+  if any(type(eff).__name__ != "NamedAxisEffect" for eff in eqn.effects):
+    return None
+  params = []
+  for k, v in sorted(eqn.params.items()):
+    try:
+      hash(v)
+      params.append((k, v))
+    except TypeError:
+      params.append((k, id(v)))
+  ins = tuple(
+    ("literal", repr(v.val), str(v.aval)) if not is_var(v) else id(x)
+    for v, x in zip(eqn.invars, invals)
+  )
+  return (eqn.primitive, tuple(params), ins)
+
+
+def _eval(eqn, invals: list, ctx: Context) -> list:
+  if not any(isinstance(v, Halves) for v in invals):
+    return ctx.bind(eqn, invals)
+  name = eqn.primitive.name
+  try:
+    if name in _NESTED:
+      out = _nested(eqn, invals, ctx)
+    else:
+      rule = _RULES.get(name)
+      if rule is None and name in ELEMENTWISE:
+        rule = _elementwise
+      if rule is None and name in COLLECTIVES:
+        rule = _collective
+      out = None if rule is None else rule(eqn, invals, ctx)
+  except _Join:
+    out = None
+  if out is None:
+    ctx.joined.append(name)
+    return ctx.bind(eqn, [whole(v) for v in invals])
+  ctx.split += 1
+  return out
+
+
+class _Join(Exception):
+  """The equation cannot keep the halves apart: evaluated on the whole values."""
+
+
+def _dim_of(invals) -> int:
+  return next(v.dim for v in invals if isinstance(v, Halves))
+
+
+def _shape(v) -> tuple[int, ...]:
+  return v.shape if isinstance(v, Halves) else tuple(np.shape(v))
+
+
+def _parts(v, dim: int, full_shape) -> tuple[Any, Any]:
+  """``v``'s halves along ``dim``: a scalar or a value of size 1 there (broadcast along it) is
+  shared, a whole value of the full size there cut."""
+  if isinstance(v, Halves):
+    if v.dim != dim:
+      v = halve(v.whole(), dim)
+    return v.a, v.b
+  shape = np.shape(v)
+  if len(shape) == 0 or (len(shape) == len(full_shape) and shape[dim] == 1):
+    return v, v
+  if len(shape) != len(full_shape) or shape[dim] != full_shape[dim]:
+    raise _Join
+  h = halve(v, dim)
+  return h.a, h.b
+
+
+def _per_half(ctx: Context, fn: Callable, vals_a, vals_b, dims) -> list:
+  """``fn`` (operands -> outputs) on each half's operands; the outputs as :class:`Halves`
+  along ``dims``."""
+  outs_a, outs_b = fn(list(vals_a)), fn(list(vals_b))
+  return [Halves(a, b, d) for a, b, d in zip(outs_a, outs_b, dims)]
+
+
+def _bound(ctx: Context, eqn) -> Callable:
+  return lambda vals: ctx.bind(eqn, vals)
+
+
+def _with(prim, **params) -> Callable:
+  return lambda vals: [prim.bind(*vals, **params)]
+
+
+def _elementwise(eqn, invals, ctx):
+  dim = _dim_of(invals)
+  full = tuple(eqn.outvars[0].aval.shape)
+  if any(tuple(o.aval.shape) != full for o in eqn.outvars):
+    return None
+  pairs = [_parts(v, dim, full) for v in invals]
+  return _per_half(
+    ctx, _bound(ctx, eqn), [p[0] for p in pairs], [p[1] for p in pairs], [dim] * len(eqn.outvars)
+  )
+
+
+def _collective(eqn, invals, ctx):
+  name = eqn.primitive.name
+  p = eqn.params
+  dim = _dim_of(invals)
+  out_dim = dim
+  if name == "all_gather":
+    if p["all_gather_dimension"] == dim and p.get("tiled"):
+      return None
+    if not p.get("tiled") and p["all_gather_dimension"] <= dim:
+      out_dim = dim + 1
+  elif name == "reduce_scatter":
+    if not p.get("tiled") or p["scatter_dimension"] == dim:
+      return None
+  elif name == "all_to_all":
+    if dim in (p["split_axis"], p["concat_axis"]):
+      return None
+  elif name not in ("psum", "pmax", "pmin", "ppermute", "psum_invariant"):
+    return None
+  pairs = [_parts(v, dim, _shape(v)) for v in invals]
+  va, vb = [q[0] for q in pairs], [q[1] for q in pairs]
+  last = ctx.last.get(name)
+  if last is not None:
+    va[0] = after(va[0], last)
+  oa = ctx.bind(eqn, va)
+  vb[0] = after(vb[0], oa[0])
+  ob = ctx.bind(eqn, vb)
+  ctx.last[name] = ob[0]
+  ctx.collectives += 1
+  return [Halves(a, b, out_dim) for a, b in zip(oa, ob)]
+
+
+def _dot_general(eqn, invals, ctx):
+  (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+  lhs, rhs = invals
+  shapes = [_shape(v) for v in invals]
+  lfree = [d for d in range(len(shapes[0])) if d not in lc and d not in lb]
+  rfree = [d for d in range(len(shapes[1])) if d not in rc and d not in rb]
+  hl = isinstance(lhs, Halves)
+  d = lhs.dim if hl else rhs.dim
+  mine_c, mine_b, other_c, other_b = (lc, lb, rc, rb) if hl else (rc, rb, lc, lb)
+  if d in mine_b:
+    role, partner, out_dim = "batch", other_b[list(mine_b).index(d)], list(mine_b).index(d)
+  elif d in mine_c:
+    role, partner, out_dim = "contracting", other_c[list(mine_c).index(d)], None
+  else:
+    role, partner = "free", None
+    out_dim = len(lb) + (lfree.index(d) if hl else len(lfree) + rfree.index(d))
+  bind = _bound(ctx, eqn)
+  if role == "free":
+    other = rhs if hl else lhs
+    if isinstance(other, Halves):
+      return None
+    mine = lhs if hl else rhs
+    va, vb = ([mine.a, other], [mine.b, other]) if hl else ([other, mine.a], [other, mine.b])
+    return _per_half(ctx, bind, va, vb, [out_dim])
+  ld, rd = (d, partner) if hl else (partner, d)
+  la, lb_ = _parts(lhs, ld, shapes[0])
+  ra, rb_ = _parts(rhs, rd, shapes[1])
+  if role == "batch":
+    return _per_half(ctx, bind, [la, ra], [lb_, rb_], [out_dim])
+  # Contracting: the two halves' partial products added.
+  out_dtype = eqn.outvars[0].aval.dtype
+  params = dict(eqn.params)
+  acc = params.get("preferred_element_type") or out_dtype
+  params["preferred_element_type"] = jnp.float32 if acc in _LOW else acc
+  ya = lax.dot_general_p.bind(la, ra, **params)
+  yb = lax.dot_general_p.bind(lb_, rb_, **params)
+  ctx.summed += 1
+  return [lax.convert_element_type(ya + yb, out_dtype)]
+
+
+def _reduce(eqn, invals, ctx):
+  (x,) = invals
+  axes = tuple(eqn.params["axes"])
+  d = x.dim
+  if d not in axes:
+    return _per_half(ctx, _bound(ctx, eqn), [x.a], [x.b], [d - sum(a < d for a in axes)])
+  name = eqn.primitive.name
+  out_dtype = eqn.outvars[0].aval.dtype
+  b = x.b
+  if name == "reduce_sum":
+    acc = jnp.float32 if out_dtype in _LOW else out_dtype
+    rest = {k: v for k, v in eqn.params.items() if k != "axes"}
+    ya, yb = (
+      lax.reduce_sum_p.bind(lax.convert_element_type(h, acc), axes=axes, **rest) for h in (x.a, b)
+    )
+    ctx.summed += 1
+    return [lax.convert_element_type(ya + yb, out_dtype)]
+  combine = {
+    "reduce_max": lax.max,
+    "reduce_min": lax.min,
+    "reduce_and": lax.bitwise_and,
+    "reduce_or": lax.bitwise_or,
+  }.get(name)
+  if combine is None:
+    return None
+  (ya,), (yb,) = ctx.bind(eqn, [x.a]), ctx.bind(eqn, [b])
+  return [combine(ya, yb)]
+
+
+def _broadcast_in_dim(eqn, invals, ctx):
+  x, *dyn = invals
+  if dyn:
+    return None
+  out_dim = eqn.params["broadcast_dimensions"][x.dim]
+  shape = list(eqn.params["shape"])
+  if shape[out_dim] != x.shape[x.dim]:
+    return None
+  shape[out_dim] //= 2
+  fn = _with(lax.broadcast_in_dim_p, **{**eqn.params, "shape": tuple(shape)})
+  return _per_half(ctx, fn, [x.a], [x.b], [out_dim])
+
+
+def _reshape(eqn, invals, ctx):
+  x, *dyn = invals
+  if dyn or eqn.params.get("dimensions") is not None:
+    return None
+  new = list(eqn.params["new_sizes"])
+  before = math.prod(x.shape[: x.dim])
+  # The output dimension whose leading elements are the split dimension's: the same
+  # elements before it, then the halves of everything from it on.
+  out_dim = next((j for j in range(len(new)) if math.prod(new[:j]) == before and new[j] > 1), None)
+  if out_dim is None or new[out_dim] % 2:
+    return None
+  new[out_dim] //= 2
+  fn = _with(lax.reshape_p, **{**eqn.params, "new_sizes": tuple(new)})
+  return _per_half(ctx, fn, [x.a], [x.b], [out_dim])
+
+
+def _transpose(eqn, invals, ctx):
+  (x,) = invals
+  perm = list(eqn.params["permutation"])
+  return _per_half(ctx, _bound(ctx, eqn), [x.a], [x.b], [perm.index(x.dim)])
+
+
+def _squeeze(eqn, invals, ctx):
+  (x,) = invals
+  dims = eqn.params["dimensions"]
+  return _per_half(ctx, _bound(ctx, eqn), [x.a], [x.b], [x.dim - sum(a < x.dim for a in dims)])
+
+
+def _concatenate(eqn, invals, ctx):
+  dim = _dim_of(invals)
+  if eqn.params["dimension"] == dim:
+    return None
+  size = next(v.shape[dim] for v in invals if isinstance(v, Halves))
+  pairs = []
+  for v in invals:
+    s = _shape(v)
+    if s[dim] != size:
+      return None
+    pairs.append(_parts(v, dim, s))
+  return _per_half(ctx, _bound(ctx, eqn), [p[0] for p in pairs], [p[1] for p in pairs], [dim])
+
+
+def _along(eqn, invals, ctx):
+  """cumsum and its kind, sort, split: along one axis."""
+  dim = _dim_of(invals)
+  axis = eqn.params.get("axis", eqn.params.get("dimension"))
+  if axis == dim:
+    return None
+  full = next(v.shape for v in invals if isinstance(v, Halves))
+  pairs = [_parts(v, dim, full) for v in invals]
+  return _per_half(
+    ctx,
+    _bound(ctx, eqn),
+    [p[0] for p in pairs],
+    [p[1] for p in pairs],
+    [dim] * len(eqn.outvars),
+  )
+
+
+def _pad(eqn, invals, ctx):
+  x, value = invals
+  if not isinstance(x, Halves) or isinstance(value, Halves):
+    return None
+  if tuple(eqn.params["padding_config"][x.dim]) != (0, 0, 0):
+    return None
+  return _per_half(ctx, _bound(ctx, eqn), [x.a, value], [x.b, value], [x.dim])
+
+
+def _slice(eqn, invals, ctx):
+  (x,) = invals
+  p = eqn.params
+  d = x.dim
+  strides = p.get("strides") or (1,) * len(x.shape)
+  if p["start_indices"][d] != 0 or p["limit_indices"][d] != x.shape[d] or strides[d] != 1:
+    return None
+  limit = list(p["limit_indices"])
+  limit[d] //= 2
+  fn = _with(lax.slice_p, **{**p, "limit_indices": tuple(limit)})
+  return _per_half(ctx, fn, [x.a], [x.b], [d])
+
+
+def _dynamic_slice(eqn, invals, ctx):
+  x, *idx = invals
+  if not isinstance(x, Halves) or any(isinstance(i, Halves) for i in idx):
+    return None
+  sizes = list(eqn.params["slice_sizes"])
+  if sizes[x.dim] != x.shape[x.dim]:
+    return None
+  sizes[x.dim] //= 2
+  fn = _with(lax.dynamic_slice_p, **{**eqn.params, "slice_sizes": tuple(sizes)})
+  return _per_half(ctx, fn, [x.a, *idx], [x.b, *idx], [x.dim])
+
+
+def _dynamic_update_slice(eqn, invals, ctx):
+  x, upd, *idx = invals
+  if any(isinstance(i, Halves) for i in idx):
+    return None
+  dim = _dim_of(invals[:2])
+  xs, us = _shape(x), _shape(upd)
+  if us[dim] != xs[dim]:
+    return None
+  xa, xb = _parts(x, dim, xs)
+  ua, ub = _parts(upd, dim, us)
+  return _per_half(ctx, _bound(ctx, eqn), [xa, ua, *idx], [xb, ub, *idx], [dim])
+
+
+def _per_operand(eqn, invals, ctx):
+  """An identity on each operand (an optimization barrier, a type cast): once per half, a
+  whole operand through the first half's."""
+  where, fa, fb = [], [], []
+  for v in invals:
+    if isinstance(v, Halves):
+      where.append((len(fa), len(fb), v.dim))
+      fa.append(v.a)
+      fb.append(v.b)
+    else:
+      where.append((len(fa), None, None))
+      fa.append(v)
+  outs_a, outs_b = ctx.bind(eqn, fa), ctx.bind(eqn, fb)
+  return [outs_a[i] if d is None else Halves(outs_a[i], outs_b[j], d) for i, j, d in where]
+
+
+def _nested(eqn, invals, ctx):
+  sub = eqn.params[_NESTED[eqn.primitive.name]]
+  inner, consts = (sub.jaxpr, sub.consts) if hasattr(sub, "consts") else (sub, ())
+  return run(inner, consts, invals, ctx)
+
+
+_RULES: dict[str, Callable] = {
+  "dot_general": _dot_general,
+  **dict.fromkeys(
+    ("reduce_sum", "reduce_max", "reduce_min", "reduce_and", "reduce_or", "argmax", "argmin"),
+    _reduce,
+  ),
+  "broadcast_in_dim": _broadcast_in_dim,
+  "reshape": _reshape,
+  "transpose": _transpose,
+  "squeeze": _squeeze,
+  "concatenate": _concatenate,
+  **dict.fromkeys(
+    ("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp", "sort", "split"), _along
+  ),
+  "pad": _pad,
+  "slice": _slice,
+  "dynamic_slice": _dynamic_slice,
+  "dynamic_update_slice": _dynamic_update_slice,
+  "optimization_barrier": _per_operand,
+  "pvary": _per_operand,
+}
