@@ -196,3 +196,33 @@ def test_shard_map_form_costs_about_what_the_step_costs(parallelism, bound):
   ratio = form.step_time_s / written.step_time_s
   print(f"\nMaxText {parallelism} step's shard_map form: {ratio:.3f}x the step as written")
   assert ratio <= bound, (ratio, converted.summary())
+
+
+def test_maxtexts_tensor_parallel_step_in_batch_halves_computes_the_step():
+  # MaxText's tensor-parallel step (8-way, a batch of 8 on every device) converted to
+  # shard_map with its loop bodies in two halves of the batch: both loops run in halves, and
+  # the loss and the new state are the step's to float32 rounding (a weight gradient is two
+  # halves' sums added).
+  from jax_overlap._src.transform.evaluate import VariantConfig, collect_stats
+  from jax_overlap._src.transform.evaluate import evaluate_program
+  from jax_overlap.examples import maxtext
+
+  tiny = {**TINY, "ici_fsdp_parallelism": 1, "ici_tensor_parallelism": 8}
+  tiny.update(base_num_query_heads=8, base_num_kv_heads=8, head_dim=8)
+  step, (state, batch) = maxtext.build_local(donate=False, **tiny)
+  converted, _, _ = maxtext.shard_map_form(step, (state, batch))  # on the flat arguments
+  leaves = jax.tree.leaves((state, batch))
+  closed = jax.make_jaxpr(converted)(*leaves)
+  cfg = VariantConfig(prefetch=0, reduce_scatter="as_written", annotate=False, halves=True)
+  actions: list = []
+  assert collect_stats(closed.jaxpr, cfg, actions, [0]).halvable_loops == 2
+  assert sum(a.kind == "batch_halves" for a in actions) == 2
+  tree = jax.tree.structure(jax.eval_shape(step, state, batch))  # flat outputs too
+  flat = jax.jit(lambda *a: evaluate_program(closed, a, cfg))(*leaves)
+  new_state_h, metrics_h = jax.tree.unflatten(tree, flat)
+  new_state, metrics = step(state, batch)
+  loss, loss_h = (float(m["scalar"]["learning/loss"]) for m in (metrics, metrics_h))
+  np.testing.assert_allclose(loss_h, loss, rtol=1e-5)
+  for x, y in zip(jax.tree.leaves(new_state), jax.tree.leaves(new_state_h)):
+    if not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+      np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-4, atol=1e-6)

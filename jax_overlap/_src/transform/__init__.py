@@ -34,6 +34,11 @@ up to the order of floating-point accumulation:
    gathers of each iteration's layer are issued one iteration early and gradient
    reduce-scatters one iteration late, the first and last iterations outside the loop
    where it has iterations to spare (:mod:`.scan_pipeline`).
+8. *Batch halves.* A loop body whose activation collectives run along a dimension
+   other than the batch (a tensor-parallel layer's) may run in two halves of its batch,
+   one half's collectives beside the other half's compute (:mod:`.batch_halves`, its
+   evaluator :mod:`.halves`); a matmul or sum over the batch adds the halves' partial
+   results, so the values are equal up to the order of those additions.
 
 Programs without explicit collectives (GSPMD inserts them during partitioning)
 are compiled as written for the target, and the selection chooses among
@@ -48,7 +53,7 @@ collective matmul sites in :mod:`.matmul_sites`, the jaxpr helpers all share in
 and :mod:`.gspmd` handle loops and partitioned programs, :mod:`.to_shard_map`
 converts a partitioned program to shard_map (aiming for the output layouts
 :mod:`.out_layouts` reads from the step's jit), :mod:`.decorator` holds
-``overlap``, :mod:`.variants` the variants and the choice among them (:mod:`.compiles`
+``overlap``, :mod:`.variants` the variants and the choice among them (sized by :mod:`.stats`; :mod:`.compiles`
 compiles them; :mod:`.shared_choice` makes the choice once for all the processes of a
 multi-process job), :mod:`.explain` what it reports. :mod:`.pipeline` chains the steps a call runs (resolve, trace,
 plan, convert, candidates, select, build), passing the records of :mod:`.records`;
