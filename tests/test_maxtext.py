@@ -203,8 +203,7 @@ def test_maxtexts_tensor_parallel_step_in_batch_halves_computes_the_step():
   # shard_map with its loop bodies in two halves of the batch: both loops run in halves, and
   # the loss and the new state are the step's to float32 rounding (a weight gradient is two
   # halves' sums added).
-  from jax_overlap._src.transform.evaluate import VariantConfig, collect_stats
-  from jax_overlap._src.transform.evaluate import evaluate_program
+  from jax_overlap._src.transform.evaluate import VariantConfig, collect_stats, evaluate_program
   from jax_overlap.examples import maxtext
 
   tiny = {**TINY, "ici_fsdp_parallelism": 1, "ici_tensor_parallelism": 8}
