@@ -198,11 +198,11 @@ def test_shard_map_form_costs_about_what_the_step_costs(parallelism, bound):
   assert ratio <= bound, (ratio, converted.summary())
 
 
-def test_maxtexts_tensor_parallel_step_in_batch_halves_computes_the_step():
+def test_maxtexts_tensor_parallel_step_in_batch_parts_computes_the_step():
   # MaxText's tensor-parallel step (8-way, a batch of 8 on every device) converted to
-  # shard_map with its loop bodies in two halves of the batch: both loops run in halves, and
-  # the loss and the new state are the step's to float32 rounding (a weight gradient is two
-  # halves' sums added).
+  # shard_map with its loop bodies in 4 parts of the batch: both loops run in parts, and the
+  # loss and the new state are the step's to float32 rounding (a weight gradient is the
+  # parts' sums added).
   from jax_overlap._src.transform.evaluate import VariantConfig, collect_stats, evaluate_program
   from jax_overlap.examples import maxtext
 
@@ -212,16 +212,16 @@ def test_maxtexts_tensor_parallel_step_in_batch_halves_computes_the_step():
   converted, _, _ = maxtext.shard_map_form(step, (state, batch))  # on the flat arguments
   leaves = jax.tree.leaves((state, batch))
   closed = jax.make_jaxpr(converted)(*leaves)
-  cfg = VariantConfig(prefetch=0, reduce_scatter="as_written", annotate=False, halves=True)
+  cfg = VariantConfig(prefetch=0, reduce_scatter="as_written", annotate=False, batch_parts=4)
   actions: list = []
-  assert collect_stats(closed.jaxpr, cfg, actions, [0]).halvable_loops == 2
-  assert sum(a.kind == "batch_halves" for a in actions) == 2
+  assert collect_stats(closed.jaxpr, cfg, actions, [0]).split4_loops == 2
+  assert sum(a.kind == "batch_parts" for a in actions) == 2
   tree = jax.tree.structure(jax.eval_shape(step, state, batch))  # flat outputs too
   flat = jax.jit(lambda *a: evaluate_program(closed, a, cfg))(*leaves)
-  new_state_h, metrics_h = jax.tree.unflatten(tree, flat)
+  new_state_p, metrics_p = jax.tree.unflatten(tree, flat)
   new_state, metrics = step(state, batch)
-  loss, loss_h = (float(m["scalar"]["learning/loss"]) for m in (metrics, metrics_h))
-  np.testing.assert_allclose(loss_h, loss, rtol=1e-5)
-  for x, y in zip(jax.tree.leaves(new_state), jax.tree.leaves(new_state_h)):
+  loss, loss_p = (float(m["scalar"]["learning/loss"]) for m in (metrics, metrics_p))
+  np.testing.assert_allclose(loss_p, loss, rtol=1e-5)
+  for x, y in zip(jax.tree.leaves(new_state), jax.tree.leaves(new_state_p)):
     if not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
       np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-4, atol=1e-6)

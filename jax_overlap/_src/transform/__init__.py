@@ -34,10 +34,10 @@ up to the order of floating-point accumulation:
    gathers of each iteration's layer are issued one iteration early and gradient
    reduce-scatters one iteration late, the first and last iterations outside the loop
    where it has iterations to spare (:mod:`.scan_pipeline`).
-8. *Batch halves.* A loop body whose activation collectives run along a dimension
-   other than the batch (a tensor-parallel layer's) may run in two halves of its batch,
-   one half's collectives beside the other half's compute (:mod:`.batch_halves`, its
-   evaluator :mod:`.halves`); a matmul or sum over the batch adds the halves' partial
+8. *Batch parts.* A loop body whose activation collectives run along a dimension
+   other than the batch (a tensor-parallel layer's) may run in 2 or 4 parts of its batch,
+   one part's collectives beside another part's compute (:mod:`.batch_parts`, its
+   evaluator :mod:`.parts`); a matmul or sum over the batch adds the parts' partial
    results, so the values are equal up to the order of those additions.
 
 Programs without explicit collectives (GSPMD inserts them during partitioning)

@@ -12,7 +12,7 @@ from jax.experimental.xla_metadata import set_xla_metadata
 
 from jax_overlap._src.collective_matmul.nd import gather_dots_kept
 from jax_overlap._src.fsdp.pipeline import after
-from jax_overlap._src.transform import batch_halves, embedding, first_pieces, scan_pipeline, ties
+from jax_overlap._src.transform import batch_parts, embedding, first_pieces, scan_pipeline, ties
 from jax_overlap._src.transform.explain import Action
 from jax_overlap._src.transform.jaxprs import OPAQUE, contains_collectives, is_var, scan_sizes
 from jax_overlap._src.transform.planning import BodyPlan, plan_body
@@ -213,9 +213,10 @@ def _run_env(jaxpr, consts, args, plan: BodyPlan | None, skip: frozenset = froze
       (out,) = embedding.eval_scatter(eqn, rs, jaxpr.eqns[rs.scatter], read, eval_eqn)
       env[jaxpr.eqns[rs.scatter].outvars[0]] = out
       continue
-    if plan is not None and i in plan.halved:  # the body in two halves of its batch
-      outs, _ = batch_halves.run_scan(
-        eqn, [read(v) for v in eqn.invars], plan.halved[i], lambda e, v: eval_eqn(e, v, None)
+    if plan is not None and i in plan.batch_parts:  # the body in parts of its batch
+      dims, n = plan.batch_parts[i]
+      outs, _ = batch_parts.run_scan(
+        eqn, [read(v) for v in eqn.invars], dims, lambda e, v: eval_eqn(e, v, None), n
       )
       env.update(zip(eqn.outvars, outs))
       continue
@@ -318,9 +319,9 @@ class VariantConfig:
   loops: Loops = "all"
   # The most bytes of parameters gathered ahead of first use in a body (None: no cap).
   prefetch_memory: int | None = None
-  # Loop bodies with activation collectives evaluated in two halves of their batch
-  # (batch_halves.py), in place of their own plans.
-  halves: bool = False
+  # Loop bodies with activation collectives evaluated in this many parts of their batch
+  # (batch_parts.py), in place of their own plans; 1: as one.
+  batch_parts: int = 1
 
   @classmethod
   def from_settings(
@@ -351,7 +352,7 @@ class VariantConfig:
       defer_weight_gradients=False,
       loops="none",
       embedding=False,
-      halves=False,
+      batch_parts=1,
     )
 
 
@@ -431,7 +432,7 @@ def _plan_for(cfg: VariantConfig, eqn, where: str) -> BodyPlan:
     cfg.loops,
     lookups=cfg.embedding,
     prefetch_memory=cfg.prefetch_memory,
-    halves=cfg.halves,
+    batch_split=cfg.batch_parts,
   )
 
 

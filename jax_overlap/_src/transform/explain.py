@@ -56,7 +56,7 @@ class Explanation:
       "gather_timing",
       "reduce_scatter",
       "collective_matmul",
-      "batch_halves",
+      "batch_parts",
       "kept_gather",
       "embedding",
       "weight_gradient",

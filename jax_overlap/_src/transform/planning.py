@@ -11,7 +11,7 @@ import dataclasses
 import heapq
 
 from jax_overlap._src.transform import (
-  batch_halves,
+  batch_parts,
   embedding,
   first_pieces,
   matmul_sites,
@@ -215,10 +215,11 @@ class BodyPlan:
   # The equations gathers are tied after are read through the tie's barrier by their later
   # readers (ties.tied_through), so that XLA keeps every tie: under a memory cap.
   ties_read_through: bool = False
-  # lax.scan equations whose body runs in two halves of its batch: eqn index -> each body
-  # input's split dimension (batch_halves.split_dims); and how many loops could.
-  halved: dict = dataclasses.field(default_factory=dict)
-  halvable: int = 0
+  # lax.scan equations whose body runs in parts of its batch: eqn index -> (each body
+  # input's split dimension (batch_parts.split_dims), the parts); and for every loop that
+  # can, the most parts (2 or 4) its batch divides into.
+  batch_parts: dict = dataclasses.field(default_factory=dict)
+  splittable: dict = dataclasses.field(default_factory=dict)
   # Row lookups and their gradients' scatter-adds run without the table's collectives:
   # call eqn -> embedding.Lookup / embedding.RowScatter.
   lookups: dict = dataclasses.field(default_factory=dict)
@@ -250,7 +251,7 @@ def plan_body(
   in_loop: bool = False,
   lookups: bool = False,
   prefetch_memory: int | None = None,
-  halves: bool = False,
+  batch_split: int = 1,
 ) -> BodyPlan:
   """The plan of one body (a shard_map's, or a loop's inside one). ``nested_params``:
   :func:`parameter_inputs` for the loops inside it; ``exclude``: collectives another plan
@@ -258,9 +259,9 @@ def plan_body(
   inside get plans of their own (:func:`_loop_body_plan`); ``in_loop``: this is one;
   ``lookups``: row lookups of a table sharded by rows may run without gathering it
   (embedding.py); ``prefetch_memory``: the most bytes of parameters gathered ahead of their
-  first use (prefetch.py), None: no cap; ``halves``: loops whose activation collectives run
-  along a dimension other than the batch run in two halves of it (batch_halves.py) in
-  place of plans of their own."""
+  first use (prefetch.py), None: no cap; ``batch_split``: loops whose activation collectives
+  run along a dimension other than the batch run in this many parts of it (batch_parts.py)
+  in place of plans of their own, where it divides the batch (1: none)."""
   eqns = list(jaxpr.eqns)
   n = len(eqns)
   producer = producers(eqns)
@@ -279,8 +280,8 @@ def plan_body(
   nested = _NestedStats()
   scans: dict[int, scan_pipeline.ScanPlan] = {}
   loop_bodies: dict[int, BodyPlan] = {}
-  halved: dict[int, tuple] = {}
-  halvable = 0
+  split: dict[int, tuple] = {}  # batch_parts.py
+  splittable: dict[int, int] = {}
   kept_loops = 0
   for i, e in enumerate(eqns):
     if e.primitive.name in OPAQUE and contains_collectives(e):
@@ -289,17 +290,20 @@ def plan_body(
         # A loop over layers: pipeline its collectives across iterations where it can.
         loop = f"{where + ', ' if where else ''}lax.scan at equation {i} ({e.params.get('length', '?')} iterations)"
         sp = scan_pipeline.plan(e, gathers=prefetch > 0, scatters=reduce_scatter == "per_layer")
-        dims = None if sp else batch_halves.split_dims(e)
-        halvable += dims is not None
-        if halves and dims is not None:
-          halved[i] = dims
+        fits = {} if sp else {n: batch_parts.split_dims(e, n) for n in (2, 4)}
+        fits = {n: dims for n, dims in fits.items() if dims is not None}
+        if fits:
+          splittable[i] = max(fits)
+        if batch_split in fits:
+          split[i] = (fits[batch_split], batch_split)
           actions.append(
             Action(
-              "batch_halves",
+              "batch_parts",
               loop,
-              f"each iteration in two halves of its batch ({sum(d is not None for d in dims)} "
-              "of its inputs split): one half's activation collectives beside the other half's "
-              "compute, each collective issued after the one of its kind before it",
+              f"each iteration in {batch_split} parts of its batch "
+              f"({sum(d is not None for d in fits[batch_split])} of its inputs split): one "
+              "part's activation collectives beside another part's compute, each collective "
+              "issued after the one of its kind before it",
             )
           )
           continue
@@ -699,8 +703,8 @@ def plan_body(
     first_pieces=pieces,
     piece_dots={p.dot: g for g, p in pieces.items()},
     after_pieces={o: g for g, p in pieces.items() for o in p.then},
-    halved=halved,
-    halvable=halvable,
+    batch_parts=split,
+    splittable=splittable,
   )
 
 

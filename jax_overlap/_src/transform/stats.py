@@ -22,7 +22,9 @@ class RewriteStats:
   weight_gradients: int = 0  # backward weight gradients deferred to a later all-gather
   loop_bodies: int = 0  # lax.scan bodies with plans of their own
   reversed_loop_bodies: int = 0  # of those, reversed scans (a backward pass's)
-  halvable_loops: int = 0  # lax.scan bodies that can run in two halves of their batch
+  # lax.scan bodies that can run in parts of their batch (batch_parts.py): in 2, and in 4.
+  split_loops: int = 0
+  split4_loops: int = 0
 
   def including(self, plan) -> RewriteStats:
     """These statistics and one more body's plan (and the plans of the loops in it)."""
@@ -44,7 +46,8 @@ class RewriteStats:
       loop_bodies=self.loop_bodies + len(plan.loop_bodies),
       reversed_loop_bodies=self.reversed_loop_bodies
       + sum(b.reverse for b in plan.loop_bodies.values()),
-      halvable_loops=self.halvable_loops + plan.halvable,
+      split_loops=self.split_loops + sum(n >= 2 for n in plan.splittable.values()),
+      split4_loops=self.split4_loops + sum(n >= 4 for n in plan.splittable.values()),
     )
 
   @property

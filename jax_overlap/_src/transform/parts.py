@@ -1,20 +1,21 @@
-"""Evaluating a jaxpr with values held as two halves along a dimension (:class:`Halves`),
-each equation once per half where a rule keeps the halves apart: the evaluator behind
-:mod:`.batch_halves`.
+"""Evaluating a jaxpr with values held as equal parts along a dimension (:class:`Parts`),
+each equation once per part where a rule keeps the parts apart: the evaluator behind
+:mod:`.batch_parts`.
 
-A matmul or a sum over the split dimension adds the two halves' partial results
-(accumulated in float32 for 16-bit types); an equation no rule keeps apart is evaluated on
-the halves put together. Every rule is exact: the split is a representation of the value,
-so the program computes what it computed before, up to the order of the additions a split
-reduction makes. Equations repeated on the same values (a rematerialized body's) are
-evaluated once. Each collective is issued after the one of its kind before it (the first
-half's, then the second's); no reader of a collective's result waits for that order
+A matmul or a sum over the split dimension adds the parts' partial results (accumulated in
+float32 for 16-bit types); an equation no rule keeps apart is evaluated on the parts put
+together. Every rule is exact: the split is a representation of the value, so the program
+computes what it computed before, up to the order of the additions a split reduction makes.
+Equations repeated on the same values (a rematerialized body's) are evaluated once. Each
+collective is issued after the one of its kind before it (the first part's, then the
+next's); no reader of a collective's result waits for that order
 (:func:`~jax_overlap._src.fsdp.pipeline.after`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -63,38 +64,41 @@ class Context:
 
 
 @dataclasses.dataclass(frozen=True)
-class Halves:
-  """A value held as its two halves along ``dim`` (``a`` first)."""
+class Parts:
+  """A value held as equal parts along ``dim``, first to last."""
 
-  a: Any
-  b: Any
+  parts: tuple
   dim: int
 
   def whole(self):
-    return lax.concatenate([self.a, self.b], self.dim)
+    return lax.concatenate(list(self.parts), self.dim)
+
+  @property
+  def n(self) -> int:
+    return len(self.parts)
 
   @property
   def shape(self) -> tuple[int, ...]:
-    s = list(np.shape(self.a))
-    s[self.dim] *= 2
+    s = list(np.shape(self.parts[0]))
+    s[self.dim] *= self.n
     return tuple(s)
 
 
-def halve(x, dim: int) -> Halves:
-  """``x`` as two halves along ``dim`` (its size there must be even)."""
-  n = np.shape(x)[dim]
-  return Halves(
-    lax.slice_in_dim(x, 0, n // 2, axis=dim), lax.slice_in_dim(x, n // 2, n, axis=dim), dim
+def cut(x, dim: int, n: int) -> Parts:
+  """``x`` as ``n`` equal parts along ``dim`` (its size there must divide by ``n``)."""
+  size = np.shape(x)[dim] // n
+  return Parts(
+    tuple(lax.slice_in_dim(x, j * size, (j + 1) * size, axis=dim) for j in range(n)), dim
   )
 
 
 def whole(x):
-  return x.whole() if isinstance(x, Halves) else x
+  return x.whole() if isinstance(x, Parts) else x
 
 
 def run(jaxpr, consts, args: Sequence, ctx: Context) -> list:
-  """Evaluates ``jaxpr`` on ``args`` (values or :class:`Halves`); its outputs, each a value or
-  :class:`Halves` (put them together with :func:`whole`)."""
+  """Evaluates ``jaxpr`` on ``args`` (values or :class:`Parts`); its outputs, each a value or
+  :class:`Parts` (put them together with :func:`whole`)."""
   env: dict = dict(zip(jaxpr.constvars, consts))
   env.update(zip(jaxpr.invars, args))
 
@@ -137,7 +141,7 @@ def _cse_key(eqn, invals):
 
 
 def _eval(eqn, invals: list, ctx: Context) -> list:
-  if not any(isinstance(v, Halves) for v in invals):
+  if not any(isinstance(v, Parts) for v in invals):
     return ctx.bind(eqn, invals)
   name = eqn.primitive.name
   try:
@@ -160,38 +164,42 @@ def _eval(eqn, invals: list, ctx: Context) -> list:
 
 
 class _Join(Exception):
-  """The equation cannot keep the halves apart: evaluated on the whole values."""
+  """The equation cannot keep the parts apart: evaluated on the whole values."""
 
 
 def _dim_of(invals) -> int:
-  return next(v.dim for v in invals if isinstance(v, Halves))
+  return next(v.dim for v in invals if isinstance(v, Parts))
+
+
+def _n_of(invals) -> int:
+  return next(v.n for v in invals if isinstance(v, Parts))
 
 
 def _shape(v) -> tuple[int, ...]:
-  return v.shape if isinstance(v, Halves) else tuple(np.shape(v))
+  return v.shape if isinstance(v, Parts) else tuple(np.shape(v))
 
 
-def _parts(v, dim: int, full_shape) -> tuple[Any, Any]:
-  """``v``'s halves along ``dim``: a scalar or a value of size 1 there (broadcast along it) is
-  shared, a whole value of the full size there cut."""
-  if isinstance(v, Halves):
+def _parts(v, dim: int, full_shape, n: int) -> tuple:
+  """``v``'s ``n`` parts along ``dim``: a scalar or a value of size 1 there (broadcast along
+  it) is shared, a whole value of the full size there cut."""
+  if isinstance(v, Parts):
     if v.dim != dim:
-      v = halve(v.whole(), dim)
-    return v.a, v.b
+      v = cut(v.whole(), dim, n)
+    return v.parts
   shape = np.shape(v)
   if len(shape) == 0 or (len(shape) == len(full_shape) and shape[dim] == 1):
-    return v, v
+    return (v,) * n
   if len(shape) != len(full_shape) or shape[dim] != full_shape[dim]:
     raise _Join
-  h = halve(v, dim)
-  return h.a, h.b
+  return cut(v, dim, n).parts
 
 
-def _per_half(ctx: Context, fn: Callable, vals_a, vals_b, dims) -> list:
-  """``fn`` (operands -> outputs) on each half's operands; the outputs as :class:`Halves`
-  along ``dims``."""
-  outs_a, outs_b = fn(list(vals_a)), fn(list(vals_b))
-  return [Halves(a, b, d) for a, b, d in zip(outs_a, outs_b, dims)]
+def _per_part(ctx: Context, fn: Callable, operands: list, dims) -> list:
+  """``fn`` (operands -> outputs) on each part's operands (``operands``: one list per
+  operand, of its parts); the outputs as :class:`Parts` along ``dims``."""
+  n = len(operands[0])
+  outs = [fn([op[j] for op in operands]) for j in range(n)]
+  return [Parts(tuple(o[k] for o in outs), d) for k, d in enumerate(dims)]
 
 
 def _bound(ctx: Context, eqn) -> Callable:
@@ -203,20 +211,18 @@ def _with(prim, **params) -> Callable:
 
 
 def _elementwise(eqn, invals, ctx):
-  dim = _dim_of(invals)
+  dim, n = _dim_of(invals), _n_of(invals)
   full = tuple(eqn.outvars[0].aval.shape)
   if any(tuple(o.aval.shape) != full for o in eqn.outvars):
     return None
-  pairs = [_parts(v, dim, full) for v in invals]
-  return _per_half(
-    ctx, _bound(ctx, eqn), [p[0] for p in pairs], [p[1] for p in pairs], [dim] * len(eqn.outvars)
-  )
+  ops = [_parts(v, dim, full, n) for v in invals]
+  return _per_part(ctx, _bound(ctx, eqn), ops, [dim] * len(eqn.outvars))
 
 
 def _collective(eqn, invals, ctx):
   name = eqn.primitive.name
   p = eqn.params
-  dim = _dim_of(invals)
+  dim, n = _dim_of(invals), _n_of(invals)
   out_dim = dim
   if name == "all_gather":
     if p["all_gather_dimension"] == dim and p.get("tiled"):
@@ -231,26 +237,28 @@ def _collective(eqn, invals, ctx):
       return None
   elif name not in ("psum", "pmax", "pmin", "ppermute", "psum_invariant"):
     return None
-  pairs = [_parts(v, dim, _shape(v)) for v in invals]
-  va, vb = [q[0] for q in pairs], [q[1] for q in pairs]
-  last = ctx.last.get(name)
-  if last is not None:
-    va[0] = after(va[0], last)
-  oa = ctx.bind(eqn, va)
-  vb[0] = after(vb[0], oa[0])
-  ob = ctx.bind(eqn, vb)
-  ctx.last[name] = ob[0]
+  ops = [_parts(v, dim, _shape(v), n) for v in invals]
+  outs = []
+  for j in range(n):
+    vals = [op[j] for op in ops]
+    last = ctx.last.get(name)
+    if last is not None:
+      vals[0] = after(vals[0], last)
+    out = ctx.bind(eqn, vals)
+    ctx.last[name] = out[0]
+    outs.append(out)
   ctx.collectives += 1
-  return [Halves(a, b, out_dim) for a, b in zip(oa, ob)]
+  return [Parts(tuple(o[k] for o in outs), out_dim) for k in range(len(outs[0]))]
 
 
 def _dot_general(eqn, invals, ctx):
   (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
   lhs, rhs = invals
+  n = _n_of(invals)
   shapes = [_shape(v) for v in invals]
   lfree = [d for d in range(len(shapes[0])) if d not in lc and d not in lb]
   rfree = [d for d in range(len(shapes[1])) if d not in rc and d not in rb]
-  hl = isinstance(lhs, Halves)
+  hl = isinstance(lhs, Parts)
   d = lhs.dim if hl else rhs.dim
   mine_c, mine_b, other_c, other_b = (lc, lb, rc, rb) if hl else (rc, rb, lc, lb)
   if d in mine_b:
@@ -263,25 +271,26 @@ def _dot_general(eqn, invals, ctx):
   bind = _bound(ctx, eqn)
   if role == "free":
     other = rhs if hl else lhs
-    if isinstance(other, Halves):
+    if isinstance(other, Parts):
       return None
-    mine = lhs if hl else rhs
-    va, vb = ([mine.a, other], [mine.b, other]) if hl else ([other, mine.a], [other, mine.b])
-    return _per_half(ctx, bind, va, vb, [out_dim])
+    mine = (lhs if hl else rhs).parts
+    ops = [mine, (other,) * n] if hl else [(other,) * n, mine]
+    return _per_part(ctx, bind, ops, [out_dim])
   ld, rd = (d, partner) if hl else (partner, d)
-  la, lb_ = _parts(lhs, ld, shapes[0])
-  ra, rb_ = _parts(rhs, rd, shapes[1])
+  ops = [_parts(lhs, ld, shapes[0], n), _parts(rhs, rd, shapes[1], n)]
   if role == "batch":
-    return _per_half(ctx, bind, [la, ra], [lb_, rb_], [out_dim])
-  # Contracting: the two halves' partial products added.
+    return _per_part(ctx, bind, ops, [out_dim])
+  # Contracting: the parts' partial products added.
   out_dtype = eqn.outvars[0].aval.dtype
   params = dict(eqn.params)
   acc = params.get("preferred_element_type") or out_dtype
   params["preferred_element_type"] = jnp.float32 if acc in _LOW else acc
-  ya = lax.dot_general_p.bind(la, ra, **params)
-  yb = lax.dot_general_p.bind(lb_, rb_, **params)
+  total = None
+  for a, b in zip(*ops):
+    y = lax.dot_general_p.bind(a, b, **params)
+    total = y if total is None else total + y
   ctx.summed += 1
-  return [lax.convert_element_type(ya + yb, out_dtype)]
+  return [lax.convert_element_type(total, out_dtype)]
 
 
 def _reduce(eqn, invals, ctx):
@@ -289,18 +298,17 @@ def _reduce(eqn, invals, ctx):
   axes = tuple(eqn.params["axes"])
   d = x.dim
   if d not in axes:
-    return _per_half(ctx, _bound(ctx, eqn), [x.a], [x.b], [d - sum(a < d for a in axes)])
+    return _per_part(ctx, _bound(ctx, eqn), [x.parts], [d - sum(a < d for a in axes)])
   name = eqn.primitive.name
   out_dtype = eqn.outvars[0].aval.dtype
-  b = x.b
   if name == "reduce_sum":
     acc = jnp.float32 if out_dtype in _LOW else out_dtype
     rest = {k: v for k, v in eqn.params.items() if k != "axes"}
-    ya, yb = (
-      lax.reduce_sum_p.bind(lax.convert_element_type(h, acc), axes=axes, **rest) for h in (x.a, b)
-    )
+    ys = [
+      lax.reduce_sum_p.bind(lax.convert_element_type(h, acc), axes=axes, **rest) for h in x.parts
+    ]
     ctx.summed += 1
-    return [lax.convert_element_type(ya + yb, out_dtype)]
+    return [lax.convert_element_type(functools.reduce(lax.add, ys), out_dtype)]
   combine = {
     "reduce_max": lax.max,
     "reduce_min": lax.min,
@@ -309,8 +317,13 @@ def _reduce(eqn, invals, ctx):
   }.get(name)
   if combine is None:
     return None
-  (ya,), (yb,) = ctx.bind(eqn, [x.a]), ctx.bind(eqn, [b])
-  return [combine(ya, yb)]
+  return [functools.reduce(combine, [ctx.bind(eqn, [h])[0] for h in x.parts])]
+
+
+def _one(eqn, invals, ctx, fn, out_dim):
+  """``fn`` on each part of the one split operand (the rest of ``invals`` whole)."""
+  x, *rest = invals
+  return _per_part(ctx, fn, [x.parts, *[(r,) * x.n for r in rest]], [out_dim])
 
 
 def _broadcast_in_dim(eqn, invals, ctx):
@@ -321,9 +334,9 @@ def _broadcast_in_dim(eqn, invals, ctx):
   shape = list(eqn.params["shape"])
   if shape[out_dim] != x.shape[x.dim]:
     return None
-  shape[out_dim] //= 2
+  shape[out_dim] //= x.n
   fn = _with(lax.broadcast_in_dim_p, **{**eqn.params, "shape": tuple(shape)})
-  return _per_half(ctx, fn, [x.a], [x.b], [out_dim])
+  return _one(eqn, invals, ctx, fn, out_dim)
 
 
 def _reshape(eqn, invals, ctx):
@@ -333,65 +346,59 @@ def _reshape(eqn, invals, ctx):
   new = list(eqn.params["new_sizes"])
   before = math.prod(x.shape[: x.dim])
   # The output dimension whose leading elements are the split dimension's: the same
-  # elements before it, then the halves of everything from it on.
+  # elements before it, then the parts of everything from it on.
   out_dim = next((j for j in range(len(new)) if math.prod(new[:j]) == before and new[j] > 1), None)
-  if out_dim is None or new[out_dim] % 2:
+  if out_dim is None or new[out_dim] % x.n:
     return None
-  new[out_dim] //= 2
+  new[out_dim] //= x.n
   fn = _with(lax.reshape_p, **{**eqn.params, "new_sizes": tuple(new)})
-  return _per_half(ctx, fn, [x.a], [x.b], [out_dim])
+  return _one(eqn, invals, ctx, fn, out_dim)
 
 
 def _transpose(eqn, invals, ctx):
   (x,) = invals
   perm = list(eqn.params["permutation"])
-  return _per_half(ctx, _bound(ctx, eqn), [x.a], [x.b], [perm.index(x.dim)])
+  return _one(eqn, invals, ctx, _bound(ctx, eqn), perm.index(x.dim))
 
 
 def _squeeze(eqn, invals, ctx):
   (x,) = invals
   dims = eqn.params["dimensions"]
-  return _per_half(ctx, _bound(ctx, eqn), [x.a], [x.b], [x.dim - sum(a < x.dim for a in dims)])
+  return _one(eqn, invals, ctx, _bound(ctx, eqn), x.dim - sum(a < x.dim for a in dims))
 
 
 def _concatenate(eqn, invals, ctx):
-  dim = _dim_of(invals)
+  dim, n = _dim_of(invals), _n_of(invals)
   if eqn.params["dimension"] == dim:
     return None
-  size = next(v.shape[dim] for v in invals if isinstance(v, Halves))
-  pairs = []
+  size = next(v.shape[dim] for v in invals if isinstance(v, Parts))
+  ops = []
   for v in invals:
     s = _shape(v)
     if s[dim] != size:
       return None
-    pairs.append(_parts(v, dim, s))
-  return _per_half(ctx, _bound(ctx, eqn), [p[0] for p in pairs], [p[1] for p in pairs], [dim])
+    ops.append(_parts(v, dim, s, n))
+  return _per_part(ctx, _bound(ctx, eqn), ops, [dim])
 
 
 def _along(eqn, invals, ctx):
   """cumsum and its kind, sort, split: along one axis."""
-  dim = _dim_of(invals)
+  dim, n = _dim_of(invals), _n_of(invals)
   axis = eqn.params.get("axis", eqn.params.get("dimension"))
   if axis == dim:
     return None
-  full = next(v.shape for v in invals if isinstance(v, Halves))
-  pairs = [_parts(v, dim, full) for v in invals]
-  return _per_half(
-    ctx,
-    _bound(ctx, eqn),
-    [p[0] for p in pairs],
-    [p[1] for p in pairs],
-    [dim] * len(eqn.outvars),
-  )
+  full = next(v.shape for v in invals if isinstance(v, Parts))
+  ops = [_parts(v, dim, full, n) for v in invals]
+  return _per_part(ctx, _bound(ctx, eqn), ops, [dim] * len(eqn.outvars))
 
 
 def _pad(eqn, invals, ctx):
   x, value = invals
-  if not isinstance(x, Halves) or isinstance(value, Halves):
+  if not isinstance(x, Parts) or isinstance(value, Parts):
     return None
   if tuple(eqn.params["padding_config"][x.dim]) != (0, 0, 0):
     return None
-  return _per_half(ctx, _bound(ctx, eqn), [x.a, value], [x.b, value], [x.dim])
+  return _one(eqn, invals, ctx, _bound(ctx, eqn), x.dim)
 
 
 def _slice(eqn, invals, ctx):
@@ -402,50 +409,53 @@ def _slice(eqn, invals, ctx):
   if p["start_indices"][d] != 0 or p["limit_indices"][d] != x.shape[d] or strides[d] != 1:
     return None
   limit = list(p["limit_indices"])
-  limit[d] //= 2
-  fn = _with(lax.slice_p, **{**p, "limit_indices": tuple(limit)})
-  return _per_half(ctx, fn, [x.a], [x.b], [d])
+  limit[d] //= x.n
+  return _one(eqn, invals, ctx, _with(lax.slice_p, **{**p, "limit_indices": tuple(limit)}), d)
 
 
 def _dynamic_slice(eqn, invals, ctx):
   x, *idx = invals
-  if not isinstance(x, Halves) or any(isinstance(i, Halves) for i in idx):
+  if not isinstance(x, Parts) or any(isinstance(i, Parts) for i in idx):
     return None
   sizes = list(eqn.params["slice_sizes"])
   if sizes[x.dim] != x.shape[x.dim]:
     return None
-  sizes[x.dim] //= 2
+  sizes[x.dim] //= x.n
   fn = _with(lax.dynamic_slice_p, **{**eqn.params, "slice_sizes": tuple(sizes)})
-  return _per_half(ctx, fn, [x.a, *idx], [x.b, *idx], [x.dim])
+  return _one(eqn, invals, ctx, fn, x.dim)
 
 
 def _dynamic_update_slice(eqn, invals, ctx):
   x, upd, *idx = invals
-  if any(isinstance(i, Halves) for i in idx):
+  if any(isinstance(i, Parts) for i in idx):
     return None
-  dim = _dim_of(invals[:2])
+  dim, n = _dim_of(invals[:2]), _n_of(invals[:2])
   xs, us = _shape(x), _shape(upd)
   if us[dim] != xs[dim]:
     return None
-  xa, xb = _parts(x, dim, xs)
-  ua, ub = _parts(upd, dim, us)
-  return _per_half(ctx, _bound(ctx, eqn), [xa, ua, *idx], [xb, ub, *idx], [dim])
+  ops = [_parts(x, dim, xs, n), _parts(upd, dim, us, n), *[(i,) * n for i in idx]]
+  return _per_part(ctx, _bound(ctx, eqn), ops, [dim])
 
 
 def _per_operand(eqn, invals, ctx):
-  """An identity on each operand (an optimization barrier, a type cast): once per half, a
-  whole operand through the first half's."""
-  where, fa, fb = [], [], []
+  """An identity on each operand (an optimization barrier, a type cast): once per part, a
+  whole operand through the first part's."""
+  n = _n_of(invals)
+  lists: list[list] = [[] for _ in range(n)]
+  where = []
   for v in invals:
-    if isinstance(v, Halves):
-      where.append((len(fa), len(fb), v.dim))
-      fa.append(v.a)
-      fb.append(v.b)
+    if isinstance(v, Parts):
+      where.append(([len(lst) for lst in lists], v.dim))
+      for lst, part in zip(lists, v.parts):
+        lst.append(part)
     else:
-      where.append((len(fa), None, None))
-      fa.append(v)
-  outs_a, outs_b = ctx.bind(eqn, fa), ctx.bind(eqn, fb)
-  return [outs_a[i] if d is None else Halves(outs_a[i], outs_b[j], d) for i, j, d in where]
+      where.append(([len(lists[0])], None))
+      lists[0].append(v)
+  outs = [ctx.bind(eqn, lst) for lst in lists]
+  return [
+    outs[0][pos[0]] if d is None else Parts(tuple(o[i] for o, i in zip(outs, pos)), d)
+    for pos, d in where
+  ]
 
 
 def _nested(eqn, invals, ctx):
