@@ -396,3 +396,16 @@ def test_per_compile_spelling_is_what_the_installed_jaxlib_compiles_with(given):
   assert on in ([True], ["COLLECTIVE_PIPELINING_MODE_ON"])
   # No spelling the installed jaxlib takes: kept as given, so XLA's own error names it.
   assert per_compile.spelled({"xla_no_such_option": 1}) == {"xla_no_such_option": 1}
+
+
+def test_a_topology_built_by_the_user_is_recommended_for_as_its_gpu_is():
+  # A topology not in the catalogue by name (the user's own host count, say) gets the
+  # recommendation of its GPU, not "unknown target".
+  import dataclasses
+
+  mine = dataclasses.replace(targets.get("h100x8"), name="my_h100_pod", num_hosts=3)
+  for workload in ("fsdp", "tensor_parallel"):
+    want = flags.recommended(target="h100x8", workload=workload)
+    assert flags.recommended(target=mine, workload=workload) == want
+  a100 = dataclasses.replace(targets.get("a100x8"), name="my_a100_pod")
+  assert flags.recommended(target=a100) == flags.recommended(target="a100x8")

@@ -80,7 +80,7 @@ def loop_schedule_options() -> dict[str, Any]:
 
 
 @functools.lru_cache(maxsize=64)
-def _recommended(target: str, workload: str) -> tuple[tuple[str, Any], ...]:
+def _recommended(topo: targets_lib.Topology, workload: str) -> tuple[tuple[str, Any], ...]:
   """The recommendation table. Each choice is justified in the flag's ``why``.
 
   The per-GPU split comes from deviceless analyses of 8-layer bf16 FSDP steps
@@ -88,9 +88,9 @@ def _recommended(target: str, workload: str) -> tuple[tuple[str, Any], ...]:
   (benchmarks/analysis_fsdp.py writes the table): on Hopper, XLA's default
   speed-of-light estimator already overlaps the gathers and the analytical
   estimator exposes more reduce-scatter time; on Ampere the analytical
-  estimator is what hides the gathers.
+  estimator is what hides the gathers. Keyed by the topology itself, so that one built by
+  the user (not in the catalogue by name) is recommended for too.
   """
-  topo = targets_lib.get(target)
   gpu = topo.gpu
   hopper = gpu.vendor == "nvidia" and gpu.compute_capability >= (9, 0)
   opts: dict[str, Any] = {
@@ -174,7 +174,7 @@ def recommended(
   """
   check_workload(workload)
   topo = targets_lib.get(target)
-  opts = dict(_recommended(topo.name, workload))
+  opts = dict(_recommended(topo, workload))
   if check_installed:
     opts = _translate_for_installed(opts)
     # An option the installed XLA aborts some compiles with is left out: set in XLA_FLAGS
