@@ -2,6 +2,8 @@
 transform/parts.py): the same values, the collectives split in XLA's program, and the
 variants that offer it."""
 
+import hypothesis
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -210,3 +212,43 @@ def test_xla_keeps_the_parts_apart_on_h100():
     assert before and len(after) == 2 * len(before), (kind, len(before), len(after))
     assert max(c.bytes for c in after) * 2 == max(c.bytes for c in before)
   assert split.flops == pytest.approx(written.flops, rel=0.02)
+
+
+# Steps of a random program over x: [batch, seq, hidden] (batch first); each keeps that shape
+# or returns to it, so that any sequence of them is a program.
+_STEPS = {
+  "tanh": lambda x, w: jnp.tanh(x),
+  "matmul": lambda x, w: x @ w,  # the batch free
+  "merge": lambda x, w: (x.reshape(-1, x.shape[-1]) * 2.0).reshape(x.shape),
+  "swap": lambda x, w: jnp.swapaxes(jnp.swapaxes(x, 0, 1) + 1.0, 0, 1),
+  "norm": lambda x, w: x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6),
+  "softmax": lambda x, w: jax.nn.softmax(jnp.einsum("bsh,bth->bst", x, x), axis=-1) @ x,
+  "cumsum": lambda x, w: jnp.cumsum(x, axis=1) / x.shape[1],
+  "gram": lambda x, w: x @ (jnp.einsum("bsh,bsk->hk", x, x) / x.size),  # sums the batch
+  "centre": lambda x, w: x - jnp.mean(x, axis=0),  # a mean over the batch
+  "maxnorm": lambda x, w: x / (jnp.max(jnp.abs(x)) + 1.0),
+  "shift": lambda x, w: jnp.pad(x[:, 1:], ((0, 0), (0, 1), (0, 0))),
+}
+
+
+@hypothesis.settings(max_examples=25, deadline=None)
+@hypothesis.given(
+  steps=st.lists(st.sampled_from(sorted(_STEPS)), min_size=1, max_size=6),
+  n=st.sampled_from([2, 4]),
+)
+def test_property_any_program_in_parts_computes_the_whole(steps, n):
+  # Any chain of these steps, evaluated with its input in n parts of the batch, gives the
+  # whole program's values (to float32 rounding where the batch is summed).
+  kx, kw = jax.random.split(jax.random.key(len(steps)))
+  x = jax.random.normal(kx, (4, 6, 8), jnp.float32)
+  w = jax.random.normal(kw, (8, 8), jnp.float32) / 8**0.5
+
+  def f(x, w):
+    for s in steps:
+      x = _STEPS[s](x, w)
+    return x
+
+  (got,), _ = _eval_split(f, x, w, n=n)
+  want = jax.jit(f)(x, w)
+  scale = max(1.0, float(jnp.abs(want).max()))
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * scale)
