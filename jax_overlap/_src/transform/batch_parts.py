@@ -44,10 +44,10 @@ def split_dims(eqn, n: int = 2) -> tuple | None:
   """Where lax.scan ``eqn``'s body is split: for each of its inputs (constants, carries, then
   one iteration's slices), the dimension its batch is cut along into ``n`` parts (0, the
   batch first as JAX code writes it), or None for a whole input. The batch is the leading
-  size of a carried value (one ``n`` divides) that the leading dimension of an activation all-gather's or
-  reduce-scatter's operand has, where that collective runs along another dimension (a
-  tensor-parallel layer's). None where no such collective is in the body (a layer whose
-  collectives are its parameters' gathers gains nothing)."""
+  size of a carried value (one ``n`` divides) that the leading dimension of an activation
+  all-gather's or reduce-scatter's operand has, where that collective runs along another
+  dimension (a tensor-parallel layer's). None where no such collective is in the body (a
+  layer whose collectives are its parameters' gathers gains nothing)."""
   if eqn.primitive.name != "scan":
     return None
   body, _ = scan_pipeline.loop_body(eqn)
@@ -84,13 +84,13 @@ def run_scan(eqn, invals: list, dims: tuple, bind: Callable, n: int) -> tuple[li
     invals[n_consts : n_consts + n_carry],
     invals[n_consts + n_carry :],
   )
-  ctx = Context(bind)
+  traced: list[Context] = []
 
   def body(carry, x):
     args = [*consts, *carry, *x]
     args = [a if d is None else cut(a, d, n) for a, d in zip(args, dims)]
-    ctx.__init__(bind)
-    outs = [whole(o) for o in run(jaxpr, body_consts, args, ctx)]
+    traced[:] = [Context(bind)]
+    outs = [whole(o) for o in run(jaxpr, body_consts, args, traced[0])]
     return outs[:n_carry], outs[n_carry:]
 
   carry, ys = lax.scan(
@@ -101,4 +101,4 @@ def run_scan(eqn, invals: list, dims: tuple, bind: Callable, n: int) -> tuple[li
     reverse=bool(eqn.params["reverse"]),
     unroll=eqn.params.get("unroll", 1),
   )
-  return [*carry, *ys], ctx
+  return [*carry, *ys], traced[0]
