@@ -33,8 +33,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from jax import lax
-
 from jax_overlap._src.transform import scan_pipeline
 from jax_overlap._src.transform.jaxprs import scan_sizes
 from jax_overlap._src.transform.parts import Context, cut, run, whole
@@ -77,28 +75,11 @@ def split_dims(eqn, n: int = 2) -> tuple | None:
 def run_scan(eqn, invals: list, dims: tuple, bind: Callable, n: int) -> tuple[list, Context]:
   """Scan ``eqn`` on ``invals``, each iteration's body evaluated in ``n`` parts along
   ``dims`` (:func:`split_dims`): its outputs, and the last evaluation's :class:`Context`."""
-  jaxpr, body_consts = scan_pipeline.loop_body(eqn)
-  n_consts, n_carry = scan_sizes(eqn)
-  consts, carry0, xs = (
-    invals[:n_consts],
-    invals[n_consts : n_consts + n_carry],
-    invals[n_consts + n_carry :],
-  )
   traced: list[Context] = []
 
-  def body(carry, x):
-    args = [*consts, *carry, *x]
+  def evaluate(jaxpr, consts, args):
     args = [a if d is None else cut(a, d, n) for a, d in zip(args, dims)]
     traced[:] = [Context(bind)]
-    outs = [whole(o) for o in run(jaxpr, body_consts, args, traced[0])]
-    return outs[:n_carry], outs[n_carry:]
+    return [whole(o) for o in run(jaxpr, consts, args, traced[0])]
 
-  carry, ys = lax.scan(
-    body,
-    list(carry0),
-    list(xs),
-    length=int(eqn.params["length"]),
-    reverse=bool(eqn.params["reverse"]),
-    unroll=eqn.params.get("unroll", 1),
-  )
-  return [*carry, *ys], traced[0]
+  return scan_pipeline.rescan(eqn, invals, evaluate), traced[0]

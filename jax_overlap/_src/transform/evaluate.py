@@ -14,7 +14,7 @@ from jax_overlap._src.collective_matmul.nd import gather_dots_kept
 from jax_overlap._src.fsdp.pipeline import after
 from jax_overlap._src.transform import batch_parts, embedding, first_pieces, scan_pipeline, ties
 from jax_overlap._src.transform.explain import Action
-from jax_overlap._src.transform.jaxprs import OPAQUE, contains_collectives, is_var, scan_sizes
+from jax_overlap._src.transform.jaxprs import OPAQUE, contains_collectives, is_var
 from jax_overlap._src.transform.planning import BodyPlan, plan_body
 from jax_overlap._src.transform.settings import CollectiveMatmul, ReduceScatter
 from jax_overlap._src.transform.stats import RewriteStats
@@ -107,25 +107,9 @@ def _run(jaxpr, consts, args, plan: BodyPlan | None):
 
 
 def _scan(eqn, invals: list, plan: BodyPlan):
-  """Scan ``eqn`` on ``invals`` with its body evaluated by ``plan``."""
-  jaxpr, body_consts = scan_pipeline.loop_body(eqn)  # the body the plan was made for
-  n_consts, n_carry = scan_sizes(eqn)
-  consts, carry0 = invals[:n_consts], invals[n_consts : n_consts + n_carry]
-  xs = invals[n_consts + n_carry :]
-
-  def body(carry, x):
-    outs = _run(jaxpr, body_consts, [*consts, *carry, *x], plan)
-    return outs[:n_carry], outs[n_carry:]
-
-  carry, ys = jax.lax.scan(
-    body,
-    list(carry0),
-    list(xs),
-    length=int(eqn.params["length"]),
-    reverse=bool(eqn.params["reverse"]),
-    unroll=eqn.params.get("unroll", 1),
-  )
-  return [*carry, *ys]
+  """Scan ``eqn`` on ``invals`` with its body evaluated by ``plan`` (made for the body
+  ``scan_pipeline.loop_body`` gives)."""
+  return scan_pipeline.rescan(eqn, invals, lambda jx, cs, args: _run(jx, cs, args, plan))
 
 
 def _run_env(jaxpr, consts, args, plan: BodyPlan | None, skip: frozenset = frozenset(), given=None):

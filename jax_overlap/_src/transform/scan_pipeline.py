@@ -146,6 +146,29 @@ def loop_body(eqn):
   return hit[1], tuple(getattr(closed, "consts", ()))
 
 
+def rescan(eqn, invals: list, evaluate: Callable) -> list:
+  """Scan ``eqn`` run on ``invals`` with each iteration's body evaluated by ``evaluate(body,
+  consts, args)`` (the body as :func:`loop_body` gives it; args its constants, carries and
+  one iteration's slices), the loop's length, direction and unrolling kept."""
+  jaxpr, body_consts = loop_body(eqn)
+  n_consts, n_carry = scan_sizes(eqn)
+  consts, carry0 = invals[:n_consts], invals[n_consts : n_consts + n_carry]
+
+  def body(carry, x):
+    outs = evaluate(jaxpr, body_consts, [*consts, *carry, *x])
+    return outs[:n_carry], outs[n_carry:]
+
+  carry, ys = jax.lax.scan(
+    body,
+    list(carry0),
+    list(invals[n_consts + n_carry :]),
+    length=int(eqn.params["length"]),
+    reverse=bool(eqn.params["reverse"]),
+    unroll=eqn.params.get("unroll", 1),
+  )
+  return [*carry, *ys]
+
+
 def plan(eqn, *, gathers: bool = True, scatters: bool = True) -> ScanPlan:
   """The collectives of scan ``eqn`` that :func:`run` can move, or the reason it cannot."""
   if eqn.primitive.name != "scan":
