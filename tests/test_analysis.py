@@ -555,3 +555,32 @@ def test_deviceless_compiles_are_remembered_in_the_process(monkeypatch):
   import shutil
 
   shutil.rmtree(kept.dump_dir, ignore_errors=True)
+
+
+def test_thunk_listings_of_both_formats_read_the_same_launches():
+  # XLA's thunk sequence lists a kernel's launch as "name grid: [...] threads: [...]
+  # shared_memory: N bytes" up to jaxlib 0.12.0 and as "kernel=name, ..., launch
+  # dimensions=blocks: {...}, threads/block: {...}, ..., shmem_bytes=N" from 0.12.1 (lines
+  # of the two versions' listings of the same FSDP step).
+  from jax_overlap._src.analysis import schedule
+
+  old = (
+    "031: kCustomKernel [prev=027 (3)   | next=032 (1)  ] gemm_fusion_dot_528 grid: "
+    "[131072, 1, 1] threads: [64, 1, 1]  shared_memory: 768 bytes\n"
+    "025: kAsyncStart   [source         | next=219 (168)] stream=communication_stream[1], "
+    "async_id=25\n026: kAllGather    [source         | next=033 (30) ] kAllGather\n"
+  )
+  new = (
+    "031: kCustomKernel [prev=027 (3)   | next=032 (1)  ] kernel=gemm_fusion_dot_528, "
+    "profile_annotation=gemm_fusion_dot.528, launch dimensions=blocks: {65536, 2, 1}, "
+    "threads/block: {32, 2, 1}, cluster_dim=nullopt, shmem_bytes=768, use_pdl=true\n"
+    "025: kAsyncStart   [source         | next=213 (162)] stream=communication_stream[1], "
+    "async_id=25\n026: kAllGather    [source         | next=033 (30) ] kAllGather\n"
+  )
+  expected = ({"gemm_fusion_dot_528": (131072, 64, 768)}, [1])
+  assert schedule.parse_thunks(old) == expected
+  assert schedule.parse_thunks(new) == expected
+  meta = 'thunk_metadata {\n  thunk_info {\n    profile_annotation: "gemm_fusion_dot.528"\n    thunk_id: 31\n  }\n}\n'
+  for text in (old, new):
+    launched = schedule.launches_by_instruction(text, meta)
+    assert launched == {"gemm_fusion_dot.528": [("gemm_fusion_dot_528", (131072, 64, 768))]}

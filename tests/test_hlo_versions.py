@@ -62,6 +62,14 @@ def test_xla_0_11_step_reads_as_the_installed_xla_compile_of_it():
   assert sorted((c.kind, c.bytes) for c in old.collectives) == sorted(
     (c.kind, c.bytes) for c in new.collectives
   )
+
+  # The same matmuls cost the same; the rest within what XLA's own fusion decisions move
+  # between versions (XLA 0.12.1 fuses 60 of the 0.11 text's 298 copy kernels away:
+  # 0.607 ms against 0.697 ms; 0.12.0 within 1 %).
+  def gemm_s(s):
+    return sum(k.time_s for k in s.kernels if k.kind == "gemm")
+
+  assert gemm_s(old) == pytest.approx(gemm_s(new), rel=0.01)
   old_s, new_s = (sum(k.time_s for k in s.kernels) for s in (old, new))
-  assert old_s == pytest.approx(new_s, rel=0.1), (old_s, new_s)
+  assert old_s == pytest.approx(new_s, rel=0.2), (old_s, new_s)
   assert not [k.name for k in old.kernels if "-start" in k.name]

@@ -81,7 +81,7 @@ def test_a_finished_variants_kernels_serve_the_variants_after_it(small_step):
   fn, args = small_step
   unmerged = {"xla_gpu_dot_merger_threshold_mb": 0}
   cublas = {"xla_gpu_enable_triton_gemm": False}
-  no_lhs = {"xla_gpu_enable_latency_hiding_scheduler": False}
+  low_priority = {"xla_gpu_enable_highest_priority_async_stream": False}
   steps = []
   with kernel_cache.Shared() as kernels:
 
@@ -104,13 +104,13 @@ def test_a_finished_variants_kernels_serve_the_variants_after_it(small_step):
     # A copy of the seed alone compiles the first's kernels again (give or take one: XLA
     # compiles kernels in parallel, and two identical fusions compiled at the same time
     # may or may not become one).
-    again = _ptx_files(compiled(kernels.copy({**unmerged, **no_lhs})))
+    again = _ptx_files(compiled(kernels.copy({**unmerged, **low_priority})))
     assert abs(again - new_in_first) <= 1, (again, new_in_first)
     kernels.done(first)
     kernels.done(sibling)  # copied before the first was done: the two files merged
     assert os.path.basename(kernels.copy({})[kernel_cache.OPTION]) != "seed.bin"
-    later = _ptx_files(compiled(kernels.copy({**unmerged, **no_lhs})))
-    later_sibling = _ptx_files(compiled(kernels.copy({**cublas, **no_lhs})))
+    later = _ptx_files(compiled(kernels.copy({**unmerged, **low_priority})))
+    later_sibling = _ptx_files(compiled(kernels.copy({**cublas, **low_priority})))
     assert later < new_in_first - 1, (later, new_in_first)
     assert later_sibling < new_in_sibling - 1, (later_sibling, new_in_sibling)
   for step in steps:

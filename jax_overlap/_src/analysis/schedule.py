@@ -203,9 +203,15 @@ class Schedule:
   uncounted: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
+# A kernel thunk's name and launch configuration, as XLA up to 0.12.0 lists it ("name grid:
+# [x, y, z] threads: [x, y, z]  shared_memory: N bytes") and from 0.12.1 on ("kernel=name,
+# profile_annotation=..., launch dimensions=blocks: {x, y, z}, threads/block: {x, y, z},
+# cluster_dim=..., shmem_bytes=N").
 _THUNK_KERNEL = re.compile(
   r"(\S+)\s+grid:\s*\[(\d+),\s*(\d+),\s*(\d+)\]\s*threads:\s*\[(\d+),\s*(\d+),\s*(\d+)\]"
   r"\s*shared_memory:\s*(\d+)"
+  r"|kernel=([^,\s]+),.*?blocks:\s*\{(\d+),\s*(\d+),\s*(\d+)\},\s*threads/block:\s*"
+  r"\{(\d+),\s*(\d+),\s*(\d+)\}.*?shmem_bytes=(\d+)"
 )
 _THUNK_ASYNC = re.compile(r"kAsyncStart.*stream=communication_stream\[(\d+)\]")
 _THUNK_ID = re.compile(r"^\s*(\d+):")
@@ -214,9 +220,11 @@ _METADATA = re.compile(r'profile_annotation:\s*"([^"]*)"\s*(?:thunk_id:\s*(\d+))
 
 def _launch(m: re.Match) -> tuple[str, tuple[int, int, int]]:
   """Kernel name and (grid blocks, threads per block, shared memory) of a kernel thunk."""
-  grid = int(m.group(2)) * int(m.group(3)) * int(m.group(4))
-  threads = int(m.group(5)) * int(m.group(6)) * int(m.group(7))
-  return m.group(1), (grid, threads, int(m.group(8)))
+  g = m.groups()
+  name, *n = g[:8] if g[0] is not None else g[8:]
+  grid = int(n[0]) * int(n[1]) * int(n[2])
+  threads = int(n[3]) * int(n[4]) * int(n[5])
+  return name, (grid, threads, int(n[6]))
 
 
 def parse_thunks(text: str) -> tuple[dict[str, tuple[int, int, int]], list[int]]:

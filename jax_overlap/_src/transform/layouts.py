@@ -527,8 +527,8 @@ def _pad(it, eqn, lays):
   cfg = eqn.params["padding_config"]
   dims = tuple(ax if tuple(c) == (0, 0, 0) else () for ax, c in zip(lay.dims, cfg))
   # Padding with zeros is linear (the transpose of a slice): a sum stays a sum.
-  pad = eqn.invars[1]
-  zero = is_literal(pad) and not np.any(np.asarray(pad.val))
+  pad = it.constant(eqn.invars[1])
+  zero = pad is not None and not np.any(np.asarray(pad))
   out = Layout(dims, lay.partial if zero else frozenset())
   return [out, Layout(())], [out], None, None
 

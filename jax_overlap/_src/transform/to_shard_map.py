@@ -141,6 +141,7 @@ class Interpreter:
   ):
     self.sizes = sizes
     self.params_only = params_only  # vars that depend only on parameters
+    self.constants: dict = {}  # vars that are a constant laid out (reshard of a literal)
     self.hints = hints  # var -> Layout it is converted to right after it is made
     self.abstract = abstract
     # var -> [(id of an equation using it, the layout that use wanted)]: this run's, and
@@ -425,8 +426,19 @@ class Interpreter:
 
   # -- structured primitives ---------------------------------------------------
 
+  def constant(self, v):
+    """The value of ``v`` where it is a literal or a literal laid out, else None."""
+    if is_literal(v):
+      return v.val
+    return self.constants.get(v)
+
   def _constraint(self, eqn, ins):
     (x, lay), (v,) = ins[0], eqn.invars[:1]
+    if is_literal(v):
+      # A constant laid out (from jax 0.12.1 a transpose's zero padding, reshard(0.0)):
+      # the same constant, known as one to the rules that read it.
+      self.constants[eqn.outvars[0]] = v.val
+      return [(x, lay)]
     sharding = eqn.params.get("sharding", eqn.params.get("dst_sharding"))
     where = {
       "reshard": "a reshard (the jit's in_shardings or out_shardings, or jax.sharding.reshard)",
