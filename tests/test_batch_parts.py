@@ -252,3 +252,70 @@ def test_property_any_program_in_parts_computes_the_whole(steps, n):
   want = jax.jit(f)(x, w)
   scale = max(1.0, float(jnp.abs(want).max()))
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * scale)
+
+
+def test_a_split_loop_carries_and_stacks_each_part_apart():
+  # The loop holds a split carry, sliced input and stacked output as one array per part
+  # (put together outside it): no kernel of an iteration reads a value every part is cut
+  # from, which XLA's sibling fusion would join the parts' kernels over.
+  mesh = jax.make_mesh((8,), ("tensor",), axis_types=(AxisType.Auto,))
+  fn, args = tp_sp.build(mesh=mesh, remat=True, **CFG)
+  params, x = tp_sp.random_inputs(args, seed=3)
+  for n in (2, 4):
+    run, _, _, closed = _rewritten(fn, (params, x), _config(n))
+    before = _scans(closed.jaxpr)
+    after = _scans(jax.make_jaxpr(run)(params, x).jaxpr)
+    assert len(after) == len(before) == 2
+    for b, a in zip(before, after):
+      # The batch of the split values (4 sequences) in n parts of 4 // n.
+      split_b = [v for v in b.invars[b.params["num_consts"] :] if CFG["batch"] in _dims(v)]
+      split_a = [v for v in a.invars[a.params["num_consts"] :] if CFG["batch"] // n in _dims(v)]
+      assert split_b and len(split_a) >= n * len(split_b), (n, len(split_b), len(split_a))
+      assert not [v for v in a.invars[a.params["num_consts"] :] if CFG["batch"] in _dims(v)]
+
+
+def _dims(v) -> tuple:
+  return tuple(getattr(v.aval, "shape", ()))[:2]
+
+
+def _scans(jaxpr) -> list:
+  """The scan equations of ``jaxpr`` and of the jaxprs it calls, in order."""
+  out = []
+  for e in jaxpr.eqns:
+    if e.primitive.name == "scan":
+      out.append(e)
+      continue
+    for p in e.params.values():
+      inner = p if hasattr(p, "eqns") else getattr(p, "jaxpr", None)
+      if inner is not None:
+        out += _scans(inner if hasattr(inner, "eqns") else inner.jaxpr)
+  return out
+
+
+def test_each_part_reads_its_own_copy_of_a_small_shared_value():
+  # A norm's scale (small) multiplies every part: each part reads it through a copy of its
+  # own, tied to the part, so no two parts' kernels share it; a large shared value stays
+  # one (a copy would be written out). Without keys (the evaluator alone) nothing changes.
+  x = jnp.ones((4, 16, 32), jnp.float32)
+  scale = jnp.arange(32, dtype=jnp.float32)
+  table = jnp.ones((4, 2048, 32), jnp.float32)[:, :16]  # computed: 128 KiB, small too
+  big = jnp.ones((4, 16, 32 * 2048), jnp.float32)  # 8 MiB
+
+  def g(x, scale, table, big, n=2):
+    closed = jax.make_jaxpr(lambda x, s, t, b: (x * s, x + t, x.repeat(2048, 2) * b))(
+      x, scale, table, big
+    )
+    xp = parts.cut(x, 0, n)
+    ctx = parts.Context(lambda e, v: eval_eqn(e, v, None), keys=xp.parts)
+    outs = parts.run(closed.jaxpr, closed.consts, [xp, scale, table, big], ctx)
+    return [parts.whole(o) for o in outs]
+
+  jaxpr = jax.make_jaxpr(g)(x, scale, table, big)
+  barriers = [e for e in jaxpr.eqns if e.primitive.name == "optimization_barrier"]
+  # scale and table once per part; big (8 MiB) not copied.
+  assert len(barriers) == 4, jaxpr
+  assert all(np.prod(e.outvars[0].aval.shape) * 4 <= parts.SMALL_BYTES for e in barriers)
+  got = jax.jit(g)(x, scale, table, big)
+  want = (x * scale, x + table, x.repeat(2048, 2) * big)
+  for a, b in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

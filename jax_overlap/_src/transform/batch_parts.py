@@ -21,10 +21,13 @@ Each collective is issued after the one of its kind before it (one part's, then 
 next's): one after the other on the communication stream. Without that order XLA's
 combiner joins the parts' collectives back into one (and its dot merger their matmuls: the
 variants that split turn it off). No reader of a collective's result waits for the order
-(:func:`~jax_overlap._src.fsdp.pipeline.after`). The parts run in step: XLA's scheduler,
-given the second of two halves a step behind the first (its work between two collectives
-after the first half's), kept fewer collectives beside compute (MaxText's tensor-parallel
-step, 2 layers, h100x8: 25.18 ms against 24.05 ms). More parts leave less of each
+(:func:`~jax_overlap._src.fsdp.pipeline.after`). No kernel of an iteration reads a value
+the parts share (the loop holds each part of a split value as an array of its own, and each
+part reads small shared values through its own copy): XLA's sibling fusion would join the
+parts' kernels over it, and every part would wait for the slowest. The parts run in step:
+XLA's scheduler, given the second of two halves a step behind the first (its work between
+two collectives after the first half's), kept fewer collectives beside compute (MaxText's
+tensor-parallel step, 2 layers, h100x8: 25.18 ms against 24.05 ms). More parts leave less of each
 collective with nothing beside it, at more, smaller collectives and matmuls: on the
 8-layer step 2 parts 82.37 ms, 4 parts 81.37 ms, 8 parts 93.42 ms.
 """
@@ -33,9 +36,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from jax import lax
+
 from jax_overlap._src.transform import scan_pipeline
 from jax_overlap._src.transform.jaxprs import scan_sizes
-from jax_overlap._src.transform.parts import Context, cut, run, whole
+from jax_overlap._src.transform.parts import Context, Parts, cut, run, whole
 
 
 def split_dims(eqn, n: int = 2) -> tuple | None:
@@ -74,12 +79,46 @@ def split_dims(eqn, n: int = 2) -> tuple | None:
 
 def run_scan(eqn, invals: list, dims: tuple, bind: Callable, n: int) -> tuple[list, Context]:
   """Scan ``eqn`` on ``invals``, each iteration's body evaluated in ``n`` parts along
-  ``dims`` (:func:`split_dims`): its outputs, and the last evaluation's :class:`Context`."""
+  ``dims`` (:func:`split_dims`): its outputs, and the last evaluation's :class:`Context`.
+
+  The loop holds a carry, a sliced input and a stacked output that are split as their
+  parts, one array each (put together outside the loop): no kernel of an iteration reads
+  all parts, so XLA's sibling fusion finds no common operand to join the parts' kernels
+  over (:class:`~.parts.Context`)."""
+  n_consts, n_carry = scan_sizes(eqn)
+  carry_dims, x_dims = dims[n_consts : n_consts + n_carry], dims[n_consts + n_carry :]
   traced: list[Context] = []
+  y_dims: list = []
+
+  def pack(carry, xs):
+    carry = [c if d is None else _parts_along(c, d, n) for c, d in zip(carry, carry_dims)]
+    # A sliced input's parts: cut along its dimension after the loop's.
+    xs = [x if d is None else cut(x, d + 1, n).parts for x, d in zip(xs, x_dims)]
+    return carry, xs
+
+  def unpack(carry, ys):
+    carry = [c if d is None else lax.concatenate(list(c), d) for c, d in zip(carry, carry_dims)]
+    ys = [y if d is None else lax.concatenate(list(y), d + 1) for y, d in zip(ys, y_dims)]
+    return carry, ys
 
   def evaluate(jaxpr, consts, args):
-    args = [a if d is None else cut(a, d, n) for a, d in zip(args, dims)]
-    traced[:] = [Context(bind)]
-    return [whole(o) for o in run(jaxpr, consts, args, traced[0])]
+    args = [
+      a if d is None else cut(a, d, n) if i < n_consts else Parts(tuple(a), d)
+      for i, (a, d) in enumerate(zip(args, dims))
+    ]
+    ctx = Context(bind, keys=next(a.parts for a in args if isinstance(a, Parts)))
+    traced[:] = [ctx]
+    outs = run(jaxpr, consts, args, ctx)
+    carry = [c if d is None else _parts_along(c, d, n) for c, d in zip(outs[:n_carry], carry_dims)]
+    ys = outs[n_carry:]
+    y_dims[:] = [y.dim if isinstance(y, Parts) else None for y in ys]
+    return [*carry, *(y.parts if isinstance(y, Parts) else y for y in ys)]
 
-  return scan_pipeline.rescan(eqn, invals, evaluate), traced[0]
+  return scan_pipeline.rescan(eqn, invals, evaluate, pack, unpack), traced[0]
+
+
+def _parts_along(x, dim: int, n: int) -> tuple:
+  """``x`` (a value or :class:`~.parts.Parts`) as ``n`` parts along ``dim``."""
+  if isinstance(x, Parts) and x.dim == dim:
+    return x.parts
+  return cut(whole(x), dim, n).parts

@@ -48,19 +48,65 @@ _NESTED = {
   "custom_jvp_call": "call_jaxpr",
 }
 _LOW = (jnp.bfloat16, jnp.float16)
+# A computed whole value up to this size gets a copy per part (Context.own): writing it
+# out costs little; a larger one stays common.
+SMALL_BYTES = 1 << 20
 
 
 class Context:
   """One evaluation's state: how equations are bound, each collective kind's last result
-  (the next one of its kind is issued after it), and counts of what was split."""
+  (the next one of its kind is issued after it), and counts of what was split.
 
-  def __init__(self, bind: Callable):
+  ``keys``: a value of each part (its part of a carry). Given keys, each part reads a small
+  whole value that every part reads (a norm's scale) through its own copy (an optimization
+  barrier with the part's key, :meth:`own`), and a broadcast of a whole value is broadcast
+  again per part from its copy. Without that, XLA's sibling fusion joins kernels that read a common
+  operand into one kernel with an output per part, and every part waits for the slowest
+  (the layer norms of all parts after the last part's reduce-scatter). Only small values
+  get copies: an optimization barrier writes its operand out (a broadcast mask that XLA
+  computes inside each kernel reading it would take 2 GiB written out for MaxText's
+  attention); the parts of a carry are carried apart instead (:mod:`.batch_parts`).
+  """
+
+  def __init__(self, bind: Callable, *, keys: Sequence | None = None):
     self.bind = bind
+    self.keys = None if keys is None else tuple(keys)
     self.last: dict[str, Any] = {}
     self.split = 0
     self.summed = 0
     self.collectives = 0
     self.joined: list[str] = []
+    self._own: dict = {}
+    self._broadcasts: dict = {}
+
+  def own(self, v, j: int):
+    """Part ``j``'s own copy of the whole value ``v``, tied to the part's key (``v`` itself
+    where it stays common: without keys, a scalar, or a large value)."""
+    if self.keys is None or np.ndim(v) == 0 or not jnp.issubdtype(v.dtype, jnp.floating):
+      return v
+    if math.prod(np.shape(v)) * np.dtype(v.dtype).itemsize > SMALL_BYTES:
+      return v
+    key = (id(v), j)
+    if key not in self._own:
+      # v + 0 * (an element of the part's key), written out: XLA keeps a float product
+      # with zero (it may be a NaN) and a barrier's operand in memory, and no two parts'
+      # copies are equal expressions that its CSE would merge (a barrier of v alone).
+      k = self.keys[j]
+      k = lax.convert_element_type(
+        lax.reshape(lax.slice(k, (0,) * k.ndim, (1,) * k.ndim), ()), v.dtype
+      )
+      self._own[key] = (v, lax.optimization_barrier(v + jnp.zeros((), v.dtype) * k))
+    return self._own[key][1]
+
+  def note_broadcast(self, eqn, invals, outs) -> None:
+    """Records a broadcast of a whole value (broadcast again per part where parts read it)."""
+    if self.keys is not None and eqn.primitive.name == "broadcast_in_dim" and len(invals) == 1:
+      self._broadcasts[id(outs[0])] = (outs[0], eqn, invals[0])
+
+  def broadcast_of(self, v):
+    """``(eqn, operand)`` where ``v`` is a recorded broadcast, else None."""
+    entry = self._broadcasts.get(id(v))
+    return entry[1:] if entry is not None and entry[0] is v else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +142,11 @@ def whole(x):
   return x.whole() if isinstance(x, Parts) else x
 
 
+def _cut_apart(x, dim: int, n: int, ctx: Context) -> Parts:
+  """:func:`cut`, each part from its own copy of ``x`` (:meth:`Context.own`)."""
+  return Parts(tuple(cut(ctx.own(x, j), dim, n).parts[j] for j in range(n)), dim)
+
+
 def run(jaxpr, consts, args: Sequence, ctx: Context) -> list:
   """Evaluates ``jaxpr`` on ``args`` (values or :class:`Parts`); its outputs, each a value or
   :class:`Parts` (put them together with :func:`whole`)."""
@@ -115,6 +166,8 @@ def run(jaxpr, consts, args: Sequence, ctx: Context) -> list:
       outs = seen[key]
     else:
       outs = _eval(eqn, invals, ctx)
+      if not any(isinstance(v, Parts) for v in invals):
+        ctx.note_broadcast(eqn, invals, outs)
       if key is not None:
         seen[key] = outs
     env.update(zip(eqn.outvars, outs))
@@ -179,19 +232,44 @@ def _shape(v) -> tuple[int, ...]:
   return v.shape if isinstance(v, Parts) else tuple(np.shape(v))
 
 
-def _parts(v, dim: int, full_shape, n: int) -> tuple:
+def _parts(v, dim: int, full_shape, n: int, ctx: Context | None = None) -> tuple:
   """``v``'s ``n`` parts along ``dim``: a scalar or a value of size 1 there (broadcast along
-  it) is shared, a whole value of the full size there cut."""
+  it) is shared, a whole value of the full size there cut. Given ``ctx`` (an elementwise
+  equation's operands: what XLA's sibling fusion would join), each part reads a whole
+  value through its own copy (:class:`Context`)."""
   if isinstance(v, Parts):
     if v.dim != dim:
       v = cut(v.whole(), dim, n)
     return v.parts
   shape = np.shape(v)
-  if len(shape) == 0 or (len(shape) == len(full_shape) and shape[dim] == 1):
-    return (v,) * n
-  if len(shape) != len(full_shape) or shape[dim] != full_shape[dim]:
+  shared = len(shape) == 0 or (len(shape) == len(full_shape) and shape[dim] == 1)
+  if not shared and (len(shape) != len(full_shape) or shape[dim] != full_shape[dim]):
     raise _Join
-  return cut(v, dim, n).parts
+  per_part = None if ctx is None else _rebroadcast(ctx, v, dim, n)
+  if per_part is not None:
+    return per_part
+  if ctx is None:
+    return (v,) * n if shared else cut(v, dim, n).parts
+  if shared:
+    return tuple(ctx.own(v, j) for j in range(n))
+  return _cut_apart(v, dim, n, ctx).parts
+
+
+def _rebroadcast(ctx: Context, v, dim: int, n: int) -> tuple | None:
+  """A recorded broadcast ``v``'s parts along ``dim``, each broadcast from its part's copy
+  of the operand (None where ``v`` is no such broadcast, or where its operand varies
+  along ``dim``)."""
+  found = ctx.broadcast_of(v)
+  if found is None:
+    return None
+  eqn, operand = found
+  dims = tuple(eqn.params["broadcast_dimensions"])
+  shape = list(eqn.params["shape"])
+  if dim in dims and np.shape(operand)[dims.index(dim)] != 1:
+    return None
+  shape[dim] = shape[dim] // n if shape[dim] > 1 else 1
+  params = {**eqn.params, "shape": tuple(shape)}
+  return tuple(lax.broadcast_in_dim_p.bind(ctx.own(operand, j), **params) for j in range(n))
 
 
 def _per_part(ctx: Context, fn: Callable, operands: list, dims) -> list:
@@ -215,7 +293,7 @@ def _elementwise(eqn, invals, ctx):
   full = tuple(eqn.outvars[0].aval.shape)
   if any(tuple(o.aval.shape) != full for o in eqn.outvars):
     return None
-  ops = [_parts(v, dim, full, n) for v in invals]
+  ops = [_parts(v, dim, full, n, ctx) for v in invals]
   return _per_part(ctx, _bound(ctx, eqn), ops, [dim] * len(eqn.outvars))
 
 
@@ -274,7 +352,9 @@ def _dot_general(eqn, invals, ctx):
     if isinstance(other, Parts):
       return None
     mine = (lhs if hl else rhs).parts
-    ops = [mine, (other,) * n] if hl else [(other,) * n, mine]
+    # A small operand (a norm's scale: XLA makes such a matmul a multiply) per part.
+    others = tuple(ctx.own(other, j) for j in range(n))
+    ops = [mine, others] if hl else [others, mine]
     return _per_part(ctx, bind, ops, [out_dim])
   ld, rd = (d, partner) if hl else (partner, d)
   ops = [_parts(lhs, ld, shapes[0], n), _parts(rhs, rd, shapes[1], n)]

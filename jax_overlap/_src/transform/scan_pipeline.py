@@ -146,26 +146,40 @@ def loop_body(eqn):
   return hit[1], tuple(getattr(closed, "consts", ()))
 
 
-def rescan(eqn, invals: list, evaluate: Callable) -> list:
+def rescan(
+  eqn,
+  invals: list,
+  evaluate: Callable,
+  pack: Callable | None = None,
+  unpack: Callable | None = None,
+) -> list:
   """Scan ``eqn`` run on ``invals`` with each iteration's body evaluated by ``evaluate(body,
   consts, args)`` (the body as :func:`loop_body` gives it; args its constants, carries and
-  one iteration's slices), the loop's length, direction and unrolling kept."""
+  one iteration's slices), the loop's length, direction and unrolling kept. ``pack(carries,
+  xs)`` and ``unpack(carries, ys)``: the carries and the sliced inputs as the loop holds
+  them, and its carries and stacked outputs back (``evaluate`` then takes and gives the
+  loop's form)."""
   jaxpr, body_consts = loop_body(eqn)
   n_consts, n_carry = scan_sizes(eqn)
-  consts, carry0 = invals[:n_consts], invals[n_consts : n_consts + n_carry]
+  consts, carry0 = invals[:n_consts], list(invals[n_consts : n_consts + n_carry])
+  xs = list(invals[n_consts + n_carry :])
+  if pack is not None:
+    carry0, xs = pack(carry0, xs)
 
   def body(carry, x):
     outs = evaluate(jaxpr, body_consts, [*consts, *carry, *x])
-    return outs[:n_carry], outs[n_carry:]
+    return outs[: len(carry)], outs[len(carry) :]
 
   carry, ys = jax.lax.scan(
     body,
-    list(carry0),
-    list(invals[n_consts + n_carry :]),
+    carry0,
+    xs,
     length=int(eqn.params["length"]),
     reverse=bool(eqn.params["reverse"]),
     unroll=eqn.params.get("unroll", 1),
   )
+  if unpack is not None:
+    carry, ys = unpack(carry, ys)
   return [*carry, *ys]
 
 
