@@ -2,6 +2,9 @@
 each equation once per part where a rule keeps the parts apart: the evaluator behind
 :mod:`.batch_parts`.
 
+(Over 500 lines: one evaluator, whose per-primitive rules share the parts' representation,
+the evaluation's state and the fallback that puts the parts together.)
+
 A matmul or a sum over the split dimension adds the parts' partial results (accumulated in
 float32 for 16-bit types); an equation no rule keeps apart is evaluated on the parts put
 together. Every rule is exact: the split is a representation of the value, so the program
