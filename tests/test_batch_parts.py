@@ -19,6 +19,7 @@ from jax_overlap._src.transform.evaluate import (
   eval_eqn,
   evaluate_program,
 )
+from jax_overlap._src.transform.jaxprs import scan_sizes
 from jax_overlap._src.transform.settings import Settings
 from jax_overlap._src.transform.stats import RewriteStats
 from jax_overlap.examples import tp_sp
@@ -268,10 +269,11 @@ def test_a_split_loop_carries_and_stacks_each_part_apart():
     assert len(after) == len(before) == 2
     for b, a in zip(before, after):
       # The batch of the split values (4 sequences) in n parts of 4 // n.
-      split_b = [v for v in b.invars[b.params["num_consts"] :] if CFG["batch"] in _dims(v)]
-      split_a = [v for v in a.invars[a.params["num_consts"] :] if CFG["batch"] // n in _dims(v)]
+      loop_b, loop_a = b.invars[scan_sizes(b)[0] :], a.invars[scan_sizes(a)[0] :]
+      split_b = [v for v in loop_b if CFG["batch"] in _dims(v)]
+      split_a = [v for v in loop_a if CFG["batch"] // n in _dims(v)]
       assert split_b and len(split_a) >= n * len(split_b), (n, len(split_b), len(split_a))
-      assert not [v for v in a.invars[a.params["num_consts"] :] if CFG["batch"] in _dims(v)]
+      assert not [v for v in loop_a if CFG["batch"] in _dims(v)]
 
 
 def _dims(v) -> tuple:
