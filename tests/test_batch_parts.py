@@ -19,7 +19,7 @@ from jax_overlap._src.transform.evaluate import (
   eval_eqn,
   evaluate_program,
 )
-from jax_overlap._src.transform.jaxprs import scan_sizes
+from jax_overlap._src.transform.jaxprs import scan_sizes, subjaxprs
 from jax_overlap._src.transform.settings import Settings
 from jax_overlap._src.transform.stats import RewriteStats
 from jax_overlap.examples import tp_sp
@@ -286,11 +286,9 @@ def _scans(jaxpr) -> list:
   for e in jaxpr.eqns:
     if e.primitive.name == "scan":
       out.append(e)
-      continue
-    for p in e.params.values():
-      inner = p if hasattr(p, "eqns") else getattr(p, "jaxpr", None)
-      if inner is not None:
-        out += _scans(inner if hasattr(inner, "eqns") else inner.jaxpr)
+    else:
+      for sub in subjaxprs(e):
+        out += _scans(sub)
   return out
 
 

@@ -36,8 +36,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from jax import lax
-
 from jax_overlap._src.transform import scan_pipeline
 from jax_overlap._src.transform.jaxprs import scan_sizes
 from jax_overlap._src.transform.parts import Context, Parts, cut, run, whole
@@ -97,8 +95,8 @@ def run_scan(eqn, invals: list, dims: tuple, bind: Callable, n: int) -> tuple[li
     return carry, xs
 
   def unpack(carry, ys):
-    carry = [c if d is None else lax.concatenate(list(c), d) for c, d in zip(carry, carry_dims)]
-    ys = [y if d is None else lax.concatenate(list(y), d + 1) for y, d in zip(ys, y_dims)]
+    carry = [c if d is None else Parts(tuple(c), d).whole() for c, d in zip(carry, carry_dims)]
+    ys = [y if d is None else Parts(tuple(y), d + 1).whole() for y, d in zip(ys, y_dims)]
     return carry, ys
 
   def evaluate(jaxpr, consts, args):

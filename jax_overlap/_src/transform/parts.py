@@ -135,10 +135,13 @@ class Parts:
 
 def cut(x, dim: int, n: int) -> Parts:
   """``x`` as ``n`` equal parts along ``dim`` (its size there must divide by ``n``)."""
+  return Parts(tuple(_part(x, dim, n, j) for j in range(n)), dim)
+
+
+def _part(x, dim: int, n: int, j: int):
+  """The ``j``-th of ``x``'s ``n`` equal parts along ``dim``."""
   size = np.shape(x)[dim] // n
-  return Parts(
-    tuple(lax.slice_in_dim(x, j * size, (j + 1) * size, axis=dim) for j in range(n)), dim
-  )
+  return lax.slice_in_dim(x, j * size, (j + 1) * size, axis=dim)
 
 
 def whole(x):
@@ -147,7 +150,7 @@ def whole(x):
 
 def _cut_apart(x, dim: int, n: int, ctx: Context) -> Parts:
   """:func:`cut`, each part from its own copy of ``x`` (:meth:`Context.own`)."""
-  return Parts(tuple(cut(ctx.own(x, j), dim, n).parts[j] for j in range(n)), dim)
+  return Parts(tuple(_part(ctx.own(x, j), dim, n, j) for j in range(n)), dim)
 
 
 def run(jaxpr, consts, args: Sequence, ctx: Context) -> list:
