@@ -449,17 +449,18 @@ def test_latency_profiles_go_to_the_fastest_then_the_least_compute():
   def r(compute):
     return types.SimpleNamespace(compute_time_s=compute)
 
-  times = [10.0, 10.0, 11.0, 12.0, 9.5, float("inf"), 10.5]
-  reports = [r(8.0), r(8.0), r(7.0), r(9.6), r(9.0), None, r(9.7)]
+  times = [10.0, 10.0, 10.9, 12.0, 9.5, float("inf"), 10.5, 11.0]
+  reports = [r(8.0), r(8.0), r(7.0), r(9.6), r(9.0), None, r(9.7), r(6.0)]
   # 4 is the fastest; 2 and 0 have the least compute; 1 is 0 again (same estimates);
-  # 3's compute alone is longer than the best step.
+  # 3's compute alone is longer than the best step; 7, with the least compute, is 16 %
+  # behind the best step (more than search.FAR_BEHIND).
   assert search.worth_profiling(times, reports) == [4, 2, 0]
   assert search.worth_profiling([5.0, 6.0], [r(5.0), r(6.0)]) == []
   assert search.worth_profiling([float("inf")], [None]) == []
   # With 4 profiled already (the first pass's fastest), the fastest of the others goes
   # first, passing over those whose estimates equal 4's (the same schedule again): the
   # profiles are not spent on what was tried.
-  times = [10.0, 10.0, 11.0, 12.0, 9.5, float("inf"), 10.5, 9.5, 9.8]
+  times = [10.0, 10.0, 10.9, 12.0, 9.5, float("inf"), 10.5, 9.5, 9.8]
   reports = [r(8.0), r(8.0), r(7.0), r(9.6), r(9.0), None, r(9.7), r(9.0), r(9.1)]
   assert search.worth_profiling(times, reports, frozenset({4})) == [8, 2, 0]
 

@@ -1,12 +1,12 @@
 """The cost model's search among a selection's compiled variants.
 
 A cheap first pass compiles one variant of each program (the step as written, rewritten, its
-shard_map form...; GEMMs through Triton or cuBLAS) and recompiles the fastest of them with a
+shard_map form, its loop bodies in batch parts...; GEMMs through Triton or cuBLAS) and recompiles the fastest of them with a
 latency profile at once, so that the rest are measured against the best step a schedule has
 reached so far: a program whose compute alone is behind it, or whose first variant is far
 behind it, is not compiled in its other variants. Then the rest compile, a few of the
-fastest again with a latency profile written from their analysis, and the fastest by
-estimate is chosen. Variants that would compile the same program with the same options are
+fastest again with a latency profile written from their analysis (none far behind the best
+step), and the fastest by estimate is chosen. Variants that would compile the same program with the same options are
 compiled once.
 """
 
@@ -38,7 +38,9 @@ def worth_profiling(
   (those profiled already, or a profiled recompile themselves).
 
   A schedule can at best hide all of a variant's exposed communication: a variant whose
-  compute alone takes longer than the best step so far cannot win and is not tried.
+  compute alone takes longer than the best step so far cannot win and is not tried, nor
+  one whose step is :data:`FAR_BEHIND` behind it (more than a latency profile gained on the
+  committed comparisons).
   The fastest variant is tried first; the rest are those with the least compute (the
   most a better schedule can reach), skipping variants whose estimates equal one
   already picked (the same program compiled under options that changed nothing).
@@ -62,7 +64,7 @@ def worth_profiling(
   picked = []
   for i in [fastest, *rest]:
     same = (times[i], reports[i].compute_time_s)
-    if same in seen or reports[i].compute_time_s >= best:
+    if same in seen or reports[i].compute_time_s >= best or times[i] > (1 + FAR_BEHIND) * best:
       continue
     seen.add(same)
     picked.append(i)
@@ -168,7 +170,9 @@ def select(
   groups: dict[tuple, list[int]] = {}
   for i, c in enumerate(candidates):
     gemms = c.options.get("xla_gpu_enable_triton_gemm")
-    groups.setdefault((compiles.program(c.config), gemms), []).append(i)
+    # A loop body in batch parts shares most kernels with the program (the kernel cache
+    # keys by it) but not its step: its own group, compiled in the first pass.
+    groups.setdefault((compiles.program(c.config), c.config.batch_parts, gemms), []).append(i)
   compile_all([g[0] for g in groups.values() if len(groups) > 1 and not set(g) & set(done)])
   if profiling and len(candidates) > 1:
     ok = [i for i, r in done.items() if not isinstance(r, Exception) and r is not None]
