@@ -382,6 +382,7 @@ def test_the_first_pass_profiles_its_fastest_variant_at_once(monkeypatch):
   settings = types.SimpleNamespace(
     target=targets.get("h100x8"), schedule_from_estimates=True, xla_options={}
   )
+  monkeypatch.setenv("JAX_OVERLAP_SELECT_WORKERS", "1")  # one variant compiles at a time
   choice, _ = search.select(settings, cands, lambda cfg, options: None, (), {})
   assert sorted(compiled[:2]) == ["r0", "w0"] and compiled[2:] == ["w0" + suffix]
   assert choice.name == "w0" + suffix
@@ -398,6 +399,14 @@ def test_the_first_pass_profiles_its_fastest_variant_at_once(monkeypatch):
     return analyze_all(settings, jobs, *a, **k)
 
   monkeypatch.setattr(compiles, "analyze_all", recorded)
+  # Two compile at a time: a thread that would idle beside the profiled fastest (its
+  # program has no other variant) profiles the next first variant worth it (r0, 5 %
+  # behind w0): r0's program then comes within reach of the best step and r1 compiles.
+  monkeypatch.setenv("JAX_OVERLAP_SELECT_WORKERS", "2")
+  choice, _ = search.select(settings, cands, lambda cfg, options: None, (), {})
+  assert batches == [["w0", "r0"], ["w0" + suffix, "r0" + suffix], ["r1"], []]
+  assert choice.name == "r1"
+  batches.clear()
   times["w1"] = (10.2, 8.5)
   times["w1" + suffix] = (9.2, 8.5)
   cands.insert(1, records.Candidate("w1", written, {"o": "w1"}))

@@ -181,18 +181,33 @@ def select(
       job = _profiled(candidates[fastest], done[fastest], failed)
       if job is not None:
         # Beside it, the other variants of its program (the fastest program is never
-        # skipped), so that no thread idles while it compiles.
+        # skipped), so that no thread idles while it compiles; where they are fewer than
+        # the threads, the next first variants worth a latency profile (the profiles
+        # tried at the end, tried now).
         (same,) = [g for g in groups.values() if fastest in g]
         rest = [i for i in same if i not in done]
-        jobs = [job] + [candidates[i] for i in rest]
+        times = [done[i].step_time_s if i in ok else float("inf") for i in range(len(candidates))]
+        reports = [done[i] if i in ok else None for i in range(len(candidates))]
+        idle = min(compiles.workers() - 1 - len(rest), PROFILED_VARIANTS - 1)
+        bases = [fastest]
+        more = []
+        for i in worth_profiling(times, reports, frozenset({fastest}), idle):
+          j = _profiled(candidates[i], done[i], failed)
+          if j is not None:
+            bases.append(i)
+            more.append(j)
+        jobs = [job] + [candidates[i] for i in rest] + more
         results = compiles.analyze_all(
           settings, jobs, make, args, kwargs, errors + (OSError,), kernels, learned
         )
-        for i, r in zip(rest, results[1:]):
+        for i, r in zip(rest, results[1 : 1 + len(rest)]):
           done[i] = r
-        if _kept(job, results[0], failed):
-          candidates.append(job)
-          done[len(candidates) - 1] = results[0]
+        for base, j, r in zip(bases, [job, *more], [results[0], *results[1 + len(rest) :]]):
+          if _kept(j, r, failed):
+            candidates.append(j)
+            done[len(candidates) - 1] = r
+            # The program's best step so far (what its other variants must come near).
+            next(g for g in groups.values() if base in g).append(len(candidates) - 1)
   skipped, notes = _behind(candidates, groups, done)
   failed += notes
   compile_all([i for i in range(len(candidates)) if i not in done and i not in skipped])
