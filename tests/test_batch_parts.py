@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from jax import lax
 from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 import jax_overlap
 from jax_overlap._src.transform import batch_parts, parts, variants
@@ -274,6 +275,46 @@ def test_a_split_loop_carries_and_stacks_each_part_apart():
       split_a = [v for v in loop_a if CFG["batch"] // n in _dims(v)]
       assert split_b and len(split_a) >= n * len(split_b), (n, len(split_b), len(split_a))
       assert not [v for v in loop_a if CFG["batch"] in _dims(v)]
+
+
+def test_a_loop_constant_with_the_batch_is_cut_before_the_loop():
+  # A constant of the loop that has the batch (an attention mask made before the layers'
+  # scan) is cut into its parts once, before the loop: inside, each part reads its own
+  # array, and no kernel reads the mask every part is cut from (XLA's sibling fusion joined
+  # the parts' softmax reductions over it).
+  mesh = jax.make_mesh((8,), ("tensor",), axis_types=(AxisType.Auto,))
+  batch, seq, hidden = 4, 8, 16
+
+  def local(x, ws, mask):
+    def body(c, w):
+      g = lax.all_gather(c, "tensor", axis=2, tiled=True)  # the activations' gather
+      y = jnp.tanh(g @ w) * mask[:, :, None]
+      return c + lax.psum_scatter(y, "tensor", scatter_dimension=2, tiled=True), None
+
+    return lax.scan(body, x, ws)[0]
+
+  fn = jax.jit(
+    jax.shard_map(
+      local,
+      mesh=mesh,
+      in_specs=(P(None, None, "tensor"), P(), P()),
+      out_specs=P(None, None, "tensor"),
+    )
+  )
+  kx, kw, km = jax.random.split(jax.random.key(0), 3)
+  x = jax.random.normal(kx, (batch, seq, hidden), jnp.float32)
+  ws = jax.random.normal(kw, (3, hidden, hidden), jnp.float32) / 4
+  mask = (jax.random.uniform(km, (batch, seq)) > 0.3).astype(jnp.float32)
+  want = fn(x, ws, mask)
+  for n in (2, 4):
+    run, stats, _, _ = _rewritten(fn, (x, ws, mask), _config(n))
+    assert stats.split_loops == 1
+    (scan,) = _scans(jax.make_jaxpr(run)(x, ws, mask).jaxpr)
+    consts = scan.invars[: scan_sizes(scan)[0]]
+    assert [tuple(v.aval.shape) for v in consts if v.aval.shape[-1:] == (seq,)] == [
+      (batch // n, seq)
+    ] * n, consts
+    np.testing.assert_allclose(np.asarray(run(x, ws, mask)), np.asarray(want), rtol=1e-6)
 
 
 def _dims(v) -> tuple:

@@ -79,20 +79,24 @@ def run_scan(eqn, invals: list, dims: tuple, bind: Callable, n: int) -> tuple[li
   """Scan ``eqn`` on ``invals``, each iteration's body evaluated in ``n`` parts along
   ``dims`` (:func:`split_dims`): its outputs, and the last evaluation's :class:`Context`.
 
-  The loop holds a carry, a sliced input and a stacked output that are split as their
-  parts, one array each (put together outside the loop): no kernel of an iteration reads
-  all parts, so XLA's sibling fusion finds no common operand to join the parts' kernels
-  over (:class:`~.parts.Context`)."""
+  The loop holds a constant, a carry, a sliced input and a stacked output that are split
+  as their parts, one array each (cut or put together outside the loop): no kernel of an
+  iteration reads all parts, so XLA's sibling fusion finds no common operand to join the
+  parts' kernels over (:class:`~.parts.Context`)."""
   n_consts, n_carry = scan_sizes(eqn)
+  const_dims = dims[:n_consts]
   carry_dims, x_dims = dims[n_consts : n_consts + n_carry], dims[n_consts + n_carry :]
   traced: list[Context] = []
   y_dims: list = []
 
-  def pack(carry, xs):
+  def pack(consts, carry, xs):
+    # A constant with the batch (an attention mask made before the loop) is cut once,
+    # before the loop.
+    consts = [c if d is None else cut(c, d, n).parts for c, d in zip(consts, const_dims)]
     carry = [c if d is None else _parts_along(c, d, n) for c, d in zip(carry, carry_dims)]
     # A sliced input's parts: cut along its dimension after the loop's.
     xs = [x if d is None else cut(x, d + 1, n).parts for x, d in zip(xs, x_dims)]
-    return carry, xs
+    return consts, carry, xs
 
   def unpack(carry, ys):
     carry = [c if d is None else Parts(tuple(c), d).whole() for c, d in zip(carry, carry_dims)]
@@ -100,11 +104,10 @@ def run_scan(eqn, invals: list, dims: tuple, bind: Callable, n: int) -> tuple[li
     return carry, ys
 
   def evaluate(jaxpr, consts, args):
-    args = [
-      a if d is None else cut(a, d, n) if i < n_consts else Parts(tuple(a), d)
-      for i, (a, d) in enumerate(zip(args, dims))
-    ]
-    ctx = Context(bind, keys=next(a.parts for a in args if isinstance(a, Parts)))
+    args = [a if d is None else Parts(tuple(a), d) for a, d in zip(args, dims)]
+    # The parts' keys: a carry's or a sliced input's parts (a constant's, where none is).
+    keys = [a.parts for a in args[n_consts:] + args[:n_consts] if isinstance(a, Parts)]
+    ctx = Context(bind, keys=keys[0])
     traced[:] = [ctx]
     outs = run(jaxpr, consts, args, ctx)
     carry = [c if d is None else _parts_along(c, d, n) for c, d in zip(outs[:n_carry], carry_dims)]

@@ -155,16 +155,16 @@ def rescan(
 ) -> list:
   """Scan ``eqn`` run on ``invals`` with each iteration's body evaluated by ``evaluate(body,
   consts, args)`` (the body as :func:`loop_body` gives it; args its constants, carries and
-  one iteration's slices), the loop's length, direction and unrolling kept. ``pack(carries,
-  xs)`` and ``unpack(carries, ys)``: the carries and the sliced inputs as the loop holds
-  them, and its carries and stacked outputs back (``evaluate`` then takes and gives the
-  loop's form)."""
+  one iteration's slices), the loop's length, direction and unrolling kept. ``pack(consts,
+  carries, xs)`` and ``unpack(carries, ys)``: the constants, the carries and the sliced
+  inputs as the loop holds them, and its carries and stacked outputs back (``evaluate`` then
+  takes and gives the loop's form)."""
   jaxpr, body_consts = loop_body(eqn)
   n_consts, n_carry = scan_sizes(eqn)
-  consts, carry0 = invals[:n_consts], list(invals[n_consts : n_consts + n_carry])
+  consts, carry0 = list(invals[:n_consts]), list(invals[n_consts : n_consts + n_carry])
   xs = list(invals[n_consts + n_carry :])
   if pack is not None:
-    carry0, xs = pack(carry0, xs)
+    consts, carry0, xs = pack(consts, carry0, xs)
 
   def body(carry, x):
     outs = evaluate(jaxpr, body_consts, [*consts, *carry, *x])
