@@ -1,5 +1,6 @@
 """GSPMD steps converted to their shard_map form: the same values, FSDP collectives."""
 
+import functools
 import re
 
 import flax.linen as nn
@@ -740,3 +741,42 @@ def test_a_value_under_two_names_is_gathered_once(alias):
   gathered_x = [ln for ln in text.splitlines() if "all_gather[" in ln and "f32[4,16]" in ln]
   assert len(gathered_x) == 1, gathered_x
   assert conv.collectives["all-gather"] == text.count("all_gather[")
+
+
+@pytest.mark.parametrize("mode", ["clip", "promise_in_bounds"])
+def test_a_vocabulary_split_table_is_looked_up_where_its_rows_are(mode):
+  # An embedding table split along its vocabulary, every device holding all the token ids
+  # (tensor parallelism): each device looks up the rows it holds and the devices' sum is
+  # reduce-scattered into the activations' layout, as the partitioner does, instead of the
+  # table gathered whole. The loss and the table's gradient as before (out-of-range ids
+  # clipped where the lookup clips them).
+  mesh = _mesh((4,), ("tensor",))
+  vocab, hidden, batch, seq = 64, 16, 2, 8
+  table_s = NamedSharding(mesh, P("tensor", None))
+  act = NamedSharding(mesh, P(None, None, "tensor"))
+  whole = NamedSharding(mesh, P())
+
+  @functools.partial(jax.jit, out_shardings=(whole, (table_s, whole)))
+  def step(table, w, ids):
+    def loss(table, w):
+      x = table.at[ids].get(mode=mode)
+      x = jax.lax.with_sharding_constraint(x, act)
+      return jnp.sum(jnp.tanh(x @ w) ** 2)
+
+    return jax.value_and_grad(loss, argnums=(0, 1))(table, w)
+
+  kt, kw, ki = jax.random.split(jax.random.key(0), 3)
+  table = jax.device_put(jax.random.normal(kt, (vocab, hidden)), table_s)
+  w = jax.device_put(jax.random.normal(kw, (hidden, hidden)) / 4, whole)
+  high = vocab + 5 if mode == "clip" else vocab
+  ids = jax.device_put(jax.random.randint(ki, (batch, seq), 0, high), whole)
+  conv, leaves = _convert(step, (table, w, ids), params_argnums=(0, 1))
+  _assert_same(jax.jit(conv.fn)(*leaves), jax.tree.leaves(step(table, w, ids)))
+  assert not conv.replicated
+  lines = str(jax.make_jaxpr(conv.fn)(*leaves)).splitlines()
+  # No collective gathers the table; the rows looked up are reduce-scattered along the
+  # hidden dimension, as the constraint lays them out.
+  table_whole = f"[{vocab},{hidden}] = all_gather["
+  assert not [line for line in lines if table_whole in line], lines
+  scattered = f"[{batch},{seq},{hidden // 4}] = reduce_scatter["
+  assert [line for line in lines if scattered in line], lines

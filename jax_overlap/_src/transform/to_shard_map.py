@@ -380,8 +380,11 @@ class Interpreter:
         self.wanted[v].append((id(eqn), w))
     vals = [self.convert(v, x, lay, w) for v, (x, lay), w in zip(eqn.invars, ins, wants)]
     if not self.abstract:
-      outs = eqn.primitive.bind(*vals, **(params if params is not None else eqn.params))
-      outs = outs if eqn.primitive.multiple_results else [outs]
+      if callable(params):  # the equation as other operations
+        outs = params(*vals)
+      else:
+        outs = eqn.primitive.bind(*vals, **(params if params is not None else eqn.params))
+        outs = outs if eqn.primitive.multiple_results else [outs]
       if post is not None:
         outs = post(outs)
     else:
