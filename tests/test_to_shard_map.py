@@ -780,3 +780,4 @@ def test_a_vocabulary_split_table_is_looked_up_where_its_rows_are(mode):
   assert not [line for line in lines if table_whole in line], lines
   scattered = f"[{batch},{seq},{hidden // 4}] = reduce_scatter["
   assert [line for line in lines if scattered in line], lines
+  assert conv.collectives.get("reduce-scatter", 0) >= 1, conv.collectives  # as explain() says

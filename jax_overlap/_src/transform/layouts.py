@@ -667,6 +667,7 @@ def _split_table_lookup(it, eqn, op: Layout, used: set, out_dims: list, idx_want
     post = lambda outs: [  # noqa: E731
       lax.psum_scatter(outs[0], names, scatter_dimension=along, tiled=True)
     ]
+    post.collective = "reduce-scatter"
   return [op, Layout(tuple(idx_want))], [Layout(tuple(out_dims))], lookup, post
 
 

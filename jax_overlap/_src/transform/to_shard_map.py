@@ -389,8 +389,8 @@ class Interpreter:
         outs = post(outs)
     else:
       outs = [None] * len(eqn.outvars)
-      if post is not None:
-        self.counts["all-reduce"] += 1
+      if post is not None:  # a rule's collective (an all-reduce unless it says otherwise)
+        self.counts[getattr(post, "collective", "all-reduce")] += 1
     # A sum made here is its own root; one passed through an elementwise linear op keeps
     # its root (whose dimensions are the same), also where the sums it combines share one
     # (a clipped gradient: select_n(norm > max, g * scale, g)); a transposed one keeps it
