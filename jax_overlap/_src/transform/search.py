@@ -1,13 +1,13 @@
 """The cost model's search among a selection's compiled variants.
 
 A cheap first pass compiles one variant of each program (the step as written, rewritten, its
-shard_map form, its loop bodies in batch parts...; GEMMs through Triton or cuBLAS) and recompiles the fastest of them with a
-latency profile at once, so that the rest are measured against the best step a schedule has
-reached so far: a program whose compute alone is behind it, or whose first variant is far
-behind it, is not compiled in its other variants. Then the rest compile, a few of the
-fastest again with a latency profile written from their analysis (none far behind the best
-step), and the fastest by estimate is chosen. Variants that would compile the same program with the same options are
-compiled once.
+shard_map form, its loop bodies in batch parts...; GEMMs through Triton or cuBLAS) and
+recompiles the fastest of them with a latency profile at once, so that the rest are measured
+against the best step a schedule has reached so far: a program whose compute alone is behind
+it, or whose first variant is far behind it, is not compiled in its other variants. Then the
+rest compile, a few of the fastest again with a latency profile written from their analysis
+(none far behind the best step), and the fastest by estimate is chosen. Variants that would
+compile the same program with the same options are compiled once.
 """
 
 from __future__ import annotations
