@@ -593,7 +593,7 @@ def _gather(it, eqn, lays):
   return [op_l, Layout(tuple(idx_want))], [out], params, None
 
 
-_LOOKUP_MODES = ("GatherScatterMode.CLIP", "GatherScatterMode.PROMISE_IN_BOUNDS")
+_LOOKUP_MODES = (lax.GatherScatterMode.CLIP, lax.GatherScatterMode.PROMISE_IN_BOUNDS)
 
 
 def _split_table_lookup(it, eqn, op: Layout, used: set, out_dims: list, idx_want: list):
@@ -611,7 +611,7 @@ def _split_table_lookup(it, eqn, op: Layout, used: set, out_dims: list, idx_want
     len(split) != 1
     or op.partial
     or getattr(dn, "operand_batching_dims", ())
-    or str(eqn.params.get("mode")) not in _LOOKUP_MODES
+    or eqn.params.get("mode") not in _LOOKUP_MODES
   ):
     return None
   (d,) = split
@@ -627,7 +627,7 @@ def _split_table_lookup(it, eqn, op: Layout, used: set, out_dims: list, idx_want
   batch_out = [o for o in range(len(out_dims)) if o not in dn.offset_dims]
   k = dn.start_index_map.index(d)
   local = oshape[d] // it.n(ax)
-  clip = str(eqn.params["mode"]) == "GatherScatterMode.CLIP"
+  clip = eqn.params["mode"] == lax.GatherScatterMode.CLIP
   # Rows another device holds are clipped to one of this device's (then zeroed).
   params = _per_device(eqn.params, mode=lax.GatherScatterMode.CLIP, unique_indices=False)
 
@@ -647,6 +647,7 @@ def _split_table_lookup(it, eqn, op: Layout, used: set, out_dims: list, idx_want
   # where every use wants it split so (a tensor-parallel layer's input), else all-reduced.
   hint = it.hints.get(eqn.outvars[0])
   shape = eqn.outvars[0].aval.shape
+  summed = Layout(tuple(out_dims), frozenset(ax))
   along = next(
     (
       o
@@ -659,16 +660,10 @@ def _split_table_lookup(it, eqn, op: Layout, used: set, out_dims: list, idx_want
     ),
     None,
   )
-  names = tuple(a for a in it.sizes if a in ax)
-  if along is None:
-    post = lambda outs: [lax.psum(outs[0], names)]  # noqa: E731
-  else:
+  if along is not None:
     out_dims[along] = ax
-    post = lambda outs: [  # noqa: E731
-      lax.psum_scatter(outs[0], names, scatter_dimension=along, tiled=True)
-    ]
-    post.collective = "reduce-scatter"
-  return [op, Layout(tuple(idx_want))], [Layout(tuple(out_dims))], lookup, post
+  out = Layout(tuple(out_dims))
+  return [op, Layout(tuple(idx_want))], [out], lookup, it.reduced(summed, out)
 
 
 def _scatter_add(it, eqn, lays):

@@ -237,6 +237,16 @@ class Interpreter:
       x = jnp.where(self._index(axes) == 0, x, jnp.zeros_like(x))
     return x
 
+  def reduced(self, src: Layout, dst: Layout):
+    """A rule's post-processing that converts its one result from ``src`` to ``dst`` (a
+    sum reduced where it is made), counted as the collectives the conversion inserts."""
+
+    def post(outs):
+      return [self._converted(outs[0], src, dst)]
+
+    post.layouts = (src, dst)
+    return post
+
   def _count(self, src: Layout, dst: Layout) -> None:
     red = set(src.partial) - set(dst.partial)
     if red:
@@ -389,8 +399,10 @@ class Interpreter:
         outs = post(outs)
     else:
       outs = [None] * len(eqn.outvars)
-      if post is not None:  # a rule's collective (an all-reduce unless it says otherwise)
-        self.counts[getattr(post, "collective", "all-reduce")] += 1
+      if getattr(post, "layouts", None) is not None:  # a conversion (Interpreter.reduced)
+        self._count(*post.layouts)
+      elif post is not None:  # a rule's own collective (a pmax, a pmin)
+        self.counts["all-reduce"] += 1
     # A sum made here is its own root; one passed through an elementwise linear op keeps
     # its root (whose dimensions are the same), also where the sums it combines share one
     # (a clipped gradient: select_n(norm > max, g * scale, g)); a transposed one keeps it
