@@ -1,5 +1,6 @@
 """The compiles a selection makes for a target: without XLA's autotuning (deviceless, it
-only compiles every fusion apart), which changes nothing the analysis reads."""
+only compiles every fusion apart) nor ptxas's optimisations, which change nothing the
+analysis reads."""
 
 import pytest
 
@@ -16,7 +17,7 @@ def _kernels(report):
 
 
 @pytest.mark.parametrize("scan", [False, True])
-def test_autotuning_off_changes_no_kernel_grid_or_estimate(scan):
+def test_autotuning_and_ptxas_optimisations_off_change_no_kernel_grid_or_estimate(scan):
   fn, args = G.build_small("h100x8", layers=2, scan=scan)
   base = jax_overlap.flags.as_compiler_options(target="h100x8", workload="fsdp")
   tuned = jax_overlap.analyze(fn, *args, target="h100x8", xla_options=base)
@@ -24,6 +25,7 @@ def test_autotuning_off_changes_no_kernel_grid_or_estimate(scan):
     fn, *args, target="h100x8", xla_options={**base, **compiles.NO_AUTOTUNING}
   )
   assert untuned.xla_options["xla_gpu_autotune_level"] == 0
+  assert untuned.xla_options["xla_gpu_disable_gpuasm_optimizations"] is True
   assert _kernels(untuned) == _kernels(tuned)
   assert untuned.step_time_s == tuned.step_time_s
   assert [(c.name, c.bytes, c.start_index, c.done_index) for c in untuned.collectives] == [
@@ -50,8 +52,10 @@ def test_a_selection_compiles_without_autotuning_and_builds_with_it(monkeypatch)
   explained = step.explain(*args)
   assert explained.choice.how == "cost_model" and len(seen) > 1
   assert all(o.get("xla_gpu_autotune_level") == 0 for o in seen)
-  # The chosen variant runs with XLA's autotuning: the option is the selection's own.
+  assert all(o.get("xla_gpu_disable_gpuasm_optimizations") is True for o in seen)
+  # The chosen variant runs with XLA's autotuning: the options are the selection's own.
   assert "xla_gpu_autotune_level" not in explained.xla_options
+  assert "xla_gpu_disable_gpuasm_optimizations" not in explained.xla_options
 
 
 def test_the_users_autotuning_level_is_kept(monkeypatch):

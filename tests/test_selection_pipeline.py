@@ -414,3 +414,94 @@ def test_the_first_pass_profiles_its_fastest_variant_at_once(monkeypatch):
   # At the end, the fastest variant not profiled yet (w1); r0 is still too far behind.
   assert batches == [["w0", "r0"], ["w0" + suffix, "w1"], [], ["w1" + suffix]]
   assert choice.name == "w0" + suffix
+
+
+def test_the_first_pass_compiles_the_other_programs_beside_a_first_compile_running(monkeypatch):
+  # A GSPMD step's first compile (the step as written) starts while the step is converted;
+  # the selection compiles its shard_map form's first variants beside it, then adds the
+  # option variants that compile's report gives, right after it.
+  import concurrent.futures
+  import threading
+
+  from jax_overlap._src.analysis import analyze as analysis
+  from jax_overlap._src.transform import search
+
+  written = VariantConfig(prefetch=1, reduce_scatter="per_layer", annotate=False).as_written()
+  converted = dataclasses.replace(
+    written, program="shard_map", prefetch=1, reduce_scatter="per_layer", loops="all"
+  )
+  times = {"w0": (10.0, 8.0), "w1": (9.0, 8.0), "s0": (9.5, 8.5), "s1": (9.4, 8.5)}
+  started = threading.Event()
+  compiled = []
+  first_done_when = {}
+
+  def fake_analyze(fn, *args, name, xla_options, **kwargs):
+    compiled.append(name)
+    first_done_when[name] = running.done()
+    started.set()
+    step, compute = times[name]
+    return types.SimpleNamespace(
+      step_time_s=step * 1e-3, compute_time_s=compute * 1e-3, xla_options={}, notes=[]
+    )
+
+  def first_compile():  # the step as written, compiling until a shard_map variant started
+    ok = started.wait(60)
+    return types.SimpleNamespace(
+      step_time_s=10e-3, compute_time_s=8e-3, xla_options={}, notes=[], waited=ok
+    )
+
+  monkeypatch.setattr(analysis, "analyze", fake_analyze)
+  monkeypatch.setenv("JAX_OVERLAP_SELECT_WORKERS", "2")
+  given = []
+
+  def more(report):
+    given.append(report)
+    return [records.Candidate("w1", written, {"o": "w1"})]
+
+  pool = concurrent.futures.ThreadPoolExecutor(1)
+  running = pool.submit(first_compile)
+  cands = [records.Candidate("w0", written)]
+  cands += [records.Candidate(n, converted, {"o": n}) for n in ("s0", "s1")]
+  settings = types.SimpleNamespace(
+    target=targets.get("h100x8"), schedule_from_estimates=False, xla_options={}
+  )
+  choice, reports = search.select(
+    settings, cands, lambda cfg, options: None, (), {}, running=search.Running(running, more)
+  )
+  pool.shutdown()
+  assert given and given[0].waited, "no shard_map variant compiled beside the first compile"
+  assert compiled[0] == "s0" and first_done_when["s0"] is False
+  assert [c.name for c in choice.candidates] == ["w0", "w1", "s0", "s1"]
+  assert reports[0] is given[0] and choice.name == "w1"
+
+
+def test_a_first_compile_that_fails_fails_the_selection(monkeypatch):
+  import concurrent.futures
+
+  from jax_overlap._src.analysis import analyze as analysis
+  from jax_overlap._src.transform import search
+
+  written = VariantConfig(prefetch=1, reduce_scatter="per_layer", annotate=False).as_written()
+  converted = dataclasses.replace(written, program="shard_map")
+  monkeypatch.setattr(
+    analysis,
+    "analyze",
+    lambda fn, *a, name, xla_options, **k: types.SimpleNamespace(
+      step_time_s=1e-3, compute_time_s=1e-3, xla_options={}, notes=[]
+    ),
+  )
+  failed: concurrent.futures.Future = concurrent.futures.Future()
+  failed.set_exception(RuntimeError("XLA could not compile the function"))
+  cands = [records.Candidate("w0", written), records.Candidate("s0", converted)]
+  settings = types.SimpleNamespace(
+    target=targets.get("h100x8"), schedule_from_estimates=False, xla_options={}
+  )
+  with pytest.raises(RuntimeError, match="could not compile"):
+    search.select(
+      settings,
+      cands,
+      lambda cfg, options: None,
+      (),
+      {},
+      running=search.Running(failed, lambda report: []),
+    )

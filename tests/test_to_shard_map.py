@@ -781,3 +781,31 @@ def test_a_vocabulary_split_table_is_looked_up_where_its_rows_are(mode):
   scattered = f"[{batch},{seq},{hidden // 4}] = reduce_scatter["
   assert [line for line in lines if scattered in line], lines
   assert conv.collectives.get("reduce-scatter", 0) >= 1, conv.collectives  # as explain() says
+
+
+def test_output_layouts_known_without_a_compile_where_only_scalars_are_unspecified():
+  # A train step that asks for its state's layouts and returns a scalar loss unspecified:
+  # the scalar has one layout, so the conversion needs no compile of the step to know
+  # what the partitioner would choose; an unspecified array output does need one.
+  from jax_overlap._src.transform import out_layouts
+
+  mesh = _mesh((8,), ("fsdp",))
+  w_s = NamedSharding(mesh, P("fsdp"))
+  w = jax.device_put(jnp.ones((64, 8)), w_s)
+
+  def step(w):
+    return w * 2, jnp.sum(w)
+
+  asked = jax.jit(step, out_shardings=(w_s, None)).trace(w)
+  assert out_layouts.known(asked) == (w_s, None)
+  assert out_layouts.partitioner_choice(asked) == (w_s, None)
+  assert out_layouts.known(jax.jit(step).trace(w)) is None
+  scalars = jax.jit(lambda w: (jnp.sum(w), jnp.max(w))).trace(w)
+  assert out_layouts.known(scalars) == (None, None)
+  # Converted with the scalar left as None, the step computes what it computes as written.
+  fn = jax.jit(step, out_shardings=(w_s, None))
+  conv = to_shard_map.convert(asked.jaxpr, [w], out_layouts.known(asked), params_leaves=[0])
+  got = jax.jit(conv.fn)(w)
+  np.testing.assert_allclose(np.asarray(got[1]), np.asarray(fn(w)[1]), rtol=1e-6)
+  assert got[0].sharding.spec == w_s.spec
+  assert got[1].sharding.is_fully_replicated

@@ -11,12 +11,14 @@ import threading
 
 from jax_overlap._src.compile import kernel_cache
 
-# Set on every compile a selection makes for a target (unless the user's options set it):
+# Set on every compile a selection makes for a target (unless the user's options set them):
 # compiled deviceless, XLA cannot time its candidate kernels, yet with autotuning on it
 # still compiles every fusion apart to choose among its emitters, which takes half of a
-# compile of a large step and, on the steps checked (tests/test_selection_compiles.py),
-# changes no kernel, grid or estimate. The built step keeps XLA's autotuning.
-NO_AUTOTUNING = {"xla_gpu_autotune_level": 0}
+# compile of a large step; and ptxas's optimisations, which shape registers and
+# instructions, not the launches, shared memory and HLO schedule the analysis reads. On the
+# steps checked (tests/test_selection_compiles.py) neither changes a kernel, grid or
+# estimate. The built step keeps XLA's autotuning and ptxas's optimisations.
+NO_AUTOTUNING = {"xla_gpu_autotune_level": 0, "xla_gpu_disable_gpuasm_optimizations": True}
 
 
 def for_selection(settings, options: dict) -> dict:
@@ -50,7 +52,7 @@ def workers() -> int:
   return max(1, min(4, os.cpu_count() or 1))
 
 
-def analyze_all(settings, jobs, make, args, kwargs, errors, kernels=None, learned=None):
+def analyze_all(settings, jobs, make, args, kwargs, errors, kernels=None, learned=None, busy=()):
   """Reports (or the exception) for ``jobs`` (:class:`~.variants.Candidate`), in their order,
   compiled by :func:`workers` threads. ``kernels`` (a :class:`kernel_cache.Shared`): seeded
   by the first job if no compile has; the others take the kernels of those finished
@@ -61,7 +63,8 @@ def analyze_all(settings, jobs, make, args, kwargs, errors, kernels=None, learne
   deviceless Triton tiling failure (``compile.TILING_FALLBACK``), the variants compiled
   after it start with it instead of failing first, unless they set those options.
   ``learned``: where that fallback is kept between calls of one selection (a dict, filled
-  in place)."""
+  in place). ``busy``: futures of compiles running beside these (the selection's first
+  compile): each takes a thread's place until it is done."""
   from jax_overlap._src.analysis import analyze as analysis
   from jax_overlap._src.compile import compiler as compile_lib
 
@@ -118,12 +121,11 @@ def analyze_all(settings, jobs, make, args, kwargs, errors, kernels=None, learne
     return report
 
   seeding = bool(jobs) and kernels.needs_seed()
-  threads = min(workers(), len(jobs))
-  if threads <= 1:
+  threads = min(workers(), len(jobs) + len(busy))
+  busy = [f for f in busy if not f.done()]
+  if threads <= 1 and not busy:
     return [one(j, seed=seeding and n == 0) for n, j in enumerate(jobs)]
-  if not kernels.sharing():
-    with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="jax_overlap") as pool:
-      return list(pool.map(one, jobs))
+  sharing = kernels.sharing()
   # The first variant of a program not compiled yet (its leader) starts at once, beside
   # any other; the program's other variants start once it has finished, from its kernels
   # (two that started together would each compile the new program's kernels). Kernels
@@ -132,26 +134,32 @@ def analyze_all(settings, jobs, make, args, kwargs, errors, kernels=None, learne
   waiting = []
   for n, job in enumerate(jobs):
     key = program(job.config)
-    if kernels.first_of(key):
+    if sharing and kernels.first_of(key):
       leader[key] = n
     waiting.append((n, job, key))
   out: list = [None] * len(jobs)
   finished: set[int] = set()
-  with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="jax_overlap") as pool:
+  with concurrent.futures.ThreadPoolExecutor(
+    max(1, threads), thread_name_prefix="jax_overlap"
+  ) as pool:
     running: dict[concurrent.futures.Future, int] = {}
     while waiting or running:
+      busy = [f for f in busy if not f.done()]
       for item in list(waiting):
-        if len(running) >= threads:
+        if len(running) + len(busy) >= max(1, threads):
           break
         n, job, key = item
         if leader.get(key, n) == n or leader[key] in finished:
           running[pool.submit(one, job, seeding and n == 0)] = n
           waiting.remove(item)
-      ended, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
+      ended, _ = concurrent.futures.wait(
+        [*running, *busy], return_when=concurrent.futures.FIRST_COMPLETED
+      )
       for f in ended:
-        n = running.pop(f)
-        out[n] = f.result()
-        finished.add(n)
+        if f in running:
+          n = running.pop(f)
+          out[n] = f.result()
+          finished.add(n)
   return out
 
 

@@ -64,9 +64,27 @@ class FirstCompile:
     """The compile's report (its exception raised where it failed)."""
     return self._future.result()[0]
 
+  def running(self) -> concurrent.futures.Future:
+    """The compile's report, as a future (the selection compiles beside it)."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def settle(f):
+      try:
+        future.set_result(f.result()[0])
+      except Exception as e:  # noqa: BLE001 - handed on as the compile's failure
+        future.set_exception(e)
+
+    self._future.add_done_callback(settle)
+    return future
+
   def output_shardings(self) -> tuple | None:
     """The partitioner's output layouts (:func:`.out_layouts.from_compiled`), or None where
-    the compile failed or was read back from the store (no executable to ask)."""
+    the compile failed or was read back from the store (no executable to ask); at once,
+    without waiting for the compile, where they are known without it
+    (:func:`.out_layouts.known`)."""
+    without = out_layouts.known(self._traced)
+    if without is not None:
+      return without
     try:
       _, compiled = self._future.result()
     except Exception:  # noqa: BLE001 - the selection reports it; the conversion goes on

@@ -11,7 +11,8 @@ Its outputs must come back laid out as the user's jitted step lays them out:
   the selection's first compile for its target (:func:`from_compiled`,
   :mod:`.first_compile`), else by a compile of its own without autotuning
   (:func:`partitioner_choice`; only for a step that is converted and leaves some output
-  unspecified).
+  of rank one or more unspecified: a scalar has one layout, whole on every device, and
+  needs no compile to know it, :func:`known`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding
 
-__all__ = ["from_compiled", "jit_kwargs", "partitioner_choice", "requested"]
+__all__ = ["from_compiled", "jit_kwargs", "known", "partitioner_choice", "requested"]
 
 
 def _unspecified(sharding) -> bool:
@@ -58,6 +59,28 @@ def jit_kwargs(traced, out_tree, given: dict[str, Any]) -> dict[str, Any]:
   return {"out_shardings": jax.tree.unflatten(out_tree, list(flat))}
 
 
+def known(traced) -> tuple | None:
+  """:func:`partitioner_choice` where no compile is needed to know it, else None: every
+  output leaf's sharding is requested, or unspecified only for scalars (rank 0: one
+  layout, whole on every device, whatever the partitioner does), given as None: the
+  conversion to shard_map gives a scalar output that layout, reduced.
+
+  Args:
+    traced: the step traced by its ``jax.jit`` (a ``jax.stages.Traced``).
+  """
+  info = getattr(traced, "out_info", None)
+  if info is None:
+    return None
+  asked = getattr(traced, "_params", {}).get("out_shardings")
+  outs = jax.tree.leaves(info)
+  if asked is None or len(asked) != len(outs):
+    asked = (None,) * len(outs)
+  flat = tuple(None if _unspecified(s) else s for s in asked)
+  if any(s is None and len(o.shape) > 0 for s, o in zip(flat, outs)):
+    return None
+  return flat
+
+
 def partitioner_choice(traced, compiler_options: dict[str, Any] | None = None) -> tuple | None:
   """Each output leaf's sharding as ``jax.jit(step)`` returns it: the requested one, or
   the one XLA's partitioner gives it, from the step as written compiled for its devices
@@ -67,9 +90,9 @@ def partitioner_choice(traced, compiler_options: dict[str, Any] | None = None) -
   NamedSharding) are None, as is the whole where the step cannot be compiled here (the
   conversion then keeps the layouts it arrives at).
   """
-  asked = getattr(traced, "_params", {}).get("out_shardings")
-  if asked is not None and not any(_unspecified(s) for s in asked):
-    return tuple(asked)
+  without = known(traced)
+  if without is not None:
+    return without
   try:
     compiled = traced.lower().compile(compiler_options or None)
   except Exception:  # noqa: BLE001 - any failure means no layouts to aim for, not an error

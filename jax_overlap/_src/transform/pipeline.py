@@ -366,21 +366,23 @@ def _choose(
       kernels = first.kernels
     else:
       kernels = stack.enter_context(kernel_cache.Shared.for_selection(st))
-    if fallback is not None:  # a GSPMD step: its option variants come from compiling it
+    running = None
+    if fallback is not None and first is not None:
+      # A GSPMD step compiling already: its shard_map form's programs compile beside it,
+      # and its option variants come from its report.
+      def more(report):
+        return variants.gspmd_candidates(
+          st, planned.config, make, args, kwargs, notes, {}, kernels, report=report
+        )[1:]
+
+      running = search.Running(first.running(), more)
+    elif fallback is not None:  # a GSPMD step: its option variants come from compiling it
       converted_ones = [c for c in cands if c.config.program == "shard_map"]
       cands = variants.gspmd_candidates(
-        st,
-        planned.config,
-        make,
-        args,
-        kwargs,
-        notes,
-        known,
-        kernels,
-        report=first.report() if first is not None else None,
+        st, planned.config, make, args, kwargs, notes, known, kernels
       )
       cands += converted_ones
-    choice, _ = search.select(st, cands, make, args, kwargs, known, kernels)
+    choice, _ = search.select(st, cands, make, args, kwargs, known, kernels, running)
   return choice
 
 

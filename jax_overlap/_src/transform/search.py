@@ -12,6 +12,10 @@ compile the same program with the same options are compiled once.
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
+from collections.abc import Callable
+
 from jax_overlap._src.analysis import latency_profile
 from jax_overlap._src.transform import compiles, gspmd
 from jax_overlap._src.transform.records import Candidate, Choice, Estimate
@@ -29,6 +33,21 @@ BEHIND_FACTOR = 1.05
 # latency profile, gained at most 9.8% over its first variant (transform_fsdp.md, the GSPMD
 # step's shard_map form on h100x8: 44.78 -> 40.41 ms).
 FAR_BEHIND = 0.15
+
+
+@dataclasses.dataclass(frozen=True)
+class Running:
+  """The first candidate's compile, running already (a GSPMD step's first compile, started
+  while the step was converted), and the candidates its report adds right after it.
+
+  Attributes:
+    future: gives the first candidate's report (or raises as its compile did).
+    more: ``more(report)``, the candidates the report adds (the step's compiler-option
+      variants, found by compiling it).
+  """
+
+  future: concurrent.futures.Future
+  more: Callable[[object], list[Candidate]]
 
 
 def worth_profiling(
@@ -145,35 +164,52 @@ def judged_notes(candidates, chosen: int, reports) -> list[str]:
 
 
 def select(
-  settings, candidates: list[Candidate], make, args, kwargs, known=None, kernels=None
+  settings,
+  candidates: list[Candidate],
+  make,
+  args,
+  kwargs,
+  known=None,
+  kernels=None,
+  running: Running | None = None,
 ) -> tuple[Choice, list]:
   """The fastest candidate by the cost model (profiled recompiles appended) and the
   reports, by candidate (None where a variant did not compile); ``known``: reports already
-  made, by candidate index; ``kernels``: the selection's shared kernel cache."""
+  made, by candidate index; ``kernels``: the selection's shared kernel cache; ``running``:
+  the first candidate's compile, running already (:class:`Running`): the first pass
+  compiles the other programs' first variants beside it."""
   candidates, done, failed = _unique(list(candidates), dict(known or {}))
   errors = (ValueError, RuntimeError, TypeError)
 
   learned: dict = {}  # the deviceless tiling fallback, once a variant needed it
 
-  def compile_all(indices: list[int]) -> None:
+  def compile_all(indices: list[int], busy=()) -> None:
     jobs = [candidates[i] for i in indices]
-    reports = compiles.analyze_all(settings, jobs, make, args, kwargs, errors, kernels, learned)
+    reports = compiles.analyze_all(
+      settings, jobs, make, args, kwargs, errors, kernels, learned, busy
+    )
     for i, r in zip(indices, reports):
       done[i] = r
 
-  profiling = (
-    settings.schedule_from_estimates and latency_profile.OPTION not in settings.xla_options
-  )
   # A cheap first pass: the first variant of each program (the step as written, rewritten,
   # its shard_map form...; GEMMs through Triton or cuBLAS), the fastest of them again with a
   # latency profile, then the rest of the programs that can still win.
-  groups: dict[tuple, list[int]] = {}
-  for i, c in enumerate(candidates):
-    gemms = c.options.get("xla_gpu_enable_triton_gemm")
-    # A loop body in batch parts shares most kernels with the program (the kernel cache
-    # keys by it) but not its step: its own group, compiled in the first pass.
-    groups.setdefault((compiles.program(c.config), c.config.batch_parts, gemms), []).append(i)
+  if running is not None:
+    # The first candidate compiles already: the other programs' first variants beside it,
+    # then the variants its report adds, right after it.
+    firsts = [g[0] for g in _groups(candidates).values() if 0 not in g]
+    compile_all([i for i in firsts if i not in done], busy=(running.future,))
+    report = running.future.result()
+    more = running.more(report)
+    candidates = [candidates[0], *more, *candidates[1:]]
+    done = {0: report, **{i + len(more): r for i, r in done.items() if i}}
+    candidates, done, notes = _unique(candidates, done)
+    failed += notes
+  groups = _groups(candidates)
   compile_all([g[0] for g in groups.values() if len(groups) > 1 and not set(g) & set(done)])
+  profiling = (
+    settings.schedule_from_estimates and latency_profile.OPTION not in settings.xla_options
+  )
   if profiling and len(candidates) > 1:
     ok = [i for i, r in done.items() if not isinstance(r, Exception) and r is not None]
     if ok:
@@ -262,6 +298,19 @@ def select(
     how="cost_model",
   )
   return choice, reports
+
+
+def _groups(candidates: list[Candidate]) -> dict[tuple, list[int]]:
+  """The candidates by program, in order: those that compile the same program (as far as
+  its kernels go) with GEMMs through the same emitter and loop bodies in as many batch
+  parts; a group's first is compiled in the first pass."""
+  groups: dict[tuple, list[int]] = {}
+  for i, c in enumerate(candidates):
+    gemms = c.options.get("xla_gpu_enable_triton_gemm")
+    # A loop body in batch parts shares most kernels with the program (the kernel cache
+    # keys by it) but not its step: its own group, compiled in the first pass.
+    groups.setdefault((compiles.program(c.config), c.config.batch_parts, gemms), []).append(i)
+  return groups
 
 
 def _kept(job: Candidate, result, failed: list) -> bool:
