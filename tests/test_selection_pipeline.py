@@ -505,3 +505,56 @@ def test_a_first_compile_that_fails_fails_the_selection(monkeypatch):
       {},
       running=search.Running(failed, lambda report: []),
     )
+
+
+def test_a_thread_the_rest_leave_idle_recompiles_a_variant_with_a_latency_profile(monkeypatch):
+  # One variant left to compile after the first pass and two threads: beside it, the
+  # variant most worth a latency profile by what is known then (one of the profiles tried
+  # at the end, tried now), so that the last batch holds one profile fewer.
+  from jax_overlap._src.analysis import analyze as analysis
+  from jax_overlap._src.analysis import latency_profile
+  from jax_overlap._src.transform import compiles, search
+
+  written = VariantConfig(prefetch=1, reduce_scatter="per_layer", annotate=False).as_written()
+  rewritten = dataclasses.replace(written, prefetch=1, reduce_scatter="per_layer", loops="all")
+  sfx = search.PROFILED_SUFFIX
+  times = {
+    "w0": (10.0, 8.0),
+    "w0" + sfx: (9.6, 8.0),
+    "w1": (10.1, 7.9),
+    "w1" + sfx: (9.4, 7.9),
+    "r0": (10.4, 8.1),
+    "r1": (10.3, 7.5),
+    "r1" + sfx: (9.7, 7.5),
+  }
+  compiled = []
+  batches = []
+
+  def fake_analyze(fn, *args, name, xla_options, **kwargs):
+    compiled.append(name)
+    step, compute = times[name]
+    return types.SimpleNamespace(
+      step_time_s=step * 1e-3, compute_time_s=compute * 1e-3, xla_options={}, notes=[]
+    )
+
+  analyze_all = compiles.analyze_all
+
+  def recorded(settings, jobs, *a, **k):
+    batches.append([j.name for j in jobs])
+    return analyze_all(settings, jobs, *a, **k)
+
+  monkeypatch.setattr(analysis, "analyze", fake_analyze)
+  monkeypatch.setattr(compiles, "analyze_all", recorded)
+  monkeypatch.setattr(latency_profile, "write_profile", lambda report: "/profile.pbtxt")
+  monkeypatch.setenv("JAX_OVERLAP_SELECT_WORKERS", "2")
+  cands = [records.Candidate(n, written, {"o": n}) for n in ("w0", "w1")]
+  cands += [records.Candidate(n, rewritten, {"o": n}) for n in ("r0", "r1")]
+  settings = types.SimpleNamespace(
+    target=targets.get("h100x8"), schedule_from_estimates=True, xla_options={}
+  )
+  choice, _ = search.select(settings, cands, lambda cfg, options: None, (), {})
+  # First pass, the fastest profiled beside its program's other variant, then the rest (r1)
+  # with w1's profile beside it (w1: the fastest not profiled yet), and r1's at the end.
+  assert batches == [["w0", "r0"], ["w0" + sfx, "w1"], ["r1", "w1" + sfx], ["r1" + sfx]]
+  assert choice.name == "w1" + sfx
+  assert sum(c.name.endswith(sfx) for c in choice.candidates) == search.PROFILED_VARIANTS

@@ -52,7 +52,17 @@ def workers() -> int:
   return max(1, min(4, os.cpu_count() or 1))
 
 
-def analyze_all(settings, jobs, make, args, kwargs, errors, kernels=None, learned=None, busy=()):
+def analyze_all(
+  settings,
+  jobs,
+  make,
+  args,
+  kwargs,
+  errors,
+  kernels=None,
+  learned=None,
+  busy=(),
+):
   """Reports (or the exception) for ``jobs`` (:class:`~.variants.Candidate`), in their order,
   compiled by :func:`workers` threads. ``kernels`` (a :class:`kernel_cache.Shared`): seeded
   by the first job if no compile has; the others take the kernels of those finished
@@ -152,6 +162,8 @@ def analyze_all(settings, jobs, make, args, kwargs, errors, kernels=None, learne
         if leader.get(key, n) == n or leader[key] in finished:
           running[pool.submit(one, job, seeding and n == 0)] = n
           waiting.remove(item)
+      if not running and not busy:
+        break
       ended, _ = concurrent.futures.wait(
         [*running, *busy], return_when=concurrent.futures.FIRST_COMPLETED
       )

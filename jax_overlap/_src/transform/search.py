@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import threading
 from collections.abc import Callable
 
 from jax_overlap._src.analysis import latency_profile
@@ -178,8 +179,14 @@ def select(
   made, by candidate index; ``kernels``: the selection's shared kernel cache; ``running``:
   the first candidate's compile, running already (:class:`Running`): the first pass
   compiles the other programs' first variants beside it."""
-  candidates, done, failed = _unique(list(candidates), dict(known or {}))
+  candidates, done = list(candidates), dict(known or {})
+  failed: list[str] = []
+  if running is None:
+    candidates, done, failed = _unique(candidates, done)
   errors = (ValueError, RuntimeError, TypeError)
+  profiling = (
+    settings.schedule_from_estimates and latency_profile.OPTION not in settings.xla_options
+  )
 
   learned: dict = {}  # the deviceless tiling fallback, once a variant needed it
 
@@ -191,25 +198,39 @@ def select(
     for i, r in zip(indices, reports):
       done[i] = r
 
+  def profiled_ones() -> frozenset:
+    names = {c.name for c in candidates}
+    return frozenset(
+      i
+      for i, c in enumerate(candidates)
+      if c.name.endswith(PROFILED_SUFFIX) or c.name + PROFILED_SUFFIX in names
+    )
+
+  def so_far() -> tuple[list, list]:  # times and reports by candidate (inf, None: none)
+    ok = {i: r for i, r in done.items() if r is not None and not isinstance(r, Exception)}
+    times = [ok[i].step_time_s if i in ok else float("inf") for i in range(len(candidates))]
+    return times, [ok.get(i) for i in range(len(candidates))]
+
   # A cheap first pass: the first variant of each program (the step as written, rewritten,
   # its shard_map form...; GEMMs through Triton or cuBLAS), the fastest of them again with a
   # latency profile, then the rest of the programs that can still win.
   if running is not None:
-    # The first candidate compiles already: the other programs' first variants beside it,
+    # The first candidate compiles already: the other programs' first variants beside it
+    # (a group's first is never a duplicate: those are left out once the rest are known),
     # then the variants its report adds, right after it.
+    ask = threading.Thread(target=_spellings, args=(candidates,), daemon=True)
+    ask.start()  # jaxlib asked how it spells the options meanwhile
     firsts = [g[0] for g in _groups(candidates).values() if 0 not in g]
     compile_all([i for i in firsts if i not in done], busy=(running.future,))
     report = running.future.result()
     more = running.more(report)
     candidates = [candidates[0], *more, *candidates[1:]]
     done = {0: report, **{i + len(more): r for i, r in done.items() if i}}
+    ask.join()
     candidates, done, notes = _unique(candidates, done)
     failed += notes
   groups = _groups(candidates)
   compile_all([g[0] for g in groups.values() if len(groups) > 1 and not set(g) & set(done)])
-  profiling = (
-    settings.schedule_from_estimates and latency_profile.OPTION not in settings.xla_options
-  )
   if profiling and len(candidates) > 1:
     ok = [i for i, r in done.items() if not isinstance(r, Exception) and r is not None]
     if ok:
@@ -222,8 +243,7 @@ def select(
         # tried at the end, tried now).
         (same,) = [g for g in groups.values() if fastest in g]
         rest = [i for i in same if i not in done]
-        times = [done[i].step_time_s if i in ok else float("inf") for i in range(len(candidates))]
-        reports = [done[i] if i in ok else None for i in range(len(candidates))]
+        times, reports = so_far()
         idle = min(compiles.workers() - 1 - len(rest), PROFILED_VARIANTS - 1)
         bases = [fastest]
         more = []
@@ -246,7 +266,29 @@ def select(
             next(g for g in groups.values() if base in g).append(len(candidates) - 1)
   skipped, notes = _behind(candidates, groups, done)
   failed += notes
-  compile_all([i for i in range(len(candidates)) if i not in done and i not in skipped])
+  rest = [i for i in range(len(candidates)) if i not in done and i not in skipped]
+  # Where the rest leave a thread idle in their last round (fewer of them than a multiple
+  # of the threads), the first of the profiles tried at the end start there, chosen from
+  # what is known now (so the choice does not depend on which compile ends first).
+  spare = []
+  if profiling and rest:
+    times, reports = so_far()
+    have = sum(c.name.endswith(PROFILED_SUFFIX) for c in candidates)
+    slots = min(-len(rest) % compiles.workers(), PROFILED_VARIANTS - have)
+    for i in worth_profiling(times, reports, profiled_ones(), slots):
+      j = _profiled(candidates[i], done[i], failed)
+      if j is not None:
+        spare.append(j)
+  jobs = [candidates[i] for i in rest] + spare
+  results = compiles.analyze_all(
+    settings, jobs, make, args, kwargs, errors + (OSError,) if spare else errors, kernels, learned
+  )
+  for i, r in zip(rest, results):
+    done[i] = r
+  for j, r in zip(spare, results[len(rest) :]):
+    if _kept(j, r, failed):
+      candidates.append(j)
+      done[len(candidates) - 1] = r
   if skipped:
     kept = [i for i in range(len(candidates)) if i not in skipped]
     candidates = [candidates[i] for i in kept]
@@ -267,12 +309,7 @@ def select(
   # instead of XLA's estimates, unless the user gave a profile (the first pass's fastest
   # variant already was).
   if profiling:
-    names = {c.name for c in candidates}
-    profiled = frozenset(
-      i
-      for i, c in enumerate(candidates)
-      if c.name.endswith(PROFILED_SUFFIX) or c.name + PROFILED_SUFFIX in names
-    )
+    profiled = profiled_ones()
     jobs = []
     # PROFILED_VARIANTS in all, the first pass's included.
     most = PROFILED_VARIANTS - sum(c.name.endswith(PROFILED_SUFFIX) for c in candidates)
@@ -332,6 +369,18 @@ def _profiled(c: Candidate, report, failed: list) -> Candidate | None:
     failed.append(f"{label}: {str(e).splitlines()[0][:200]}")
     return None
   return c.renamed(label, {**c.options, latency_profile.OPTION: profile})
+
+
+def _spellings(candidates: list[Candidate]) -> None:
+  """Asks jaxlib, once per process, how it spells the candidates' options (what
+  :func:`_unique` compares them by)."""
+  from jax_overlap._src.flags import per_compile
+
+  for c in candidates:
+    try:
+      per_compile.spelled(c.options)
+    except Exception:  # noqa: BLE001 - _unique compares them as given then
+      pass
 
 
 def _unique(candidates: list[Candidate], done: dict) -> tuple[list[Candidate], dict, list[str]]:
