@@ -558,3 +558,50 @@ def test_a_thread_the_rest_leave_idle_recompiles_a_variant_with_a_latency_profil
   assert batches == [["w0", "r0"], ["w0" + sfx, "w1"], ["r1", "w1" + sfx], ["r1" + sfx]]
   assert choice.name == "w1" + sfx
   assert sum(c.name.endswith(sfx) for c in choice.candidates) == search.PROFILED_VARIANTS
+
+
+@pytest.mark.parametrize("both_help", [False, True])
+def test_a_combination_of_options_compiles_only_where_each_beat_the_first(monkeypatch, both_help):
+  # w12 sets both options w1 and w2 set one each: compiled after them, and only where each
+  # of them beat the program's first variant (w0).
+  from jax_overlap._src.analysis import analyze as analysis
+  from jax_overlap._src.transform import search
+
+  written = VariantConfig(prefetch=1, reduce_scatter="per_layer", annotate=False).as_written()
+  times = {
+    "w0": (10.0, 8.0),
+    "w1": (9.5, 8.0),
+    "w2": (9.8 if both_help else 10.2, 8.0),
+    "w12": (9.0, 8.0),
+  }
+  compiled = []
+
+  def fake_analyze(fn, *args, name, xla_options, **kwargs):
+    compiled.append(name)
+    step, compute = times[name]
+    return types.SimpleNamespace(
+      step_time_s=step * 1e-3, compute_time_s=compute * 1e-3, xla_options={}, notes=[]
+    )
+
+  monkeypatch.setattr(analysis, "analyze", fake_analyze)
+  monkeypatch.setenv("JAX_OVERLAP_SELECT_WORKERS", "1")
+  base = {"a": 1}
+  cands = [
+    records.Candidate("w0", written, base),
+    records.Candidate("w12", written, {**base, "o1": 1, "o2": 2}),
+    records.Candidate("w1", written, {**base, "o1": 1}),
+    records.Candidate("w2", written, {**base, "o2": 2}),
+  ]
+  settings = types.SimpleNamespace(
+    target=targets.get("h100x8"), schedule_from_estimates=False, xla_options={}
+  )
+  choice, _ = search.select(settings, cands, lambda cfg, options: None, (), {})
+  assert compiled[:3] == ["w0", "w1", "w2"]
+  if both_help:
+    assert compiled[3:] == ["w12"] and choice.name == "w12"
+  else:
+    assert compiled[3:] == [] and choice.name == "w1"
+    assert [n for n in choice.failed if n.startswith("w12: not compiled")] == [
+      "w12: not compiled: it combines the options of 'w1' and 'w2', and 'w2' (10.200 ms) "
+      "did not beat the program's first variant (10.000 ms)"
+    ]

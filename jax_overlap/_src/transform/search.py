@@ -1,13 +1,16 @@
 """The cost model's search among a selection's compiled variants.
 
-A cheap first pass compiles one variant of each program (the step as written, rewritten, its
-shard_map form, its loop bodies in batch parts...; GEMMs through Triton or cuBLAS) and
+A cheap first pass compiles one variant of each program (the step as written, rewritten,
+its shard_map form, its loop bodies in batch parts...; GEMMs through Triton or cuBLAS; a
+GSPMD step's shard_map form beside the step's first compile, :class:`Running`) and
 recompiles the fastest of them with a latency profile at once, so that the rest are measured
 against the best step a schedule has reached so far: a program whose compute alone is behind
 it, or whose first variant is far behind it, is not compiled in its other variants. Then the
-rest compile, a few of the fastest again with a latency profile written from their analysis
-(none far behind the best step), and the fastest by estimate is chosen. Variants that would
-compile the same program with the same options are compiled once.
+rest compile (a variant that combines two others' options only where each of them beat its
+program's first variant), a few of the fastest again with a latency profile written from
+their analysis (none far behind the best step; the first of them on threads the rest leave
+idle), and the fastest by estimate is chosen. Variants that would compile the same program
+with the same options are compiled once.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import threading
 from collections.abc import Callable
 
 from jax_overlap._src.analysis import latency_profile
-from jax_overlap._src.transform import compiles, gspmd
+from jax_overlap._src.transform import combinations, compiles, gspmd
 from jax_overlap._src.transform.records import Candidate, Choice, Estimate
 
 # Latency-profiled recompiles tried per step (the fastest variants by estimate).
@@ -267,6 +270,11 @@ def select(
   skipped, notes = _behind(candidates, groups, done)
   failed += notes
   rest = [i for i in range(len(candidates)) if i not in done and i not in skipped]
+  # A variant that combines two others' options (a program's options tried one by one and
+  # together) compiles after them, and only where each of them beat the program's first
+  # variant (:mod:`.combinations`).
+  combined = combinations.combined(candidates, groups, rest)
+  rest = [i for i in rest if i not in combined]
   # Where the rest leave a thread idle in their last round (fewer of them than a multiple
   # of the threads), the first of the profiles tried at the end start there, chosen from
   # what is known now (so the choice does not depend on which compile ends first).
@@ -289,6 +297,11 @@ def select(
     if _kept(j, r, failed):
       candidates.append(j)
       done[len(candidates) - 1] = r
+  if combined:
+    lost, notes = combinations.parts_lost(candidates, combined, done)
+    failed += notes
+    skipped |= lost
+    compile_all([i for i in combined if i not in lost])
   if skipped:
     kept = [i for i in range(len(candidates)) if i not in skipped]
     candidates = [candidates[i] for i in kept]
