@@ -223,10 +223,19 @@ def select(
     # then the variants its report adds, right after it.
     ask = threading.Thread(target=_spellings, args=(candidates,), daemon=True)
     ask.start()  # jaxlib asked how it spells the options meanwhile
+    added: concurrent.futures.Future = concurrent.futures.Future()
+
+    def add(f):  # the variants its report adds, found as soon as it is in
+      try:
+        added.set_result(running.more(f.result()))
+      except Exception as e:  # noqa: BLE001 - raised below, where the selection waits
+        added.set_exception(e)
+
+    running.future.add_done_callback(add)
     firsts = [g[0] for g in _groups(candidates).values() if 0 not in g]
     compile_all([i for i in firsts if i not in done], busy=(running.future,))
     report = running.future.result()
-    more = running.more(report)
+    more = added.result()
     candidates = [candidates[0], *more, *candidates[1:]]
     done = {0: report, **{i + len(more): r for i, r in done.items() if i}}
     ask.join()
@@ -321,6 +330,7 @@ def select(
   # A few again, scheduled by XLA from the analysis' own costs (a latency profile)
   # instead of XLA's estimates, unless the user gave a profile (the first pass's fastest
   # variant already was).
+  early = None
   if profiling:
     profiled = profiled_ones()
     jobs = []
@@ -331,6 +341,11 @@ def select(
       job = _profiled(c, reports[i], failed)
       if job is not None:
         jobs.append(job)
+    if jobs:  # meanwhile, the best variant so far judged a second time (kept if it stays)
+      ahead = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jax_overlap")
+      first = min(range(len(times)), key=lambda i: (times[i], i))
+      early = (first, len(candidates), ahead.submit(judged_notes, [*candidates], first, [*reports]))
+      ahead.shutdown(wait=False)
     results = compiles.analyze_all(settings, jobs, make, args, kwargs, errors + (OSError,), kernels)
     for job, r in zip(jobs, results):
       if _kept(job, r, failed):
@@ -338,7 +353,11 @@ def select(
         times.append(r.step_time_s)
         reports.append(r)
   best = min(range(len(times)), key=lambda i: (times[i], i))
-  judged = judged_notes(candidates, best, reports) + windowed_notes(candidates, reports)
+  if early is not None and _judged_alike(candidates, times, early[:2], best):
+    judged = early[2].result()
+  else:
+    judged = judged_notes(candidates, best, reports)
+  judged += windowed_notes(candidates, reports)
   choice = Choice(
     tuple(candidates),
     best,
@@ -348,6 +367,22 @@ def select(
     how="cost_model",
   )
   return choice, reports
+
+
+def _judged_alike(candidates, times, early: tuple[int, int], best: int) -> bool:
+  """Whether :func:`judged_notes` of the first ``n`` candidates with ``chosen`` chosen
+  (``early``) judges what it judges of all of them with ``best`` chosen: the same choice,
+  and no candidate added since as written and faster than those before (the step as
+  written it judges beside the choice)."""
+  chosen, n = early
+  if chosen != best:
+    return False
+  written = [times[i] for i in range(n) if candidates[i].name.startswith("as written")]
+  base = min(written, default=float("inf"))
+  return not any(
+    candidates[i].name.startswith("as written") and times[i] < base
+    for i in range(n, len(candidates))
+  )
 
 
 def _groups(candidates: list[Candidate]) -> dict[tuple, list[int]]:
