@@ -282,11 +282,28 @@ def test_memory_plan_is_named_apart_from_the_runtime_plan():
     jax_overlap.budget.memory.Planned  # noqa: B018
 
 
+def _faked_analysis(monkeypatch, times: dict) -> list:
+  """``analysis.analyze`` answering from ``times`` (name: (step ms, compute ms)); the list
+  the names it was asked for are appended to, in order."""
+  from jax_overlap._src.analysis import analyze as analysis
+
+  compiled = []
+
+  def fake_analyze(fn, *args, name, xla_options, **kwargs):
+    compiled.append(name)
+    step, compute = times[name]
+    return types.SimpleNamespace(
+      step_time_s=step * 1e-3, compute_time_s=compute * 1e-3, xla_options={}, notes=[]
+    )
+
+  monkeypatch.setattr(analysis, "analyze", fake_analyze)
+  return compiled
+
+
 def test_a_program_that_cannot_win_after_its_first_variant_is_not_compiled_further(
   monkeypatch,
 ):
   # A cheap first pass: one variant of each program, then only programs that can still win.
-  from jax_overlap._src.analysis import analyze as analysis
   from jax_overlap._src.transform import search
 
   written = VariantConfig(prefetch=1, reduce_scatter="per_layer", annotate=False).as_written()
@@ -306,16 +323,7 @@ def test_a_program_that_cannot_win_after_its_first_variant_is_not_compiled_furth
     "c0": (20.0, 15.0),  # the same program on cuBLAS GEMMs: a program of its own
     "b0": (10.1, 5.0),  # its loop bodies in batch parts: other GEMMs, a program of its own
   }
-  compiled = []
-
-  def fake_analyze(fn, *args, name, xla_options, **kwargs):
-    compiled.append(name)
-    step, compute = times[name]
-    return types.SimpleNamespace(
-      step_time_s=step * 1e-3, compute_time_s=compute * 1e-3, xla_options={}, notes=[]
-    )
-
-  monkeypatch.setattr(analysis, "analyze", fake_analyze)
+  compiled = _faked_analysis(monkeypatch, times)
   # Variants of one program differ in their options.
   cands = [records.Candidate(n, written, {"o": n}) for n in ("w0", "w1")]
   cands += [records.Candidate(n, rewritten, {"o": n}) for n in ("r0", "r1")]
@@ -353,7 +361,6 @@ def test_a_program_that_cannot_win_after_its_first_variant_is_not_compiled_furth
 def test_the_first_pass_profiles_its_fastest_variant_at_once(monkeypatch):
   # The fastest first variant is recompiled with a latency profile before the rest: the
   # step it reaches is the one the other programs must come near.
-  from jax_overlap._src.analysis import analyze as analysis
   from jax_overlap._src.analysis import latency_profile
   from jax_overlap._src.transform import search
 
@@ -366,16 +373,7 @@ def test_the_first_pass_profiles_its_fastest_variant_at_once(monkeypatch):
   # Its compute could still win, but its step is more than search.FAR_BEHIND behind the
   # best: not profiled at the end either.
   times["r0" + suffix] = (9.5, 8.0)
-  compiled = []
-
-  def fake_analyze(fn, *args, name, xla_options, **kwargs):
-    compiled.append(name)
-    step, compute = times[name]
-    return types.SimpleNamespace(
-      step_time_s=step * 1e-3, compute_time_s=compute * 1e-3, xla_options={}, notes=[]
-    )
-
-  monkeypatch.setattr(analysis, "analyze", fake_analyze)
+  compiled = _faked_analysis(monkeypatch, times)
   monkeypatch.setattr(latency_profile, "write_profile", lambda report: "/profile.pbtxt")
   cands = [records.Candidate("w0", written)]
   cands += [records.Candidate(n, rewritten, {"o": i}) for i, n in enumerate(("r0", "r1"))]
@@ -511,7 +509,6 @@ def test_a_thread_the_rest_leave_idle_recompiles_a_variant_with_a_latency_profil
   # One variant left to compile after the first pass and two threads: beside it, the
   # variant most worth a latency profile by what is known then (one of the profiles tried
   # at the end, tried now), so that the last batch holds one profile fewer.
-  from jax_overlap._src.analysis import analyze as analysis
   from jax_overlap._src.analysis import latency_profile
   from jax_overlap._src.transform import compiles, search
 
@@ -527,15 +524,7 @@ def test_a_thread_the_rest_leave_idle_recompiles_a_variant_with_a_latency_profil
     "r1": (10.3, 7.5),
     "r1" + sfx: (9.7, 7.5),
   }
-  compiled = []
   batches = []
-
-  def fake_analyze(fn, *args, name, xla_options, **kwargs):
-    compiled.append(name)
-    step, compute = times[name]
-    return types.SimpleNamespace(
-      step_time_s=step * 1e-3, compute_time_s=compute * 1e-3, xla_options={}, notes=[]
-    )
 
   analyze_all = compiles.analyze_all
 
@@ -543,7 +532,7 @@ def test_a_thread_the_rest_leave_idle_recompiles_a_variant_with_a_latency_profil
     batches.append([j.name for j in jobs])
     return analyze_all(settings, jobs, *a, **k)
 
-  monkeypatch.setattr(analysis, "analyze", fake_analyze)
+  _faked_analysis(monkeypatch, times)
   monkeypatch.setattr(compiles, "analyze_all", recorded)
   monkeypatch.setattr(latency_profile, "write_profile", lambda report: "/profile.pbtxt")
   monkeypatch.setenv("JAX_OVERLAP_SELECT_WORKERS", "2")
@@ -564,7 +553,6 @@ def test_a_thread_the_rest_leave_idle_recompiles_a_variant_with_a_latency_profil
 def test_a_combination_of_options_compiles_only_where_each_beat_the_first(monkeypatch, both_help):
   # w12 sets both options w1 and w2 set one each: compiled after them, and only where each
   # of them beat the program's first variant (w0).
-  from jax_overlap._src.analysis import analyze as analysis
   from jax_overlap._src.transform import search
 
   written = VariantConfig(prefetch=1, reduce_scatter="per_layer", annotate=False).as_written()
@@ -574,16 +562,7 @@ def test_a_combination_of_options_compiles_only_where_each_beat_the_first(monkey
     "w2": (9.8 if both_help else 10.2, 8.0),
     "w12": (9.0, 8.0),
   }
-  compiled = []
-
-  def fake_analyze(fn, *args, name, xla_options, **kwargs):
-    compiled.append(name)
-    step, compute = times[name]
-    return types.SimpleNamespace(
-      step_time_s=step * 1e-3, compute_time_s=compute * 1e-3, xla_options={}, notes=[]
-    )
-
-  monkeypatch.setattr(analysis, "analyze", fake_analyze)
+  compiled = _faked_analysis(monkeypatch, times)
   monkeypatch.setenv("JAX_OVERLAP_SELECT_WORKERS", "1")
   base = {"a": 1}
   cands = [

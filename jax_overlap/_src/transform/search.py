@@ -136,9 +136,8 @@ def judged_notes(candidates, chosen: int, reports) -> list[str]:
     f"chosen variant judged twice: the analysis {report.step_time_s * 1e3:.3f} ms, "
     f"sim.realize (SM contention, XLA's stream priority) {sim_s * 1e3:.3f} ms"
   )
-  written = [i for i, c in enumerate(candidates) if c.name.startswith("as written") and reports[i]]
-  if written and chosen not in written:
-    base = min(written, key=lambda i: reports[i].step_time_s)
+  base = _written_base(candidates, reports)
+  if base is not None and not candidates[chosen].name.startswith("as written"):
     try:
       base_sim = simulated(reports[base])[1]
     except (ValueError, TypeError, RuntimeError):
@@ -353,7 +352,7 @@ def select(
         times.append(r.step_time_s)
         reports.append(r)
   best = min(range(len(times)), key=lambda i: (times[i], i))
-  if early is not None and _judged_alike(candidates, times, early[:2], best):
+  if early is not None and _judged_alike(candidates, reports, early[:2], best):
     judged = early[2].result()
   else:
     judged = judged_notes(candidates, best, reports)
@@ -369,19 +368,20 @@ def select(
   return choice, reports
 
 
-def _judged_alike(candidates, times, early: tuple[int, int], best: int) -> bool:
+def _written_base(candidates, reports) -> int | None:
+  """The fastest variant of the step as written (what :func:`judged_notes` judges beside
+  another choice), or None."""
+  written = [i for i, c in enumerate(candidates) if c.name.startswith("as written") and reports[i]]
+  return min(written, key=lambda i: reports[i].step_time_s, default=None)
+
+
+def _judged_alike(candidates, reports, early: tuple[int, int], best: int) -> bool:
   """Whether :func:`judged_notes` of the first ``n`` candidates with ``chosen`` chosen
   (``early``) judges what it judges of all of them with ``best`` chosen: the same choice,
-  and no candidate added since as written and faster than those before (the step as
-  written it judges beside the choice)."""
+  beside the same step as written."""
   chosen, n = early
-  if chosen != best:
-    return False
-  written = [times[i] for i in range(n) if candidates[i].name.startswith("as written")]
-  base = min(written, default=float("inf"))
-  return not any(
-    candidates[i].name.startswith("as written") and times[i] < base
-    for i in range(n, len(candidates))
+  return chosen == best and _written_base(candidates[:n], reports[:n]) == _written_base(
+    candidates, reports
   )
 
 
