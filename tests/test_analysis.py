@@ -272,6 +272,34 @@ def test_meshes_captured_in_shard_map_are_retargeted():
   assert "all-gather" in kinds and "all-reduce" in kinds
 
 
+def test_arguments_without_a_sharding_are_compiled_for_the_target():
+  # jax.jit places a program by its arguments' devices: arrays with no sharding would make
+  # it a compile for the host's CPU, read as if it were the target's.
+  def step(x, w1, w2):
+    return jnp.sum(jax.nn.relu(x @ w1) @ w2)
+
+  shapes = [(512, 256), (256, 1024), (1024, 256)]
+  unplaced = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes]
+  concrete = [jnp.ones(s, jnp.bfloat16) for s in shapes]  # on one CPU device
+  mesh = targets.compile_only_mesh("h100x1", ("fsdp",))
+  placed = [_sds(s, mesh, P(), jnp.bfloat16) for s in shapes]
+  grads = jax.jit(jax.grad(step, argnums=(1, 2)))
+  for args in (unplaced, concrete):
+    compiled = compile_for_target(grads, *args, target="h100x1")
+    assert compiled.platform == "cuda" and compiled.thunk_text  # XLA:GPU's thunk listing
+  reports = [jax_overlap.analyze(grads, *a, target="h100x1") for a in (unplaced, placed)]
+  assert reports[0].step_time_s == pytest.approx(reports[1].step_time_s)
+  assert not any(k.name.startswith("ynn") for k in reports[0].kernels)
+
+
+def test_a_function_without_array_arguments_is_refused_not_analysed_for_the_cpu():
+  def made_inside():
+    return jnp.ones((256, 256)) @ jnp.ones((256, 256))
+
+  with pytest.raises(ValueError, match="compiled for the host's CPU, not for h100x1"):
+    jax_overlap.analyze(made_inside, target="h100x1")
+
+
 def test_bad_input_messages():
   mesh = targets.compile_only_mesh("h100x8", {"fsdp": 4, "tensor": 2})
   x = _sds((64, 64), mesh, P("fsdp", "tensor"))

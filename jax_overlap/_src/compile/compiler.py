@@ -245,6 +245,23 @@ def _read(pattern: str, prefer: str | None = None) -> str:
     return f.read()
 
 
+def _check_compiled_for_gpu(dump_dir: str, topo, api_name: str) -> None:
+  """Raises where XLA compiled the program for the host's CPU instead of ``topo``: its dump
+  holds a CPU module (``*cpu_after_optimizations.txt``) and no GPU one. ``jax.jit`` places a
+  program by its arguments' devices; one without array arguments runs on the default
+  device."""
+  if glob.glob(os.path.join(dump_dir, "*gpu_after_optimizations.txt")):
+    return
+  if glob.glob(os.path.join(dump_dir, "*cpu_after_optimizations.txt")):
+    raise ValueError(
+      f"{api_name}: the function was compiled for the host's CPU, not for {topo.name}: "
+      "jax.jit places a program on its arguments' devices, and none of its arguments is an "
+      "array that could be placed on the target's. Pass the arrays the step computes on as "
+      "arguments (jax.ShapeDtypeStruct, with a NamedSharding where they are sharded) "
+      "instead of creating or capturing them inside the function"
+    )
+
+
 def _parse_debug_options(text: str) -> dict[str, str]:
   out = {}
   for line in text.splitlines():
@@ -417,8 +434,9 @@ def compile_for_target(
         tmesh = retarget.target_mesh_like(
           mesh or (leaves_meshes[0] if leaves_meshes else None), topo
         )
-      lower_args = jax.tree.map(lambda x: retarget.retarget_arg(x, tmesh), args)
-      lower_kwargs = jax.tree.map(lambda x: retarget.retarget_arg(x, tmesh), kwargs)
+      lower_args, lower_kwargs = retarget.placed_on(
+        jax.tree.map(lambda x: retarget.retarget_arg(x, tmesh), (args, kwargs)), tmesh
+      )
       target_fn = retarget.retargeted(fn, tmesh, args, kwargs)
     t0 = time.perf_counter()
     notes: list[str] = []
@@ -460,6 +478,8 @@ def compile_for_target(
         raise unknown from None
       raise failure("XLA could not compile the function", e, topo) from e
     compile_time = time.perf_counter() - t0
+    if topo is not None:
+      _check_compiled_for_gpu(dump_dir, topo, api_name)
     hlo = _read(os.path.join(dump_dir, "*after_optimizations.txt"))
     thunks = _read(os.path.join(dump_dir, "*thunk_sequence.txt"))
     metadata = _read(os.path.join(dump_dir, "*thunk_metadata.txt"))

@@ -18,7 +18,14 @@ from jax.sharding import Mesh, NamedSharding
 
 from jax_overlap._src import targets as targets_lib
 
-__all__ = ["undivided_dims", "meshes_in", "retarget_arg", "retargeted", "target_mesh_like"]
+__all__ = [
+  "meshes_in",
+  "placed_on",
+  "retarget_arg",
+  "retargeted",
+  "target_mesh_like",
+  "undivided_dims",
+]
 
 
 def meshes_in(tree) -> list[Mesh]:
@@ -128,6 +135,30 @@ def retarget_arg(x, mesh: Mesh | None):
         _check_divisible(np.shape(x), sharding, source)
     return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
   return x
+
+
+def placed_on(tree, mesh: Mesh):
+  """``tree`` (retargeted arguments) placed on ``mesh`` where none of its arrays is.
+
+  A program whose arguments carry no sharding (plain arrays, ``ShapeDtypeStruct`` without
+  one) is compiled by ``jax.jit`` for the default device, the host's CPU, whatever the
+  target. Where no array of ``tree`` has a :class:`NamedSharding`, each is given a replicated
+  one on ``mesh`` (the program then runs whole on every device of the target, as it would
+  on one); otherwise ``tree`` is returned unchanged (the arrays without a sharding are left
+  for XLA to place beside the others, as ``jax.jit`` leaves them).
+  """
+  leaves = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.ShapeDtypeStruct)]
+  if not leaves or any(isinstance(x.sharding, NamedSharding) for x in leaves):
+    return tree
+  replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
+  return jax.tree.map(
+    lambda x: (
+      jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated)
+      if isinstance(x, jax.ShapeDtypeStruct)
+      else x
+    ),
+    tree,
+  )
 
 
 def _retarget_params(value, mesh: Mesh):
