@@ -19,7 +19,6 @@ import collections
 import contextlib
 import dataclasses
 import functools
-import glob
 import hashlib
 import os
 import shutil
@@ -232,45 +231,6 @@ def failure(api: str, error: Exception, topo) -> RuntimeError:
   return RuntimeError(f"{api} for {where}: {msg[0] if msg else type(error).__name__}")
 
 
-def _read(pattern: str, prefer: str | None = None) -> str:
-  files = sorted(glob.glob(pattern), key=os.path.getmtime)
-  if prefer:
-    preferred = [f for f in files if prefer in os.path.basename(f)]
-    files = preferred or files
-  if not files:
-    return ""
-  # The main module is the largest one (the dump may also hold small helper modules).
-  best = max(files, key=os.path.getsize)
-  with open(best) as f:
-    return f.read()
-
-
-def _check_compiled_for_gpu(dump_dir: str, topo, api_name: str) -> None:
-  """Raises where XLA compiled the program for the host's CPU instead of ``topo``: its dump
-  holds a CPU module (``*cpu_after_optimizations.txt``) and no GPU one. ``jax.jit`` places a
-  program by its arguments' devices; one without array arguments runs on the default
-  device."""
-  if glob.glob(os.path.join(dump_dir, "*gpu_after_optimizations.txt")):
-    return
-  if glob.glob(os.path.join(dump_dir, "*cpu_after_optimizations.txt")):
-    raise ValueError(
-      f"{api_name}: the function was compiled for the host's CPU, not for {topo.name}: "
-      "jax.jit places a program on its arguments' devices, and none of its arguments is an "
-      "array that could be placed on the target's. Pass the arrays the step computes on as "
-      "arguments (jax.ShapeDtypeStruct, with a NamedSharding where they are sharded) "
-      "instead of creating or capturing them inside the function"
-    )
-
-
-def _parse_debug_options(text: str) -> dict[str, str]:
-  out = {}
-  for line in text.splitlines():
-    if ":" in line:
-      k, v = line.split(":", 1)
-      out[k.strip()] = v.strip().strip('"')
-  return out
-
-
 # Deviceless compiles of this process, by (program, options, target): the same program
 # compiled again with the same options (a variant selection run twice, its chosen variant
 # analysed, a report of the same step) reuses XLA's result instead of compiling anew. XLA's
@@ -479,13 +439,13 @@ def compile_for_target(
       raise failure("XLA could not compile the function", e, topo) from e
     compile_time = time.perf_counter() - t0
     if topo is not None:
-      _check_compiled_for_gpu(dump_dir, topo, api_name)
-    hlo = _read(os.path.join(dump_dir, "*after_optimizations.txt"))
-    thunks = _read(os.path.join(dump_dir, "*thunk_sequence.txt"))
-    metadata = _read(os.path.join(dump_dir, "*thunk_metadata.txt"))
+      dumps.check_compiled_for_gpu(dump_dir, topo, api_name)
+    hlo = dumps.read(os.path.join(dump_dir, "*after_optimizations.txt"))
+    thunks = dumps.read(os.path.join(dump_dir, "*thunk_sequence.txt"))
+    metadata = dumps.read(os.path.join(dump_dir, "*thunk_metadata.txt"))
     if kernel_cache.OPTION in options and topo is not None and not metadata:
       kernel_cache.mark_unsupported()
-    dbg = _parse_debug_options(_read(os.path.join(dump_dir, "*.debug_options")))
+    dbg = dumps.debug_options(dumps.read(os.path.join(dump_dir, "*.debug_options")))
     platform = "cuda" if topo is not None else jax.devices()[0].platform
     step = CompiledStep(
       compiled=compiled,

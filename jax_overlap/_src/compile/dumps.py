@@ -1,4 +1,5 @@
-"""The dump settings of jax_overlap's own compiles, whatever ``XLA_FLAGS`` holds.
+"""The dump settings of jax_overlap's own compiles, whatever ``XLA_FLAGS`` holds, and
+reading the dump back.
 
 The analysis reads XLA's dump of each compile it makes (``xla_dump_to``, a folder of its
 own): the scheduled HLO, the thunk sequence, the buffer assignment. Dump settings in
@@ -6,18 +7,29 @@ own): the scheduled HLO, the thunk sequence, the buffer assignment. Dump setting
 for one, sets ``--xla_dump_hlo_module_re=jit_train_step`` when ``XLA_FLAGS`` is unset) or
 bury them (per-pass dumps, other formats); set per compile, the settings here win. Where a
 file is still missing, :func:`missing_dump` names the setting in ``XLA_FLAGS`` that can
-hide it.
+hide it. :func:`read` and :func:`debug_options` read a dump's files;
+:func:`check_compiled_for_gpu` tells a compile XLA made for the host's CPU from one for the
+target.
 """
 
 from __future__ import annotations
 
+import glob
 import os
 from collections.abc import Mapping
 from typing import Any
 
 from jax_overlap._src.flags import per_compile, syntax
 
-__all__ = ["DUMP_SETTINGS", "dump_settings", "with_dump_settings", "missing_dump"]
+__all__ = [
+  "DUMP_SETTINGS",
+  "check_compiled_for_gpu",
+  "debug_options",
+  "dump_settings",
+  "missing_dump",
+  "read",
+  "with_dump_settings",
+]
 
 # The dump settings the analysis reads its files by, set on every compile jax_overlap dumps
 # for itself whatever XLA_FLAGS holds (set there, they apply to every compile of the
@@ -92,3 +104,45 @@ def missing_dump(api: str, what: str) -> ValueError:
   else:
     why = "check that the function has any computation"
   return ValueError(f"{api}: XLA wrote no {what} for this compile; {why}")
+
+
+def read(pattern: str, prefer: str | None = None) -> str:
+  """The file matching ``pattern`` that holds the main module (the largest; a dump may also
+  hold small helper modules), among those whose name holds ``prefer`` where any does; ""
+  where none matches."""
+  files = sorted(glob.glob(pattern), key=os.path.getmtime)
+  if prefer:
+    preferred = [f for f in files if prefer in os.path.basename(f)]
+    files = preferred or files
+  if not files:
+    return ""
+  best = max(files, key=os.path.getsize)
+  with open(best) as f:
+    return f.read()
+
+
+def debug_options(text: str) -> dict[str, str]:
+  """XLA's ``*.debug_options`` dump (``name: value`` lines) as a dict of strings."""
+  out = {}
+  for line in text.splitlines():
+    if ":" in line:
+      k, v = line.split(":", 1)
+      out[k.strip()] = v.strip().strip('"')
+  return out
+
+
+def check_compiled_for_gpu(dump_dir: str, topo, api_name: str) -> None:
+  """Raises where XLA compiled the program for the host's CPU instead of ``topo``: its dump
+  holds a CPU module (``*cpu_after_optimizations.txt``) and no GPU one. ``jax.jit`` places a
+  program by its arguments' devices; one without array arguments runs on the default
+  device."""
+  if glob.glob(os.path.join(dump_dir, "*gpu_after_optimizations.txt")):
+    return
+  if glob.glob(os.path.join(dump_dir, "*cpu_after_optimizations.txt")):
+    raise ValueError(
+      f"{api_name}: the function was compiled for the host's CPU, not for {topo.name}: "
+      "jax.jit places a program on its arguments' devices, and none of its arguments is an "
+      "array that could be placed on the target's. Pass the arrays the step computes on as "
+      "arguments (jax.ShapeDtypeStruct, with a NamedSharding where they are sharded) "
+      "instead of creating or capturing them inside the function"
+    )
