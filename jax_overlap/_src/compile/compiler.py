@@ -32,7 +32,7 @@ from jax.sharding import Mesh
 
 from jax_overlap._src import errors
 from jax_overlap._src import targets as targets_lib
-from jax_overlap._src.compile import dumps, kernel_cache, retarget, xla_log
+from jax_overlap._src.compile import dumps, gemm_configs, kernel_cache, retarget, xla_log
 from jax_overlap._src.compile import store as compile_store
 from jax_overlap._src.compile.memory_stats import MemoryStats, memory_stats
 from jax_overlap._src.flags import aborts as aborts_lib
@@ -258,8 +258,17 @@ def _memo_key(lowered, options: Mapping[str, Any], topo) -> str | None:
   # naming a file or folder XLA reads as input (a latency profile, autotuning results) is
   # keyed by what is in it: the same profile under another cache folder is the same
   # compile, and a profile rewritten in place is another.
+  # The same holds for the tile configurations a selection's compiles share
+  # (:mod:`.gemm_configs`): each is the one XLA would choose.
   opts = sorted(
-    (k, "<kernel cache>" if k == kernel_cache.OPTION else _option_key(k, v))
+    (
+      k,
+      "<kernel cache>"
+      if k == kernel_cache.OPTION
+      else "<gemm configs>"
+      if gemm_configs.ours({k: v})
+      else _option_key(k, v),
+    )
     for k, v in options.items()
     if k != "xla_dump_to"
   )
@@ -446,6 +455,8 @@ def compile_for_target(
     if kernel_cache.OPTION in options and topo is not None and not metadata:
       kernel_cache.mark_unsupported()
     dbg = dumps.debug_options(dumps.read(os.path.join(dump_dir, "*.debug_options")))
+    if gemm_configs.ours(options):
+      gemm_configs.record(dump_dir, options)
     platform = "cuda" if topo is not None else jax.devices()[0].platform
     step = CompiledStep(
       compiled=compiled,

@@ -82,13 +82,15 @@ def dump_settings() -> dict[str, Any]:
 
 def with_dump_settings(options: Mapping[str, Any]) -> dict[str, Any]:
   """``options`` with :func:`dump_settings` where they dump (``xla_dump_to``): the settings
-  win over the caller's, but for ``xla_dump_emitter_re``, which jax_overlap sets itself to
-  dump PTX."""
+  win over the caller's, but for ``xla_dump_emitter_re`` and ``xla_dump_hlo_pass_re``,
+  which jax_overlap sets itself per compile to dump PTX and the module after XLA's config
+  assigner (:mod:`.gemm_configs`)."""
   if "xla_dump_to" not in options:
     return dict(options)
   fixed = dump_settings()
-  if "xla_dump_emitter_re" in options:
-    fixed.pop("xla_dump_emitter_re", None)
+  for own in ("xla_dump_emitter_re", "xla_dump_hlo_pass_re"):
+    if own in options:
+      fixed.pop(own, None)
   return {**options, **fixed}
 
 

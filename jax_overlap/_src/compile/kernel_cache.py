@@ -37,6 +37,8 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
+from jax_overlap._src.compile import gemm_configs
+
 __all__ = [
   "OPTION",
   "Shared",
@@ -219,6 +221,8 @@ class Shared:
     self._copied_from: dict[str, int] = {}  # each copy's path -> the version it came from
     self._lock = threading.RLock()
     self._programs: set = set()  # first_of's keys
+    self._gemms = self._on  # tile configurations shared too (:mod:`.gemm_configs`)
+    self._gemm_dir: str | None = None
 
   @classmethod
   def for_selection(cls, settings) -> Shared:
@@ -266,6 +270,7 @@ class Shared:
     ``program`` (a :meth:`first_of` key) is the seed's, compiled from here on."""
     if program is not None:
       self.first_of(program)
+    options = self._with_gemm_configs(options)
     if not self._gives(options):
       return dict(options)
     self._seed_given = True
@@ -280,7 +285,9 @@ class Shared:
     compiles :meth:`done` took in) as the kernel cache (an empty one when the seed
     compiled nothing, e.g. it was read back from the compile store, so that this compile
     is remembered as the others of its kind); unchanged when sharing is off, the user
-    named a cache, or kernels cannot be mapped back."""
+    named a cache, or kernels cannot be mapped back. Both also name the selection's
+    shared tile configurations (:meth:`_with_gemm_configs`)."""
+    options = self._with_gemm_configs(options)
     if not self._gives(options):
       return dict(options)
     with self._lock:
@@ -294,6 +301,24 @@ class Shared:
         except OSError:
           pass  # a full disk: compiled from an empty cache
     return {**options, OPTION: path}
+
+  def _with_gemm_configs(self, options: Mapping[str, Any]) -> dict[str, Any]:
+    """``options`` naming the directory where the selection's compiles leave the tile
+    configurations XLA chose for their Triton GEMM fusions, and find those of the compiles
+    before them (:mod:`.gemm_configs`); unchanged where sharing is off, the options set
+    XLA's autotuning cache themselves or an option that changes the tiles it chooses
+    (:func:`.gemm_configs.shapes_tiles`), or the installed jaxlib's cache cannot be written
+    (:func:`.gemm_configs.version`)."""
+    wanted = gemm_configs.options("")
+    if not self._gemms or any(k in options for k in wanted) or gemm_configs.shapes_tiles(options):
+      return dict(options)
+    if gemm_configs.version() is None:
+      self._gemms = False
+      return dict(options)
+    with self._lock:
+      if self._gemm_dir is None:
+        self._gemm_dir = gemm_configs.new_directory(os.path.dirname(self._file("seed.bin")))
+    return {**options, **gemm_configs.options(self._gemm_dir)}
 
   def done(self, options: Mapping[str, Any]) -> None:
     """Called when the compile given ``options`` (from :meth:`seed` or :meth:`copy`)
@@ -328,7 +353,7 @@ class Shared:
     with self._lock:
       if self._dir is not None:
         self._cleanup()
-        self._dir = None
+        self._dir = self._gemm_dir = None
 
   def __enter__(self) -> Shared:
     return self
