@@ -7,6 +7,8 @@
 * ``dumps``: the dump settings of those compiles, set per compile over ``XLA_FLAGS``'s;
 * ``store``: those artefacts on disk, for other processes;
 * ``kernel_cache``: XLA's kernel cache shared by the compiles of one selection's variants;
+* ``gemm_configs``: the tiles XLA's config assigner chose for their Triton GEMM fusions,
+  shared through XLA's per-fusion cache;
 * ``ptx``: registers and shared memory of each kernel, from ``ptxas`` on XLA's PTX.
 
 Nothing is imported here: each module is imported by name.
