@@ -8,7 +8,7 @@ at 2 and 8 layers; FSDP over the 8 GPUs with one sequence per GPU, and (--parall
 tensor parallelism over the 8 GPUs with a batch of 8 x 2048. Each step is analysed as
 written, under XLA's defaults and under the recommended flags, and under @overlap (a fresh
 selection, its wall-clock time recorded). Needs Python 3.12 and MaxText
-(pip install 'jax_overlap[maxtext]').
+(pip install 'jax_overlap[maxtext]'). Each row runs in a process of its own.
 
 Writes benchmarks/results/transform_maxtext.{json,md} (the script is not named maxtext.py: run
 as a script, its folder comes first on sys.path and the name would shadow MaxText); a run
@@ -18,6 +18,7 @@ over some rows keeps the others.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import tempfile
 
@@ -48,6 +49,23 @@ BATCH = {"fsdp": "8 x 2048, one sequence per GPU", "tensor": "8 x 2048, on every
 
 def main(argv):
   del argv
+  combos = [(p, n) for p in FLAGS.parallelism for n in FLAGS.layers]
+  if len(combos) > 1:
+    # One process a row: XLA keeps the tiles a selection's compiles read for the process
+    # (jax_overlap/_src/compile/gemm_configs.py), and a later selection of the same layers
+    # would start from them: not the fresh start a row's selection time is.
+    for parallelism, layers in combos:
+      subprocess.run(
+        [
+          sys.executable,
+          os.path.abspath(__file__),
+          f"--target={FLAGS.target}",
+          f"--parallelism={parallelism}",
+          f"--layers={layers}",
+        ],
+        check=True,
+      )
+    return
   rows, sections = [], []
   for parallelism in FLAGS.parallelism:
     for layers in (int(n) for n in FLAGS.layers):
@@ -99,8 +117,9 @@ def main(argv):
       "converted to shard_map as @overlap converts it, as written (recommended flags), "
       "'@overlap' the variant its cost model chose. The selection time is the wall clock of a "
       "selection on the machine below with a fresh cache (no stored compile, no remembered "
-      "choice: the variants its search compiles, deviceless on the machine's CPU cores beside "
-      "whatever else ran there).",
+      "choice; the one-time probe of XLA's tile cache included: the variants its search "
+      "compiles, deviceless on the machine's CPU cores beside whatever else ran there), each "
+      "row in a process of its own.",
       "",
       *sections,
     ],
