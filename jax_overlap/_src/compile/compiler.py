@@ -260,18 +260,12 @@ def _memo_key(lowered, options: Mapping[str, Any], topo) -> str | None:
   # compile, and a profile rewritten in place is another.
   # The same holds for the tile configurations a selection's compiles share
   # (:mod:`.gemm_configs`): each is the one XLA would choose.
-  opts = sorted(
-    (
-      k,
-      "<kernel cache>"
-      if k == kernel_cache.OPTION
-      else "<gemm configs>"
-      if gemm_configs.ours({k: v})
-      else _option_key(k, v),
-    )
-    for k, v in options.items()
-    if k != "xla_dump_to"
-  )
+  def keyed(k, v):
+    if k == kernel_cache.OPTION:
+      return "<kernel cache>"
+    return "<gemm configs>" if gemm_configs.ours({k: v}) else _option_key(k, v)
+
+  opts = sorted((k, keyed(k, v)) for k, v in options.items() if k != "xla_dump_to")
   h = hashlib.sha256(text.encode())
   h.update(repr((opts, topo.name, jax.__version__)).encode())
   return h.hexdigest()
@@ -455,8 +449,7 @@ def compile_for_target(
     if kernel_cache.OPTION in options and topo is not None and not metadata:
       kernel_cache.mark_unsupported()
     dbg = dumps.debug_options(dumps.read(os.path.join(dump_dir, "*.debug_options")))
-    if gemm_configs.ours(options):
-      gemm_configs.record(dump_dir, options)
+    gemm_configs.record(dump_dir, options)  # where the options name a selection's tiles
     platform = "cuda" if topo is not None else jax.devices()[0].platform
     step = CompiledStep(
       compiled=compiled,

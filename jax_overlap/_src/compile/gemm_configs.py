@@ -49,7 +49,7 @@ from typing import Any
 
 from jax_overlap._src import cache
 
-__all__ = ["DIR_OPTION", "options", "record", "version"]
+__all__ = ["DIR_OPTION", "OPTION_NAMES", "options", "record", "version"]
 
 DIR_OPTION = "xla_gpu_per_fusion_autotune_cache_dir"
 _DIR_PREFIX = "jax_overlap_gemm_"
@@ -80,8 +80,12 @@ def shapes_tiles(compile_options: Mapping[str, Any]) -> bool:
   """Whether ``compile_options`` set an option that can change the tiles XLA's assigner
   chooses (the selection's own autotuning level aside)."""
   return any(
-    _TILING.search(k) and k not in ("xla_gpu_autotune_level", *options("")) for k in compile_options
+    _TILING.search(k) and k not in ("xla_gpu_autotune_level", *OPTION_NAMES)
+    for k in compile_options
   )
+
+
+OPTION_NAMES = tuple(options(""))  # the options :func:`options` sets
 
 
 def new_directory(parent: str) -> str:

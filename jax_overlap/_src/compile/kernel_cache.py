@@ -309,8 +309,8 @@ class Shared:
     XLA's autotuning cache themselves or an option that changes the tiles it chooses
     (:func:`.gemm_configs.shapes_tiles`), or the installed jaxlib's cache cannot be written
     (:func:`.gemm_configs.version`)."""
-    wanted = gemm_configs.options("")
-    if not self._gemms or any(k in options for k in wanted) or gemm_configs.shapes_tiles(options):
+    own = any(k in options for k in gemm_configs.OPTION_NAMES)
+    if not self._gemms or own or gemm_configs.shapes_tiles(options):
       return dict(options)
     if gemm_configs.version() is None:
       self._gemms = False
