@@ -16,6 +16,10 @@
 #    launch_gaps.cu measures the gap from one kernel's end to the next one's start, on one
 #    stream and on a second stream behind an event, launched and from a CUDA graph (the
 #    simulator's launch_overhead_s and event_latency_s);
+#    gemm_dispatch.cu measures when an NCCL-channel-sized copy starts behind cuBLASLt's
+#    GEMM at several SM-count targets (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET), with and
+#    without priority, in either order, and how many SMs the GEMM's grid leaves free,
+#    once as launched and once under CUDA_DEVICE_MAX_CONNECTIONS=1;
 # 4. fits the simulator's constants to the sweep (sim.calibrate reads the output as is);
 # 5. checks that a jitted JAX program gives identical outputs with and without shaping
 #    (jax_check.py, under `jax-overlap launch`), with shaped launches > 0 on a GPU;
@@ -31,7 +35,7 @@ DRY_RUN=0
 for arg in "$@"; do
   case "$arg" in
     --dry-run) DRY_RUN=1 ;;
-    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
     *) echo "run_all.sh: unknown argument $arg (expected --dry-run)" >&2; exit 2 ;;
   esac
 done
@@ -78,6 +82,11 @@ GAPS="$BUILD/launch_gaps"
 nvcc -O3 -std=c++17 -arch=sm_90 -o "$GAPS" "$HERE/launch_gaps.cu" > "$BUILD/launch_gaps_build.log" 2>&1 \
   || { cat "$BUILD/launch_gaps_build.log" >&2; exit 1; }
 GAPS_JSON="$BUILD/launch_gaps.json"
+DISPATCH="$BUILD/gemm_dispatch"
+nvcc -O3 -std=c++17 -arch=sm_90 -o "$DISPATCH" "$HERE/gemm_dispatch.cu" -ldl \
+  > "$BUILD/gemm_dispatch_build.log" 2>&1 || { cat "$BUILD/gemm_dispatch_build.log" >&2; exit 1; }
+DISPATCH_JSON="$BUILD/gemm_dispatch.json"
+DISPATCH_ONE_JSON="$BUILD/gemm_dispatch_max_connections_1.json"
 
 # cuBLAS from the pip wheels jax's CUDA plugin installs, if not on the system path.
 CUBLAS_DIR="$("$PY" - <<'EOF' 2>/dev/null || true
@@ -95,6 +104,8 @@ if [[ $DRY_RUN -eq 1 ]]; then
   "$BENCH" --list --out "$BENCH_JSON" >/dev/null
   "$GAPS" --list --out "$GAPS_JSON" >/dev/null
   note "$("${RECORDS[@]}" gaps "$GAPS_JSON" "$GPU_KEY")"
+  "$DISPATCH" --list --out "$DISPATCH_JSON" >/dev/null
+  note "$("${RECORDS[@]}" dispatch "$DISPATCH_JSON")"
   note "SKIP overlap_bench run: dry run (timings need an H100/H200); configurations listed"
   "${RECORDS[@]}" resources "$BENCH_JSON" "$BUILD/ptxas.log" "$GPU_KEY" >&2
   "${RECORDS[@]}" dry-run "$BENCH_JSON" "$GPU_KEY" >&2
@@ -110,6 +121,16 @@ else
   note "overlap_bench done: $BENCH_JSON"
   timeout 60 "$GAPS" --out "$GAPS_JSON" >/dev/null || { echo "run_all.sh: launch_gaps failed" >&2; exit 1; }
   note "$("${RECORDS[@]}" gaps "$GAPS_JSON" "$GPU_KEY")"
+  # A failed GEMM probe is reported and leaves the rest of the run standing.
+  run_dispatch() {  # OUT_JSON [VAR=VALUE ...]
+    local out="$1"; shift
+    env "$@" LD_LIBRARY_PATH="${CUBLAS_DIR:+$CUBLAS_DIR:}${LD_LIBRARY_PATH:-}" \
+      timeout 90 "$DISPATCH" --out "$out" >/dev/null 2> "$out.log" \
+      && note "$("${RECORDS[@]}" dispatch "$out")" \
+      || { note "gemm_dispatch $* failed: $(tail -n 3 "$out.log" | tr '\n' ' ')"; echo '{}' > "$out"; }
+  }
+  run_dispatch "$DISPATCH_JSON"
+  run_dispatch "$DISPATCH_ONE_JSON" CUDA_DEVICE_MAX_CONNECTIONS=1
   "${RECORDS[@]}" resources "$BENCH_JSON" "$BUILD/ptxas.log" "$GPU_KEY" >&2
   "${RECORDS[@]}" names "$BENCH_JSON" "$BUILD/runtime.log" >&2
   # A configuration meant to shape that shaped nothing fails the run, after the JAX check
@@ -158,9 +179,9 @@ mkdir -p "$RESULTS"
 SLUG="$(echo "$GPU_NAME" | tr 'A-Z' 'a-z' | tr -cs 'a-z0-9' '_' | sed 's/_$//')"
 DATE="$(date -u +%Y-%m-%d)"
 RESULT="$RESULTS/runtime_${SLUG}_${DATE}.json"
-"$PY" - "$BENCH_JSON" "$BUILD/jax_plain.json" "$BUILD/jax_shaped.json" "$RESULT" "$GPU_NAME" "$CHECK_FAILED" "$GAPS_JSON" <<'EOF'
+"$PY" - "$BENCH_JSON" "$BUILD/jax_plain.json" "$BUILD/jax_shaped.json" "$RESULT" "$GPU_NAME" "$CHECK_FAILED" "$GAPS_JSON" "$DISPATCH_JSON" "$DISPATCH_ONE_JSON" <<'EOF'
 import datetime, json, subprocess, sys
-bench, plain, shaped, out, gpu, check_failed, gaps = sys.argv[1:]
+bench, plain, shaped, out, gpu, check_failed, gaps, dispatch, dispatch_one = sys.argv[1:]
 import jax
 shaped_run = json.loads(open(shaped).read().splitlines()[-1])
 shaped_none = shaped_run["launches_shaped"] + shaped_run["graph_nodes_shaped"] == 0
@@ -175,6 +196,7 @@ result.update({
                 "shaped": shaped_run},
   "shaping_check_failed": check_failed == "1",
   "launch_gaps": json.load(open(gaps)),
+  "gemm_dispatch": [json.load(open(dispatch)), json.load(open(dispatch_one))],
 })
 json.dump(result, open(out, "w"), indent=1)
 print(out)
