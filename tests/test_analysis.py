@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_overlap
-from jax_overlap import targets
+from jax_overlap import sim, targets
 from jax_overlap._src.analysis import cost_model as cm
 from jax_overlap._src.analysis import hlo
 from jax_overlap._src.compile.compiler import compile_for_target
@@ -93,6 +93,49 @@ def test_all_gather_independent_of_a_matmul(m):
   # Hand-computed: the gather hides under the matmul, whatever is left is exposed.
   assert r.exposed_comm_s == pytest.approx(max(0.0, t_comm - t_mm), abs=0.02 * t_comm)
   assert r.step_time_s == pytest.approx(max(t_comm, t_mm), rel=0.05)
+
+
+def test_a_collective_ready_as_a_persistent_library_gemm_starts_waits_for_it():
+  # With XLA's Triton GEMMs off the dot is cuBLAS's, persistent on Hopper (measured on an
+  # H200): the gather XLA starts just before it (both wait for the sine's kernel) can only
+  # start when it ends, so none of it hides. On an A100 cuBLAS runs the same GEMM in waves
+  # and the gather hides under it.
+  n, m = 4096, 16384
+  cublas = {**LHS, "xla_gpu_enable_triton_gemm": False}
+
+  def f(w, a, b):
+    wg = jax.lax.all_gather(jnp.sin(w), "fsdp", axis=0, tiled=True)
+    return a @ b, wg
+
+  reports = {}
+  for target in ("h100x8", "a100x8"):
+    mesh = targets.compile_only_mesh(target)
+    fn = _smap(f, mesh, (P("fsdp"), P(), P()), (P(), P()))
+    args = (_sds((n, n), mesh, P("fsdp")), _sds((m, n), mesh, P()), _sds((n, n), mesh, P()))
+    reports[target] = jax_overlap.analyze(fn, *args, target=target, xla_options=cublas)
+  h100, a100 = reports["h100x8"], reports["a100x8"]
+  (mm,) = [k for k in h100.kernels if k.kind == "gemm"]
+  assert mm.library and mm.persistent and not mm.launch_name
+  (ag,) = h100.collectives
+  assert ag.held_by == mm.name
+  assert ag.start_s == pytest.approx(mm.end_s)
+  assert h100.exposed_comm_s == pytest.approx(ag.time_s, rel=0.02)
+  assert any("persistent library GEMM" in note for note in h100.notes)
+  (mm_a,) = [k for k in a100.kernels if k.kind == "gemm"]
+  (ag_a,) = a100.collectives
+  assert mm_a.library and not mm_a.persistent and ag_a.held_by == ""
+  assert a100.exposed_comm_s < 0.5 * ag_a.time_s
+  # The simulator applies the same rule: its contention-free step is the analysis's, and
+  # under XLA's priority the gather still starts only as the GEMM's last tiles run (the
+  # SMs its last, partial wave leaves free).
+  res = sim.realize(h100, "priority")
+  assert res.ideal_s == pytest.approx(h100.step_time_s, rel=0.05)
+  timing = res.results["priority"]
+  (gemm,) = [k for k in res.workload.kernels if k.gemm_mnk]
+  assert timing.timing(ag.name).start_s >= 0.9 * timing.timing(gemm.name).end_s
+  # The same step on an A100: the gather starts at once beside the GEMM.
+  res_a = sim.realize(a100, "priority").results["priority"]
+  assert res_a.timing(ag_a.name).start_s < 0.1 * res_a.makespan_s
 
 
 def test_reduce_scatter_after_the_last_matmul_is_exposed():
@@ -612,3 +655,26 @@ def test_thunk_listings_of_both_formats_read_the_same_launches():
   for text in (old, new):
     launched = schedule.launches_by_instruction(text, meta)
     assert launched == {"gemm_fusion_dot.528": [("gemm_fusion_dot_528", (131072, 64, 768))]}
+  # Cluster launches: none in either listing; a cluster's three dimensions where given.
+  assert schedule.parse_clusters(old) == schedule.parse_clusters(new) == {}
+  clustered = new.replace("cluster_dim=nullopt", "cluster_dim={2, 1, 1}")
+  assert schedule.parse_clusters(clustered) == {"gemm_fusion_dot_528": 2}
+  assert schedule.parse_thunks(clustered) == expected
+
+
+def test_persistent_kernels_hold_what_becomes_ready_while_they_run():
+  from jax_overlap._src.analysis import timeline
+
+  gemm = [("gemm", 1.0, 3.0)]
+  # Ready just as it starts (both waited for the kernel before), or while it runs: held.
+  held = timeline.held_behind_persistent(gemm, [("a", 1.0, 1.5), ("b", 2.0, 2.2)], {})
+  assert held == {"a": (3.0, "gemm"), "b": (3.0, "gemm")}
+  # At the step's start the collective, launched first, goes first; one that started
+  # before the kernel keeps running; after it, nothing holds it.
+  assert timeline.held_behind_persistent([("g", 0.0, 2.0)], [("c", 0.0, 1.0)], {}) == {}
+  assert timeline.held_behind_persistent(gemm, [("c", 0.5, 1.5), ("d", 3.0, 4.0)], {}) == {}
+  # A collective running when the kernel started kept SMs from it: one ready during the
+  # kernel (queued behind it on its stream) takes them as it ends.
+  assert timeline.held_behind_persistent(gemm, [("c", 0.5, 1.5), ("e", 1.5, 2.5)], {}) == {}
+  # Already held: not reported again.
+  assert timeline.held_behind_persistent(gemm, [("a", 1.0, 1.5)], {"a": (3.0, "gemm")}) == {}

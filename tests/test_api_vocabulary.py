@@ -342,7 +342,7 @@ def test_records_that_were_dicts_read_as_dicts_for_one_release(record, was, key)
 # kernels, files) or text the function reads (HLO dumps, a policy's JSON).
 OPEN_STRINGS = {
   *("target", "name", "dtype", "axis", "gpu", "policy", "thunk_text", "thunk_metadata"),
-  *("hlo_text", "op_name", "launch_name", "why", "chosen"),  # records' text and names
+  *("hlo_text", "op_name", "launch_name", "why", "chosen", "held_by"),  # records' text and names
 }
 
 

@@ -293,10 +293,14 @@ def test_anchor_sequential_slower_than_overlapped():
 # --- policies ----------------------------------------------------------------------------
 
 
+def _many_waves(kernel: sim.Kernel) -> sim.Kernel:
+  """A GEMM launched one block per tile (XLA's Triton GEMMs; library GEMMs before Hopper)."""
+  return dataclasses.replace(kernel, persistent=False, cluster=1)
+
+
 def test_priority_lets_collective_in_before_pending_blocks():
   # A long multi-wave GEMM is running when the collective becomes ready.
-  gemm = sim.Kernel.gemm("gemm", 16384, 16384, 8192)
-  first = sim.Collective("c0", "all-gather", 1 << 20, stream=1)
+  gemm = _many_waves(sim.Kernel.gemm("gemm", 16384, 16384, 8192))
   late = sim.Collective("c1", "all-gather", 1 << 28, stream=1)
   first = sim.Collective("c0", "all-gather", 64 << 20, stream=1)
   wl = sim.Workload((sim.Kernel("warm", grid=132, threads=256, flops=1e6), first, gemm, late))
@@ -306,12 +310,38 @@ def test_priority_lets_collective_in_before_pending_blocks():
   assert prio.timing("c1").end_s < fifo.timing("c1").end_s
 
 
+def test_nothing_gets_past_a_persistent_library_gemm_on_hopper():
+  # cuBLAS's GEMMs on Hopper are persistent (measured on an H200): a copy launched after
+  # one waits for the whole GEMM at any priority; launched before it, it runs beside it.
+  assert sim.gemm_config("h100", 8192, 8192, 8192).persistent
+  assert not sim.gemm_config("a100", 8192, 8192, 8192).persistent
+  copy = sim.Collective("copy", "copy", 256 << 20, group_size=1, channels=16)
+  gemm = sim.Kernel.gemm("gemm", 8192, 8192, 8192)
+  behind = sim.Workload((gemm, copy))
+  for policy in ("concurrent", "priority"):
+    r = sim.simulate(behind, target="h100", policy=policy, check=True)
+    assert r.timing("copy").start_s > 0.9 * r.timing("gemm").end_s, policy
+  # The same GEMM launched one block per tile lets a prioritised copy in after a wave.
+  waves = sim.simulate(sim.Workload((_many_waves(gemm), copy)), target="h100", policy="priority")
+  assert waves.timing("copy").start_s < 0.2 * waves.timing("gemm").end_s
+  # Launched first, the copy runs at once and the GEMM takes its SMs as it ends: the GEMM
+  # loses less than the copy's time on those SMs would cost a static split of its tiles.
+  ahead = sim.simulate(sim.Workload((copy, gemm)), target="h100", policy="priority", check=True)
+  assert ahead.timing("copy").start_s < 1e-5
+  alone = ahead.isolated_s["gemm"]
+  copy_s = ahead.timing("copy").end_s - ahead.timing("copy").start_s
+  grown = ahead.timing("gemm").end_s - ahead.timing("gemm").start_s - alone
+  assert 0 < grown < 0.5 * copy_s
+  # Every tile ran: the kernel's blocks all completed once.
+  assert ahead.timing("gemm").blocks == sim.gemm_config("h100", 8192, 8192, 8192).grid
+
+
 def test_a_synchronous_collective_leaves_the_compute_stream_at_default_priority():
   # XLA runs a collective it could not overlap on the compute stream. That stream keeps its
   # default priority: an async collective on a side stream must still go before the
   # compute stream's pending GEMM blocks.
   sync = sim.Collective("sync", "all-reduce", 1 << 20, stream=0)
-  gemm = sim.Kernel.gemm("gemm", 16384, 16384, 8192)
+  gemm = _many_waves(sim.Kernel.gemm("gemm", 16384, 16384, 8192))
   late = sim.Collective("late", "all-gather", 1 << 28, stream=1, after=("sync",))
   wl = sim.Workload((sim.Kernel("warm", grid=132, threads=256, flops=1e6), sync, gemm, late))
   fifo = sim.simulate(wl, target="h100", policy="concurrent")
@@ -636,11 +666,14 @@ def test_permute_runs_on_few_wide_ctas_and_slows_a_gemm_less_than_an_all_gather(
     ]
     == cm.channels
   )
+  # Beside a kernel of many small blocks (so that the SM time the CTAs take shows, not a
+  # GEMM's wave quantization) the permute's 4 CTAs cost less than the all-gather's 16.
   slow = {}
   for kind in ("collective-permute", "all-gather"):
-    wl = sim.synthetic([(8192, 8192, 8192)], [(kind, 256 << 20)])
+    k = sim.Kernel("f", grid=132 * 8 * 40, threads=256, flops=132 * 8 * 40 * 2e7)
+    wl = sim.synthetic([k], [(kind, 256 << 20)])
     slow[kind] = sim.simulate(wl, target="h100", policy="concurrent").compute_slowdown
-  assert 0 <= slow["collective-permute"] < slow["all-gather"]
+  assert 0 < slow["collective-permute"] < 0.95 * slow["all-gather"]
 
 
 def test_kernel_dtype_spellings_simulate_alike():

@@ -157,14 +157,16 @@ def test_every_constant_has_a_source_and_the_docs_table_is_current():
 
 def test_sensitivity_names_the_assumptions_results_rest_on():
   # Two mixes on one GPU keep it short. Setting the cross-stream event latency equal to a
-  # launch takes the priority gain of the tensor-parallel chain away.
+  # launch takes the priority gain of the tensor-parallel chain away on an A100, whose
+  # library GEMMs run many waves (on Hopper they are persistent: priority gains nothing
+  # there, whatever the event latency).
   mixes = {k: v for k, v in paper.paper_mixes().items() if k in ("tp-gemm", "fsdp")}
-  s = paper.sensitivity(("h100",), mixes=mixes)
+  s = paper.sensitivity(("a100",), mixes=mixes)
   changed = {(c.constant, c.value, c.mix) for c in s.changes()}
   assert ("event_latency_s", 1e-6, "tp-gemm") in changed
   v = s.verdict()
-  assert "h100 tp-gemm (" in v and "event_latency_s" in v
-  assert "The best row (h100 tp-gemm) depends on: " in v
+  assert "a100 tp-gemm (" in v and "event_latency_s" in v
+  assert "The best row (a100 tp-gemm) depends on: " in v
 
 
 def test_sensitivity_flag_needs_paper(capsys):

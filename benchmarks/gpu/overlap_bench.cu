@@ -345,13 +345,14 @@ std::string ComputeJson(const Compute& c) {
              "\"library\": \"%s\"}",
              c.m, c.n, c.k, c.cublas.library.c_str());
   } else {
+    // Both kernels are scalar FP32 arithmetic (CUDA cores, not tensor cores): the
+    // simulator's "fusion" kind at the f32 rate.
     snprintf(buf, sizeof(buf),
-             "{\"kind\": \"%s\", \"name\": \"%s\", \"grid\": %lld, \"threads\": %d, "
+             "{\"kind\": \"fusion\", \"name\": \"%s\", \"dtype\": \"f32\", "
+             "\"grid\": %lld, \"threads\": %d, "
              "\"regs\": %s, \"smem\": %d, \"flops\": %.6g, \"bytes\": %.6g, "
              "\"natural_blocks_per_sm\": %s}",
-             c.kind == "loop_fusion" ? "fusion" : "custom", c.kind == "loop_fusion"
-                                                               ? "loop_fusion"
-                                                               : "attention_like",
+             c.kind == "loop_fusion" ? "loop_fusion" : "attention_like",
              c.grid, c.threads, c.regs > 0 ? std::to_string(c.regs).c_str() : "null",
              c.static_smem + c.dyn_smem, c.flops, c.bytes,
              c.natural > 0 ? std::to_string(c.natural).c_str() : "null");

@@ -141,6 +141,16 @@ class Gpu:
         f"smem_per_sm ({self.smem_per_sm})"
       )
 
+  @property
+  def persistent_library_gemms(self) -> bool:
+    """Whether the vendor library runs large GEMMs as persistent kernels here: one block
+    per SM holding the register file for the whole GEMM, taking tiles as it goes (cuBLAS
+    on Hopper, sm_90 and later). Measured on an H200 (benchmarks/results/
+    runtime_nvidia_h200_2026-12-04.md, item 4): a copy launched behind cuBLAS's 8192^3
+    bf16 GEMM waited for all of it at the highest stream priority. The analysis's
+    timeline and the simulator both apply it."""
+    return self.vendor == "nvidia" and self.compute_capability >= (9, 0)
+
   def peak_flops(self, dtype: str = "bf16") -> float:
     """Peak FLOP/s for a dtype name ("bf16", "f16", "f32", "f64", "f8"...)."""
     d = str(dtype).lower()

@@ -34,6 +34,7 @@ __all__ = [
   "Schedule",
   "build_schedule",
   "launches_by_instruction",
+  "parse_clusters",
   "parse_thunk_metadata",
   "parse_thunks",
 ]
@@ -103,6 +104,12 @@ class KernelInfo:
       ``loop_multiply_fusion.2`` may launch as ``loop_multiply_fusion_7``. "" when
       the thunk listing has no kernel for it (a library call such as a cuBLAS GEMM,
       whose kernels have the library's names, or a compile without a thunk listing).
+    library: a library call (a cuBLAS/cuBLASLt GEMM), whose kernels the library picks
+      at run time, rather than a kernel XLA emitted.
+    persistent: the kernel holds every SM it gets until it ends (a library GEMM on a GPU
+      whose library runs them persistent, ``Gpu.persistent_library_gemms``): a collective
+      that becomes ready while it runs, or just as it starts, waits for its end.
+    cluster: blocks per thread-block cluster XLA launches it with (1: no cluster).
     start_s, end_s: placement on the estimated timeline.
   """
 
@@ -123,6 +130,9 @@ class KernelInfo:
   start_s: float = 0.0
   end_s: float = 0.0
   launch_name: str = ""
+  library: bool = False
+  persistent: bool = False
+  cluster: int = 1
 
 
 @dataclasses.dataclass
@@ -143,6 +153,8 @@ class CollectiveInfo:
     exposed_s: compute-stream time spent waiting for it.
     overlapped_kernels: kernels that ran while it was in flight.
     annotations: frontend attributes.
+    held_by: the persistent kernel it waited behind ("" if none): it became ready while
+      that kernel held every SM, and started when it ended.
   """
 
   name: str
@@ -160,6 +172,7 @@ class CollectiveInfo:
   end_s: float = 0.0
   exposed_s: float = 0.0
   overlapped_kernels: int = 0
+  held_by: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,6 +226,9 @@ _THUNK_KERNEL = re.compile(
   r"|kernel=([^,\s]+),.*?blocks:\s*\{(\d+),\s*(\d+),\s*(\d+)\},\s*threads/block:\s*"
   r"\{(\d+),\s*(\d+),\s*(\d+)\}.*?shmem_bytes=(\d+)"
 )
+# A kernel thunk's cluster dimensions (0.12.1 on: "cluster_dim=nullopt" without a cluster;
+# with one, the three numbers that follow, braced or named, are read).
+_THUNK_CLUSTER = re.compile(r"cluster_dim=[^,\d{]*\{?\s*(\d+),\s*(\d+),\s*(\d+)")
 _THUNK_ASYNC = re.compile(r"kAsyncStart.*stream=communication_stream\[(\d+)\]")
 _THUNK_ID = re.compile(r"^\s*(\d+):")
 _METADATA = re.compile(r'profile_annotation:\s*"([^"]*)"\s*(?:thunk_id:\s*(\d+))?')
@@ -244,6 +260,19 @@ def parse_thunks(text: str) -> tuple[dict[str, tuple[int, int, int]], list[int]]
       if re.search(r"k(AllGather|AllReduce|ReduceScatter|AllToAll|CollectivePermute|Ragged)", nxt):
         streams.append(int(a.group(1)))
   return kernels, streams
+
+
+def parse_clusters(text: str) -> dict[str, int]:
+  """Blocks per thread-block cluster of each kernel the thunk listing launches as a
+  cluster, by kernel name (XLA 0.12.1 on lists ``cluster_dim``; earlier listings none)."""
+  out: dict[str, int] = {}
+  for line in text.splitlines():
+    m, c = _THUNK_KERNEL.search(line), _THUNK_CLUSTER.search(line)
+    if m and c:
+      size = int(c.group(1)) * int(c.group(2)) * int(c.group(3))
+      if size > 1:
+        out.setdefault(_launch(m)[0], size)
+  return out
 
 
 def parse_thunk_metadata(text: str) -> dict[int, str]:
@@ -376,6 +405,8 @@ def build_schedule(
   model = model or cm.CostModel()
   launch, async_streams = parse_thunks(thunk_text)
   by_instr = launches_by_instruction(thunk_text, thunk_metadata)
+  clusters = parse_clusters(thunk_text)
+  persistent_gemms = bool(getattr(gpu, "persistent_library_gemms", False))
   if not kernel_names:
     launch = {}
   notes: list[str] = []
@@ -444,6 +475,7 @@ def build_schedule(
     kind = _kernel_kind(module, instr)
     dtype = _dtype(module, instr)
     launch_name, (grid, threads, smem) = _launch_of(instr)
+    library = hlo_lib.is_cublas_gemm(instr)
     k = KernelInfo(
       name=instr.name + suffix,
       kind=kind,
@@ -462,6 +494,9 @@ def build_schedule(
       op_name=instr.metadata.get("op_name", ""),
       annotations=dict(instr.frontend_attributes),
       launch_name=launch_name,
+      library=library,
+      persistent=library and persistent_gemms,
+      cluster=clusters.get(launch_name, 1),
     )
     kernels.append(k)
     ops.append(Op("kernel", kernel=k))

@@ -15,19 +15,31 @@ From the placement:
 * ``step_time_s``: when the last stream finishes;
 * ``overlap_fraction``: ``1 - exposed_comm_s / comm_time_s``.
 
-This placement assumes that whatever XLA's schedule puts side by side really
+Dispatch rule: a persistent kernel (a library GEMM on Hopper, ``KernelInfo.persistent``)
+holds every SM until it ends when it starts with the device to itself, so an async
+collective that becomes ready while it runs, or just as it starts (both waited for the
+kernel before it, and the compute stream's next kernel reaches the dispatcher before a
+collective released by an event; at the step's start the collective, launched first, goes
+first), starts only when it ends (``CollectiveInfo.held_by`` names it). Measured on an H200: a copy
+launched behind cuBLAS's persistent GEMM waited for all of it at the highest priority. A
+collective already running when such a GEMM starts keeps its SMs, and one queued behind
+it on its stream takes them as it ends. The simulator applies the same rule
+(``sim.Kernel.persistent``).
+
+Otherwise this placement assumes that whatever XLA's schedule puts side by side really
 runs concurrently at full speed; ``jax_overlap.sim.realize`` gives the
 contention-aware time of the same sequence.
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 
 from jax_overlap._src.analysis.schedule import CollectiveInfo, Schedule
 
-__all__ = ["Event", "Placement", "place"]
+__all__ = ["Event", "Placement", "held_behind_persistent", "place"]
 
 
 @dataclasses.dataclass
@@ -58,7 +70,69 @@ def _event(track: str, item, args: dict) -> Event:
 
 
 def place(schedule: Schedule) -> Placement:
-  """Places every kernel and collective of ``schedule`` on its stream."""
+  """Places every kernel and collective of ``schedule`` on its stream, applying the
+  dispatch rule of persistent kernels (module docstring)."""
+  held: dict[str, tuple[float, str]] = {}
+  persistent = [k for k in schedule.kernels if k.persistent]
+  async_ = [c for c in schedule.collectives if not c.synchronous]
+  # Each pass only moves collectives later; one more per held collective at most.
+  for _ in range(len(async_) + 1):
+    placed = _place(schedule, held)
+    more = held_behind_persistent(
+      [(k.name, k.start_s, k.end_s) for k in persistent],
+      [(c.name, c.start_s, c.end_s) for c in async_],
+      held,
+    )
+    if not more:
+      break
+    held.update(more)
+  if held:
+    placed.notes.append(
+      f"{len(held)} collective(s) became ready while a persistent library GEMM held every "
+      "SM and start when it ends (Hopper's cuBLAS kernels; see CollectiveInfo.held_by)"
+    )
+  for c in schedule.collectives:
+    c.held_by = held[c.name][1] if c.name in held else ""
+  return placed
+
+
+def held_behind_persistent(
+  kernels: list[tuple[str, float, float]],
+  collectives: list[tuple[str, float, float]],
+  held: dict[str, tuple[float, str]],
+) -> dict[str, tuple[float, str]]:
+  """The dispatch rule of persistent kernels (module docstring) on one placement.
+
+  ``kernels``: (name, start, end) of the persistent kernels of the compute stream, in
+  order; ``collectives``: (name, start, end) of the async collectives; ``held``: the
+  collectives already held. Returns the others that start inside a persistent kernel that
+  began with no collective running (or start just as it began): name -> (its end, its
+  name). The simulator's contention-free critical path applies the same function.
+  """
+  starts = [k[1] for k in kernels]
+  out = {}
+  for name, start, _ in collectives:
+    j = bisect.bisect_right(starts, start) - 1
+    if j < 0 or name in held:
+      continue
+    k_name, k_start, k_end = kernels[j]
+    # Ready just as the kernel starts: both waited for the kernel before, and the compute
+    # stream's next kernel reaches the dispatcher first. At the step's start nothing came
+    # before: the collective, launched first, goes first.
+    if not (k_start < start < k_end or (start == k_start and start > 0.0)):
+      continue
+    # A collective resident when the kernel started kept SMs from it.
+    if any(s < k_start < e for n, s, e in collectives if n != name):
+      continue
+    out[name] = (k_end, k_name)
+  return out
+
+
+def _place(schedule: Schedule, held: dict[str, tuple[float, str]]) -> Placement:
+  """One placement; each collective in ``held`` starts no earlier than its time there."""
+  for c in schedule.collectives:
+    c.exposed_s = 0.0
+    c.overlapped_kernels = 0
   t = 0.0
   events: list[Event] = []
   stream_free: dict[int, float] = collections.defaultdict(float)
@@ -88,7 +162,7 @@ def place(schedule: Schedule) -> Placement:
       events.append(_event("compute", c, {"bytes": c.bytes, "sync": True}))
     elif op.kind == "start":
       c = op.collective
-      c.start_s = max(t, stream_free[c.stream])
+      c.start_s = max(t, stream_free[c.stream], held.get(c.name, (0.0, ""))[0])
       c.end_s = c.start_s + c.time_s
       stream_free[c.stream] = c.end_s
       in_flight[c.name] = c

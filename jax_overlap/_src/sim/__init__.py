@@ -10,7 +10,8 @@ block, under stream priority and occupancy shaping (the public API is ``jax_over
   ``compare``; ``tune``: the search over priority and per-kernel caps; ``plans``: a choice
   as a runtime plan;
 * ``workloads``: synthetic workloads; ``realize``: a Report's kernels and collectives as a
-  workload, simulated;
+  workload, simulated; ``critical_path``: the same sequence without contention, by the
+  analysis's rules;
 * ``measurements`` and ``calibrate``: measurement records and the fit of the constants
   to them; ``paper``: the paper table and its sensitivity to the assumed constants;
 * ``plot`` and ``cli``: SM-occupancy pictures and ``jax-overlap simulate``.

@@ -131,7 +131,8 @@ def calibrate(
   bad = [p for p in params if p not in fields or isinstance(getattr(const0, p), bool)]
   if bad or not params:
     raise ValueError(f"sim.calibrate: params must name Constants fields, got {list(params)}")
-  upper = {"gemm_efficiency": 1.0}
+  # Fractions stay fractions (Constants refuses them above 1).
+  upper = {"gemm_efficiency": 1.0, "comm_sm_share": 1.0, "block_jitter": 1.0}
   x0 = np.log([max(float(getattr(const0, p)), 1e-12) for p in params])
 
   def consts(x) -> Constants:

@@ -117,6 +117,10 @@ class _Compiled:
     self.stream = [it.stream for it in wl.items]
     self.prio = [int(priorities.get(it.stream, 0)) for it in wl.items]
     self.kind = [it.kind for it in wl.items]
+    # Persistent kernels keep the SMs they hold until their blocks run out; cluster
+    # launches are left unshaped (the runtime library does not shape them).
+    self.persistent = [False] * n
+    self.cluster = [1] * n
     bw_total = gpu.memory_bandwidth
     bw_sm = const.sm_bandwidth_factor * bw_total / gpu.sm_count
     shaping = dict(shaping or {})
@@ -147,6 +151,7 @@ class _Compiled:
           m, nn, k = it.gemm_mnk
           cfg = gemm_config(gpu, m, nn, k, it.dtype)
           grid, threads, regs, smem = cfg.grid, cfg.threads, cfg.regs, cfg.smem
+          self.persistent[i], self.cluster[i] = cfg.persistent, cfg.cluster
           tm, tn, _ = cfg.tile
           flops_b = 2.0 * tm * tn * k
           eff = it.efficiency if it.efficiency is not None else const.gemm_efficiency
@@ -157,6 +162,10 @@ class _Compiled:
             eff = it.efficiency
           else:
             eff = const.gemm_efficiency if it.kind == "gemm" else 1.0
+        if it.persistent is not None:
+          self.persistent[i] = it.persistent
+        if it.cluster is not None:
+          self.cluster[i] = it.cluster
         bytes_b = it.bytes / grid
         # GEMMs and fused custom kernels (attention) run on the tensor cores.
         tensor = it.kind in ("gemm", "custom")
@@ -166,7 +175,8 @@ class _Compiled:
         self.mem[i] = bytes_b
       natural = min(residency_limits(gpu, threads, regs, smem).values())
       if not self.comm[i]:
-        smem = _shape_smem(gpu, it.name, threads, regs, smem, shaping.get(it.name))
+        shaped = _shape_smem(gpu, it.name, threads, regs, smem, shaping.get(it.name))
+        smem = shaped if self.cluster[i] == 1 else smem
       self._check_fits(it, threads, regs, smem)
       lim = residency_limits(gpu, threads, regs, smem)
       res = min(lim.values())

@@ -20,7 +20,10 @@ NCCL-channel-sized copy launched after a many-wave kernel at equal priority star
 when that kernel's last blocks are placed, also where a cap leaves room for it beside
 every block; launched first, or at higher priority, it starts at once.
 
-A kernel becomes dispatchable ``launch_overhead_s`` after its stream predecessor
+The items that wait for nothing become dispatchable one ``launch_overhead_s`` apart in
+launch order (the host issues them one by one), so a kernel launched first has placed its
+blocks before a collective launched after it on another stream arrives, whatever their
+priorities. A kernel becomes dispatchable ``launch_overhead_s`` after its stream predecessor
 completed, and ``event_latency_s`` after each item of another stream it waits for
 (``after``, a CUDA event) completed. Cross-stream events resolve more
 slowly than back-to-back launches on one stream, so the next compute kernel usually reaches
@@ -51,6 +54,13 @@ Rates (processor sharing, recomputed whenever the set of resident blocks changes
 Durations: an item with ``time_s`` (every item of a workload built from an analysis report)
 has its block work scaled so that, alone on the device, it takes exactly ``time_s``
 (:func:`work_scale`); the rules above then only redistribute that work.
+
+Persistent kernels (cuBLAS's GEMMs on Hopper, :mod:`.gemm`) run as their tiles, and a
+finished tile's slot takes the kernel's next tile on the same SM before anything is
+dispatched, so no other kernel, of any priority, gets an SM the kernel holds until its tiles
+run out; SMs it never got (held by a collective launched before it) it takes as they free,
+in dispatch order. Measured on an H200: a copy launched behind cuBLAS's persistent GEMM
+waited for the whole GEMM at the highest priority.
 
 Blocks of one kernel placed on an SM at the same moment are given works spread by
 ``block_jitter`` (mean preserved), so they finish a little apart, as on hardware, where block
@@ -246,6 +256,7 @@ def _loop(wl, topo, const, cp: _Compiled, *, record: bool, check: bool, reserved
   grid, thr, regs, smem = cp.grid, cp.thr, cp.regs, cp.smem
   t0, w, mem, comm = cp.t0, cp.w, cp.mem, cp.comm
   lat, chbytes, linkbw, ctabw, prio = cp.lat, cp.chbytes, cp.linkbw, cp.ctabw, cp.prio
+  persistent = cp.persistent
   launch = const.launch_overhead_s
   jitter = const.block_jitter
   gamma = const.occupancy_exponent
@@ -266,8 +277,12 @@ def _loop(wl, topo, const, cp: _Compiled, *, record: bool, check: bool, reserved
       succ[d].append(i)
 
   event_lat = const.event_latency_s
+  # The host issues the items that wait for nothing one launch apart, in launch order.
   ready_at = [launch] * n
-  heap: list[tuple[float, int]] = [(launch, i) for i in range(n) if waits[i] == 0]
+  first = [i for i in range(n) if waits[i] == 0]
+  for j, i in enumerate(first):
+    ready_at[i] = launch * (1 + j)
+  heap: list[tuple[float, int]] = [(ready_at[i], i) for i in first]
   heapq.heapify(heap)
   ready = [math.nan] * n
   start = [math.nan] * n
@@ -476,6 +491,7 @@ def _loop(wl, topo, const, cp: _Compiled, *, record: bool, check: bool, reserved
       finishing = None
     t += dt
     freed = False
+    refills = []
     for g, b in batches:
       b.rem -= b.rate * dt
       if b is finishing or b.rem <= _EPS:
@@ -490,7 +506,9 @@ def _loop(wl, topo, const, cp: _Compiled, *, record: bool, check: bool, reserved
         running[k] -= nb
         if log is not None:
           log.append((k, nb, b.cnt, tuple(g.sms), b.t0, t))
-        if running[k] == 0 and remaining[k] == 0:
+        if persistent[k] and remaining[k] > 0:
+          refills.append((g, k, b.cnt))
+        elif running[k] == 0 and remaining[k] == 0:
           end[k] = t
           done += 1
           for s in succ[k]:
@@ -499,6 +517,17 @@ def _loop(wl, topo, const, cp: _Compiled, *, record: bool, check: bool, reserved
             ready_at[s] = max(ready_at[s], t + delay)
             if waits[s] == 0:
               heapq.heappush(heap, (ready_at[s], s))
+    # A persistent kernel's blocks that finished take its next blocks where they were,
+    # before anything else is dispatched (every block state above is already advanced).
+    for g, k, cnt in refills:
+      left = min(remaining[k], len(g.sms) * cnt)
+      level, extra = divmod(left, len(g.sms))
+      if extra:
+        add(split(g, extra), k, level + 1)
+      if level:
+        add(g, k, level)
+      remaining[k] -= left
+      running[k] += left
     if freed:
       _merge(groups)
 

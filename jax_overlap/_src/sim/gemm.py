@@ -13,7 +13,20 @@ cuBLAS/CUTLASS pick on each architecture:
   CDNA2 (MI250X): Tensile macro tiles 256x128x32 (48 KB LDS, double-buffered) or
     128x128x32 (32 KB LDS), 256 threads (4 wavefronts).
 The large tile is used when it still gives at least one tile per SM (a full wave), as the
-cuBLAS heuristics prefer filling the machine. Per block: ``flops = 2 * tm * tn * k`` (edge tiles
+cuBLAS heuristics prefer filling the machine.
+
+Launch kind. On Hopper cuBLAS's GEMMs are persistent and cluster-launched. Measured on an
+H200 (``benchmarks/results/runtime_nvidia_h200_2026-12-04.md``, item 4): the 8192^3 bf16
+GEMM ran as ``nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_NNT``, grid [2, 66, 1] = 132
+blocks in clusters of 2, one per SM, 384 threads x 168 registers (the whole register
+file), 188,636 B of shared memory; a copy launched after it waited for the whole GEMM even
+at the highest stream priority (1.74 ms beside a 1.42 ms GEMM), and launched before it ran
+beside it while the GEMM still finished in 1.52 ms, 0.15 ms over its time alone, though 16
+SMs were the copy's for 0.48 ms: the GEMM's blocks take its tiles as they go, so the blocks
+placed late did less. The simulator therefore runs a persistent GEMM as its tiles, each SM
+it holds taking the next tile as one finishes and freed only when none is left
+(:class:`~jax_overlap.sim.Kernel` ``persistent``). Ampere's and CDNA2's library GEMMs are
+launched one block per tile, many waves. Per block: ``flops = 2 * tm * tn * k`` (edge tiles
 do full work); DRAM traffic of the whole GEMM is taken as ``2 * (m*k + k*n) * elt +
 m*n*elt`` (inputs read about twice thanks to L2 reuse, output written once), shared evenly
 by the blocks.
@@ -40,6 +53,8 @@ class GemmConfig(deprecations.ReadAsDict):
     threads: threads per block.
     regs: registers per thread.
     smem: shared memory per block (bytes).
+    persistent: resident blocks take the next tile as they finish one (Hopper).
+    cluster: blocks per thread-block cluster (2 on Hopper, 1 elsewhere).
   """
 
   tile: tuple[int, int, int]
@@ -47,6 +62,8 @@ class GemmConfig(deprecations.ReadAsDict):
   threads: int
   regs: int
   smem: int
+  persistent: bool = False
+  cluster: int = 1
 
   _was_dict = "sim.gemm_config()"
 
@@ -70,9 +87,10 @@ def _family(gpu: targets.Gpu) -> str:
   return "ampere"
 
 
-def gemm_config(gpu: targets.Gpu, m: int, n: int, k: int, dtype: str = "bf16") -> GemmConfig:
+def gemm_config(gpu: targets.Gpu | str, m: int, n: int, k: int, dtype: str = "bf16") -> GemmConfig:
   """The launch configuration a library GEMM of ``m x n x k`` gets on ``gpu`` (see the
-  module docstring)."""
+  module docstring); ``gpu`` a catalogue GPU or its name."""
+  gpu = targets.get_gpu(gpu)
   elt = dtype_bytes(dtype)
   family = _family(gpu)
   tiles = _GEMM_TILES[family]
@@ -87,4 +105,13 @@ def gemm_config(gpu: targets.Gpu, m: int, n: int, k: int, dtype: str = "bf16") -
     smem += 8 * 1024  # epilogue staging and pipeline barriers
   smem = min(smem, gpu.smem_per_block_optin)
   grid = math.ceil(m / tm) * math.ceil(n / tn)
-  return GemmConfig(tile=(tm, tn, tk), grid=grid, threads=threads, regs=regs, smem=int(smem))
+  persistent = gpu.persistent_library_gemms
+  return GemmConfig(
+    tile=(tm, tn, tk),
+    grid=grid,
+    threads=threads,
+    regs=regs,
+    smem=int(smem),
+    persistent=persistent,
+    cluster=2 if persistent else 1,
+  )

@@ -14,11 +14,12 @@ Measurement format (what ``benchmarks/gpu/overlap_bench.cu`` writes, through
       "compute": {"kind": "gemm", "m": 8192, "n": 8192, "k": 8192, "dtype": "bf16"},
       # or a kernel: {"kind": "fusion"|"custom"|..., "grid": 262144, "threads": 256,
       #               "regs": 19, "smem": 0, "flops": 1.3e11, "bytes": 3.2e9}
+      # either may add "time_s": its measured time alone, unshaped (optional)
       "proxy": {"kind": "copy", "ctas": 16, "threads": 544, "regs": 96, "smem": 82240,
                 "bytes": 268435456, "group_size": 1},   # or a collective kind
       "makespan_s": 0.00231,             # compute and proxy launched together, both done
       "proxy_latency_s": 0.00102,        # proxy issue to proxy done
-      "compute_slowdown": 0.17,          # compute time beside the proxy / alone - 1
+      "compute_slowdown": 0.17,          # compute time beside the proxy / alone (same cap) - 1
       "source": "free text: machine, driver, date"}]}
 
 ``gemm`` for ``compute`` and ``gemm_slowdown`` for ``compute_slowdown`` are accepted, and
@@ -30,12 +31,21 @@ file is read. Each record is simulated as the proxy (stream 1) and the compute k
 compute kernel at that many blocks per SM as written (the benchmark's plan has
 ``comm_block`` null).
 
+Kernel costs or dispatch. A record whose compute kernel and proxy carry ``time_s`` (their
+measured times alone) is simulated with those durations (:attr:`Kernel.time_s`): it then
+checks the dispatcher, contention and occupancy rules alone, not the kernel-cost model.
+``load_measurements(path, alone_times=True)`` fills them from what ``overlap_bench``
+writes: the compute kernel's ``compute_alone_s`` where the record shaped none of its
+launches, else the same kernel's in the records that shaped nothing; the file's
+``baselines.proxy_alone_ms`` for the proxy.
+
 :func:`published_measurements` gives records built from published observations
 (BACKGROUND section 2).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Mapping
@@ -79,6 +89,8 @@ def normalise(rec: Mapping, i: int) -> dict:
     "bytes": _get(rec, "proxy", "bytes", "proxy_bytes"),
     "kind": _get(rec, "proxy", "kind", "proxy_kind", "all-gather"),
     "group_size": _get(rec, "proxy", "group_size", "proxy_group_size", 8),
+    "compute_time_s": compute.get("time_s") if isinstance(compute, Mapping) else None,
+    "proxy_time_s": _get(rec, "proxy", "time_s", "proxy_time_s"),
   }
   if kind == "gemm":
     fields: tuple[str, ...] = ("m", "n", "k")
@@ -98,6 +110,15 @@ def normalise(rec: Mapping, i: int) -> dict:
     v = out[f]
     if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
       raise ValueError(f"{where}: {f} must be a positive number, got {v!r}")
+  for f in ("compute_time_s", "proxy_time_s"):
+    v = out[f]
+    if v is not None and (
+      isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0
+    ):
+      raise ValueError(
+        f"{where}: {f.replace('_time_s', '')}.time_s must be a positive number of seconds or "
+        f"absent, got {v!r}"
+      )
   if out["policy"] not in POLICIES:
     raise ValueError(f"{where}: policy must be one of {POLICIES}, got {out['policy']!r}")
   if out["issue"] not in ("proxy_first", "compute_first"):
@@ -123,11 +144,14 @@ def normalise(rec: Mapping, i: int) -> dict:
   return out
 
 
-def load_measurements(path: str) -> list[dict]:
+def load_measurements(path: str, *, alone_times: bool = False) -> list[dict]:
   """Reads a measurement JSON file (the format in the module docstring).
 
   Records marked ``"skipped"`` (configurations the benchmark could not run) are left
   out; a record without a ``gpu`` takes the catalogue name of the file's ``device``.
+  With ``alone_times``, each record's compute kernel and proxy get the ``time_s``
+  ``overlap_bench`` measured for them alone (module docstring); a record for which the
+  file has none raises, naming it.
   """
   with open(path) as f:
     data = json.load(f)
@@ -142,6 +166,42 @@ def load_measurements(path: str) -> list[dict]:
     if isinstance(r, Mapping) and r.get("gpu") is None and gpu is not None:
       r = {**r, "gpu": gpu}
     out.append(r)
+  if alone_times:
+    baselines = data.get("baselines", {}) if isinstance(data, Mapping) else {}
+    out = _with_alone_times(out, baselines, path)
+  return out
+
+
+def _with_alone_times(records: list, baselines: Mapping, path: str) -> list[dict]:
+  """``records`` with ``compute.time_s`` and ``proxy.time_s`` from what the benchmark
+  measured alone (see the module docstring)."""
+
+  def key(r) -> str:
+    return json.dumps(r.get("compute", r.get("gemm")), sort_keys=True)
+
+  unshaped: dict[str, float] = {}
+  for r in records:
+    if not r.get("shaped_launches") and r.get("compute_alone_s"):
+      unshaped.setdefault(key(r), float(r["compute_alone_s"]))
+  proxy_ms = baselines.get("proxy_alone_ms")
+  out = []
+  for i, r in enumerate(records):
+    compute = unshaped.get(key(r)) if r.get("shaped_launches") else r.get("compute_alone_s")
+    if compute is None or not proxy_ms:
+      raise ValueError(
+        f"sim.load_measurements({path!r}, alone_times=True): record {i} has no measured time "
+        "alone for its "
+        + ("proxy (baselines.proxy_alone_ms)" if not proxy_ms else "compute kernel")
+        + "; read the file without alone_times"
+      )
+    nested = "compute" if "compute" in r else "gemm"
+    out.append(
+      {
+        **r,
+        nested: {**r[nested], "time_s": float(compute)},
+        "proxy": {**r.get("proxy", {}), "time_s": float(proxy_ms) * 1e-3},
+      }
+    )
   return out
 
 
@@ -171,9 +231,11 @@ def _workload(r: dict) -> Workload:
     threads=int(r["threads"]) if r["threads"] else None,
     regs=int(r["regs"]) if r["regs"] else None,
     smem=int(r["smem"]) if r["smem"] is not None else None,
+    time_s=r.get("proxy_time_s"),
   )
   if r["compute_kind"] == "gemm":
     comp = Kernel.gemm("compute", int(r["m"]), int(r["n"]), int(r["k"]), dtype=r["dtype"])
+    comp = dataclasses.replace(comp, time_s=r.get("compute_time_s"))
   else:
     k = r["kernel"]
     comp = Kernel(
@@ -186,6 +248,7 @@ def _workload(r: dict) -> Workload:
       bytes=float(k["bytes"] or 0.0),
       kind=r["compute_kind"],
       dtype=r["dtype"],
+      time_s=r.get("compute_time_s"),
     )
   items = (comp, proxy) if r["issue"] == "compute_first" else (proxy, comp)
   return Workload(items, "calibration")
@@ -202,10 +265,14 @@ def _policy(r: dict) -> Policy | str:
 def predict(record: Mapping, target, constants: Constants) -> dict:
   """Simulated makespan_s, proxy_latency_s and compute_slowdown of one measurement record."""
   r = normalise(record, 0) if "measured" not in record else record
-  res = simulate(_workload(r), target=target, policy=_policy(r), constants=constants)
+  wl, policy = _workload(r), _policy(r)
+  res = simulate(wl, target=target, policy=policy, constants=constants)
   g = res.timing("compute")
   p = res.timing("proxy")
-  iso = res.isolated_s["compute"]
+  # The benchmark's slowdown is against the kernel alone under the same cap.
+  alone = Workload((wl.item("compute"),), "alone")
+  iso = simulate(alone, target=target, policy=policy, constants=constants).timing("compute")
+  iso = iso.end_s - iso.start_s
   return {
     "makespan_s": res.makespan_s,
     "proxy_latency_s": p.end_s - p.ready_s,

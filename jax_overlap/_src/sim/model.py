@@ -223,6 +223,14 @@ class Kernel:
       (:func:`~jax_overlap.sim.workload_from_report`). The simulator then scales its
       per-block work so the kernel alone takes exactly this long, and only residency,
       sharing and contention change it. None: the block model's own time.
+    persistent: whether the kernel is persistent: resident blocks take the grid's next
+      block (tile) as they finish one, so an SM the kernel holds is given to no other
+      kernel, of any priority, until the kernel's blocks run out (cuBLAS's GEMMs on
+      Hopper; see :mod:`.gemm`). None: as the target's libraries launch a GEMM built by
+      :meth:`Kernel.gemm` (persistent on Hopper), not persistent otherwise.
+    cluster: blocks per thread-block cluster (1: no cluster). The runtime library leaves
+      cluster launches unshaped, and so does the simulator. None: as the target's
+      libraries launch a GEMM built by :meth:`Kernel.gemm`, 1 otherwise.
   """
 
   name: str
@@ -240,9 +248,15 @@ class Kernel:
   efficiency: float | None = None
   launch_name: str | None = None
   time_s: float | None = None
+  persistent: bool | None = None
+  cluster: int | None = None
 
   def __post_init__(self):
     api = _check_name_and_kind("sim.Kernel", self.name, self.kind, COMPUTE_KINDS)
+    if self.persistent is not None and not isinstance(self.persistent, bool):
+      raise TypeError(f"{api}: persistent must be True, False or None, got {self.persistent!r}")
+    if self.cluster is not None:
+      _check_int(api, "cluster", self.cluster, 1)
     if self.gemm_mnk is not None:
       if len(self.gemm_mnk) != 3:
         raise ValueError(f"{api}: gemm_mnk must be (m, n, k), got {self.gemm_mnk!r}")

@@ -18,7 +18,10 @@ bandwidth, cross-stream event latency) and by nothing else: without contention
 ``ideal_s`` is the analysis's critical path.
 
 Conversion (:func:`workload_from_report`):
-  * kernels keep their order on stream 0. Kernels with ``gemm_mnk`` (GEMMs and fusions
+  * kernels keep their order on stream 0. Library GEMMs (``KernelInfo.library``) are
+    launched as the target's library launches them (persistent on Hopper, as the
+    analysis's timeline assumes); XLA's own kernels are not persistent and keep the
+    thread-block clusters of XLA's thunk listing. Kernels with ``gemm_mnk`` (GEMMs and fusions
     containing a dot) are rebuilt by shape (:meth:`Kernel.gemm`), keeping the report's
     bytes: a deviceless compile cannot autotune, so its GEMM launch configurations are
     defaults, not what runs on hardware. Other kernels keep the report's grid, threads (256 when unknown), shared
@@ -46,6 +49,7 @@ from collections.abc import Sequence
 
 from jax_overlap._src import targets
 from jax_overlap._src.sim import collectives, engine
+from jax_overlap._src.sim.critical_path import critical_path, persistent_kernels
 from jax_overlap._src.sim.model import (
   COLLECTIVE_KINDS,
   COMPUTE_KINDS,
@@ -210,12 +214,22 @@ def _kernel(k, name: str, after: tuple[str, ...], launch_s: float) -> Kernel:
   flops = float(_attr(k, "flops", where) or 0.0)
   nbytes = float(_attr(k, "bytes_accessed", where) or 0.0)
   launch_name = str(getattr(k, "launch_name", "") or "")
+  # A library GEMM is launched as the target's library launches it (persistent and in
+  # clusters on Hopper); a kernel XLA emitted as its thunk listing says.
+  library = bool(getattr(k, "library", False))
+  persistent = None if library else False
+  cluster = None if library else int(getattr(k, "cluster", 1) or 1)
   if mnk:
     # Any kernel with a dot (a Triton GEMM fusion, a cuBLAS call): rebuilt by shape.
     gemm = Kernel.gemm(name, *(int(x) for x in mnk), dtype=dtype, after=after)
     # The report's DRAM bytes (one kernel-time model), the simulator's tiling.
     return dataclasses.replace(
-      gemm, launch_name=launch_name, time_s=time_s, bytes=nbytes or gemm.bytes
+      gemm,
+      launch_name=launch_name,
+      time_s=time_s,
+      bytes=nbytes or gemm.bytes,
+      persistent=persistent,
+      cluster=cluster,
     )
   if raw_kind == "convolution":
     kind = "custom"  # tensor-core kernel with its own launch configuration
@@ -242,19 +256,9 @@ def _kernel(k, name: str, after: tuple[str, ...], launch_s: float) -> Kernel:
     dtype=dtype,
     launch_name=launch_name,
     time_s=time_s,
+    persistent=persistent,
+    cluster=cluster,
   )
-
-
-def critical_path(wl: Workload, durations) -> float:
-  """End time of ``wl`` with unlimited resources: each item takes ``durations[name]`` and
-  starts when its stream predecessor and everything it waits for have finished."""
-  end: dict[str, float] = {}
-  last: dict[int, float] = {}
-  for it in wl.items:
-    start = max([last.get(it.stream, 0.0), *(end[a] for a in it.after)])
-    end[it.name] = start + float(durations[it.name])
-    last[it.stream] = end[it.name]
-  return max(end.values())
 
 
 def analysis_step_time(report) -> float:
@@ -264,7 +268,7 @@ def analysis_step_time(report) -> float:
   if st is not None:
     return float(st)
   wl, times = _convert(report, None)
-  return critical_path(wl, times)
+  return critical_path(wl, times, persistent_kernels(wl, _target(report)))
 
 
 def ideal_durations(wl: Workload, result, topo, const: Constants) -> dict[str, float]:
@@ -458,4 +462,5 @@ def realize(
     pol = get_policy(p)
     results[pol.name] = simulate(wl, target=topo, policy=pol, constants=const)
   iso = ideal_durations(wl, next(iter(results.values())), topo, const)
-  return RealizeResult(analysis_step_time(report), critical_path(wl, iso), results, wl, iso)
+  ideal = critical_path(wl, iso, persistent_kernels(wl, topo))
+  return RealizeResult(analysis_step_time(report), ideal, results, wl, iso)
