@@ -605,10 +605,11 @@ ENTRIES: tuple[Flag, ...] = (
     "CUDA_DEVICE_MAX_CONNECTIONS",
     "env",
     "int",
-    "Hardware work queues per device; 1 serialises kernels from different streams.",
+    "Hardware work queues per device; 1 puts every stream's kernels in launch order.",
     default=8,
-    why="Overlap needs more than one hardware queue; recipes that set 1 for ordering stop "
-    "XLA's compute and communication streams from running side by side.",
+    why="Overlap needs more than one hardware queue; recipes that set 1 for ordering make "
+    "a collective launched after a compute kernel wait behind all of its blocks, whatever "
+    "the collective stream's priority.",
   ),
 )
 

@@ -463,8 +463,11 @@ def _counterproductive(flag: Flag, value: Any) -> list[Problem]:
       Problem(
         flag.name,
         "counterproductive",
-        "CUDA_DEVICE_MAX_CONNECTIONS=1 gives the device one hardware queue, so kernels of "
-        "XLA's compute and communication streams cannot run side by side",
+        "CUDA_DEVICE_MAX_CONNECTIONS=1 gives the device one hardware queue: kernels reach "
+        "the GPU in the order the host launched them, whatever their stream's priority, so "
+        "a collective XLA launches after a compute kernel waits until all of that kernel's "
+        "blocks are placed (behind a persistent cuBLAS GEMM on Hopper, until it ends); "
+        "only collectives launched first still overlap",
         severity="warning",
       )
     ]
