@@ -5,6 +5,7 @@
   jax-overlap targets                                   # the GPU catalogue
   jax-overlap analyze MODULE:BUILDER --target h100x8 [--xla-option k=v ...]
                       [--plot out.png] [--json out.json] [--perfetto out.json]
+  jax-overlap calibrate MODULE:BUILDER [--steps 10]     # kernel costs measured on this GPU
   jax-overlap simulate [--paper] ...                    # SM-level simulator
   jax-overlap launch [--plan plan.json] -- python train.py ...
 
@@ -21,7 +22,7 @@ from collections.abc import Sequence
 
 from absl import flags as absl_flags
 
-COMMANDS = ("flags", "targets", "analyze", "simulate", "launch")
+COMMANDS = ("flags", "targets", "analyze", "calibrate", "simulate", "launch")
 
 FLAGS = absl_flags.FLAGS
 
@@ -45,6 +46,7 @@ def _define_flags() -> None:
   absl_flags.DEFINE_boolean(
     "recommended", False, "analyze: also apply the target's recommended options."
   )
+  absl_flags.DEFINE_integer("steps", 10, "calibrate: steps timed (3 more are profiled).")
 
 
 class UsageError(Exception):
@@ -228,6 +230,32 @@ def _cmd_analyze(args: Sequence[str]) -> int:
   return 0
 
 
+def _cmd_calibrate(args: Sequence[str]) -> int:
+  """Runs a step on the local GPU, fits the kernel costs to it and stores the calibration
+  that analyze and @overlap then use for that GPU."""
+  if len(args) != 1:
+    raise UsageError("calibrate expects exactly one MODULE:BUILDER argument")
+  if FLAGS.steps < 1:
+    raise UsageError(f"--steps must be at least 1, got {FLAGS.steps}")
+  builder = _load_builder(args[0])
+  import jax
+
+  from jax_overlap._src.analysis import calibration
+
+  if jax.devices()[0].platform != "gpu":
+    raise UsageError(
+      f"calibrate runs the step on a GPU; this machine's devices are {jax.devices()[0].platform}"
+    )
+  built = builder()
+  if not (isinstance(built, tuple) and len(built) == 2):
+    raise UsageError(f"{args[0]} must return (fn, args), got {type(built).__name__}")
+  fn, fn_args = built
+  cal = calibration.calibrate(fn, *fn_args, name=args[0], steps=FLAGS.steps)
+  print(cal.describe())
+  print(f"wrote {calibration.path(cal.gpu, cal.jaxlib)}")
+  return 0
+
+
 def _delegate(module: str, argv: Sequence[str]) -> int:
   try:
     mod = importlib.import_module(module)
@@ -248,6 +276,8 @@ def main(argv: Sequence[str]) -> int:
       return _cmd_targets(rest)
     if cmd == "analyze":
       return _cmd_analyze(rest)
+    if cmd == "calibrate":
+      return _cmd_calibrate(rest)
     return _fail(f"unknown command {cmd!r}; choose one of {', '.join(COMMANDS)}")
   except UsageError as e:
     return _fail(str(e))

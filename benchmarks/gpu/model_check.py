@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -38,6 +37,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
 from _common import TP_SIZES  # noqa: E402
+
+from jax_overlap._src.analysis import calibration  # noqa: E402
 
 DEVICES = 8  # the h100x8 step whose per-device compute this is
 FORMS = ("", "scan_remat")  # "large+scan_remat": blocks under lax.scan and jax.checkpoint
@@ -103,92 +104,16 @@ def build(size: str, scanned: bool = False):
   return step, (params, x), d
 
 
-def _base(name: str) -> str:
-  return name.split("@", 1)[0]
-
-
-def _kernel_events(trace_dir: str) -> list[dict]:
-  """The trace's device kernel events (GPU stream lanes; CPU executor events with hlo_op)."""
-  from jax_overlap import profile
-
-  data, _ = profile.load_trace(trace_dir)
-  return [e for events in profile.device_events(data["traceEvents"]).values() for e in events]
-
-
 def measure(step, args, steps: int, trace_dir: str) -> dict:
-  import jax
-
-  for _ in range(3):
-    jax.block_until_ready(step(*args))
-  wall = []
-  for _ in range(steps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(step(*args))
-    wall.append(time.perf_counter() - t0)
-  traced = 3
-  with jax.profiler.trace(trace_dir):
-    for _ in range(traced):
-      jax.block_until_ready(step(*args))
-  per_op: dict[str, float] = {}
-  names: dict[str, set] = {}
-  unattributed = 0.0
-  for e in _kernel_events(trace_dir):
-    op = e.get("args", {}).get("hlo_op", "")
-    if op.startswith("command_buffer"):
-      # Kernels replayed from a command buffer (CUDA graph) carry the buffer's name:
-      # they are found by kernel name (the thunk listing's launch names) instead.
-      op = "kernel:" + e.get("name", "")
-    dur = e["dur"] * 1e-6 / traced
-    if not op:
-      unattributed += dur
-      continue
-    per_op[op] = per_op.get(op, 0.0) + dur
-    names.setdefault(op, set()).add(e.get("name", ""))
-  return {
-    "wall_s": statistics.median(wall),
-    "wall_all_s": wall,
-    "kernel_s": sum(per_op.values()) + unattributed,
-    "unattributed_s": unattributed,
-    "per_op_s": per_op,
-    "kernel_names": {op: sorted(n)[:3] for op, n in names.items()},
-  }
+  """The step's wall time and its kernels per instruction (the calibration's measurement,
+  ``jax_overlap._src.analysis.calibration.measure_step``)."""
+  return calibration.measure_step(step, args, steps, trace_dir)
 
 
 def estimate_same_compile(step, args, target: str | None) -> tuple[dict, dict, object]:
-  """The cost model on XLA's HLO and thunk listing of one compile of ``step``, and that
-  compile's executable: the one :func:`measure` runs, so that estimate and measurement
-  are of the same kernels (a second compile could autotune to others) and the step is
-  compiled once."""
-  from jax_overlap._src.compile import compiler
-  from jax_overlap.analysis import analyze_hlo
-
-  compiled = compiler.compile_for_target(step, *args, target=None)
-  report = analyze_hlo(
-    compiled.hlo_text,
-    compiled.thunk_text,
-    thunk_metadata=compiled.thunk_metadata,
-    target=target,
-    name="same compile",
-  )
-  per_op: dict[str, dict] = {}
-  for k in report.kernels:
-    row = per_op.setdefault(
-      _base(k.name),
-      {"est_s": 0.0, "kind": k.kind, "flops": 0.0, "bytes": 0.0, "launch_name": k.launch_name},
-    )
-    row["est_s"] += k.time_s
-    row["flops"] += k.flops
-    row["bytes"] += k.bytes_accessed
-    if k.gemm_mnk:
-      row["gemm_mnk"] = list(k.gemm_mnk)
-  summary = {
-    "compute_s": report.compute_time_s,
-    "step_s": report.step_time_s,
-    "flops": report.flops,
-    "kernels": len(report.kernels),
-    "notes": list(report.notes),
-  }
-  return summary, per_op, compiled.compiled
+  """The cost model (its defaults, nothing calibrated) on the HLO and thunk listing of the
+  one compile that is measured (``calibration.estimate_same_compile``)."""
+  return calibration.estimate_same_compile(step, args, target)
 
 
 def estimate_deviceless(step, args, target: str) -> dict:
@@ -209,67 +134,11 @@ def estimate_deviceless(step, args, target: str) -> dict:
 
 
 def compare(per_op_est: dict, per_op_meas: dict) -> dict:
-  """Estimated and measured time per kernel kind and per instruction.
-
-  Measured kernels are matched to instructions by the trace's ``hlo_op``, or for kernels
-  replayed from a command buffer by kernel name (the launch names of XLA's thunk listing).
-  XLA emits one kernel for identical fusions, so one kernel name can launch for several
-  instructions: matched by name, those instructions are compared as one row
-  (``"a + b"``, their estimates summed). Library kernels inside a command buffer (cuBLAS)
-  have the library's names: they are compared together with the instructions left
-  without a measured kernel."""
-  by_launch: dict[str, list[str]] = {}
-  for op, e in per_op_est.items():
-    if e.get("launch_name"):
-      by_launch.setdefault(e["launch_name"], []).append(op)
-  est = dict(per_op_est)
-  measured: dict[str, float] = {}
-  missing: dict[str, float] = {}
-  for key, t in per_op_meas.items():
-    op = key
-    if key.startswith("kernel:"):
-      ops = sorted(by_launch.get(key[len("kernel:") :], ()))
-      op = " + ".join(ops) if ops else None
-      if len(ops) > 1 and op not in est:
-        parts = [est.pop(o) for o in ops]
-        kinds = {p["kind"] for p in parts}
-        est[op] = {
-          "est_s": sum(p["est_s"] for p in parts),
-          "kind": kinds.pop() if len(kinds) == 1 else "mixed",
-          "launch_name": parts[0]["launch_name"],
-        }
-    if op in est:
-      measured[op] = measured.get(op, 0.0) + t
-    else:
-      missing[key] = t
-  rows = []
-  for op, e in est.items():
-    rows.append({"op": op, **e, "measured_s": measured.get(op)})
-  left = [r for r in rows if r["measured_s"] is None]
-  library = {
-    "instructions": len(left),
-    "est_s": sum(r["est_s"] for r in left),
-    "measured_s": sum(missing.values()),
-    "kernels": sorted(missing, key=lambda k: -missing[k])[:10],
-  }
-  by_kind: dict[str, dict] = {}
-  for r in rows:
-    if r["measured_s"] is None:
-      continue
-    k = by_kind.setdefault(r["kind"], {"est_s": 0.0, "measured_s": 0.0, "count": 0})
-    k["est_s"] += r["est_s"]
-    k["measured_s"] += r["measured_s"]
-    k["count"] += 1
-  rows.sort(key=lambda r: -(r["measured_s"] or 0.0))
-  matched = sum(r["measured_s"] or 0.0 for r in rows)
-  return {
-    "by_kind": by_kind,
-    "top": rows[:15],
-    "unmatched_estimates": [r["op"] for r in left],
-    "measured_not_estimated_s": missing,
-    "matched_measured_s": matched,
-    "left_over": library,
-  }
+  """Estimated and measured time per kernel kind and per instruction: the calibration's
+  matching (``calibration.match``), without its full list of rows."""
+  out = calibration.match(per_op_est, per_op_meas)
+  out.pop("rows")
+  return out
 
 
 def run(out: str, sizes: list[str], steps: int, target: str | None, deviceless: bool) -> int:

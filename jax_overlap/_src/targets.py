@@ -360,6 +360,21 @@ def names() -> list[str]:
   return sorted(GPUS)
 
 
+def catalogue_gpu(description) -> str | None:
+  """The catalogue GPU a driver's device name describes ("NVIDIA H200" -> "h200"), or
+  None."""
+  if not isinstance(description, str):
+    return None
+  low = description.lower()
+  for g in GPUS.values():
+    if g.description.lower() == low:
+      return g.name
+  for key in ("h200", "h100", "a100", "a40"):
+    if key in low:
+      return key
+  return None
+
+
 def get_gpu(name: str | Gpu) -> Gpu:
   """Looks up a GPU by catalogue name ("h100", "a100", "a40", "h200", "mi250x").
 

@@ -8,7 +8,9 @@
 * ``analyze``: ``analyze`` / ``analyze_compiled`` / ``analyze_hlo``, giving a
   :class:`~.report.Report` (``report``: its tables, JSON, pictures, ``compare``);
 * ``latency_profile``: the analysis' costs written for XLA's scheduler (fed back to compile);
-* ``profile``: the same metrics measured from a real profiler trace.
+* ``profile``: the same metrics measured from a real profiler trace;
+* ``calibration``: kernel costs fitted to a step measured on a GPU, stored per GPU and
+  jaxlib, used by ``analyze`` for that GPU.
 
 Nothing is imported here: each module is imported by name.
 """

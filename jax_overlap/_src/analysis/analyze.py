@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from jax_overlap._src import targets as targets_lib
+from jax_overlap._src.analysis import calibration
 from jax_overlap._src.analysis import cost_model as cm
 from jax_overlap._src.analysis import hlo as hlo_lib
 from jax_overlap._src.analysis import schedule as schedule_lib
@@ -163,8 +164,10 @@ def analyze_hlo(
       "analyze: XLA wrote no optimised HLO for this compile; check that the function has "
       "any computation"
     )
-  model = cost_model or cm.CostModel()
   topo = targets_lib.get(target) if target is not None else None
+  model = cost_model or (
+    calibration.cost_model_for(topo.gpu) if topo is not None else cm.CostModel()
+  )
   module = hlo_lib.parse_module(hlo_text)
   gpu = topo.gpu if topo is not None else cm.HOST_CPU
   sched = schedule_lib.build_schedule(
@@ -178,6 +181,8 @@ def analyze_hlo(
   )
   placed = timeline_lib.place(sched)
   notes = list(sched.notes) + list(placed.notes)
+  if model.calibration is not None:
+    notes.append(model.calibration.describe())
   if not module.is_scheduled:
     notes.append("the HLO is not scheduled; instruction order was used as the schedule")
   if not sched.collectives:

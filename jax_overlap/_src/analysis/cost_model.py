@@ -63,6 +63,12 @@ class CostModel:
   memory_efficiency: float = 0.85
   link_efficiency: float = 0.8
   kernel_overhead_s: float = 1e-6
+  # Per-kind factors measured on one GPU (analysis.calibration.Calibration), or None.
+  calibration: object | None = None
+
+  def kernel_factor(self, kind: str) -> float:
+    """The calibration's factor on a kernel of ``kind``'s roofline body (1 without one)."""
+    return 1.0 if self.calibration is None else self.calibration.factor(kind)
 
   def __post_init__(self):
     for f in ("compute_efficiency", "memory_efficiency", "link_efficiency"):

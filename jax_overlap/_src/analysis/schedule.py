@@ -301,6 +301,12 @@ def launches_by_instruction(
   return out
 
 
+def _calibrated(t: float, kind: str, model: cm.CostModel) -> float:
+  """A roofline time with the calibration's factor for ``kind`` on its body."""
+  f = model.kernel_factor(kind)
+  return t if f == 1.0 else model.kernel_overhead_s + (t - model.kernel_overhead_s) * f
+
+
 def _kernel_kind(module: hlo_lib.Module, instr: hlo_lib.Instruction) -> str:
   if instr.opcode == "custom-call":
     return "gemm" if hlo_lib.is_cublas_gemm(instr) else "custom"
@@ -486,8 +492,12 @@ def build_schedule(
       regs_per_thread=None,
       flops=flops,
       bytes_accessed=float(nbytes),
-      time_s=cm.kernel_time(
-        flops, nbytes, gpu, dtype=dtype, is_dot=kind in ("gemm", "convolution"), cost_model=model
+      time_s=_calibrated(
+        cm.kernel_time(
+          flops, nbytes, gpu, dtype=dtype, is_dot=kind in ("gemm", "convolution"), cost_model=model
+        ),
+        kind,
+        model,
       ),
       gemm_mnk=module.gemm_mnk(instr) if kind == "gemm" else None,
       dtype=dtype,

@@ -158,7 +158,7 @@ def load_measurements(path: str, *, alone_times: bool = False) -> list[dict]:
   records = data["records"] if isinstance(data, Mapping) else data
   gpu = None
   if isinstance(data, Mapping) and isinstance(data.get("device"), Mapping):
-    gpu = _catalogue_name(data["device"].get("name"))
+    gpu = targets.catalogue_gpu(data["device"].get("name"))
   out = []
   for r in records:
     if isinstance(r, Mapping) and r.get("skipped"):
@@ -203,21 +203,6 @@ def _with_alone_times(records: list, baselines: Mapping, path: str) -> list[dict
       }
     )
   return out
-
-
-def _catalogue_name(description) -> str | None:
-  """The catalogue GPU a driver's device name describes, if any."""
-  if not isinstance(description, str):
-    return None
-  low = description.lower()
-  for name in targets.names():
-    g = targets.get_gpu(name)
-    if g.description.lower() == low:
-      return g.name
-  for key in ("h200", "h100", "a100", "a40"):
-    if key in low:
-      return key
-  return None
 
 
 def _workload(r: dict) -> Workload:

@@ -26,6 +26,7 @@ import jax
 import jaxlib
 
 from jax_overlap._src import cache
+from jax_overlap._src.analysis import calibration
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
@@ -55,6 +56,7 @@ def key(program: str, signature: Any, settings: dict[str, Any]) -> str | None:
         "jax": jax.__version__,
         "jaxlib": jaxlib.__version__,
         "code": _code_fingerprint(),
+        "calibrations": calibration.fingerprint(),
       },
       sort_keys=True,
     )
