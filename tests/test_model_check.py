@@ -6,6 +6,8 @@ import importlib.util
 import json
 import pathlib
 
+import pytest
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -82,3 +84,22 @@ def test_the_committed_h200_run_renders(tmp_path):
   assert f"| large | {large['measured']['wall_s'] * 1e3:.3f} |" in text
   assert f"{ratio:.3f}" in text
   assert "no per-kernel comparison in this run" in text  # that run's kernels were all in a buffer
+
+
+def test_training_steps_as_users_write_them_run_and_update_their_parameters():
+  # The forms the GPU session measures beside the deviceless estimate: optax's AdamW in
+  # a plain jax.jit step, and a Flax nn.scan(nn.remat(Block)) module (tiny sizes, CPU).
+  import jax
+  import numpy as np
+
+  mc = _module()
+  for form in ("adamw", "flax_scan_remat"):
+    step, args, dims = mc.build("tiny", form=form)
+    loss, params, opt_state = step(*args)
+    assert np.isfinite(float(loss)), form
+    before, after = jax.tree.leaves(args[0]), jax.tree.leaves(params)
+    # Four weights per block: unrolled, a list of blocks; scanned, stacked along layers.
+    assert len(before) == len(after) == (4 if form == "flax_scan_remat" else 4 * dims["layers"])
+    assert any(not np.array_equal(a, b) for a, b in zip(before, after)), form
+  with pytest.raises(SystemExit):
+    mc.main(["run", "/tmp/never.json", "--sizes", "tiny+no_such_form"])

@@ -2,13 +2,17 @@
 
   python model_check.py run OUT.json [--sizes large,medium,large+scan_remat] [--steps 10]
   python model_check.py run OUT.json --sizes tiny                          # anywhere (CPU)
+  python model_check.py run OUT.json --sizes large+adamw,large+flax_scan_remat  # training steps
   python model_check.py render IN.json OUT.md                              # the table
 
 The program is one device's compute of the tensor + sequence parallel step that
 ``benchmarks/transform_tp.py`` analyses on h100x8 (``jax_overlap.examples.tp_sp``, 2 blocks,
 bf16, value and gradient): the same einsums at the shapes one of 8 devices runs (the
 gathered sequence, 1/8 of the heads, 1/8 of the MLP), without the collectives, so that one
-GPU runs it. Per size:
+GPU runs it. Forms (``SIZE+FORM``): ``scan_remat`` puts the blocks under ``lax.scan`` and
+``jax.checkpoint``; ``adamw`` and ``flax_scan_remat`` are training steps as users write
+them, with optax's AdamW update in a plain ``jax.jit`` step (unrolled blocks) or a Flax
+module under ``nn.scan(nn.remat(Block))``. Per size:
 
 * measured: the step's wall-clock time (median of ``--steps`` runs after warm-up) and, from
   a ``jax.profiler`` trace of 3 steps, each kernel's GPU time grouped by the HLO instruction
@@ -41,7 +45,10 @@ from _common import TP_SIZES  # noqa: E402
 from jax_overlap._src.analysis import calibration  # noqa: E402
 
 DEVICES = 8  # the h100x8 step whose per-device compute this is
-FORMS = ("", "scan_remat")  # "large+scan_remat": blocks under lax.scan and jax.checkpoint
+# "large+scan_remat": blocks under lax.scan and jax.checkpoint; the training steps as users
+# write them, with optax's AdamW update in the step: "adamw" (unrolled blocks, plain
+# jax.jit) and "flax_scan_remat" (a Flax module under nn.scan(nn.remat(Block))).
+FORMS = ("", "scan_remat", "adamw", "flax_scan_remat")
 
 
 def local_sizes(size: str) -> dict:
@@ -56,33 +63,19 @@ def local_sizes(size: str) -> dict:
   )
 
 
-def build(size: str, scanned: bool = False):
-  """(step, (params, x)) with random inputs on the default device; ``scanned``: the blocks
-  under ``lax.scan`` over stacked weights, each under ``jax.checkpoint`` (as scanned,
-  rematerialised models are written)."""
+def build(size: str, scanned: bool = False, form: str = ""):
+  """(step, args) with random inputs on the default device; ``scanned`` (or form
+  "scan_remat"): the blocks under ``lax.scan`` over stacked weights, each under
+  ``jax.checkpoint`` (as scanned, rematerialised models are written); form "adamw" or
+  "flax_scan_remat": a training step with optax's AdamW (:func:`build_training`)."""
   import jax
   import jax.numpy as jnp
 
+  if form in ("adamw", "flax_scan_remat"):
+    return build_training(size, flax=form == "flax_scan_remat")
+  scanned = scanned or form == "scan_remat"
   d = local_sizes(size)
-  hk = d["heads"] * d["head_dim"]  # this device's share of the projections
-  shapes = {
-    "wqkv": (d["hidden"], 3 * hk),
-    "wo": (hk, d["hidden"]),
-    "w1": (d["hidden"], d["mlp"]),
-    "w2": (d["mlp"], d["hidden"]),
-  }
-
-  def block(x, w):
-    qkv = jnp.einsum("bsh,hk->bsk", x, w["wqkv"])
-    b, s, _ = qkv.shape
-    q, k, v = jnp.split(qkv.reshape(b, s, 3, d["heads"], d["head_dim"]), 3, axis=2)
-    q, k, v = (t[:, :, 0] for t in (q, k, v))
-    att = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / d["head_dim"] ** 0.5
-    att = jax.nn.softmax(att, -1)
-    o = jnp.einsum("bhqk,bkhd->bqhd", att.astype(x.dtype), v).reshape(b, s, hk)
-    x = x + jnp.einsum("bsk,kh->bsh", o, w["wo"])
-    h = jax.nn.gelu(jnp.einsum("bsh,hf->bsf", x, w["w1"]))
-    return x + jnp.einsum("bsf,fh->bsh", h, w["w2"])
+  block, shapes = _block_fn(d)
 
   def loss(params, x):
     if scanned:
@@ -102,6 +95,96 @@ def build(size: str, scanned: bool = False):
   if scanned:
     params = jax.tree.map(lambda *ws: jnp.stack(ws), *params)
   return step, (params, x), d
+
+
+def _block_fn(d: dict):
+  """One block of the step (attention on this device's heads, output projection, MLP)."""
+  import jax
+  import jax.numpy as jnp
+
+  hk = d["heads"] * d["head_dim"]
+
+  def block(x, w):
+    qkv = jnp.einsum("bsh,hk->bsk", x, w["wqkv"])
+    b, s, _ = qkv.shape
+    q, k, v = jnp.split(qkv.reshape(b, s, 3, d["heads"], d["head_dim"]), 3, axis=2)
+    q, k, v = (t[:, :, 0] for t in (q, k, v))
+    att = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / d["head_dim"] ** 0.5
+    att = jax.nn.softmax(att, -1)
+    o = jnp.einsum("bhqk,bkhd->bqhd", att.astype(x.dtype), v).reshape(b, s, hk)
+    x = x + jnp.einsum("bsk,kh->bsh", o, w["wo"])
+    h = jax.nn.gelu(jnp.einsum("bsh,hf->bsf", x, w["w1"]))
+    return x + jnp.einsum("bsf,fh->bsh", h, w["w2"])
+
+  shapes = {
+    "wqkv": (d["hidden"], 3 * hk),
+    "wo": (hk, d["hidden"]),
+    "w1": (d["hidden"], d["mlp"]),
+    "w2": (d["mlp"], d["hidden"]),
+  }
+  return block, shapes
+
+
+def build_training(size: str, flax: bool):
+  """A training step as users write one: loss, gradients and optax's AdamW update under
+  ``jax.jit``, with the blocks unrolled (``flax=False``) or as a Flax module scanned and
+  rematerialised (``nn.scan(nn.remat(Block))``). Returns (step, (params, opt_state, x),
+  sizes); the step returns the loss and the new parameters and optimizer state."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  d = local_sizes(size)
+  block, shapes = _block_fn(d)
+  x = jax.random.normal(jax.random.key(1), (1, d["seq"], d["hidden"]), jnp.bfloat16)
+  opt = optax.adamw(1e-4)
+  if flax:
+    import flax.linen as nn
+
+    class Block(nn.Module):
+      @nn.compact
+      def __call__(self, x, _):
+        w = {
+          n: self.param(n, nn.initializers.lecun_normal(), sh, jnp.bfloat16)
+          for n, sh in shapes.items()
+        }
+        return block(x, w), None
+
+    stack = nn.scan(
+      nn.remat(Block),
+      variable_axes={"params": 0},
+      split_rngs={"params": True},
+      length=d["layers"],
+    )()
+    params = stack.init(jax.random.key(0), x, None)
+
+    def forward(params, x):
+      return stack.apply(params, x, None)[0]
+  else:
+    keys = iter(jax.random.split(jax.random.key(0), 4 * d["layers"]))
+    params = [
+      {
+        n: jax.random.normal(next(keys), sh, jnp.bfloat16) / sh[0] ** 0.5
+        for n, sh in shapes.items()
+      }
+      for _ in range(d["layers"])
+    ]
+
+    def forward(params, x):
+      for w in params:
+        x = block(x, w)
+      return x
+
+  def loss(params, x):
+    return jnp.mean(jnp.square(forward(params, x).astype(jnp.float32)))
+
+  @jax.jit
+  def step(params, opt_state, x):
+    value, grads = jax.value_and_grad(loss)(params, x)
+    updates, opt_state = opt.update(grads, opt_state, params)
+    return value, optax.apply_updates(params, updates), opt_state
+
+  return step, (params, opt.init(params), x), d
 
 
 def measure(step, args, steps: int, trace_dir: str) -> dict:
@@ -165,7 +248,7 @@ def run(out: str, sizes: list[str], steps: int, target: str | None, deviceless: 
   for name in sizes:
     size, _, form = name.partition("+")
     t0 = time.perf_counter()
-    step, args, dims = build(size, scanned=form == "scan_remat")
+    step, args, dims = build(size, form=form)
     summary, per_op_est, executable = estimate_same_compile(step, args, target)
     with tempfile.TemporaryDirectory(prefix="model_check_") as trace_dir:
       meas = measure(executable, args, steps, trace_dir)
