@@ -678,3 +678,22 @@ def test_persistent_kernels_hold_what_becomes_ready_while_they_run():
   assert timeline.held_behind_persistent(gemm, [("c", 0.5, 1.5), ("e", 1.5, 2.5)], {}) == {}
   # Already held: not reported again.
   assert timeline.held_behind_persistent(gemm, [("a", 1.0, 1.5)], {"a": (3.0, "gemm")}) == {}
+
+
+def test_explain_says_which_variants_wait_behind_persistent_gemms():
+  from types import SimpleNamespace as NS
+
+  from jax_overlap._src.transform import explain
+
+  def report(*held):
+    return NS(collectives=[NS(held_by=h) for h in held])
+
+  names = ["as written", "cuBLAS GEMMs", "broken"]
+  reports = [report("", ""), report("custom-call.1", "custom-call.4", ""), None]
+  (note,) = explain.held_notes(names, 1, reports)
+  assert "wait for its end on this GPU" in note and "in cuBLAS GEMMs (2)" in note
+  assert "the chosen variant's wait behind custom-call.1, custom-call.4" in note
+  assert "as written" not in note
+  (note,) = explain.held_notes(names, 0, reports)
+  assert "chosen variant" not in note
+  assert explain.held_notes(names[:1], 0, reports[:1]) == []

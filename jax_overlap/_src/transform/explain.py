@@ -70,3 +70,28 @@ class Explanation:
         lines.extend(f"    [{a.where}] {a.detail}" for a in acts)
     lines.extend(f"  note: {n}" for n in self.notes)
     return "\n".join(lines)
+
+
+def held_notes(names: list[str], chosen: int, reports: list) -> list[str]:
+  """What the dispatch rule of persistent GEMMs did to the variants (``reports[i]`` the
+  analysis of variant ``names[i]``, None where it did not compile): on Hopper a collective
+  that becomes ready beside a cuBLAS GEMM waits for its end (``CollectiveInfo.held_by``)."""
+  held = [
+    (name, [c for c in r.collectives if c.held_by])
+    for name, r in zip(names, reports)
+    if r is not None
+  ]
+  held = [(name, cs) for name, cs in held if cs]
+  if not held:
+    return []
+  text = (
+    "collectives ready beside one of cuBLAS's persistent GEMMs wait for its end on this "
+    "GPU (measured on an H200), in " + "; ".join(f"{name} ({len(cs)})" for name, cs in held)
+  )
+  mine = dict(held).get(names[chosen], [])
+  if mine:
+    gemms = sorted({c.held_by for c in mine})
+    text += f"; the chosen variant's wait behind {', '.join(gemms[:3])}" + (
+      f" and {len(gemms) - 3} more" if len(gemms) > 3 else ""
+    )
+  return [text]

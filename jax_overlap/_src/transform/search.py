@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable
 
 from jax_overlap._src.analysis import latency_profile
-from jax_overlap._src.transform import combinations, compiles, gspmd
+from jax_overlap._src.transform import combinations, compiles, explain, gspmd
 from jax_overlap._src.transform.records import Candidate, Choice, Estimate
 
 # Latency-profiled recompiles tried per step (the fastest variants by estimate).
@@ -163,7 +163,7 @@ def judged_notes(candidates, chosen: int, reports) -> list[str]:
       "self-judged: the chosen schedule came from a latency profile written by the same cost "
       "model that estimated it"
     )
-  return out
+  return out + explain.held_notes([c.name for c in candidates], chosen, reports)
 
 
 def select(
