@@ -286,12 +286,23 @@ def test_links_between_pages_resolve(doc):
 def test_two_sequences_per_gpu():
   rows = json.loads((ROOT / "benchmarks/results/transform_fsdp_b2.json").read_text())["rows"]
   chosen = [r for r in rows if r["name"] == "@overlap"]
-  assert len(chosen) == 12
-  exposed = [r["exposed_fraction"] * 100 for r in chosen]
-  bound = max(r["vs_compute_bound"] for r in chosen)
+  assert len(chosen) == 22  # eleven forms on two GPUs
+  six = [r for r in chosen if not r["form"].startswith(("llama", "flax"))]
+  rest = [r for r in chosen if r not in six]
+  assert len(six) == 12
+
+  def span(rs):
+    exposed = [r["exposed_fraction"] * 100 for r in rs]
+    return (
+      f"{min(exposed):.1f}-{max(exposed):.1f}%",
+      f"{max(r['vs_compute_bound'] for r in rs):.3f}x",
+    )
+
+  (e6, b6), (er, br) = span(six), span(rest)
   expected = (
-    f"leaves {min(exposed):.1f}-{max(exposed):.1f}% of the communication exposed in all six "
-    f"forms on both GPUs, each step within {bound:.3f}x of its compute"
+    f"leaves {e6} of the communication exposed in the six shard_map and GSPMD forms on both "
+    f"GPUs, each step within {b6} of its compute, and {er} in the Llama and Flax forms "
+    f"(within {br})"
   )
   assert expected in _flat(ROOT / "benchmarks" / "README.md")
 
