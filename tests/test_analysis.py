@@ -676,8 +676,12 @@ def test_persistent_kernels_hold_what_becomes_ready_while_they_run():
   # A collective running when the kernel started kept SMs from it: one ready during the
   # kernel (queued behind it on its stream) takes them as it ends.
   assert timeline.held_behind_persistent(gemm, [("c", 0.5, 1.5), ("e", 1.5, 2.5)], {}) == {}
-  # Already held: not reported again.
-  assert timeline.held_behind_persistent(gemm, [("a", 1.0, 1.5)], {"a": (3.0, "gemm")}) == {}
+  # Already held: not reported again, unless its kernel has moved (a later placement).
+  assert timeline.held_behind_persistent(gemm, [("a", 3.0, 3.5)], {"a": (3.0, "gemm")}) == {}
+  moved = [("gemm", 2.0, 4.0)]
+  assert timeline.held_behind_persistent(moved, [("a", 3.0, 3.5)], {"a": (3.0, "gemm")}) == {
+    "a": (4.0, "gemm")
+  }
 
 
 def test_explain_says_which_variants_wait_behind_persistent_gemms():

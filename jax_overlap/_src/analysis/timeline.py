@@ -106,11 +106,14 @@ def held_behind_persistent(
   ``kernels``: (name, start, end) of the persistent kernels of the compute stream, in
   order; ``collectives``: (name, start, end) of the async collectives; ``held``: the
   collectives already held. Returns the others that start inside a persistent kernel that
-  began with no collective running (or start just as it began): name -> (its end, its
-  name). The simulator's contention-free critical path applies the same function.
+  began with no collective running (or start just as it began), and the held ones whose
+  kernel has moved: name -> (its end, its name). A held collective is not held again by
+  the kernel after its own: it gets the SMs its kernel's last blocks leave. The
+  simulator's contention-free critical path applies the same function.
   """
   starts = [k[1] for k in kernels]
-  out = {}
+  ends = {k[0]: k[2] for k in kernels}
+  out = {n: (ends[k], k) for n, (t, k) in held.items() if k in ends and ends[k] != t}
   for name, start, _ in collectives:
     j = bisect.bisect_right(starts, start) - 1
     if j < 0 or name in held:
