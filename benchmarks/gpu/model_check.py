@@ -187,18 +187,6 @@ def build_training(size: str, flax: bool):
   return step, (params, opt.init(params), x), d
 
 
-def measure(step, args, steps: int, trace_dir: str) -> dict:
-  """The step's wall time and its kernels per instruction (the calibration's measurement,
-  ``jax_overlap._src.analysis.calibration.measure_step``)."""
-  return calibration.measure_step(step, args, steps, trace_dir)
-
-
-def estimate_same_compile(step, args, target: str | None) -> tuple[dict, dict, object]:
-  """The cost model (its defaults, nothing calibrated) on the HLO and thunk listing of the
-  one compile that is measured (``calibration.estimate_same_compile``)."""
-  return calibration.estimate_same_compile(step, args, target)
-
-
 def estimate_deviceless(step, args, target: str) -> dict:
   import jax
 
@@ -249,9 +237,9 @@ def run(out: str, sizes: list[str], steps: int, target: str | None, deviceless: 
     size, _, form = name.partition("+")
     t0 = time.perf_counter()
     step, args, dims = build(size, form=form)
-    summary, per_op_est, executable = estimate_same_compile(step, args, target)
+    summary, per_op_est, executable = calibration.estimate_same_compile(step, args, target)
     with tempfile.TemporaryDirectory(prefix="model_check_") as trace_dir:
-      meas = measure(executable, args, steps, trace_dir)
+      meas = calibration.measure_step(executable, args, steps, trace_dir)
     entry = {
       "sizes": dims,
       "estimate": summary,

@@ -48,6 +48,7 @@ __all__ = [
   "load",
   "match",
   "measure_step",
+  "path",
   "save",
 ]
 

@@ -39,7 +39,7 @@ import dataclasses
 
 from jax_overlap._src.analysis.schedule import CollectiveInfo, Schedule
 
-__all__ = ["Event", "Placement", "held_behind_persistent", "place"]
+__all__ = ["Event", "Placement", "hold_behind_persistent", "held_behind_persistent", "place"]
 
 
 @dataclasses.dataclass
@@ -72,20 +72,15 @@ def _event(track: str, item, args: dict) -> Event:
 def place(schedule: Schedule) -> Placement:
   """Places every kernel and collective of ``schedule`` on its stream, applying the
   dispatch rule of persistent kernels (module docstring)."""
-  held: dict[str, tuple[float, str]] = {}
   persistent = [k for k in schedule.kernels if k.persistent]
   async_ = [c for c in schedule.collectives if not c.synchronous]
-  # Each pass only moves collectives later; one more per held collective at most.
-  for _ in range(len(async_) + 1):
+
+  def once(held):
     placed = _place(schedule, held)
-    more = held_behind_persistent(
-      [(k.name, k.start_s, k.end_s) for k in persistent],
-      [(c.name, c.start_s, c.end_s) for c in async_],
-      held,
-    )
-    if not more:
-      break
-    held.update(more)
+    spans = [(k.name, k.start_s, k.end_s) for k in persistent]
+    return placed, spans, [(c.name, c.start_s, c.end_s) for c in async_]
+
+  placed, held = hold_behind_persistent(once, len(async_))
   if held:
     placed.notes.append(
       f"{len(held)} collective(s) became ready while a persistent library GEMM held every "
@@ -94,6 +89,25 @@ def place(schedule: Schedule) -> Placement:
   for c in schedule.collectives:
     c.held_by = held[c.name][1] if c.name in held else ""
   return placed
+
+
+def hold_behind_persistent(once, collectives: int):
+  """The placement ``once(held)`` at the fixed point of :func:`held_behind_persistent`.
+
+  ``once(held)`` places the step with each collective in ``held`` starting no earlier than
+  its time there, and returns (its result, the persistent kernels' spans, the async
+  collectives' spans). Each pass only moves collectives later: at most one more pass than
+  there are collectives. Returns (the last result, held). The analysis's timeline and the
+  simulator's contention-free critical path both place by it.
+  """
+  held: dict[str, tuple[float, str]] = {}
+  for _ in range(collectives + 1):
+    result, kernels, spans = once(held)
+    more = held_behind_persistent(kernels, spans, held) if kernels else {}
+    if not more:
+      break
+    held.update(more)
+  return result, held
 
 
 def held_behind_persistent(

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 from jax_overlap._src import targets
 from jax_overlap._src.sim import collectives as coll
-from jax_overlap._src.sim.gemm import gemm_config
+from jax_overlap._src.sim.gemm import gemm_config, launch_kind
 from jax_overlap._src.sim.model import (
   Collective,
   Constants,
@@ -151,7 +151,6 @@ class _Compiled:
           m, nn, k = it.gemm_mnk
           cfg = gemm_config(gpu, m, nn, k, it.dtype)
           grid, threads, regs, smem = cfg.grid, cfg.threads, cfg.regs, cfg.smem
-          self.persistent[i], self.cluster[i] = cfg.persistent, cfg.cluster
           tm, tn, _ = cfg.tile
           flops_b = 2.0 * tm * tn * k
           eff = it.efficiency if it.efficiency is not None else const.gemm_efficiency
@@ -162,10 +161,7 @@ class _Compiled:
             eff = it.efficiency
           else:
             eff = const.gemm_efficiency if it.kind == "gemm" else 1.0
-        if it.persistent is not None:
-          self.persistent[i] = it.persistent
-        if it.cluster is not None:
-          self.cluster[i] = it.cluster
+        self.persistent[i], self.cluster[i] = launch_kind(it, gpu)
         bytes_b = it.bytes / grid
         # GEMMs and fused custom kernels (attention) run on the tensor cores.
         tensor = it.kind in ("gemm", "custom")

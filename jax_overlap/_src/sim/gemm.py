@@ -40,7 +40,7 @@ import math
 from jax_overlap._src import deprecations, targets
 from jax_overlap._src.sim.model import dtype_bytes
 
-__all__ = ["GemmConfig", "gemm_config"]
+__all__ = ["GemmConfig", "gemm_config", "launch_kind"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,3 +115,18 @@ def gemm_config(gpu: targets.Gpu | str, m: int, n: int, k: int, dtype: str = "bf
     persistent=persistent,
     cluster=2 if persistent else 1,
   )
+
+
+def launch_kind(kernel, gpu: targets.Gpu | str) -> tuple[bool, int]:
+  """(persistent, blocks per cluster) of a :class:`~jax_overlap.sim.Kernel` on ``gpu``: its
+  own ``persistent`` and ``cluster`` where set, else as the target's library launches a
+  GEMM built by ``Kernel.gemm``, else (a kernel with its own launch) neither."""
+  persistent, cluster = False, 1
+  if kernel.grid is None or kernel.threads is None:
+    cfg = gemm_config(gpu, *kernel.gemm_mnk, kernel.dtype)
+    persistent, cluster = cfg.persistent, cfg.cluster
+  if kernel.persistent is not None:
+    persistent = kernel.persistent
+  if kernel.cluster is not None:
+    cluster = kernel.cluster
+  return persistent, cluster
