@@ -76,6 +76,41 @@ def publish(name: str, payload: dict, markdown: list[str]) -> str:
   return path
 
 
+def levers(expl, report, tuned_priority=None, tuned_caps=None) -> str:
+  """The levers ``@overlap``'s chosen variant pulls, in one line: the rewrite, the GEMMs'
+  emitter (and collectives held behind persistent cuBLAS GEMMs), whose estimates scheduled
+  it, the other XLA options, the simulator tuner's runtime plan, and the environment
+  settings judged on the step."""
+  import jax_overlap
+
+  opts = dict(expl.xla_options)
+  name = expl.chosen or "the only variant"
+  rewrite = "the step as written" if name.startswith("as written") else "rewritten"
+  cms = len(expl.of_kind("collective_matmul"))
+  if rewrite == "rewritten" and cms:
+    rewrite += f" ({cms} collective matmul(s) planned)"
+  gemms = (
+    "cuBLAS GEMMs"
+    if opts.pop("xla_gpu_enable_triton_gemm", None) in (False, "false")
+    else "GEMMs as XLA picks them"
+  )
+  held = sum(1 for c in report.collectives if c.held_by)
+  if held:
+    gemms += f" ({held} collective(s) held behind persistent GEMMs)"
+  profiled = opts.pop(jax_overlap.latency_profile.OPTION, None)
+  schedule = "the cost model's latency profile" if profiled else "XLA's estimates"
+  others = ", ".join(sorted(opts)) or "none"
+  runtime = "-"
+  if tuned_priority is not None:
+    runtime = f"collective streams at {tuned_priority} priority, {tuned_caps or 0} kernel cap(s)"
+  paying = [f"{v.name}={v.value}" for v in jax_overlap.flags.judge_environment(report) if v.recommended]
+  env = ", ".join(paying) or "none pays"
+  return (
+    f"{rewrite}; {gemms}; scheduled by {schedule}; other XLA options: {others}; "
+    f"runtime plan (simulator's tuner): {runtime}; environment: {env}"
+  )
+
+
 def ms(t) -> str:
   """Seconds as milliseconds in a table cell ('-' for a value not measured)."""
   return "-" if t is None else f"{t * 1e3:.2f}"

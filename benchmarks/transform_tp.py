@@ -115,8 +115,11 @@ def run(target: str, form: str, size: str, rows: list) -> None:
     rings = jax_overlap.overlap(fn, target=target, collective_matmul="ring", select="rewrite")
     reports["rings, as rewritten"] = jax_overlap.analyze(rings, *args, target=target, name="rings")
   written_compute_s = reports["XLA defaults"].compute_time_s
+  levers = None
   for name, r in reports.items():
     s = _simulated(r, target)
+    if name == "@overlap":
+      levers = _common.levers(expl, r, s["tuned_priority"], s["tuned_caps"])
     row = {
       "target": target,
       "form": form,
@@ -142,6 +145,7 @@ def run(target: str, form: str, size: str, rows: list) -> None:
       "classify": [a.detail for a in expl.of_kind("classify")],
       "collective_matmuls": [a.detail for a in expl.of_kind("collective_matmul")],
       "selection_s": select_s,
+      "levers": levers,
     }
   )
 
@@ -169,6 +173,7 @@ def _note(row: dict) -> str:
   return (
     f'- {row["target"]} {row["form"]} {row["size"]}: chose "{row["choice"]}" in '
     f"{row['selection_s']:.0f} s; {_decompositions(row['collective_matmuls'])}. "
+    + (f"Levers: {row['levers']}. " if row.get("levers") else "")
     + " ".join(n for n in row["notes"] if not n.startswith("chosen by the cost model"))
   )
 

@@ -47,6 +47,11 @@ def _define_flags() -> None:
     "recommended", False, "analyze: also apply the target's recommended options."
   )
   absl_flags.DEFINE_integer("steps", 10, "calibrate: steps timed (3 more are profiled).")
+  absl_flags.DEFINE_boolean(
+    "environment",
+    False,
+    "analyze: also judge CUDA_DEVICE_MAX_CONNECTIONS and NCCL_MAX_CTAS on this step (simulated).",
+  )
 
 
 class UsageError(Exception):
@@ -110,15 +115,33 @@ def _cmd_flags(args: Sequence[str]) -> int:
     print(json.dumps({"xla_flags": xla, "env": env}, indent=2, default=str))
     return 0
   if FLAGS.format == "table":
+    verdicts = {(v.name, v.value): v for v in _judged()}
     for k, v in opts.items():
-      why = flags_lib.REGISTRY[k].why or flags_lib.REGISTRY[k].meaning
+      judged = verdicts.get((k, flags_lib.format_value(v)))
+      why = judged.why if judged else flags_lib.REGISTRY[k].why or flags_lib.REGISTRY[k].meaning
       print(f"{k} = {flags_lib.format_value(v)}\n    {why}")
     _print_left_out(opts)
+    _print_not_set(opts, verdicts.values())
     return 0
   print(f"export XLA_FLAGS={shlex.quote(flags_lib.format_xla_flags(xla))}")
   for k, v in env.items():
     print(f"export {k}={shlex.quote(flags_lib.format_value(v))}")
   return 0
+
+
+def _judged():
+  from jax_overlap._src import flags as flags_lib
+
+  return flags_lib.judge_environment(target=FLAGS.target, workload=FLAGS.workload)
+
+
+def _print_not_set(opts, verdicts) -> None:
+  """The environment settings judged and not recommended, and why."""
+  from jax_overlap._src import flags as flags_lib
+
+  for v in verdicts:
+    if flags_lib.format_value(opts.get(v.name, "")) != v.value:
+      print(f"# not set: {v.name} = {v.value}\n    {v.why}")
 
 
 def _print_left_out(opts) -> None:
@@ -217,6 +240,10 @@ def _cmd_analyze(args: Sequence[str]) -> int:
   fn, fn_args = built
   report = analysis.analyze(fn, *fn_args, target=FLAGS.target, xla_options=options or None)
   print(report)
+  if FLAGS.environment:
+    print("Environment settings judged on this step:")
+    for v in flags_lib.judge_environment(report):
+      print(f"  {v.why}")
   if FLAGS.json:
     with open(FLAGS.json, "w") as f:
       f.write(report.to_json())

@@ -53,6 +53,9 @@ def test_flags_table_explains_each_choice():
   else:
     assert line in proc.stdout and "# left out" not in proc.stdout
     assert "Ampere" in proc.stdout
+  # The environment settings the simulator judged and found not to pay, each with its figure.
+  not_set = proc.stdout.split("# not set: CUDA_DEVICE_MAX_CONNECTIONS = 1\n")[1].splitlines()[0]
+  assert "does not pay: simulated step" in not_set and "FSDP transformer step" in not_set
 
 
 def test_flags_check_reports_every_problem_and_exits_1():
@@ -226,9 +229,13 @@ def test_analyze_a_builder_and_write_every_output(tmp_path):
     out["trace"],
     "-X",
     "xla_gpu_memory_limit_slop_factor=90",
+    "--environment",
   )
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert "jax_overlap analysis" in proc.stdout and "on a100x8" in proc.stdout
+  judged = proc.stdout.split("Environment settings judged on this step:\n")[1].splitlines()
+  assert judged[0].strip().startswith("CUDA_DEVICE_MAX_CONNECTIONS=1 ")
+  assert "on this step (a100x8)" in judged[0] and "not a measurement" in judged[0]
   import json
 
   report = json.load(open(out["json"]))

@@ -228,7 +228,8 @@ def test_recommended_differs_by_gpu_and_workload():
   tp = flags.recommended(target="h100x8", workload="tensor_parallel")
   windowed_aborts = aborts.aborts("xla_gpu_threshold_for_windowed_einsum_mib")[0]
   assert tp.get("xla_gpu_threshold_for_windowed_einsum_mib") == (None if windowed_aborts else 0)
-  assert flags.recommended(target="a40x8", workload="fsdp")["NCCL_MAX_CTAS"] == 4
+  # NCCL's own choice on a PCIe box (2 channels) is under every cap judged: none is set.
+  assert not [k for k in flags.recommended(target="a40x8") if k.startswith("NCCL_")]
   for opts in (h, a, tp):
     for name in opts:
       assert flags.REGISTRY[name].why or flags.REGISTRY[name].meaning
@@ -278,7 +279,7 @@ def test_configure_edits_a_given_environment():
   with pytest.raises(ConfigError, match="malformed token"):
     flags.configure(target="h100x8", workload="fsdp", environ=env3)
   env4: dict = {}
-  applied = flags.configure(target="a40x8", workload="fsdp", environ=env4)
+  applied = flags.configure(target="a40x8", workload="fsdp", environ=env4, NCCL_MAX_CTAS=4)
   assert env4["NCCL_MAX_CTAS"] == "4" and applied["NCCL_MAX_CTAS"] == "4"
 
 

@@ -159,6 +159,16 @@ def _check_analyze(proc, cwd):
   assert "traceEvents" in json.loads((cwd / "trace.json").read_text())
 
 
+def _check_analyze_environment(proc, cwd):
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  judged = proc.stdout.split("Environment settings judged on this step:\n")[1].splitlines()
+  assert [ln.split()[0].split("=")[0] for ln in judged] == [
+    "CUDA_DEVICE_MAX_CONNECTIONS",
+    *["NCCL_MAX_CTAS"] * 4,
+  ]
+  assert all("on this step (h100x8)" in ln for ln in judged)
+
+
 _HAS_CUDA_PLUGIN = __import__("importlib").util.find_spec("jax_plugins.xla_cuda13") is not None
 
 RUN = {
@@ -169,6 +179,7 @@ RUN = {
   "jax-overlap --help": _check_help,
   "jax-overlap analyze jax_overlap.examples.fsdp_transformer:build --target h100x8 "
   "--recommended --plot t.png --json r.json --perfetto trace.json": _check_analyze,
+  "jax-overlap analyze jax_overlap.examples.tp_sp:build --environment": _check_analyze_environment,
 }
 
 

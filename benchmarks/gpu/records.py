@@ -206,13 +206,48 @@ def dispatch(path: str) -> int:
     if r.get("proxy_latency_s") is None:
       parts.append(f"target {target}")
       continue
+    sim = dispatch_prediction(data, r) if not r["gemm"]["sm_count_target"] else None
     parts.append(
       f"target {target}: GEMM {_ms(r['gemm_alone_s'])} ms alone, {r['free_sms']:g} SMs free, "
-      f"copy behind it {_ms(r['proxy_latency_s'])} ms (alone {_ms(r['proxy_alone_s'])}), "
-      f"GEMM beside it {_ms(r['gemm_s'])} ms"
+      f"copy behind it {_ms(r['proxy_latency_s'])} ms (alone {_ms(r['proxy_alone_s'])}"
+      + (f"; simulated {_ms(sim)}" if sim is not None else "")
+      + f"), GEMM beside it {_ms(r['gemm_s'])} ms"
     )
   print(f"records.py: GEMM dispatch{where}{env}: " + "; ".join(parts))
   return 0
+
+
+def dispatch_prediction(data: dict, rec: dict) -> float | None:
+  """The simulator's copy latency for one of gemm_dispatch's records at the device's own SM
+  count: its GEMM and copy with their measured times alone, launched in the record's order,
+  the copy's stream at the greatest priority or not, and one hardware queue where the run
+  had CUDA_DEVICE_MAX_CONNECTIONS=1 (``sim.Policy(single_queue=True)``). None where the
+  record lacks the times."""
+  import dataclasses
+
+  from jax_overlap import sim
+  from jax_overlap._src import targets
+
+  if rec.get("gemm_alone_s") is None or rec.get("proxy_alone_s") is None:
+    return None
+  gpu = targets.catalogue_gpu(data.get("device", {}).get("name", "")) or "h200"
+  g = rec["gemm"]
+  gemm = sim.Kernel.gemm("gemm", g["m"], g["n"], g["k"], dtype=g.get("dtype", "bf16"))
+  gemm = dataclasses.replace(gemm, time_s=rec["gemm_alone_s"])
+  p = data["proxy"]
+  copy = sim.Collective(
+    "proxy", "copy", float(p["bytes"]), group_size=1, stream=1, channels=int(p["ctas"]),
+    threads=int(p["threads"]), regs=96, smem=int(p["smem"]), time_s=rec["proxy_alone_s"],
+  )  # fmt: skip
+  items = (gemm, copy) if rec["issue"] == "compute_first" else (copy, gemm)
+  policy = sim.Policy(
+    "measured",
+    priority=bool(rec["priority"]),
+    single_queue=str(data.get("cuda_device_max_connections")) == "1",
+  )
+  res = sim.simulate(sim.Workload(items, "gemm_dispatch"), target=gpu, policy=policy)
+  t = res.timing("proxy")
+  return t.end_s - t.ready_s
 
 
 def _ms(v) -> str:

@@ -48,6 +48,7 @@ __all__ = [
   "GPUS",
   "get",
   "get_gpu",
+  "persistent_gemm_dtype",
   "names",
   "gpu_target_config",
   "compile_only_devices",
@@ -148,7 +149,8 @@ class Gpu:
     on Hopper, sm_90 and later). Measured on an H200 (benchmarks/results/
     runtime_nvidia_h200_2026-12-04.md, item 4): a copy launched behind cuBLAS's 8192^3
     bf16 GEMM waited for all of it at the highest stream priority. The analysis's
-    timeline and the simulator both apply it."""
+    timeline and the simulator both apply it to GEMMs of 16- and 8-bit operands
+    (:func:`persistent_gemm_dtype`)."""
     return self.vendor == "nvidia" and self.compute_capability >= (9, 0)
 
   def peak_flops(self, dtype: str = "bf16") -> float:
@@ -373,6 +375,16 @@ def catalogue_gpu(description) -> str | None:
     if key in low:
       return key
   return None
+
+
+def persistent_gemm_dtype(dtype: str) -> bool:
+  """Whether a library GEMM of ``dtype`` operands runs persistent where the library runs
+  GEMMs so (:attr:`Gpu.persistent_library_gemms`): 16- and 8-bit types (cuBLAS's
+  ``nvjet_sm90_*`` kernels). Measured on an H200: a copy launched behind the 8192^3 bf16 GEMM
+  waited for all of it at the highest priority, behind the fp32 one (2.73 ms, TF32 tensor
+  cores) 1.0 ms: its kernel lets a prioritised copy in before it ends."""
+  d = str(dtype).lower()
+  return d.startswith(("bf16", "f16", "fp16", "float16", "bfloat16", "f8", "fp8", "float8"))
 
 
 def get_gpu(name: str | Gpu) -> Gpu:

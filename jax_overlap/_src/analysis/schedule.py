@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from jax_overlap._src import deprecations
+from jax_overlap._src import deprecations, targets
 from jax_overlap._src.analysis import cost_model as cm
 from jax_overlap._src.analysis import hlo as hlo_lib
 
@@ -505,7 +505,7 @@ def build_schedule(
       annotations=dict(instr.frontend_attributes),
       launch_name=launch_name,
       library=library,
-      persistent=library and persistent_gemms,
+      persistent=library and persistent_gemms and targets.persistent_gemm_dtype(dtype),
       cluster=clusters.get(launch_name, 1),
     )
     kernels.append(k)

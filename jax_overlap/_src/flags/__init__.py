@@ -18,6 +18,9 @@ safe way to choose, check and set those options, one stage a module:
   ``XLA_FLAGS`` spelling.
 * :mod:`.aborts`: options with which the installed XLA aborts compiling some programs
   (an XLA bug the registry records; asked of XLA in a helper process).
+* :mod:`.environment`: :func:`judge_environment`, ``CUDA_DEVICE_MAX_CONNECTIONS`` and
+  NCCL's channel cap judged by the simulator on a step (the user's, or a representative
+  one, from which :func:`recommended` takes the settings that pay).
 * :mod:`.configuration`: :func:`recommended`, :func:`configure`,
   :func:`as_compiler_options`.
 """
@@ -28,6 +31,8 @@ from jax_overlap._src.flags.configuration import backend_started as backend_star
 from jax_overlap._src.flags.configuration import check_workload as check_workload
 from jax_overlap._src.flags.configuration import configure as configure
 from jax_overlap._src.flags.configuration import recommended as recommended
+from jax_overlap._src.flags.environment import Verdict as Verdict
+from jax_overlap._src.flags.environment import judge as judge_environment
 from jax_overlap._src.flags.registry import REGISTRY as REGISTRY
 from jax_overlap._src.flags.registry import WORKLOADS as WORKLOADS
 from jax_overlap._src.flags.registry import Flag as Flag
@@ -52,4 +57,6 @@ __all__ = [
   "read_xla_flags",
   "format_xla_flags",
   "accepted_by_jaxlib",
+  "judge_environment",
+  "Verdict",
 ]

@@ -548,6 +548,9 @@ ENTRIES: tuple[Flag, ...] = (
     "int",
     "Upper bound on NCCL channels (CTAs) per communicator; overrides the communicator "
     "config XLA builds from xla_gpu_nccl_collective_max_nchannels.",
+    why="Fewer channels leave more SMs to compute and make each collective slower below "
+    "the link's rate; recommended only where the simulator says a cap pays on the "
+    "workload's step (jax_overlap.flags.judge_environment).",
   ),
   _f(
     "NCCL_MIN_CTAS",
@@ -609,7 +612,9 @@ ENTRIES: tuple[Flag, ...] = (
     default=8,
     why="Overlap needs more than one hardware queue; recipes that set 1 for ordering make "
     "a collective launched after a compute kernel wait behind all of its blocks, whatever "
-    "the collective stream's priority.",
+    "the collective stream's priority, and one launched first go first (behind Hopper's "
+    "persistent cuBLAS GEMMs its only way onto the SMs). Recommended only where the "
+    "simulator says it pays on the workload's step (jax_overlap.flags.judge_environment).",
   ),
 )
 

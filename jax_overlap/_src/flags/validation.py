@@ -467,7 +467,8 @@ def _counterproductive(flag: Flag, value: Any) -> list[Problem]:
         "the GPU in the order the host launched them, whatever their stream's priority, so "
         "a collective XLA launches after a compute kernel waits until all of that kernel's "
         "blocks are placed (behind a persistent cuBLAS GEMM on Hopper, until it ends); "
-        "only collectives launched first still overlap",
+        "only collectives launched first still overlap "
+        "(jax_overlap.flags.judge_environment(report) simulates it on your step)",
         severity="warning",
       )
     ]

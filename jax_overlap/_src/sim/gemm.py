@@ -105,7 +105,7 @@ def gemm_config(gpu: targets.Gpu | str, m: int, n: int, k: int, dtype: str = "bf
     smem += 8 * 1024  # epilogue staging and pipeline barriers
   smem = min(smem, gpu.smem_per_block_optin)
   grid = math.ceil(m / tm) * math.ceil(n / tn)
-  persistent = gpu.persistent_library_gemms
+  persistent = gpu.persistent_library_gemms and targets.persistent_gemm_dtype(dtype)
   return GemmConfig(
     tile=(tm, tn, tk),
     grid=grid,

@@ -14,7 +14,8 @@
 
 A :class:`Policy` can also keep SMs free of compute blocks (``reserve_sms``): what CUDA green
 contexts, or a library's SM-count target, would do for the communication kernels. The runtime
-library does not apply it; the simulator says what it would buy.
+library does not apply it; the simulator says what it would buy. And it can put every stream
+in one hardware queue (``single_queue``): what ``CUDA_DEVICE_MAX_CONNECTIONS=1`` does.
 
 Default shaping (when no per-kernel setting is given): each GEMM or custom kernel in a
 collective's overlap window is capped at the largest blocks-per-SM ``r`` that still leaves
@@ -75,6 +76,9 @@ class Policy:
       {"blocks_per_sm": n} / {"padding_bytes": b}; None or False for none.
     reserve_sms: SMs on which no compute block is placed, for the whole step
       (communication blocks may use every SM).
+    single_queue: every stream's kernels in one hardware queue, in launch order
+      (``CUDA_DEVICE_MAX_CONNECTIONS=1``; the engine's docstring says what it does); with
+      it stream priority decides nothing.
   """
 
   name: str
@@ -82,6 +86,7 @@ class Policy:
   priority: bool = False
   shaping: Mapping[str, object] | bool | None = None
   reserve_sms: int = 0
+  single_queue: bool = False
 
   def __post_init__(self):
     r = self.reserve_sms
@@ -90,12 +95,17 @@ class Policy:
         f"jax_overlap.sim: Policy.reserve_sms must be an int >= 0 (SMs kept free of compute "
         f"blocks), got {r!r}"
       )
+    if not isinstance(self.single_queue, bool):
+      raise ValueError(
+        f"jax_overlap.sim: Policy.single_queue must be True or False (one hardware queue, "
+        f"CUDA_DEVICE_MAX_CONNECTIONS=1), got {self.single_queue!r}"
+      )
 
   def __hash__(self):
     s = self.shaping
     if isinstance(s, Mapping):
       s = tuple(sorted((k, str(v)) for k, v in s.items()))
-    return hash((self.name, self.sequential, self.priority, s, self.reserve_sms))
+    return hash((self.name, self.sequential, self.priority, s, self.reserve_sms, self.single_queue))
 
 
 def get_policy(policy: str | Policy) -> Policy:
@@ -344,6 +354,7 @@ def simulate(
     check=check,
     baseline=baseline,
     reserved_sms=pol.reserve_sms,
+    single_queue=pol.single_queue,
   )
 
 

@@ -116,7 +116,7 @@ def workload_from_report(
 def _convert(report, channels, constants=None):
   kernels = list(_attr(report, "kernels", "report"))
   colls = list(_attr(report, "collectives", "report"))
-  const = _constants(constants, _target(report))
+  const = _constants(constants, target_of(report))
   launch = const.launch_overhead_s
   n = len(kernels)
   if n == 0 and not colls:
@@ -161,7 +161,7 @@ def _convert(report, channels, constants=None):
       time_s=_positive(getattr(c, "time_s", None)),
     )
     if channels is not None:
-      coll = _with_channels(coll, channels, _target(report), const)
+      coll = _with_channels(coll, channels, target_of(report), const)
     issued[s].append(coll)
     times[cname] = float(getattr(c, "time_s", 0.0) or 0.0)
     if not sync and d < n:
@@ -187,6 +187,18 @@ def _with_channels(c: Collective, channels: int, topo, const: Constants) -> Coll
     return shaped
   after = collectives.alone_time(shaped, topo, const)
   return dataclasses.replace(shaped, time_s=c.time_s * after / before)
+
+
+def with_channels(wl: Workload, channels: int, topo, const: Constants) -> Workload:
+  """``wl`` with each collective on at most ``channels`` CTAs (``NCCL_MAX_CTAS``), its
+  ``time_s`` rescaled as :func:`workload_from_report`'s ``channels`` does."""
+  items = tuple(
+    _with_channels(it, min(channels, it.channels or const.channels), topo, const)
+    if isinstance(it, Collective)
+    else it
+    for it in wl.items
+  )
+  return Workload(items, wl.name)
 
 
 # The duration a kernel is given when the analysis has it take no longer than the launch
@@ -268,7 +280,7 @@ def analysis_step_time(report) -> float:
   if st is not None:
     return float(st)
   wl, times = _convert(report, None)
-  return critical_path(wl, times, persistent_kernels(wl, _target(report)))
+  return critical_path(wl, times, persistent_kernels(wl, target_of(report)))
 
 
 def ideal_durations(wl: Workload, result, topo, const: Constants) -> dict[str, float]:
@@ -414,7 +426,7 @@ class RealizeResult:
     return "\n".join(lines)
 
 
-def _target(report) -> targets.Topology:
+def target_of(report) -> targets.Topology:
   """The report's topology: its ``topology`` object when it has one, else ``target``."""
   topo = getattr(report, "topology", None)
   if isinstance(topo, targets.Topology):
@@ -448,7 +460,7 @@ def realize(
     >>> res = realize(report)  # doctest: +SKIP
     >>> print(res.table())     # doctest: +SKIP
   """
-  topo = _target(report)
+  topo = target_of(report)
   const = _constants(constants, topo)
   wl = workload_from_report(report, channels=channels, constants=const)
   if policy is None:
