@@ -123,6 +123,12 @@ def deviceless(rows, tables):
         )
       choice = next((n for n in expl.notes if n.startswith("chosen by the cost model")), "")
       self_judged = expl.chosen.endswith("scheduled by the cost model's estimates")
+      chosen = reports["@overlap"]
+      tuned = jax_overlap.sim.tune(
+        jax_overlap.sim.workload_from_report(chosen), target=target, progress=False, max_evals=24
+      )
+      levers = _common.levers(expl, chosen, tuned.plan.streams.priority, len(tuned.plan.kernels))
+      rows[-1]["levers"] = levers
       rows[-1]["choice"] = choice
       rows[-1]["chosen"] = expl.chosen
       rows[-1]["self_judged"] = self_judged
@@ -142,7 +148,7 @@ def deviceless(rows, tables):
         + ", ".join(f"{n} {r.step_time_s / r.compute_time_s:.3f}" for n, r in reports.items())
         + "\n\nsim.realize (SM contention, XLA's stream priority): "
         + ", ".join(f"{n} {t * 1e3:.2f} ms" for n, t in simulated.items())
-        + f"\n\n{choice} (selection took {select_time:.0f} s).{mark}\n"
+        + f"\n\n{choice} (selection took {select_time:.0f} s).{mark}\n\nLevers: {levers}.\n"
       )
       print(f"\n{target} {form}\n{table}\n{choice}")
 
