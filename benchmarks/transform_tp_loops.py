@@ -77,6 +77,9 @@ def run(target: str, form: str, size: str, rows: list) -> None:
     name: jax_overlap.sim.realize(r, "priority").results["priority"].makespan_s
     for name, r in (("written", written), ("overlap", rep))
   }
+  tuned = jax_overlap.sim.tune(
+    jax_overlap.sim.workload_from_report(rep), target=target, progress=False, max_evals=24
+  )
   row = {
     "target": target,
     "form": form,
@@ -95,6 +98,7 @@ def run(target: str, form: str, size: str, rows: list) -> None:
     "sim_overlap_s": sim["overlap"],
     "chosen": expl.chosen,
     "loop_actions": [a.detail for a in expl.actions if "lax.scan" in a.where],
+    "levers": _common.levers(expl, rep, tuned.plan.streams.priority, len(tuned.plan.kernels)),
   }
   rows.append(row)
   print(_line(row), flush=True)
@@ -138,7 +142,10 @@ def main(argv):
     "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     *[_line(r) for r in rows],
     "",
-    *[f'- {r["target"]} {r["form"]} {r["size"]}: chose "{r["chosen"]}"' for r in rows],
+    *[
+      f'- {r["target"]} {r["form"]} {r["size"]}: chose "{r["chosen"]}". Levers: {r["levers"]}.'
+      for r in rows
+    ],
   ]
   _common.publish("transform_tp_loops", {"sizes": SIZES, "forms": FORMS, "rows": rows}, md)
 

@@ -251,15 +251,24 @@ def test_gpu_benchmark_dry_run(tmp_path):
   }
   assert "launch gaps (dry run: nothing measured)" in out.stderr
   assert "event_other_stream: -; simulator 1.80 us" in out.stderr
-  # The GEMM dispatch probe is built and lists cuBLASLt's SM-count targets (0: the
-  # device's; 132 - 32, 132 - 64 and half of an H100/H200) in both orders and priorities.
+  # The GEMM dispatch probe is built and lists the SM-count targets (0: the device's;
+  # 132 - 32, 132 - 64 and half of an H100/H200) of cuBLASLt's descriptor and of the legacy
+  # cuBLAS handle XLA's GEMM thunks use, in both orders and priorities.
   dispatch = json.loads((tmp_path / "gemm_dispatch.json").read_text())
-  targets = collections.Counter(r["gemm"]["sm_count_target"] for r in dispatch["records"])
-  assert dispatch["measured"] is False and targets == {0: 4, 100: 4, 68: 4, 66: 4}
+  targets = collections.Counter(
+    (r["gemm"]["api"], r["gemm"]["sm_count_target"]) for r in dispatch["records"]
+  )
+  assert dispatch["measured"] is False and targets == {
+    (api, t): 4 for api in ("cublasLt", "cublas") for t in (0, 100, 68, 66)
+  }
   assert {(r["priority"], r["issue"]) for r in dispatch["records"]} == {
     (p, i) for p in (True, False) for i in ("compute_first", "proxy_first")
   }
-  assert "GEMM dispatch (dry run: nothing measured): target device; target 100" in out.stderr
+  assert (
+    "GEMM dispatch (dry run: nothing measured): cublasLt target device; cublasLt target 100"
+    in out.stderr
+  )
+  assert "; cublas target device; cublas target 100" in out.stderr
   # The sweep's output is what sim.calibrate reads: every kind x cap x priority x issue, the
   # registers from ptxas, and (dry run) the simulator's predictions, marked as such.
   data = json.loads((tmp_path / "overlap_bench.json").read_text())

@@ -6,7 +6,10 @@
 // stream priority (overlap_bench on an H200). cuBLASLt has one documented lever for this:
 // CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, "the number of SMs to target ... when the user
 // expects a concurrent stream to be using some of the device resources". This program
-// measures, for a bf16 N x N x N cuBLASLt GEMM at each SM-count target (0: the device's):
+// measures, for a bf16 N x N x N GEMM at each SM-count target (0: the device's), through
+// each of cuBLAS's two APIs ("api" in a record): cuBLASLt with the target on the matmul
+// descriptor, and the legacy cublasGemmEx with cublasSetSmCountTarget on its handle (the
+// API XLA's __cublas$gemm thunks call):
 //   gemm_alone_s      the GEMM alone (events; median of the repetitions)
 //   proxy_alone_s     the proxy alone: an NCCL channel's footprint (16 blocks x 544
 //                     threads, 82,240 B of dynamic shared memory) copying 256 MiB
@@ -27,6 +30,7 @@
 // null measurements, without touching a GPU or loading cuBLASLt.
 //
 // Build: nvcc -O3 -std=c++17 -arch=sm_90 -o gemm_dispatch gemm_dispatch.cu -ldl
+// (cuBLAS and cuBLASLt are loaded with dlopen: CUBLAS_LIBRARY / CUBLASLT_LIBRARY override.)
 #include <cuda_runtime.h>
 #include <dlfcn.h>
 #include <stdint.h>
@@ -183,6 +187,53 @@ void RunGemm(const Lt& lt, const Gemm& g, const void* a, const void* b, void* d,
                      g.workspace, g.h.workspace, s));
 }
 
+// ---------------------------------------------------------------------------
+// Legacy cuBLAS through dlopen: cublasGemmEx with the handle's SM-count target.
+// ---------------------------------------------------------------------------
+constexpr int kGemmDefault = -1;  // CUBLAS_GEMM_DEFAULT
+typedef int (*BlasCreate)(void**);
+typedef int (*BlasSetStream)(void*, cudaStream_t);
+typedef int (*BlasSetSmCountTarget)(void*, int);
+typedef int (*BlasGemmEx)(void*, int, int, int, int, int, const void*, const void*, int, int,
+                          const void*, int, int, const void*, void*, int, int, int, int);
+
+struct Blas {
+  void* handle = nullptr;
+  BlasSetStream set_stream;
+  BlasSetSmCountTarget set_sm_count_target;
+  BlasGemmEx gemm_ex;
+  std::string library;
+};
+
+bool LoadBlas(Blas* blas) {
+  const char* names[] = {getenv("CUBLAS_LIBRARY"), "libcublas.so.13", "libcublas.so.12",
+                         "libcublas.so"};
+  for (const char* n : names) {
+    if (n == nullptr || *n == '\0') continue;
+    void* h = dlopen(n, RTLD_NOW | RTLD_GLOBAL);
+    if (h == nullptr) continue;
+    auto create = reinterpret_cast<BlasCreate>(dlsym(h, "cublasCreate_v2"));
+    blas->set_stream = reinterpret_cast<BlasSetStream>(dlsym(h, "cublasSetStream_v2"));
+    blas->set_sm_count_target =
+        reinterpret_cast<BlasSetSmCountTarget>(dlsym(h, "cublasSetSmCountTarget"));
+    blas->gemm_ex = reinterpret_cast<BlasGemmEx>(dlsym(h, "cublasGemmEx"));
+    if (create && blas->set_stream && blas->set_sm_count_target && blas->gemm_ex &&
+        create(&blas->handle) == 0) {
+      blas->library = n;
+      return true;
+    }
+  }
+  return false;
+}
+
+void RunBlasGemm(const Blas& blas, int n, const void* a, const void* b, void* d,
+                 cudaStream_t s) {
+  const float one = 1.f, zero = 0.f;
+  LT_CHECK(blas.set_stream(blas.handle, s));
+  LT_CHECK(blas.gemm_ex(blas.handle, 0, 0, n, n, n, &one, a, kR16BF, n, b, kR16BF, n, &zero, d,
+                        kR16BF, n, kComputeF32, kGemmDefault));
+}
+
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
@@ -244,6 +295,11 @@ int main(int argc, char** argv) {
     fprintf(stderr, "gemm_dispatch: cuBLASLt not found (set CUBLASLT_LIBRARY)\n");
     return 1;
   }
+  Blas blas;
+  if (!o.list && !LoadBlas(&blas)) {
+    fprintf(stderr, "gemm_dispatch: cuBLAS not found (set CUBLAS_LIBRARY)\n");
+    return 1;
+  }
   int lo = 0, hi = 0;
   cudaStream_t s_gemm = nullptr, s_hi = nullptr, s_lo = nullptr;
   void *a = nullptr, *b = nullptr, *d = nullptr, *ws = nullptr, *src = nullptr, *dst = nullptr;
@@ -297,15 +353,22 @@ int main(int argc, char** argv) {
     }
     proxy_alone = Median(v);
   }
+  for (const char* api : {"cublasLt", "cublas"})
   for (int target : o.targets) {
+    const bool legacy = !strcmp(api, "cublas");
     Gemm g{};
+    auto run_gemm = [&](cudaStream_t s) {
+      if (legacy) RunBlasGemm(blas, o.n, a, b, d, s);
+      else RunGemm(lt, g, a, b, d, s);
+    };
     double alone = 0;
     if (!o.list) {
-      g = Plan(lt, o.n, target, ws, ws_bytes);
+      if (legacy) LT_CHECK(blas.set_sm_count_target(blas.handle, target));
+      else g = Plan(lt, o.n, target, ws, ws_bytes);
       std::vector<double> v;
       for (int r = 0; r < o.reps + 1; ++r) {
         CHECK(cudaEventRecord(ev[0], s_gemm));
-        RunGemm(lt, g, a, b, d, s_gemm);
+        run_gemm(s_gemm);
         CHECK(cudaEventRecord(ev[1], s_gemm));
         CHECK(cudaStreamSynchronize(s_gemm));
         if (r) v.push_back(ms(ev[0], ev[1]));
@@ -320,7 +383,7 @@ int main(int argc, char** argv) {
       std::vector<double> firsts;
       for (int r = 0; r < o.reps; ++r) {
         stamp<<<1, 32, 0, s_gemm>>>(stamps + sms);
-        RunGemm(lt, g, a, b, d, s_gemm);
+        run_gemm(s_gemm);
         stamp<<<1, 32, 0, s_gemm>>>(stamps + sms + 1);
         sm_probe<<<sms, kProxyThreads, kProxySmem, s_hi>>>(stamps, sm_ids);
         CHECK(cudaDeviceSynchronize());
@@ -352,7 +415,7 @@ int main(int argc, char** argv) {
             CHECK(cudaDeviceSynchronize());
             if (gemm_first) {
               CHECK(cudaEventRecord(ev[0], s_gemm));
-              RunGemm(lt, g, a, b, d, s_gemm);
+              run_gemm(s_gemm);
               CHECK(cudaEventRecord(ev[1], s_gemm));
               CHECK(cudaEventRecord(ev[2], sp));
               proxy(sp);
@@ -362,7 +425,7 @@ int main(int argc, char** argv) {
               proxy(sp);
               CHECK(cudaEventRecord(ev[3], sp));
               CHECK(cudaEventRecord(ev[0], s_gemm));
-              RunGemm(lt, g, a, b, d, s_gemm);
+              run_gemm(s_gemm);
               CHECK(cudaEventRecord(ev[1], s_gemm));
             }
             CHECK(cudaDeviceSynchronize());
@@ -379,16 +442,17 @@ int main(int argc, char** argv) {
         char buf[1024];
         snprintf(buf, sizeof(buf),
                  "%s{\"gemm\": {\"m\": %d, \"n\": %d, \"k\": %d, \"dtype\": \"bf16\", "
-                 "\"sm_count_target\": %d}, \"priority\": %s, \"issue\": \"%s\", "
+                 "\"sm_count_target\": %d, \"api\": \"%s\"}, \"priority\": %s, \"issue\": \"%s\", "
                  "\"gemm_alone_s\": %s, \"proxy_alone_s\": %s, \"proxy_latency_s\": %s, "
                  "\"makespan_s\": %s, \"gemm_s\": %s, \"free_sms\": %s, "
                  "\"probe_first_s\": %s, \"waves\": %s}",
-                 records.empty() ? "" : ",\n  ", o.n, o.n, o.n, target,
+                 records.empty() ? "" : ",\n  ", o.n, o.n, o.n, target, api,
                  prio ? "true" : "false", gemm_first ? "compute_first" : "proxy_first",
                  Null(o.list, alone).c_str(), Null(o.list, proxy_alone).c_str(),
                  Null(o.list, latency).c_str(), Null(o.list, makespan).c_str(),
                  Null(o.list, gemm_s).c_str(), Null(o.list, free_sms).c_str(),
-                 Null(o.list, probe_first).c_str(), Null(o.list, g.h.waves).c_str());
+                 Null(o.list, probe_first).c_str(),
+                 legacy ? "null" : Null(o.list, g.h.waves).c_str());
         records += buf;
       }
     }
@@ -396,6 +460,7 @@ int main(int argc, char** argv) {
   std::string json = "{\"version\": 1, \"measured\": " + std::string(o.list ? "false" : "true") +
                      ", \"device\": {\"name\": \"" + name + "\", \"sm_count\": " +
                      std::to_string(sms) + "}, \"library\": \"" + lt.library +
+                     "\", \"legacy_library\": \"" + blas.library +
                      "\", \"cuda_device_max_connections\": " +
                      (conn ? "\"" + std::string(conn) + "\"" : std::string("null")) +
                      ", \"proxy\": {\"ctas\": " + std::to_string(kProxyCtas) +

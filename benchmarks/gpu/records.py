@@ -190,7 +190,7 @@ def gaps(path: str, gpu: str) -> int:
 
 
 def dispatch(path: str) -> int:
-  """One line on gemm_dispatch.cu's output: per SM-count target, the GEMM alone, the SMs
+  """One line on gemm_dispatch.cu's output: per API and SM-count target, the GEMM alone, the SMs
   its grid left free, and the copy's latency launched behind it at the greatest priority
   (and the GEMM's time beside it)."""
   data = _load(path)
@@ -202,13 +202,14 @@ def dispatch(path: str) -> int:
   for r in recs:
     if not (r["priority"] and r["issue"] == "compute_first"):
       continue
-    target = r["gemm"]["sm_count_target"] or "device"
+    api = r["gemm"].get("api", "cublasLt")
+    target = f"{api} target {r['gemm']['sm_count_target'] or 'device'}"
     if r.get("proxy_latency_s") is None:
-      parts.append(f"target {target}")
+      parts.append(target)
       continue
     sim = dispatch_prediction(data, r) if not r["gemm"]["sm_count_target"] else None
     parts.append(
-      f"target {target}: GEMM {_ms(r['gemm_alone_s'])} ms alone, {r['free_sms']:g} SMs free, "
+      f"{target}: GEMM {_ms(r['gemm_alone_s'])} ms alone, {r['free_sms']:g} SMs free, "
       f"copy behind it {_ms(r['proxy_latency_s'])} ms (alone {_ms(r['proxy_alone_s'])}"
       + (f"; simulated {_ms(sim)}" if sim is not None else "")
       + f"), GEMM beside it {_ms(r['gemm_s'])} ms"
