@@ -103,7 +103,9 @@ def levers(expl, report, tuned_priority=None, tuned_caps=None) -> str:
   runtime = "-"
   if tuned_priority is not None:
     runtime = f"collective streams at {tuned_priority} priority, {tuned_caps or 0} kernel cap(s)"
-  paying = [f"{v.name}={v.value}" for v in jax_overlap.flags.judge_environment(report) if v.recommended]
+  paying = [
+    f"{v.name}={v.value}" for v in jax_overlap.flags.judge_environment(report) if v.recommended
+  ]
   env = ", ".join(paying) or "none pays"
   return (
     f"{rewrite}; {gemms}; scheduled by {schedule}; other XLA options: {others}; "
