@@ -93,3 +93,22 @@ def test_a_users_step_is_judged_from_its_deviceless_compile():
   assert verdicts and all(v.step == "this step (h100x8)" for v in verdicts)
   base = sim.realize(report, sim.Policy("xla", priority=True)).results["xla"].makespan_s
   assert verdicts[0].baseline_s == pytest.approx(base)
+
+
+def test_overlap_tells_the_user_of_a_setting_that_pays_on_the_chosen_step():
+  from jax_overlap._src.transform import explain
+
+  items = []
+  for i in range(4):
+    items.append(dataclasses.replace(sim.Kernel.gemm(f"g{i}", 8192, 8192, 8192), time_s=1.4e-3))
+    items.append(
+      sim.Collective(f"rs{i}", "reduce-scatter", float(1 << 30), 8, stream=1, after=(f"g{i}",))
+    )
+  held = sim.Workload(tuple(items), "held")
+  (note,) = explain.environment_notes(held)  # judged on h100x8 (the default target)
+  assert note.startswith("CUDA_DEVICE_MAX_CONNECTIONS=1 pays: simulated step")
+  assert "cannot be set per compile" in note
+  # Nothing pays on the representative FSDP step: no note.
+  wl, _ = environment.representative(targets.get("h100x8"), "fsdp")
+  assert explain.environment_notes(wl) == []
+  assert explain.environment_notes("nothing")[0].startswith("environment settings not judged")

@@ -37,7 +37,7 @@ import functools
 from jax_overlap._src import targets as targets_lib
 from jax_overlap._src.flags.registry import WORKLOADS, Workload
 
-__all__ = ["GAIN", "Verdict", "representative", "judge", "environment"]
+__all__ = ["GAIN", "Verdict", "representative", "judge", "paying", "environment"]
 
 # The least simulated gain for which a setting is recommended (below it the model's own
 # error decides).
@@ -168,13 +168,17 @@ def judge(report=None, *, target="h100x8", workload: Workload = "fsdp") -> list[
   return out
 
 
+def paying(verdicts: list[Verdict]) -> list[Verdict]:
+  """The verdicts that pay, the best value of each variable (one channel cap)."""
+  best: dict[str, Verdict] = {}
+  for v in verdicts:
+    if v.recommended and (v.name not in best or v.step_s < best[v.name].step_s):
+      best[v.name] = v
+  return list(best.values())
+
+
 @functools.lru_cache(maxsize=64)
 def environment(topo: targets_lib.Topology, workload: str) -> tuple[tuple[str, str], ...]:
   """The settings the representative step of ``workload`` on ``topo`` gains from: the
   best channel cap that pays, and one queue where it pays."""
-  verdicts = [v for v in judge(target=topo, workload=workload) if v.recommended]
-  best: dict[str, Verdict] = {}
-  for v in verdicts:
-    if v.name not in best or v.step_s < best[v.name].step_s:
-      best[v.name] = v
-  return tuple((v.name, v.value) for v in best.values())
+  return tuple((v.name, v.value) for v in paying(judge(target=topo, workload=workload)))

@@ -95,3 +95,19 @@ def held_notes(names: list[str], chosen: int, reports: list) -> list[str]:
       f" and {len(gemms) - 3} more" if len(gemms) > 3 else ""
     )
   return [text]
+
+
+def environment_notes(report) -> list[str]:
+  """The environment settings the simulator says pay on the chosen variant's step
+  (``jax_overlap.flags.judge_environment``): they cannot be set per compile, so the user
+  is told, with the figure (none: no note)."""
+  from jax_overlap._src.flags import environment
+
+  try:
+    verdicts = environment.judge(report)
+  except (ValueError, TypeError, RuntimeError) as e:
+    return [f"environment settings not judged: {str(e).splitlines()[0][:200]}"]
+  return [
+    f"{v.why}; set it in the environment before JAX starts (it cannot be set per compile)"
+    for v in environment.paying(verdicts)
+  ]

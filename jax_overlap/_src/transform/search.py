@@ -163,7 +163,8 @@ def judged_notes(candidates, chosen: int, reports) -> list[str]:
       "self-judged: the chosen schedule came from a latency profile written by the same cost "
       "model that estimated it"
     )
-  return out + explain.held_notes([c.name for c in candidates], chosen, reports)
+  held = explain.held_notes([c.name for c in candidates], chosen, reports)
+  return out + held + explain.environment_notes(report)
 
 
 def select(
