@@ -103,10 +103,12 @@ def levers(expl, report, tuned_priority=None, tuned_caps=None) -> str:
   runtime = "-"
   if tuned_priority is not None:
     runtime = f"collective streams at {tuned_priority} priority, {tuned_caps or 0} kernel cap(s)"
-  paying = [
-    f"{v.name}={v.value}" for v in jax_overlap.flags.judge_environment(report) if v.recommended
-  ]
-  env = ", ".join(paying) or "none pays"
+  verdicts = jax_overlap.flags.judge_environment(report)
+  paying = [f"{v.name}={v.value} ({-v.gain:+.1%})" for v in verdicts if v.recommended]
+  best = max(verdicts, key=lambda v: v.gain, default=None)
+  env = ", ".join(paying) or (
+    f"none pays (best {best.name}={best.value}, {-best.gain:+.1%})" if best else "none judged"
+  )
   return (
     f"{rewrite}; {gemms}; scheduled by {schedule}; other XLA options: {others}; "
     f"runtime plan (simulator's tuner): {runtime}; environment: {env}"

@@ -129,6 +129,7 @@ def run(target: str, form: str, size: str, rows: list) -> None:
       "step_s": r.step_time_s,
       "compute_s": r.compute_time_s,
       "exposed_fraction": r.exposed_fraction,
+      "exposed_s": r.exposed_comm_s,
       "vs_compute_bound": r.step_time_s / r.compute_time_s,
       "vs_written_compute_bound": r.step_time_s / written_compute_s,
       **s,
@@ -154,6 +155,7 @@ def _line(row: dict) -> str:
   return (
     f"| {row['target']} | {row['form']} | {row['size']} | {row['variant']} "
     f"| {row['step_s'] * 1e3:.2f} | {row['compute_s'] * 1e3:.2f} | {row['exposed_fraction']:.1%} "
+    f"| {_common.ms(row.get('exposed_s'))} "
     f"| {row['vs_compute_bound']:.3f} | {row['vs_written_compute_bound']:.3f} "
     f"| {row['concurrent_s'] * 1e3:.2f} | {row['priority_s'] * 1e3:.2f} "
     f"| {row['tuned_s'] * 1e3:.2f} | {_common.ms(row['p2p_link_rate_s'])} "
@@ -213,7 +215,8 @@ def main(argv):
     "",
     f"{FLAGS.layers} blocks, bf16, batch 1, tensor axis of 8 (jax_overlap.examples.tp_sp), "
     f"sizes {sizes}. Deviceless estimates: jax_overlap.analyze (roofline kernels, alpha-beta "
-    "collectives on XLA's schedule: step, compute, exposed share, step / compute-only bound) "
+    "collectives on XLA's schedule: step, compute, exposed share and time, step / compute-only "
+    "bound) "
     "and the simulator's contention-aware step from the same kernel times (sim.realize): "
     "plain concurrency (no runtime controls), XLA's own policy (collective streams at the "
     "highest priority) and the tuner's plan (priority + occupancy shaping, "
@@ -234,12 +237,12 @@ def main(argv):
     "contexts would do for the communication kernels; no runtime here applies it). "
     "'-' for rows from before a column existed.",
     "",
-    "| target | form | size | variant | step ms | compute ms | exposed comm "
+    "| target | form | size | variant | step ms | compute ms | exposed comm | exposed ms "
     "| step / its compute | step / compute as written | sim: concurrent ms "
     "| sim: XLA priority ms | sim: tuned plan ms | sim: XLA priority, send/recv at link rate ms "
     f"| sim: XLA priority, {' / '.join(map(str, CHANNELS))} channels ms "
     f"| sim: XLA priority, {' / '.join(map(str, RESERVED))} SMs reserved ms |",
-    "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     *lines,
     "",
     *notes,

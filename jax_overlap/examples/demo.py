@@ -196,6 +196,10 @@ def main(argv) -> None:
       # The rules name kernels as the driver reports them: check them against the compiled step.
       check = jax_overlap.runtime.check_plan(res.plan, best)
       print(f"plan check against the compiled step: {check}")
+    # Settings that cannot be set per compile, judged on the same step.
+    print("environment settings judged on this step (simulated):")
+    for v in jax_overlap.flags.judge_environment(best):
+      print(f"  {v.why.split(' (the simulator')[0]}")
     tune_summary = {
       "baseline": res.baseline,
       "baseline_ms": res.baseline_s * 1e3,
