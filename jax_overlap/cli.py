@@ -110,9 +110,14 @@ def _cmd_flags(args: Sequence[str]) -> int:
   xla = {k: v for k, v in opts.items() if flags_lib.REGISTRY[k].kind == "xla"}
   env = {k: v for k, v in opts.items() if flags_lib.REGISTRY[k].kind == "env"}
   if FLAGS.format == "json":
+    import dataclasses
     import json
 
-    print(json.dumps({"xla_flags": xla, "env": env}, indent=2, default=str))
+    judged = [
+      {**dataclasses.asdict(v), "gain": v.gain, "recommended": v.recommended, "why": v.why}
+      for v in _judged()
+    ]
+    print(json.dumps({"xla_flags": xla, "env": env, "judged": judged}, indent=2, default=str))
     return 0
   if FLAGS.format == "table":
     verdicts = {(v.name, v.value): v for v in _judged()}

@@ -249,3 +249,16 @@ def test_analyze_a_builder_and_write_every_output(tmp_path):
   )
   assert open(out["png"], "rb").read(4) == b"\x89PNG"
   assert "traceEvents" in json.load(open(out["trace"]))
+
+
+def test_flags_json_carries_the_environment_verdicts():
+  proc = cli("flags", "--target", "h200x8", "--workload", "tensor_parallel", "--format", "json")
+  assert proc.returncode == 0, proc.stderr
+  out = json.loads(proc.stdout)
+  judged = {(v["name"], v["value"]): v for v in out["judged"]}
+  assert ("CUDA_DEVICE_MAX_CONNECTIONS", "1") in judged and ("NCCL_MAX_CTAS", "8") in judged
+  for v in judged.values():
+    assert v["recommended"] == (v["gain"] >= 0.02)
+    assert v["step"].endswith("(h200x8)") and v["step_s"] > 0 and v["baseline_s"] > 0
+  # A variable is exported exactly where a verdict recommends it.
+  assert set(out["env"]) == {n for n, _ in judged if judged[n, _]["recommended"]}
