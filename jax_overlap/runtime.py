@@ -18,6 +18,7 @@ from jax_overlap._src.runtime.plan import KernelRule as KernelRule
 from jax_overlap._src.runtime.plan import Plan as Plan
 from jax_overlap._src.runtime.plan import PlanCheck as PlanCheck
 from jax_overlap._src.runtime.plan import RegionRule as RegionRule
+from jax_overlap._src.runtime.plan import LibraryGemms as LibraryGemms
 from jax_overlap._src.runtime.plan import StreamPolicy as StreamPolicy
 from jax_overlap._src.runtime.plan import check_plan as check_plan
 from jax_overlap._src.runtime.plan import region_id as region_id
@@ -49,6 +50,7 @@ __all__ = [
   "RegionRule",
   "Status",
   "StreamPolicy",
+  "LibraryGemms",
   "blocks_per_sm",
   "check_plan",
   "library_path",

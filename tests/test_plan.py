@@ -107,7 +107,7 @@ BAD_PLANS = [
   (
     {"version": 1, "kernel": []},
     ValueError,
-    "plan: unknown key 'kernel'; valid keys: comm_block, comment, kernels, regions, streams, target, version",
+    "plan: unknown key 'kernel'; valid keys: comm_block, comment, kernels, library_gemms, regions, streams, target, version",
   ),
   (
     {"version": 1, "target": "h1000"},

@@ -26,6 +26,7 @@ LIBRARIES = {
         "procaddr",
         "log",
         "shaping",
+        "library_gemms",
       )
     ),
     "headers": tuple(
@@ -37,6 +38,7 @@ LIBRARIES = {
         "driver_info",
         "hooks",
         "init",
+        "library_gemms",
         "log",
         "regions",
         "rules",

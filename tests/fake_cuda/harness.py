@@ -22,7 +22,8 @@ DEFAULT_FUNCS = "gemm_fusion_1:static=1024:regs=32;nccl_proxy:regs=96;loop_fusio
 
 
 def build(out_dir: pathlib.Path) -> pathlib.Path:
-  """Builds libcuda.so.1, fake_app (dlopen) and fake_app_direct (linked) into out_dir."""
+  """Builds libcuda.so.1, fake_app (dlopen), fake_app_direct (linked) and a fake cuBLAS
+  (libcublas_fake.so, legacy and Lt entry points) into out_dir."""
   out_dir.mkdir(parents=True, exist_ok=True)
   cmds = [
     [
@@ -52,6 +53,18 @@ def build(out_dir: pathlib.Path) -> pathlib.Path:
       "-lpthread",
     ],
   ]
+  cmds.append(
+    [
+      CC,
+      "-O1",
+      "-fPIC",
+      "-shared",
+      "-fvisibility=hidden",
+      "-o",
+      str(out_dir / "libcublas_fake.so"),
+      str(TESTING / "fake_cublas.c"),
+    ]
+  )
   for cmd in cmds:
     subprocess.run(cmd, check=True, capture_output=True, text=True)
   return out_dir

@@ -7,6 +7,8 @@
 //     for a handle that is libcuda, answers hooked names with its hooks;
 //   * cuGetProcAddress / cuGetProcAddress_v2 (the CUDA runtime, cuBLAS, CuPy):
 //     it asks the real driver, keeps the answer and hands out its hook.
+// and, through dlsym too, cuBLAS handles and cuBLASLt descriptors as they are created
+// (library_gemms.h: the plan's SM-count target for library GEMMs).
 // Each hook forwards to the real driver entry point, found once under
 // pthread_once (dlvsym / dlsym on RTLD_NEXT or on the libcuda handle).
 //
@@ -34,6 +36,7 @@
 
 #include "dispatch.h"
 #include "init.h"
+#include "library_gemms.h"
 #include "log.h"
 #include "regions.h"
 #include "rules.h"
@@ -105,6 +108,11 @@ JOR_EXPORT void* dlsym(void* handle, const char* name) __THROW {
   jor::DlsymFn real = jor::RealDlsym();
   if (real == nullptr) return nullptr;
   if (handle == RTLD_NEXT) return jor::DlsymNextFromCaller(name, __builtin_return_address(0));
+  if (name != nullptr && name[0] == 'c' && name[1] == 'u' && name[2] == 'b') {
+    void* p = real(handle, name);  // a cuBLAS entry point (library_gemms.h)
+    void* hook = jor::LibraryGemmHook(handle, name, p);
+    return hook != nullptr ? hook : p;
+  }
   const int id = jor::HookedId(name);
   if (id < 0 || !jor::IsLibcuda(handle)) return real(handle, name);
   void* p = real(handle, name);

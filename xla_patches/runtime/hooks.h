@@ -143,6 +143,11 @@
   X(lookups_dlsym, "hooked symbols handed out by dlsym")                       \
   X(lookups_procaddr, "hooked symbols handed out by cuGetProcAddress")         \
   X(lookups_unhooked, "cuGetProcAddress answers left unhooked")                \
-  X(regions_entered, "occupancy regions entered")
+  X(regions_entered, "occupancy regions entered")                             \
+  X(gemm_handles_seen, "cuBLAS handles created")                               \
+  X(gemm_handles_targeted, "cuBLAS handles given the plan's SM-count target")   \
+  X(gemm_descs_seen, "cuBLASLt matmul descriptors created")                    \
+  X(gemm_descs_targeted, "cuBLASLt matmul descriptors given the plan's SM-count target") \
+  X(gemm_target_errors, "SM-count targets cuBLAS refused or could not be set")
 
 #endif  // JAX_OVERLAP_XLA_PATCHES_RUNTIME_HOOKS_H_

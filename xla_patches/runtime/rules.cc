@@ -101,6 +101,13 @@ int ParseRules(const char* text, Rules* rules) {
       }
       rules->room = Rules::kRoomGiven;
       rules->comm = JorCommBlock{t, r, m};
+    } else if (f[0] == "library_gemms" && f.size() == 3 && f[1] == "sm_count_target") {
+      if (!ParseInt(f[2], &value) || value < 1 || value > 4096) {
+        Log(0, "rules: bad sm_count_target in line '%s' (an SM count, 1-4096)", line.c_str());
+        ++errors;
+        continue;
+      }
+      rules->gemm_sm_count_target = value;
     } else if (f[0] == "streams" && f.size() == 3 && f[1] == "create_order") {
       for (const std::string& item : Split(f[2], ',')) {
         if (item.empty()) continue;

@@ -40,6 +40,9 @@ struct Rules {
   // `comm` as stated, or NCCL's channel for the device (auto).
   enum { kRoomNone, kRoomGiven, kRoomAuto } room = kRoomNone;
   JorCommBlock comm{0, 0, 0};
+  // > 0: the SM-count target set on every cuBLAS handle and cuBLASLt matmul
+  // descriptor the program creates (library_gemms.h).
+  int64_t gemm_sm_count_target = 0;
   std::string text;
 };
 
@@ -51,6 +54,7 @@ struct Rules {
 //   streams  promote_requested  0|1
 //   streams  create_order  <i>,<j>,...
 //   comm_block  auto | none | <threads> <regs_per_thread> <smem_bytes>
+//   library_gemms  sm_count_target  <int >= 1>
 // Returns the number of lines that could not be used (each is logged).
 int ParseRules(const char* text, Rules* rules);
 

@@ -30,6 +30,10 @@
  *         rules:FILE                          jor_set_rules(contents of FILE)
  *         unload                              cuModuleUnload
  *         next:SYMBOL                         which object dlsym(RTLD_NEXT, SYMBOL) finds
+ *         cublas:PATH                         dlopen a cuBLAS, create a handle with the
+ *                                             cublasCreate_v2 dlsym gives (as XLA does),
+ *                                             print the handle's SM-count target
+ *         cublaslt:PATH                       the same for a cuBLASLt matmul descriptor
  * Prints one "result ..." line per action and a final "counters {...}" line.
  */
 #define _GNU_SOURCE
@@ -432,6 +436,26 @@ int main(int argc, char** argv) {
       const char* where = (p && dladdr(p, &info) && info.dli_fname) ? info.dli_fname : "none";
       const char* base = strrchr(where, '/');
       printf("result %s 0 object=%s\n", argv[a], base ? base + 1 : where);
+    } else if ((!strcmp(act, "cublas") || !strcmp(act, "cublaslt")) && nf >= 2) {
+      void* lib = dlopen(fields[1], RTLD_NOW | RTLD_LOCAL);
+      int r = -99, target = -1;
+      if (lib != NULL && !strcmp(act, "cublas")) {
+        int (*create)(void**) = (int (*)(void**))dlsym(lib, "cublasCreate_v2");
+        int (*get)(void*, int*) = (int (*)(void*, int*))dlsym(lib, "cublasGetSmCountTarget");
+        void* h = NULL;
+        r = create ? create(&h) : -98;
+        if (r == 0 && get) get(h, &target);
+      } else if (lib != NULL) {
+        int (*create)(void**, int, int) =
+            (int (*)(void**, int, int))dlsym(lib, "cublasLtMatmulDescCreate");
+        int (*get)(void*, int, void*, size_t, size_t*) =
+            (int (*)(void*, int, void*, size_t, size_t*))dlsym(lib,
+                                                               "cublasLtMatmulDescGetAttribute");
+        void* d = NULL;
+        r = create ? create(&d, 68, 0) : -98; /* CUBLAS_COMPUTE_32F, CUDA_R_32F */
+        if (r == 0 && get) get(d, 15, &target, sizeof(target), NULL);
+      }
+      printf("result %s %d sm_count_target=%d\n", act, r, target);
     } else if (!strcmp(act, "rules") && nf >= 2) {
       int (*set)(const char*) = dlsym(RTLD_DEFAULT, "jor_set_rules");
       FILE* fp = fopen(fields[1], "r");

@@ -36,8 +36,10 @@ void TestFullPlan() {
       "streams\tpriority\thighest\n"
       "streams\tpromote_requested\t1\n"
       "streams\tcreate_order\t0,2\n"
-      "comm_block\t640\t64\t1024\n";
+      "comm_block\t640\t64\t1024\n"
+      "library_gemms\tsm_count_target\t100\n";
   CHECK(jor::ParseRules(text, &rules) == 0);
+  CHECK(rules.gemm_sm_count_target == 100);
   CHECK(rules.text == text);
   CHECK(rules.kernels.size() == 2);
   CHECK(rules.kernels[0].pattern == "*gemm*" && !rules.kernels[0].is_regex);
@@ -58,6 +60,7 @@ void TestDefaultsAndRoomKeywords() {
   CHECK(empty.kernels.empty() && empty.regions.empty());
   CHECK(!empty.stream_priority_highest && !empty.promote_requested);
   CHECK(empty.room == jor::Rules::kRoomNone);
+  CHECK(empty.gemm_sm_count_target == 0);
   jor::Rules automatic;
   CHECK(jor::ParseRules("comm_block\tauto\nstreams\tpriority\tdefault\n", &automatic) == 0);
   CHECK(automatic.room == jor::Rules::kRoomAuto && !automatic.stream_priority_highest);
@@ -97,6 +100,9 @@ void TestBadLinesAreCountedAndSkipped() {
       {"comm_block\tmaybe", 1},
       {"kernel glob * blocks_per_sm 2", 1},              // spaces, not tabs
       {"shaping\ton", 1},
+      {"library_gemms\tsm_count_target\t0", 1},       // an SM count, 1-4096
+      {"library_gemms\tsm_count_target\tmany", 1},
+      {"library_gemms\tsm_target\t66", 1},
   };
   for (const auto& c : cases) {
     jor::Rules rules;

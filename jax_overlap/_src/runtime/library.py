@@ -295,6 +295,11 @@ class Counters:
   lookups_procaddr: int = 0
   lookups_unhooked: int = 0
   regions_entered: int = 0
+  gemm_handles_seen: int = 0
+  gemm_handles_targeted: int = 0
+  gemm_descs_seen: int = 0
+  gemm_descs_targeted: int = 0
+  gemm_target_errors: int = 0
 
   @property
   def no_room(self) -> dict[str, int]:

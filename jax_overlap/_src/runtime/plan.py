@@ -16,7 +16,8 @@ through ``Plan(...).to_json()``::
     ],
     "regions": {"mlp": {"blocks_per_sm": 1}},
     "streams": {"priority": "highest"},
-    "comm_block": "auto"
+    "comm_block": "auto",
+    "library_gemms": {"sm_count_target": 100}
   }
 
 ``comm_block`` is the communication block every cap must make room for: ``"auto"``
@@ -24,6 +25,12 @@ through ``Plan(...).to_json()``::
 explicit ``{"threads": 544, "regs_per_thread": 96, "smem_bytes": 82240}``, or
 ``null`` to apply caps as written. A kernel for which no cap leaves room is left
 alone and counted (``runtime.status().counters.no_room``).
+
+``library_gemms`` (optional) sets an SM-count target on every cuBLAS handle and cuBLASLt
+matmul descriptor the program creates (:class:`LibraryGemms`): cuBLAS's own lever for
+leaving SMs to a concurrent stream beside its GEMMs, which on Hopper are persistent kernels
+holding every SM. Whether it shrinks their grid is measured, not assumed
+(``benchmarks/gpu/gemm_dispatch.cu``); the simulator's tuner does not propose it.
 
 ``jax-overlap launch`` validates it and hands it to the runtime library
 (``libjax_overlap_rt.so``) as compact rules (:meth:`Plan.to_rules`).
@@ -52,6 +59,7 @@ __all__ = [
   "KernelRule",
   "RegionRule",
   "StreamPolicy",
+  "LibraryGemms",
   "Plan",
   "region_id",
   "PlanCheck",
@@ -61,7 +69,17 @@ __all__ = [
 PLAN_VERSION = 1
 _API = "jax_overlap.runtime.Plan"
 
-_TOP_KEYS = ("comm_block", "comment", "kernels", "regions", "streams", "target", "version")
+_TOP_KEYS = (
+  "comm_block",
+  "comment",
+  "kernels",
+  "library_gemms",
+  "regions",
+  "streams",
+  "target",
+  "version",
+)
+_LIBRARY_GEMM_KEYS = ("comment", "sm_count_target")
 _COMM_KEYS = ("regs_per_thread", "smem_bytes", "threads")
 _KERNEL_KEYS = ("blocks_per_sm", "comment", "match", "padding_bytes", "regex")
 _REGION_KEYS = ("blocks_per_sm", "comment")
@@ -250,6 +268,50 @@ class StreamPolicy:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class LibraryGemms:
+  """What the runtime library sets on cuBLAS's GEMMs (``xla_patches/runtime/library_gemms.h``).
+
+  Attributes:
+    sm_count_target: the number of SMs cuBLAS's heuristics target, set on every cuBLAS
+      handle (``cublasSetSmCountTarget``) and cuBLASLt matmul descriptor
+      (``CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET``) as the program creates them: below the
+      device's SM count it asks for GEMMs that leave SMs to a concurrent stream. Counted
+      in ``runtime.status().counters`` (``gemm_handles_targeted``,
+      ``gemm_descs_targeted``, ``gemm_target_errors``).
+  """
+
+  sm_count_target: int
+
+  def __post_init__(self):
+    n = self.sm_count_target
+    if not _is_int(n):
+      raise TypeError(
+        f"{_API}: library_gemms 'sm_count_target' must be an integer (an SM count), got {n!r}"
+      )
+    if not 1 <= n <= 4096:
+      raise ValueError(
+        f"{_API}: library_gemms 'sm_count_target' must be an SM count from 1 to 4096, got {n}"
+      )
+
+  def to_dict(self) -> dict[str, Any]:
+    return {"sm_count_target": self.sm_count_target}
+
+
+def _library_gemms(spec: Any) -> LibraryGemms | None:
+  if spec is None or isinstance(spec, LibraryGemms):
+    return spec
+  if not isinstance(spec, Mapping):
+    raise TypeError(
+      f"{_API}: 'library_gemms' must be a JSON object such as {{\"sm_count_target\": 100}}, "
+      f"got {type(spec).__name__}"
+    )
+  _check_keys("library_gemms", spec, _LIBRARY_GEMM_KEYS)
+  if "sm_count_target" not in spec:
+    raise ValueError(f"{_API}: library_gemms: missing key 'sm_count_target'")
+  return LibraryGemms(spec["sm_count_target"])
+
+
 def _kernel_rule(index: int, rule: Any) -> KernelRule:
   if isinstance(rule, KernelRule):
     return rule
@@ -387,6 +449,8 @@ class Plan:
     comm_block: the communication block caps make room for: ``"auto"`` (NCCL's
       channel on the running device), a :class:`CommBlock` or dict, or None to apply
       caps as written.
+    library_gemms: a :class:`LibraryGemms` or a dict such as ``{"sm_count_target": 100}``:
+      cuBLAS's SM-count target on every handle and matmul descriptor; None: none.
 
   Raises:
     ValueError: for bad values or unknown keys, naming them and the valid ones.
@@ -405,9 +469,11 @@ class Plan:
   regions: tuple[RegionRule, ...] = ()
   streams: StreamPolicy = dataclasses.field(default_factory=StreamPolicy)
   comm_block: CommBlock | Literal["auto"] | None = "auto"
+  library_gemms: LibraryGemms | None = None
 
   def __post_init__(self):
     object.__setattr__(self, "comm_block", _comm_block(self.comm_block))
+    object.__setattr__(self, "library_gemms", _library_gemms(self.library_gemms))
     if not _is_int(self.version):
       raise TypeError(f"{_API}: 'version' must be an integer, got {self.version!r}")
     if self.version != PLAN_VERSION:
@@ -480,6 +546,12 @@ class Plan:
           f"{_API}: kernels[{i}]: 'padding_bytes' must be at most {gpu.smem_per_block_optin} "
           f"(the opt-in shared memory per block on {gpu.name}), got {rule.padding_bytes}"
         )
+    lg = self.library_gemms
+    if lg is not None and lg.sm_count_target > gpu.sm_count:
+      raise ValueError(
+        f"{_API}: library_gemms 'sm_count_target' must be at most {gpu.sm_count} (the SMs "
+        f"of {gpu.name}), got {lg.sm_count_target}"
+      )
     for r in self.regions:
       if r.blocks_per_sm > gpu.max_blocks_per_sm:
         raise ValueError(
@@ -491,7 +563,12 @@ class Plan:
   @property
   def empty(self) -> bool:
     """Whether the plan changes nothing."""
-    return not self.kernels and not self.regions and self.streams.priority == "default"
+    return (
+      not self.kernels
+      and not self.regions
+      and self.streams.priority == "default"
+      and self.library_gemms is None
+    )
 
   def to_dict(self) -> dict[str, Any]:
     out: dict[str, Any] = {"version": self.version}
@@ -502,6 +579,8 @@ class Plan:
     out["streams"] = self.streams.to_dict()
     cb = self.comm_block
     out["comm_block"] = cb.to_dict() if isinstance(cb, CommBlock) else cb
+    if self.library_gemms is not None:
+      out["library_gemms"] = self.library_gemms.to_dict()
     return out
 
   def __getitem__(self, key: str) -> Any:
@@ -568,6 +647,7 @@ class Plan:
       regions=data.get("regions", {}),
       streams=data.get("streams", None),
       comm_block=data.get("comm_block", "auto"),
+      library_gemms=data.get("library_gemms"),
     )
 
   def to_rules(self) -> str:
@@ -595,6 +675,8 @@ class Plan:
       lines.append(f"comm_block\t{cb.threads}\t{cb.regs_per_thread}\t{cb.smem_bytes}")
     else:
       lines.append(f"comm_block\t{'none' if cb is None else 'auto'}")
+    if self.library_gemms is not None:
+      lines.append(f"library_gemms\tsm_count_target\t{self.library_gemms.sm_count_target}")
     return "\n".join(lines) + "\n"
 
 
