@@ -15,10 +15,10 @@ from jax_overlap._src.runtime.library import library_path as library_path
 from jax_overlap._src.runtime.library import status as status
 from jax_overlap._src.runtime.plan import CommBlock as CommBlock
 from jax_overlap._src.runtime.plan import KernelRule as KernelRule
+from jax_overlap._src.runtime.plan import LibraryGemms as LibraryGemms
 from jax_overlap._src.runtime.plan import Plan as Plan
 from jax_overlap._src.runtime.plan import PlanCheck as PlanCheck
 from jax_overlap._src.runtime.plan import RegionRule as RegionRule
-from jax_overlap._src.runtime.plan import LibraryGemms as LibraryGemms
 from jax_overlap._src.runtime.plan import StreamPolicy as StreamPolicy
 from jax_overlap._src.runtime.plan import check_plan as check_plan
 from jax_overlap._src.runtime.plan import region_id as region_id

@@ -241,6 +241,12 @@ def test_gpu_benchmark_dry_run(tmp_path):
   assert "SKIP overlap_bench run: dry run" in out.stderr
   assert "outputs identical with and without shaping" in out.stderr
   assert "CUDA-runtime-like CUkernel launch shaped (launches_shaped=2)" in out.stderr
+  # cuBLAS's SM-count target: set through dlsym on the fake cuBLAS, and the JAX program run
+  # under plan_library_gemms.json (on CPU no cuBLAS handle: identical outputs, nothing set).
+  assert "fake cuBLAS: a handle and a cuBLASLt descriptor created through dlsym" in out.stderr
+  assert "JAX check, library GEMMs: jax_check: 5 outputs identical with and without cuBLAS's" in (
+    out.stderr
+  )
   # The launch-gap program is built and lists its cases beside the simulator's constants.
   gaps = json.loads((tmp_path / "launch_gaps.json").read_text())
   assert gaps["measured"] is False and set(gaps["cases"]) == {

@@ -1,12 +1,14 @@
 """Checks that a jitted JAX program gives identical outputs with and without shaping.
 
   python jax_check.py run OUT.npz        # run the program, save its outputs
-  python jax_check.py compare A.npz B.npz
+  python jax_check.py compare A.npz B.npz [WHAT]
 
 ``run_all.sh`` runs it once plainly and once under ``jax-overlap launch`` with a
 plan that shapes every kernel, then compares. Occupancy shaping only changes
 how many blocks share an SM, never what a kernel computes, so the outputs must
-be bitwise equal. Autotuning is turned off (``--xla_gpu_autotune_level=0``) in
+be bitwise equal. A third run sets cuBLAS's SM-count target (``plan_library_gemms.json``):
+its outputs are compared and reported, not required equal (a target may make cuBLAS choose
+another algorithm). Autotuning is turned off (``--xla_gpu_autotune_level=0``) in
 both runs so that XLA picks the same kernels whatever their timings.
 """
 
@@ -64,13 +66,18 @@ def run(out: str) -> int:
         "launches_shaped": s.counters.launches_shaped,
         "graph_nodes_shaped": s.counters.graph_nodes_shaped,
         "launches_fallback": s.counters.launches_fallback,
+        "gemm_handles_seen": s.counters.gemm_handles_seen,
+        "gemm_handles_targeted": s.counters.gemm_handles_targeted,
+        "gemm_descs_seen": s.counters.gemm_descs_seen,
+        "gemm_descs_targeted": s.counters.gemm_descs_targeted,
+        "gemm_target_errors": s.counters.gemm_target_errors,
       }
     )
   )
   return 0
 
 
-def compare(a: str, b: str) -> int:
+def compare(a: str, b: str, what: str = "shaping") -> int:
   import numpy as np
 
   with np.load(a) as x, np.load(b) as y:
@@ -79,17 +86,17 @@ def compare(a: str, b: str) -> int:
       return 1
     bad = [k for k in x.files if not np.array_equal(x[k], y[k])]
   if bad:
-    print(f"jax_check: outputs differ with shaping: {', '.join(bad)}")
+    print(f"jax_check: outputs differ with {what}: {', '.join(bad)}")
     return 1
-  print(f"jax_check: {len(x.files)} outputs identical with and without shaping")
+  print(f"jax_check: {len(x.files)} outputs identical with and without {what}")
   return 0
 
 
 def main(argv: list[str]) -> int:
   if len(argv) == 2 and argv[0] == "run":
     return run(argv[1])
-  if len(argv) == 3 and argv[0] == "compare":
-    return compare(argv[1], argv[2])
+  if len(argv) in (3, 4) and argv[0] == "compare":
+    return compare(*argv[1:])
   print(__doc__, file=sys.stderr)
   return 2
 

@@ -157,6 +157,14 @@ XLA_CHECK_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0 --xla_gpu_determinist
   > "$BUILD/jax_shaped.json" 2> "$BUILD/jax_shaped.log" || { tail -n 20 "$BUILD/jax_shaped.log" >&2; exit 1; }
 "$PY" "$HERE/jax_check.py" compare "$BUILD/plain.npz" "$BUILD/shaped.npz" >&2
 note "JAX check: identical outputs; shaped run: $(tail -n1 "$BUILD/jax_shaped.json")"
+# The same program with cuBLAS's SM-count target on XLA's GEMMs: counted, outputs compared.
+"${JAX_ENV[@]}" XLA_FLAGS="$XLA_CHECK_FLAGS" JAX_OVERLAP_RT_VERBOSE=2 timeout 240 "$PY" -c \
+  'import sys; from jax_overlap._src.runtime.launch import main; sys.exit(main(sys.argv[1:]))' \
+  --plan "$HERE/plan_library_gemms.json" -- "$PY" "$HERE/jax_check.py" run "$BUILD/gemms.npz" \
+  > "$BUILD/jax_gemms.json" 2> "$BUILD/jax_gemms.log" || { tail -n 20 "$BUILD/jax_gemms.log" >&2; exit 1; }
+GEMMS_SAME="$("$PY" "$HERE/jax_check.py" compare "$BUILD/plain.npz" "$BUILD/gemms.npz" \
+  "cuBLAS's SM-count target")" || true
+note "JAX check, library GEMMs: $GEMMS_SAME; run: $(tail -n1 "$BUILD/jax_gemms.json")"
 
 # Dry run: one launch through the test suite's fake driver, to see shaping act.
 if [[ $DRY_RUN -eq 1 ]]; then
@@ -170,6 +178,13 @@ if [[ $DRY_RUN -eq 1 ]]; then
     "$FAKE/fake_app" dlopen launch:gemm_fusion_1:256:0 klaunch:gemm_fusion_1:256:0 | tail -n1)"
   echo "$OUT" | grep -q '"launches_shaped": 2' || { echo "run_all.sh: fake-driver launches were not shaped: $OUT" >&2; exit 1; }
   note "fake driver: an XLA-like dlopen launch and a CUDA-runtime-like CUkernel launch shaped (launches_shaped=2)"
+  cc -O1 -fPIC -shared -o "$FAKE/libcublas_fake.so" "$REPO/xla_patches/testing/fake_cublas.c"
+  OUT="$(LD_LIBRARY_PATH="$FAKE" LD_PRELOAD="$LIB" \
+    JAX_OVERLAP_RT_RULES="$("$PY" -c 'from jax_overlap.runtime import Plan; print(Plan.from_json("'"$HERE/plan_library_gemms.json"'").to_rules(), end="")')" \
+    "$FAKE/fake_app" dlopen "cublas:$FAKE/libcublas_fake.so" "cublaslt:$FAKE/libcublas_fake.so")"
+  echo "$OUT" | grep -q '"gemm_handles_targeted": 1' && echo "$OUT" | grep -q '"gemm_descs_targeted": 1' \
+    || { echo "run_all.sh: the fake cuBLAS was not given the SM-count target: $OUT" >&2; exit 1; }
+  note "fake cuBLAS: a handle and a cuBLASLt descriptor created through dlsym given the plan's SM-count target (66)"
   note "dry run done in $((SECONDS - T0)) s; sweep output $BENCH_JSON; no results written"
   exit 0
 fi
@@ -179,9 +194,9 @@ mkdir -p "$RESULTS"
 SLUG="$(echo "$GPU_NAME" | tr 'A-Z' 'a-z' | tr -cs 'a-z0-9' '_' | sed 's/_$//')"
 DATE="$(date -u +%Y-%m-%d)"
 RESULT="$RESULTS/runtime_${SLUG}_${DATE}.json"
-"$PY" - "$BENCH_JSON" "$BUILD/jax_plain.json" "$BUILD/jax_shaped.json" "$RESULT" "$GPU_NAME" "$CHECK_FAILED" "$GAPS_JSON" "$DISPATCH_JSON" "$DISPATCH_ONE_JSON" <<'EOF'
+"$PY" - "$BENCH_JSON" "$BUILD/jax_plain.json" "$BUILD/jax_shaped.json" "$RESULT" "$GPU_NAME" "$CHECK_FAILED" "$GAPS_JSON" "$DISPATCH_JSON" "$DISPATCH_ONE_JSON" "$BUILD/jax_gemms.json" "$GEMMS_SAME" <<'EOF'
 import datetime, json, subprocess, sys
-bench, plain, shaped, out, gpu, check_failed, gaps, dispatch, dispatch_one = sys.argv[1:]
+bench, plain, shaped, out, gpu, check_failed, gaps, dispatch, dispatch_one, gemms, gemms_same = sys.argv[1:]
 import jax
 shaped_run = json.loads(open(shaped).read().splitlines()[-1])
 shaped_none = shaped_run["launches_shaped"] + shaped_run["graph_nodes_shaped"] == 0
@@ -193,7 +208,9 @@ result.update({
                            capture_output=True, text=True).stdout.strip(),
   "jax": jax.__version__,
   "jax_check": {"identical": True, "plain": json.loads(open(plain).read().splitlines()[-1]),
-                "shaped": shaped_run},
+                "shaped": shaped_run,
+                "library_gemms": json.loads(open(gemms).read().splitlines()[-1]),
+                "library_gemms_outputs": gemms_same},
   "shaping_check_failed": check_failed == "1",
   "launch_gaps": json.load(open(gaps)),
   "gemm_dispatch": [json.load(open(dispatch)), json.load(open(dispatch_one))],
