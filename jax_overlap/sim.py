@@ -12,6 +12,7 @@ from jax_overlap._src.sim.engine import KernelTiming as KernelTiming
 from jax_overlap._src.sim.engine import SimResult as SimResult
 from jax_overlap._src.sim.gemm import GemmConfig as GemmConfig
 from jax_overlap._src.sim.gemm import gemm_config as gemm_config
+from jax_overlap._src.sim.gemm import sm_count_targets as sm_count_targets
 from jax_overlap._src.sim.measurements import load_measurements as load_measurements
 from jax_overlap._src.sim.measurements import published_measurements as published_measurements
 from jax_overlap._src.sim.model import COLLECTIVE_KINDS as COLLECTIVE_KINDS
@@ -80,6 +81,7 @@ __all__ = [
   "no_room",
   "GemmConfig",
   "gemm_config",
+  "sm_count_targets",
   "large_step",
   "load_measurements",
   "paper_mixes",

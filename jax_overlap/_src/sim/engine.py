@@ -72,6 +72,11 @@ run out; SMs it never got (held by a collective launched before it) it takes as 
 in dispatch order. Measured on an H200: a copy launched behind cuBLAS's persistent GEMM
 waited for the whole GEMM at the highest priority.
 
+An SM-count target on library GEMMs (``gemm_sm_target``, what cuBLAS's
+``cublasSetSmCountTarget`` asks for; whether cuBLAS's persistent grid follows it is not
+measured yet) lets a persistent kernel hold at most that many SMs: its further tiles wait
+for its own slots, and the SMs it leaves are open to everything else.
+
 Blocks of one kernel placed on an SM at the same moment are given works spread by
 ``block_jitter`` (mean preserved), so they finish a little apart, as on hardware, where block
 times vary by a few percent. Without it an SM holding several blocks of one kernel would
@@ -150,6 +155,7 @@ def run(
   baseline: bool = True,
   reserved_sms: int = 0,
   single_queue: bool = False,
+  gemm_sm_target: int = 0,
 ) -> SimResult:
   """Simulates ``wl`` on one device of ``target``.
 
@@ -168,6 +174,8 @@ def run(
       (communication blocks may use every SM); isolated durations stay on all SMs.
     single_queue: one hardware work queue for every stream (``CUDA_DEVICE_MAX_CONNECTIONS=1``;
       module docstring).
+    gemm_sm_target: > 0: every persistent kernel (a library GEMM) holds at most this many
+      SMs, as under cuBLAS's SM-count target (module docstring).
 
   Returns:
     A :class:`SimResult`.
@@ -195,6 +203,7 @@ def run(
     check=check,
     reserved_sms=reserved_sms,
     single_queue=single_queue,
+    gemm_sm_target=gemm_sm_target,
   )
   iso = None
   if baseline:
@@ -273,6 +282,7 @@ def _loop(
   check: bool,
   reserved_sms: int = 0,
   single_queue: bool = False,
+  gemm_sm_target: int = 0,
 ):
   gpu = topo.gpu
   n_sm = gpu.sm_count
@@ -317,6 +327,8 @@ def _loop(
   heap: list[tuple[float, int]] = [(ready_at[i], i) for i in first]
   heapq.heapify(heap)
   ready = [math.nan] * n
+  # SMs a persistent library GEMM may hold under an SM-count target (0: every SM).
+  slots = [gemm_sm_target * cp.res[i] if gemm_sm_target and persistent[i] else 0 for i in range(n)]
   # One hardware queue (single_queue): items reach the dispatcher in launch order, each once
   # it is ready and everything launched before it has reached it.
   arrived = [False] * n
@@ -386,7 +398,13 @@ def _loop(
         keep.extend(pending[i:])  # every SM closed: nothing behind can place a block
         break
       k = item[2]
-      r = remaining[k]
+      # A persistent library GEMM under an SM-count target holds at most that many SMs:
+      # its blocks beyond them wait for its own slots, closing nothing behind it.
+      beyond = max(0, remaining[k] - (slots[k] - running[k])) if slots[k] else 0
+      r = remaining[k] - beyond
+      if r <= 0 and beyond:
+        keep.append(item)
+        continue
       cands = []
       cap = 0
       for g in groups:
@@ -429,12 +447,14 @@ def _loop(
             elif base:
               add(g, k, base)
           r = 0
-        running[k] += remaining[k] - r
-        remaining[k] = r
+        running[k] += remaining[k] - beyond - r
+        remaining[k] = r + beyond
       if r > 0:
         keep.append(item)
         closed = True
         closed_reserved = closed_reserved or comm[k]
+      elif beyond:
+        keep.append(item)
     pending = keep
 
   while done < n:
@@ -472,7 +492,7 @@ def _loop(
           for b in g.batches:
             b.t0 += dt_skip
     if check:
-      _check_state(groups, cp, gpu, pending, fit)
+      _check_state(groups, cp, gpu, pending, fit, lambda k: slots[k] and running[k] >= slots[k])
     if record:
       row = np.zeros(n_sm)
       for g in groups:
@@ -646,8 +666,10 @@ def _merge(groups: list) -> None:
     groups[:] = out
 
 
-def _check_state(groups, cp, gpu, pending, fit) -> None:
-  """Invariants (tests): resources within limits; in-order dispatch leaves nothing placeable."""
+def _check_state(groups, cp, gpu, pending, fit, at_target) -> None:
+  """Invariants (tests): resources within limits; in-order dispatch leaves nothing placeable
+  (``at_target(k)``: a library GEMM holding every SM its SM-count target allows waits
+  without closing anything)."""
   sms = []
   for g in groups:
     sms.extend(g.sms)
@@ -669,6 +691,8 @@ def _check_state(groups, cp, gpu, pending, fit) -> None:
   # In order: each pending kernel fits nowhere that the kernels before it left open.
   closed = closed_reserved = False
   for _, _, k in pending:
+    if at_target(k):
+      continue
     for g in groups:
       if not (closed_reserved if g.reserved else closed) and fit(g, k) > 0:
         raise AssertionError(f"kernel {cp.names[k]} left pending although a block fits")

@@ -40,7 +40,13 @@ import math
 from jax_overlap._src import deprecations, targets
 from jax_overlap._src.sim.model import dtype_bytes
 
-__all__ = ["GemmConfig", "gemm_config", "launch_kind"]
+__all__ = [
+  "SM_COUNT_TARGET_FOLLOWED",
+  "sm_count_targets",
+  "GemmConfig",
+  "gemm_config",
+  "launch_kind",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,3 +136,22 @@ def launch_kind(kernel, gpu: targets.Gpu | str) -> tuple[bool, int]:
   if kernel.cluster is not None:
     cluster = kernel.cluster
   return persistent, cluster
+
+
+# Whether cuBLAS's persistent GEMM grid follows an SM-count target (``cublasSetSmCountTarget``,
+# ``CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET``), per catalogue GPU, as
+# ``benchmarks/gpu/gemm_dispatch.cu`` measures it (SMs a probe finds free behind a targeted
+# GEMM). No GPU of the catalogue has been measured: PyTorch's SM carve-out (meant to set the
+# cuBLASLt target) left the 8192^3 bf16 GEMM's grid at 132 blocks on an H200, which does not
+# settle it for the targets set directly.
+SM_COUNT_TARGET_FOLLOWED: dict[str, bool] = {}
+
+
+def sm_count_targets(gpu: targets.Gpu | str) -> tuple[int, ...]:
+  """The SM-count targets :func:`~jax_overlap.sim.tune` tries for library GEMMs by default:
+  8, 16, 24 and 32 SMs left free where cuBLAS was measured to follow a target on ``gpu``
+  (:data:`SM_COUNT_TARGET_FOLLOWED`), none elsewhere (today, every GPU)."""
+  gpu = targets.get_gpu(gpu)
+  if not (gpu.persistent_library_gemms and SM_COUNT_TARGET_FOLLOWED.get(gpu.name)):
+    return ()
+  return tuple(gpu.sm_count - free for free in (8, 16, 24, 32))

@@ -79,6 +79,9 @@ class Policy:
     single_queue: every stream's kernels in one hardware queue, in launch order
       (``CUDA_DEVICE_MAX_CONNECTIONS=1``; the engine's docstring says what it does); with
       it stream priority decides nothing.
+    gemm_sm_count_target: > 0: every persistent library GEMM holds at most this many SMs,
+      as a runtime plan's ``library_gemms.sm_count_target`` asks cuBLAS to (assumes cuBLAS
+      follows it, which is not measured).
   """
 
   name: str
@@ -87,6 +90,7 @@ class Policy:
   shaping: Mapping[str, object] | bool | None = None
   reserve_sms: int = 0
   single_queue: bool = False
+  gemm_sm_count_target: int = 0
 
   def __post_init__(self):
     r = self.reserve_sms
@@ -94,6 +98,11 @@ class Policy:
       raise ValueError(
         f"jax_overlap.sim: Policy.reserve_sms must be an int >= 0 (SMs kept free of compute "
         f"blocks), got {r!r}"
+      )
+    g = self.gemm_sm_count_target
+    if isinstance(g, bool) or not isinstance(g, int) or g < 0:
+      raise ValueError(
+        f"jax_overlap.sim: Policy.gemm_sm_count_target must be an int >= 0 (0: every SM), got {g!r}"
       )
     if not isinstance(self.single_queue, bool):
       raise ValueError(
@@ -105,7 +114,17 @@ class Policy:
     s = self.shaping
     if isinstance(s, Mapping):
       s = tuple(sorted((k, str(v)) for k, v in s.items()))
-    return hash((self.name, self.sequential, self.priority, s, self.reserve_sms, self.single_queue))
+    return hash(
+      (
+        self.name,
+        self.sequential,
+        self.priority,
+        s,
+        self.reserve_sms,
+        self.single_queue,
+        self.gemm_sm_count_target,
+      )
+    )
 
 
 def get_policy(policy: str | Policy) -> Policy:
@@ -167,7 +186,8 @@ def policy_from_plan(plan, wl: Workload) -> Policy:
     for n in hits:
       shaping.setdefault(n, spec)
   prio = plan.streams.priority
-  return Policy("plan", priority=prio == "highest", shaping=shaping)
+  target = plan.library_gemms.sm_count_target if plan.library_gemms is not None else 0
+  return Policy("plan", priority=prio == "highest", shaping=shaping, gemm_sm_count_target=target)
 
 
 def _comm_streams(wl: Workload) -> set[int]:
@@ -355,6 +375,7 @@ def simulate(
     baseline=baseline,
     reserved_sms=pol.reserve_sms,
     single_queue=pol.single_queue,
+    gemm_sm_target=min(pol.gemm_sm_count_target, topo.gpu.sm_count),
   )
 
 

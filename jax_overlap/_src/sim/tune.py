@@ -28,13 +28,13 @@ import dataclasses
 import itertools
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Literal
 
 from jax_overlap._src import deprecations
 from jax_overlap._src.runtime import plan as plan_lib
 from jax_overlap._src.runtime import residency
-from jax_overlap._src.sim import engine, plans
+from jax_overlap._src.sim import engine, gemm, plans
 from jax_overlap._src.sim.model import Constants, Kernel, Workload
 from jax_overlap._src.sim.policies import (
   Policy,
@@ -87,6 +87,9 @@ class TuneResult:
       ``"concurrent"`` (equal priority, for programs that do not run that way).
     pruned: shaping rules dropped because the plan without each gained less than
       ``min_rule_gain`` less (kernel name -> cap it had).
+    gemm_sm_count_target: the SM-count target chosen for the persistent library GEMMs
+      (the plan's ``library_gemms``; 0: none). Chosen only among ``tune``'s
+      ``gemm_sm_targets``: by default those measured to be followed, none yet.
     evaluations: simulations run.
     method: "exhaustive" or "coordinate".
     table: one :class:`Evaluation` per simulation, in the order they ran.
@@ -110,6 +113,7 @@ class TuneResult:
   no_room: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
   baseline: Literal["priority", "concurrent"] = "priority"
   pruned: Mapping[str, int] = dataclasses.field(default_factory=dict)
+  gemm_sm_count_target: int = 0
 
   @property
   def runtime_plan(self) -> plan_lib.Plan | None:
@@ -283,6 +287,7 @@ def tune(
   make_room: bool = True,
   baseline: Literal["priority", "concurrent"] = "priority",
   min_rule_gain: float = 0.005,
+  gemm_sm_targets: Sequence[int] | None = None,
 ) -> TuneResult:
   """Chooses shaping and priority for ``workload`` on ``target`` by simulation.
 
@@ -313,6 +318,11 @@ def tune(
       the highest priority) or ``"concurrent"`` (equal priority).
     min_rule_gain: a shaping rule stays in the plan only if the plan without it is at
       least this fraction slower; the others are dropped (``TuneResult.pruned``).
+    gemm_sm_targets: SM-count targets for the persistent library GEMMs (a plan's
+      ``library_gemms``) tried on top of the chosen priority and shaping; one is kept where
+      it gains ``min_gain`` more. None: :func:`sim.gemm.sm_count_targets`, those of GPUs
+      where cuBLAS was measured to follow a target (none yet); given explicitly, the
+      result assumes cuBLAS follows them (``TuneResult.gemm_sm_count_target``).
 
   Returns:
     A :class:`TuneResult` with the plan and its predicted gain over plain concurrency.
@@ -421,6 +431,19 @@ def tune(
       constants=const,
       baseline=False,
     ).makespan_s
+  # cuBLAS's SM-count target on the persistent library GEMMs, on top of the choice.
+  sm_target = 0
+  tried = gemm.sm_count_targets(topo.gpu) if gemm_sm_targets is None else gemm_sm_targets
+  for n in tried:
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= topo.gpu.sm_count:
+      raise ValueError(
+        f"sim.tune: gemm_sm_targets must be SM counts from 1 to {topo.gpu.sm_count} "
+        f"({topo.gpu.name}), got {n!r}"
+      )
+    pol = Policy("tuned", priority=p_best, shaping=shaping, gemm_sm_count_target=n)
+    t = simulate(workload, target=topo, policy=pol, constants=const, baseline=False).makespan_s
+    if t < t_best * (1 - min_gain):
+      t_best, sm_target = t, n
   blocks = {cb for bs in comm_blocks(workload, const).values() for cb in bs}
   comm = max(blocks, key=lambda cb: (cb.regs_per_thread * cb.threads, cb.smem_bytes), default=None)
   plan = None
@@ -428,10 +451,12 @@ def tune(
     data = plans.plan_json("sim.tune", topo, shaping, p_best, workload, comm)
     if not make_room:
       data["comm_block"] = None
+    if sm_target:
+      data["library_gemms"] = {"sm_count_target": sm_target}
     plan = plan_lib.Plan.from_json(data)
   return TuneResult(
     plan=plan,
-    policy=Policy("tuned", priority=p_best, shaping=shaping),
+    policy=Policy("tuned", priority=p_best, shaping=shaping, gemm_sm_count_target=sm_target),
     makespan_s=t_best,
     baseline_s=base,
     sequential_s=seq,
@@ -443,4 +468,5 @@ def tune(
     no_room=no_room(workload, target=topo, constants=const),
     baseline=baseline,
     pruned=pruned,
+    gemm_sm_count_target=sm_target,
   )
