@@ -59,3 +59,27 @@ def test_the_tuner_proposes_no_target_until_one_is_measured_to_be_followed():
     sim.tune(_copy_behind_gemm(), target="h200", progress=False, gemm_sm_targets=(200,))
   with pytest.raises(ValueError, match="gemm_sm_count_target must be an int >= 0"):
     sim.Policy("p", gemm_sm_count_target=-1)
+
+
+def test_gemm_dispatch_records_say_whether_cublas_follows_a_target():
+  import importlib.util
+  import pathlib
+
+  path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "records.py"
+  spec = importlib.util.spec_from_file_location("gpu_records", path)
+  records = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(records)
+
+  def rec(api, target, free):
+    return {"gemm": {"api": api, "sm_count_target": target}, "free_sms": free}
+
+  data = {
+    "device": {"sm_count": 132},
+    "records": [rec("cublasLt", 0, 0), rec("cublasLt", 100, 0), rec("cublas", 100, 30)],
+  }
+  assert records.target_followed(data) == {"cublasLt": False, "cublas": True}
+  # A dry run measures nothing: no verdict.
+  assert (
+    records.target_followed({"device": {"sm_count": 132}, "records": [rec("cublas", 66, None)]})
+    == {}
+  )

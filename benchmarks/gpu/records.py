@@ -215,7 +215,27 @@ def dispatch(path: str) -> int:
       + f"), GEMM beside it {_ms(r['gemm_s'])} ms"
     )
   print(f"records.py: GEMM dispatch{where}{env}: " + "; ".join(parts))
+  for api, follows in target_followed(data).items():
+    print(
+      f"records.py: {api}: the persistent grid {'follows' if follows else 'ignores'} an "
+      "SM-count target (sim.gemm.SM_COUNT_TARGET_FOLLOWED)"
+    )
   return 0
+
+
+def target_followed(data: dict) -> dict[str, bool]:
+  """Per API of gemm_dispatch's records: whether a GEMM at an SM-count target below the
+  device's left SMs free behind it (a probe found at least half the SMs the target leaves),
+  where measured."""
+  sms = data.get("device", {}).get("sm_count") or 0
+  out: dict[str, bool] = {}
+  for r in data.get("records", []):
+    target, free = r["gemm"]["sm_count_target"], r.get("free_sms")
+    if not target or free is None or not sms or target >= sms:
+      continue
+    api = r["gemm"].get("api", "cublasLt")
+    out[api] = out.get(api, False) or free >= (sms - target) / 2
+  return out
 
 
 def dispatch_prediction(data: dict, rec: dict) -> float | None:
