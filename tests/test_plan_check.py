@@ -63,3 +63,29 @@ def test_check_plan_needs_a_gpu_report():
 
   with pytest.raises(ValueError, match="the report has no kernel launch names"):
     runtime.check_plan({"version": 1, "kernels": []}, CpuReport())
+
+
+def test_check_plan_counts_the_cublas_gemms_a_library_gemms_target_reaches(compiled):
+  import jax
+  import jax.numpy as jnp
+
+  import jax_overlap
+
+  # A step whose GEMMs XLA hands to cuBLAS (its Triton GEMMs off), compiled deviceless.
+  def step(a, b):
+    return jnp.tanh(a @ b) @ b
+
+  x = jax.ShapeDtypeStruct((2048, 2048), jnp.bfloat16)
+  report = jax_overlap.analyze(
+    step, x, x, target="h100x8", xla_options={"xla_gpu_enable_triton_gemm": False}
+  )
+  gemms = [k.name for k in report.kernels if k.library]
+  assert len(gemms) == 2
+  plan = {"version": 1, "library_gemms": {"sm_count_target": 100}}
+  check = runtime.check_plan(plan, report)
+  assert check.library_gemms == tuple(gemms) and check.sm_count_target == 100
+  assert "library_gemms: SM-count target 100 on the step's 2 cuBLAS GEMM(s)" in str(check)
+  assert runtime.check_plan({"version": 1}, report).library_gemms == ()
+  # The FSDP step's GEMMs are XLA's own (Triton): the target reaches none, and says so.
+  none = runtime.check_plan(plan, compiled[0])
+  assert none.library_gemms == () and "the step has none" in str(none)

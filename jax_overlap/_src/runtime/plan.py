@@ -694,11 +694,15 @@ class PlanCheck:
     unmatched: patterns that select no kernel of the step: they would shape nothing.
     unnamed: report kernels without a launch name (library calls such as cuBLAS
       GEMMs, whose kernels carry the library's names): no rule can select them.
+    library_gemms: the step's cuBLAS GEMMs the plan's ``library_gemms`` SM-count target
+      reaches (empty without one).
   """
 
   matched: dict[str, tuple[str, ...]]
   unmatched: tuple[str, ...]
   unnamed: tuple[str, ...]
+  library_gemms: tuple[str, ...] = ()
+  sm_count_target: int = 0
 
   @property
   def ok(self) -> bool:
@@ -715,6 +719,12 @@ class PlanCheck:
       lines.append(
         f"  {len(self.unnamed)} kernel(s) of the step launch no kernel of XLA's own (device "
         "copies, library calls such as cuBLAS): no rule can select them by name"
+      )
+    if self.sm_count_target:
+      lines.append(
+        f"  library_gemms: SM-count target {self.sm_count_target} on the step's "
+        f"{len(self.library_gemms)} cuBLAS GEMM(s)"
+        + ("" if self.library_gemms else ": the step has none, the target changes nothing")
       )
     return "\n".join(lines)
 
@@ -765,4 +775,6 @@ def check_plan(plan: Plan | Mapping[str, Any] | str | os.PathLike, report: Any) 
     else:
       unmatched.append(rule.pattern)
   unnamed = tuple(k.name for k in kernels if not getattr(k, "launch_name", ""))
-  return PlanCheck(matched, tuple(unmatched), unnamed)
+  target = plan.library_gemms.sm_count_target if plan.library_gemms is not None else 0
+  gemms = tuple(k.name for k in kernels if target and getattr(k, "library", False))
+  return PlanCheck(matched, tuple(unmatched), unnamed, gemms, target)
