@@ -47,16 +47,21 @@ def test_recommended_sets_a_variable_exactly_where_its_verdict_pays():
       assert {k for k in opts if flags.REGISTRY[k].kind == "env"} == paying
 
 
-def test_one_queue_pays_where_a_collective_would_wait_behind_a_persistent_gemm():
-  # A collective released with the next GEMM (both wait for the kernel before): with a queue
-  # per stream it waits behind cuBLAS's persistent GEMM on Hopper, in one queue it goes first.
+def _held_step() -> sim.Workload:
+  """Four cuBLAS-sized GEMMs, each output reduce-scattered (released with the next GEMM)."""
   items = []
   for i in range(4):
     items.append(dataclasses.replace(sim.Kernel.gemm(f"g{i}", 8192, 8192, 8192), time_s=1.4e-3))
     items.append(
       sim.Collective(f"rs{i}", "reduce-scatter", float(1 << 30), 8, stream=1, after=(f"g{i}",))
     )
-  wl = sim.Workload(tuple(items), "held")
+  return sim.Workload(tuple(items), "held")
+
+
+def test_one_queue_pays_where_a_collective_would_wait_behind_a_persistent_gemm():
+  # A collective released with the next GEMM (both wait for the kernel before): with a queue
+  # per stream it waits behind cuBLAS's persistent GEMM on Hopper, in one queue it goes first.
+  wl = _held_step()
   one = flags.judge_environment(wl, target="h200x8")[0]
   assert one.name == "CUDA_DEVICE_MAX_CONNECTIONS" and one.recommended and "pays:" in one.why
   # On Ampere nothing is persistent: the same step gains nothing from it.
@@ -98,13 +103,7 @@ def test_a_users_step_is_judged_from_its_deviceless_compile():
 def test_overlap_tells_the_user_of_a_setting_that_pays_on_the_chosen_step():
   from jax_overlap._src.transform import explain
 
-  items = []
-  for i in range(4):
-    items.append(dataclasses.replace(sim.Kernel.gemm(f"g{i}", 8192, 8192, 8192), time_s=1.4e-3))
-    items.append(
-      sim.Collective(f"rs{i}", "reduce-scatter", float(1 << 30), 8, stream=1, after=(f"g{i}",))
-    )
-  held = sim.Workload(tuple(items), "held")
+  held = _held_step()
   (note,) = explain.environment_notes(held)  # judged on h100x8 (the default target)
   assert note.startswith("CUDA_DEVICE_MAX_CONNECTIONS=1 pays: simulated step")
   assert "cannot be set per compile" in note
