@@ -2,6 +2,7 @@
 
 import atexit
 import os
+import pathlib
 import shutil
 import tempfile
 
@@ -57,3 +58,15 @@ def fsdp_h100_dump():
   step = compile_lib.compile_for_target(fn, *args, target="h100x8", keep_dump=True)
   yield analysis.analyze_compiled(step), step.dump_dir
   shutil.rmtree(step.dump_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def gpu_records():
+  """``benchmarks/gpu/records.py`` (the GPU benchmark's post-processing), imported by path."""
+  import importlib.util
+
+  path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "records.py"
+  spec = importlib.util.spec_from_file_location("gpu_records", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod

@@ -149,25 +149,14 @@ def test_calibration_says_what_the_data_can_identify():
   assert res.params["occupancy_exponent"] == pytest.approx(0.3, rel=0.02)
 
 
-def _records_module():
-  import importlib.util
-  import pathlib
-
-  path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "records.py"
-  spec = importlib.util.spec_from_file_location("gpu_records", path)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
-
-
 @pytest.mark.parametrize("run", ["", "_run3"])
-def test_the_shipped_hopper_model_predicts_the_committed_h200_sweep(run):
+def test_the_shipped_hopper_model_predicts_the_committed_h200_sweep(run, gpu_records):
   # Two H200 runs of the GPU sweep, each kernel at its measured time alone (the
   # dispatcher, contention and occupancy rules, with the constants shipped for Hopper;
   # occupancy_exponent was fitted to the fourth run's GEMM and loop-fusion rows).
   import pathlib
 
-  records = _records_module()
+  records = gpu_records
   path = (
     pathlib.Path(__file__).resolve().parents[1]
     / "benchmarks"

@@ -61,14 +61,8 @@ def test_the_tuner_proposes_no_target_until_one_is_measured_to_be_followed():
     sim.Policy("p", gemm_sm_count_target=-1)
 
 
-def test_gemm_dispatch_records_say_whether_cublas_follows_a_target():
-  import importlib.util
-  import pathlib
-
-  path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "records.py"
-  spec = importlib.util.spec_from_file_location("gpu_records", path)
-  records = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(records)
+def test_gemm_dispatch_records_say_whether_cublas_follows_a_target(gpu_records):
+  records = gpu_records
 
   def rec(api, target, free):
     return {"gemm": {"api": api, "sm_count_target": target}, "free_sms": free}

@@ -105,18 +105,12 @@ def test_only_16_and_8_bit_library_gemms_are_persistent_on_hopper():
   assert not sim.gemm_config("a100", 8192, 8192, 8192, "bf16").persistent
 
 
-def test_gemm_dispatch_records_are_predicted_as_launched_and_in_one_queue():
+def test_gemm_dispatch_records_are_predicted_as_launched_and_in_one_queue(gpu_records):
   # gemm_dispatch.cu's record form, with BACKGROUND's H200 figures for the 8192^3 bf16 cuBLAS
   # GEMM (1.41 ms): a copy launched behind it at the greatest priority ended 1.47-1.55 ms
   # after its launch, and 1.48 ms under CUDA_DEVICE_MAX_CONNECTIONS=1. The copy's time alone
   # is assumed (0.12 ms; the wait dominates).
-  import importlib.util
-  import pathlib
-
-  path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "records.py"
-  spec = importlib.util.spec_from_file_location("gpu_records", path)
-  records = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(records)
+  records = gpu_records
   rec = {
     "gemm": {"m": 8192, "n": 8192, "k": 8192, "dtype": "bf16", "sm_count_target": 0},
     "priority": True,

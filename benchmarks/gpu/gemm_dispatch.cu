@@ -45,6 +45,7 @@
 
 #define CHECK_PROGRAM "gemm_dispatch"
 #include "cuda_check.h"
+#include "cublas_loader.h"
 
 constexpr int kProxyThreads = 544;  // NCCL's Simple protocol: 512 + a synchronization warp
 constexpr int kProxySmem = 82240;   // ncclShmemDynamicSize, sm_80+
@@ -85,8 +86,6 @@ extern "C" __global__ void stamp(uint64_t* out) {
 // ---------------------------------------------------------------------------
 // cuBLASLt through dlopen (the types are opaque pointers; enum values from cublasLt.h).
 // ---------------------------------------------------------------------------
-constexpr int kComputeF32 = 68;          // CUBLAS_COMPUTE_32F
-constexpr int kR32F = 0, kR16BF = 14;    // CUDA_R_32F, CUDA_R_16BF
 constexpr int kDescSmCountTarget = 15;   // CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET
 constexpr int kPrefMaxWorkspace = 1;     // CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES
 struct Heuristic {
@@ -162,11 +161,11 @@ struct Gemm {
 
 Gemm Plan(const Lt& lt, int n, int sm_target, void* workspace, size_t ws_bytes) {
   Gemm g{};
-  LT_CHECK(lt.desc_create(&g.desc, kComputeF32, kR32F));
+  LT_CHECK(lt.desc_create(&g.desc, kCublasCompute32F, kCudaR32F));
   LT_CHECK(lt.desc_set(g.desc, kDescSmCountTarget, &sm_target, sizeof(sm_target)));
-  LT_CHECK(lt.layout_create(&g.a, kR16BF, n, n, n));
-  LT_CHECK(lt.layout_create(&g.b, kR16BF, n, n, n));
-  LT_CHECK(lt.layout_create(&g.c, kR16BF, n, n, n));
+  LT_CHECK(lt.layout_create(&g.a, kCudaR16BF, n, n, n));
+  LT_CHECK(lt.layout_create(&g.b, kCudaR16BF, n, n, n));
+  LT_CHECK(lt.layout_create(&g.c, kCudaR16BF, n, n, n));
   void* pref;
   LT_CHECK(lt.pref_create(&pref));
   LT_CHECK(lt.pref_set(pref, kPrefMaxWorkspace, &ws_bytes, sizeof(ws_bytes)));
@@ -185,53 +184,6 @@ void RunGemm(const Lt& lt, const Gemm& g, const void* a, const void* b, void* d,
   const float one = 1.f, zero = 0.f;
   LT_CHECK(lt.matmul(lt.handle, g.desc, &one, a, g.a, b, g.b, &zero, d, g.c, d, g.c, g.h.algo,
                      g.workspace, g.h.workspace, s));
-}
-
-// ---------------------------------------------------------------------------
-// Legacy cuBLAS through dlopen: cublasGemmEx with the handle's SM-count target.
-// ---------------------------------------------------------------------------
-constexpr int kGemmDefault = -1;  // CUBLAS_GEMM_DEFAULT
-typedef int (*BlasCreate)(void**);
-typedef int (*BlasSetStream)(void*, cudaStream_t);
-typedef int (*BlasSetSmCountTarget)(void*, int);
-typedef int (*BlasGemmEx)(void*, int, int, int, int, int, const void*, const void*, int, int,
-                          const void*, int, int, const void*, void*, int, int, int, int);
-
-struct Blas {
-  void* handle = nullptr;
-  BlasSetStream set_stream;
-  BlasSetSmCountTarget set_sm_count_target;
-  BlasGemmEx gemm_ex;
-  std::string library;
-};
-
-bool LoadBlas(Blas* blas) {
-  const char* names[] = {getenv("CUBLAS_LIBRARY"), "libcublas.so.13", "libcublas.so.12",
-                         "libcublas.so"};
-  for (const char* n : names) {
-    if (n == nullptr || *n == '\0') continue;
-    void* h = dlopen(n, RTLD_NOW | RTLD_GLOBAL);
-    if (h == nullptr) continue;
-    auto create = reinterpret_cast<BlasCreate>(dlsym(h, "cublasCreate_v2"));
-    blas->set_stream = reinterpret_cast<BlasSetStream>(dlsym(h, "cublasSetStream_v2"));
-    blas->set_sm_count_target =
-        reinterpret_cast<BlasSetSmCountTarget>(dlsym(h, "cublasSetSmCountTarget"));
-    blas->gemm_ex = reinterpret_cast<BlasGemmEx>(dlsym(h, "cublasGemmEx"));
-    if (create && blas->set_stream && blas->set_sm_count_target && blas->gemm_ex &&
-        create(&blas->handle) == 0) {
-      blas->library = n;
-      return true;
-    }
-  }
-  return false;
-}
-
-void RunBlasGemm(const Blas& blas, int n, const void* a, const void* b, void* d,
-                 cudaStream_t s) {
-  const float one = 1.f, zero = 0.f;
-  LT_CHECK(blas.set_stream(blas.handle, s));
-  LT_CHECK(blas.gemm_ex(blas.handle, 0, 0, n, n, n, &one, a, kR16BF, n, b, kR16BF, n, &zero, d,
-                        kR16BF, n, kComputeF32, kGemmDefault));
 }
 
 double Median(std::vector<double> v) {
@@ -295,9 +247,9 @@ int main(int argc, char** argv) {
     fprintf(stderr, "gemm_dispatch: cuBLASLt not found (set CUBLASLT_LIBRARY)\n");
     return 1;
   }
-  Blas blas;
-  if (!o.list && !LoadBlas(&blas)) {
-    fprintf(stderr, "gemm_dispatch: cuBLAS not found (set CUBLAS_LIBRARY)\n");
+  Cublas blas;
+  if (!o.list && !(LoadCublas(&blas) && blas.set_sm_count_target)) {
+    fprintf(stderr, "gemm_dispatch: cuBLAS with cublasSetSmCountTarget not found (set CUBLAS_LIBRARY)\n");
     return 1;
   }
   int lo = 0, hi = 0;
@@ -358,7 +310,7 @@ int main(int argc, char** argv) {
     const bool legacy = !strcmp(api, "cublas");
     Gemm g{};
     auto run_gemm = [&](cudaStream_t s) {
-      if (legacy) RunBlasGemm(blas, o.n, a, b, d, s);
+      if (legacy) LT_CHECK(CublasBf16Gemm(blas, o.n, a, b, d, s));
       else RunGemm(lt, g, a, b, d, s);
     };
     double alone = 0;

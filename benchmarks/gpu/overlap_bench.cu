@@ -40,6 +40,7 @@
 
 #define CHECK_PROGRAM "overlap_bench"
 #include "cuda_check.h"
+#include "cublas_loader.h"
 
 // ---------------------------------------------------------------------------
 // Kernels. extern "C": the names the driver reports are the names here.
@@ -141,43 +142,7 @@ extern "C" __global__ void to_bf16(const float* src, uint16_t* dst, size_t n) {
   }
 }
 
-// ---------------------------------------------------------------------------
-// cuBLAS through dlopen (no link-time dependency).
-// ---------------------------------------------------------------------------
-
-constexpr int kCublasOpN = 0;
-constexpr int kCudaR16BF = 14;
-constexpr int kCublasCompute32F = 68;
-constexpr int kCublasGemmDefault = -1;
-typedef int (*CublasCreate)(void**);
-typedef int (*CublasSetStream)(void*, cudaStream_t);
-typedef int (*CublasGemmEx)(void*, int, int, int, int, int, const void*, const void*, int, int,
-                            const void*, int, int, const void*, void*, int, int, int, int);
-
-struct Cublas {
-  void* handle = nullptr;
-  CublasSetStream set_stream = nullptr;
-  CublasGemmEx gemm = nullptr;
-  std::string library;
-};
-
-bool LoadCublas(Cublas* c) {
-  const char* names[] = {getenv("CUBLAS_LIBRARY"), "libcublas.so.13", "libcublas.so.12",
-                         "libcublas.so"};
-  for (const char* n : names) {
-    if (n == nullptr || *n == '\0') continue;
-    void* h = dlopen(n, RTLD_NOW | RTLD_GLOBAL);
-    if (h == nullptr) continue;
-    auto create = reinterpret_cast<CublasCreate>(dlsym(h, "cublasCreate_v2"));
-    c->set_stream = reinterpret_cast<CublasSetStream>(dlsym(h, "cublasSetStream_v2"));
-    c->gemm = reinterpret_cast<CublasGemmEx>(dlsym(h, "cublasGemmEx"));
-    if (create && c->set_stream && c->gemm && create(&c->handle) == 0) {
-      c->library = n;
-      return true;
-    }
-  }
-  return false;
-}
+// cuBLAS through dlopen: cublas_loader.h.
 
 // ---------------------------------------------------------------------------
 // Runtime library hooks (present when it is preloaded).
@@ -233,11 +198,7 @@ struct Compute {
 
   void Run(cudaStream_t s) {
     if (kind == "gemm") {
-      const float one = 1.0f, zero = 0.0f;
-      cublas.set_stream(cublas.handle, s);
-      int st = cublas.gemm(cublas.handle, kCublasOpN, kCublasOpN, n, n, n, &one, a, kCudaR16BF, n,
-                           b, kCudaR16BF, n, &zero, c, kCudaR16BF, n, kCublasCompute32F,
-                           kCublasGemmDefault);
+      int st = CublasBf16Gemm(cublas, n, a, b, c, s);
       if (st != 0) {
         fprintf(stderr, "overlap_bench: cublasGemmEx failed (%d)\n", st);
         exit(1);
