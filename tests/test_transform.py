@@ -1,5 +1,6 @@
 """Tests for @jax_overlap.overlap: same numbers, real rewrites, annotations in the GPU HLO."""
 
+import functools
 import re
 
 import jax
@@ -471,18 +472,39 @@ def test_a_jitted_step_keeps_its_donation():
   def step(p, x):
     return jax.tree.map(lambda a: a - 0.1 * a.mean(), p), x.sum()
 
-  p = {"w": jnp.ones((64, 64))}
+  p = {"b": jnp.ones((64,)), "w": jnp.ones((64, 64))}
   x = jnp.ones((8, 64))
 
   def donated(f):
     return [a.donated for a in jax.tree.leaves(f.lower(p, x).args_info)]
 
-  assert donated(jax_overlap.overlap(jax.jit(step, donate_argnums=0))) == [True, False]
+  assert donated(jax_overlap.overlap(jax.jit(step, donate_argnums=0))) == [True, True, False]
   assert donated(jax_overlap.overlap(jax.jit(step, donate_argnums=0), donate_argnums=1)) == [
+    False,
     False,
     True,
   ]
-  assert donated(jax_overlap.overlap(step)) == [False, False]
+  assert donated(jax_overlap.overlap(step)) == [False, False, False]
+
+  # Called: the donated parameters' buffers are consumed, the batch after them is not
+  # (jax numbers a traced step's donation by leaves: passed on as argument positions it
+  # donated the batch), also behind a static argument and with donation by name.
+  def scaled(k, p, x):
+    return step(jax.tree.map(lambda a: a * k, p), x)
+
+  for jitted in (
+    jax.jit(step, donate_argnums=0),
+    jax.jit(functools.partial(scaled, 2.0), donate_argnames="p"),
+  ):
+    ov = jax_overlap.overlap(jitted, cache=False)
+    params = jax.tree.map(jnp.copy, p)
+    ov(params, x)
+    assert all(a.is_deleted() for a in jax.tree.leaves(params))
+    assert not x.is_deleted()
+  ov = jax_overlap.overlap(jax.jit(scaled, static_argnums=0, donate_argnums=1), cache=False)
+  params = jax.tree.map(jnp.copy, p)
+  ov(3.0, params, x)
+  assert all(a.is_deleted() for a in jax.tree.leaves(params)) and not x.is_deleted()
 
 
 def _static_step(scale, params, x, *, act="tanh", layers=2):

@@ -52,6 +52,35 @@ class Statics:
     return out
 
 
+def donation(traced, args, kwargs, statics: Statics) -> dict:
+  """``jax.jit``'s donation keywords that donate what the traced step donates, for a call
+  with ``args`` and ``kwargs``: the positions and names of the arguments all of whose
+  leaves it donates.
+
+  ``traced.donate_argnums`` numbers the *leaves* of the dynamic arguments, not the
+  arguments: passed on as ``donate_argnums`` it would donate the arguments at those
+  positions (a batch after donated parameters). ``traced.args_info`` says per leaf."""
+  info = getattr(traced, "args_info", None)
+  if info is None:
+    return {}
+  info_args, info_kwargs = info
+
+  def donated(tree) -> bool:
+    leaves = jax.tree.leaves(tree)
+    return bool(leaves) and all(getattr(a, "donated", False) for a in leaves)
+
+  static = statics.positions(len(args))
+  positions = [i for i in range(len(args)) if i not in static]
+  out: dict = {}
+  nums = tuple(i for i, a in zip(positions, info_args) if donated(a))
+  names = tuple(k for k, a in info_kwargs.items() if donated(a))
+  if nums:
+    out["donate_argnums"] = nums
+  if names:
+    out["donate_argnames"] = names
+  return out
+
+
 def check_args(args, kwargs, mesh) -> None:
   """Checks the step's (dynamic) arguments: arrays, laid out over their mesh's axes."""
   flat = [

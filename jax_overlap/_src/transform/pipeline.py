@@ -178,9 +178,8 @@ def trace(step: StepFunction, args, kwargs, signature) -> TracedStep:
   # The user's jit settings that the variants keep: donation (of a jitted step, unless
   # given to overlap itself) and static arguments.
   jit_kwargs = {**step.settings.jit_kwargs, **statics.jit_kwargs()}
-  donated = tuple(getattr(traced, "donate_argnums", ()) or ())
-  if donated and not {"donate_argnums", "donate_argnames"} & set(jit_kwargs):
-    jit_kwargs["donate_argnums"] = donated
+  if not {"donate_argnums", "donate_argnames"} & set(jit_kwargs):
+    jit_kwargs.update(arguments.donation(traced, args, kwargs, statics))
   out_tree = jax.tree.structure(traced.out_info)
   # And its output shardings (unless given to overlap): every variant returns them.
   jit_kwargs.update(out_layouts.jit_kwargs(traced, out_tree, jit_kwargs))
