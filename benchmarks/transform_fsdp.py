@@ -8,7 +8,9 @@ jax_overlap.examples.fsdp_transformer, unrolled and lax.scan under
 jax.checkpoint, the partitioner inserting the collectives), and whole models
 with an embedding and an output projection (llama_*: jax_overlap.examples.llama_fsdp,
 every weight gathered at each use or once per layer, unrolled or lax.scan +
-jax.checkpoint; llama_gspmd; flax: jax_overlap.examples.flax_optax), compiled
+jax.checkpoint; llama_gspmd; flax: jax_overlap.examples.flax_optax), and two on a
+2-D mesh, FSDP over 4 GPUs x tensor parallelism over 2 (gspmd_2d: fsdp_transformer with
+its tensor axis; flax_llama_2d: jax_overlap.examples.flax_llama), compiled
 for h100x8 and a100x8 under XLA defaults, the recommended flags, and
 @jax_overlap.overlap;
 see transform_overhead.py for the decorator's CPU costs.
@@ -42,7 +44,18 @@ FORMS = ["unrolled", "scan", "scan_remat", "scan_layers", "gspmd", "gspmd_scan_r
 # (grouped-query attention, every weight gathered at each use or once per layer, unrolled or
 # lax.scan + jax.checkpoint), fsdp_transformer with a vocabulary under plain jax.jit (GSPMD),
 # and flax_optax's Linen model with optax AdamW (float32 parameters, as Flax creates them).
-MODELS = ["llama_per_use", "llama_per_layer", "llama_scan_remat", "llama_gspmd", "flax"]
+# On a 2-D mesh (FSDP over 4 GPUs x tensor parallelism over 2, most weights split along two
+# dimensions): fsdp_transformer with its tensor axis (gspmd_2d), and flax_llama's Linen
+# Llama laid out by logical axis rules with optax AdamW (flax_llama_2d).
+MODELS = [
+  "llama_per_use",
+  "llama_per_layer",
+  "llama_scan_remat",
+  "llama_gspmd",
+  "flax",
+  "gspmd_2d",
+  "flax_llama_2d",
+]
 absl_flags.DEFINE_list(
   "forms",
   FORMS + MODELS,
@@ -69,6 +82,14 @@ def _build_model(target: str, form: str, cfg: dict):
     return flax_optax.build(target, hidden=cfg["hidden"], vocab=32000, **sizes)
   if form == "llama_gspmd":
     return G.build(target, vocab=32000, **cfg)
+  if form == "gspmd_2d":
+    return G.build(target, tensor_axis="tensor", scan=True, remat=True, **cfg)
+  if form == "flax_llama_2d":
+    from jax_overlap.examples import flax_llama
+
+    return flax_llama.build(
+      target, hidden=cfg["hidden"], mlp=cfg["mlp"], heads=cfg["heads"], kv_heads=8, **sizes
+    )
   from jax_overlap.examples import llama_fsdp
 
   loop, gather = {
@@ -199,7 +220,11 @@ def main(argv):
     "grouped-query attention with 8 KV heads, every weight sharded and gathered at each use "
     "(per_use) or once per layer (per_layer), unrolled or lax.scan + jax.checkpoint; "
     "llama_gspmd: the gspmd step with a vocabulary; flax: flax_optax's Linen MLP language "
-    "model with optax AdamW, float32 parameters). "
+    "model with optax AdamW, float32 parameters; on a 2-D mesh of FSDP over 4 GPUs x tensor "
+    "parallelism over 2, weights split along two dimensions: gspmd_2d, the gspmd step "
+    "scanned and rematerialized with its tensor axis, and flax_llama_2d, a Linen Llama "
+    "(grouped-query attention with 8 KV heads, nn.scan(nn.remat)) laid out by logical axis "
+    "rules, optax AdamW with clipping, float32 parameters, one sequence per 2 GPUs). "
     f"Machine of the latest run: {payload['machine']} (each section's selection time is "
     "from its own run).\n\n"
     "Estimates from jax_overlap.analyze (deviceless compile for the target, roofline and "

@@ -29,10 +29,12 @@ gradient, so that the scan pipeliner finds one reduce-scatter per iteration).
 Each rule is exact, so the converted program computes the original's values (up to the
 order of floating-point sums, which the partitioner also splits). A primitive without a
 rule runs on whole values on every device (its inputs gathered, correct but redundant),
-and :attr:`Converted.replicated` names it. What cannot be converted (effects, arguments
-on several meshes or with other shardings, a layout the FSDP pattern does not have) is
-refused with :class:`Refused`, whose message says why; the caller then keeps the
-program as written.
+and :attr:`Converted.replicated` names it. Arguments may be split along several
+dimensions over different mesh axes (FSDP on one axis and tensor parallelism on another,
+as logical axis rules lay a model out on a 2-D mesh): each dimension's axes are followed
+alike. What cannot be converted (effects, arguments on several meshes or with other
+shardings, Explicit mesh axes, a value split and summed over one axis) is refused with
+:class:`Refused`, whose message says why; the caller then keeps the program as written.
 """
 
 from __future__ import annotations
@@ -75,6 +77,18 @@ def _scatter_dim(src: Layout, dst: Layout, red: set) -> int | None:
       if best is None or len(ax) > len(dst.dims[best]):
         best = d
   return best
+
+
+def _scatter_dims(src: Layout, dst: Layout, red: set) -> tuple[list[int], set]:
+  """The dimensions an unreduced sum over ``red`` is reduce-scattered along, one after the
+  other (:func:`_scatter_dim` over the axes left), and the axes it is then all-reduced
+  over. A weight gradient summed over both axes of a 2-D mesh and split along two
+  dimensions, one per axis, is reduce-scattered twice, never all-reduced whole."""
+  dims, red = [], set(red)
+  while red and (d := _scatter_dim(src, dst, red)) is not None and d not in dims:
+    dims.append(d)
+    red -= set(dst.dims[d])
+  return dims, red
 
 
 @dataclasses.dataclass
@@ -210,14 +224,14 @@ class Interpreter:
     dims = list(src.dims)
     red = set(src.partial) - set(dst.partial)
     if red:
-      d = _scatter_dim(src, dst, red)
-      if d is not None:
-        # Reduce-scattered over the axes that split the result (an FSDP gradient over
-        # "fsdp"), then summed over the others on the scattered piece (over "data" where
-        # the batch is also split there): what the partitioner does for a 2-D mesh.
+      # Reduce-scattered over the axes that split the result (an FSDP gradient over
+      # "fsdp", and over "tensor" along its other dimension where that splits it too),
+      # then summed over the others on the scattered piece (over "data" where the batch
+      # is also split there): what the partitioner does for a 2-D mesh.
+      scattered, red = _scatter_dims(src, dst, red)
+      for d in scattered:
         x = lax.psum_scatter(x, dst.dims[d], scatter_dimension=d, tiled=True)
         dims[d] = dst.dims[d]
-        red = red - set(dst.dims[d])
       if red:
         x = lax.psum(x, tuple(a for a in self.sizes if a in red))
     # Every gather before any slice: a split moved from one dimension to another over the
@@ -250,10 +264,9 @@ class Interpreter:
   def _count(self, src: Layout, dst: Layout) -> None:
     red = set(src.partial) - set(dst.partial)
     if red:
-      d = _scatter_dim(src, dst, red)
-      if d is not None:
-        self.counts["reduce-scatter"] += 1
-      if d is None or red - set(dst.dims[d]):
+      scattered, red = _scatter_dims(src, dst, red)
+      self.counts["reduce-scatter"] += len(scattered)
+      if red:
         self.counts["all-reduce"] += 1
     for a, b in zip(src.dims, dst.dims):
       if a and a != b:
@@ -684,16 +697,6 @@ def input_layouts(leaves) -> tuple[Any, list[Layout]]:
   return mesh, lays
 
 
-def _check_fsdp_pattern(lays: list[Layout]) -> None:
-  for i, lay in enumerate(lays):
-    split = [d for d, ax in enumerate(lay.dims) if ax]
-    if len(split) > 1:
-      raise Refused(
-        f"argument leaf {i} is split along dimensions {split} ({lay.describe()}): the "
-        "conversion handles the FSDP pattern, each argument split along at most one dimension"
-      )
-
-
 def convert(
   closed,
   leaves,
@@ -714,7 +717,6 @@ def convert(
     Refused: the program cannot be converted; the message says why.
   """
   mesh, in_lays = input_layouts(leaves)
-  _check_fsdp_pattern(in_lays)
   sizes = dict(mesh.shape)
   jaxpr, consts = closed.jaxpr, list(closed.consts)
   n_out = len(jaxpr.outvars)
