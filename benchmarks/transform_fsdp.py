@@ -87,9 +87,7 @@ def _build_model(target: str, form: str, cfg: dict):
   if form == "flax_llama_2d":
     from jax_overlap.examples import flax_llama
 
-    return flax_llama.build(
-      target, hidden=cfg["hidden"], mlp=cfg["mlp"], heads=cfg["heads"], kv_heads=8, **sizes
-    )
+    return flax_llama.build(target, **_llama_sizes(cfg))
   from jax_overlap.examples import llama_fsdp
 
   loop, gather = {
@@ -139,6 +137,7 @@ def deviceless(rows, tables):
             "exposed_fraction": r.exposed_fraction,
             "vs_compute_bound": r.step_time_s / r.compute_time_s,
             "realize_priority_s": simulated[name],
+            "matmul_flops": _matmul_flops(r),
             "xla_options": {k: str(v) for k, v in r.xla_options.items()},
           }
         )
@@ -169,9 +168,40 @@ def deviceless(rows, tables):
         + ", ".join(f"{n} {r.step_time_s / r.compute_time_s:.3f}" for n, r in reports.items())
         + "\n\nsim.realize (SM contention, XLA's stream priority): "
         + ", ".join(f"{n} {t * 1e3:.2f} ms" for n, t in simulated.items())
+        + "\n\nmatmul work per GPU (FLOPs of the HLO's dots): "
+        + ", ".join(f"{n} {_matmul_flops(r) / 1e12:.2f} TFLOP" for n, r in reports.items())
+        + _counted(form, cfg)
         + f"\n\n{choice} (selection took {select_time:.0f} s).{mark}\n\nLevers: {levers}.\n"
       )
       print(f"\n{target} {form}\n{table}\n{choice}")
+
+
+def _matmul_flops(report) -> float:
+  """FLOPs of the step's matmul kernels on one GPU, as the analysis counts them from the
+  compiled HLO."""
+  return float(sum(k.flops for k in report.kernels if k.kind in ("gemm", "convolution")))
+
+
+def _counted(form: str, cfg: dict) -> str:
+  """The matmul work per GPU counted from the model's shapes, where the example counts it
+  (a second estimate of what the compiled step should compute)."""
+  if form != "flax_llama_2d":
+    return ""
+  from jax_overlap.examples import flax_llama
+
+  c = flax_llama.Config(**_llama_sizes(cfg))
+  flops = flax_llama.step_flops(c, data=8 // c.model_axis) / 8
+  return (
+    f"; counted from the model's shapes (flax_llama.step_flops, each block's forward "
+    f"recomputed in full): {flops / 1e12:.2f} TFLOP"
+  )
+
+
+def _llama_sizes(cfg: dict) -> dict:
+  return dict(
+    hidden=cfg["hidden"], mlp=cfg["mlp"], heads=cfg["heads"], kv_heads=8, layers=cfg["layers"],
+    seq=cfg["seq"], batch_per_device=cfg["batch_per_device"],
+  )  # fmt: skip
 
 
 def _merged(name: str, rows: list, tables: list) -> tuple[list, list]:

@@ -203,6 +203,8 @@ _FORMS = {
   "llama_scan_remat": "Llama, `lax.scan` + `jax.checkpoint`",
   "llama_gspmd": "Llama, GSPMD",
   "flax": "Flax + optax",
+  "gspmd_2d": "GSPMD on 2-D, `lax.scan` + `jax.checkpoint`",
+  "flax_llama_2d": "Flax Llama on 2-D, `nn.scan(nn.remat)`",
 }
 
 
@@ -251,7 +253,9 @@ def test_fsdp_prose_figures():
   assert f"took {min(times):.0f}-{max(times):.0f} s per form" in flat
   as_written = [k for k, v in by.items() if "as written" in v["@overlap"]["chosen"]]
   assert sorted({f for _, f in as_written}) == [
+    "flax_llama_2d",
     "gspmd",
+    "gspmd_2d",
     "gspmd_scan_remat",
     "llama_gspmd",
     "llama_scan_remat",
@@ -259,7 +263,7 @@ def test_fsdp_prose_figures():
     "scan_remat",
     "unrolled",
   ]
-  assert len(as_written) == 9
+  assert len(as_written) == 12
 
 
 def _slug(heading: str) -> str:

@@ -132,3 +132,17 @@ def test_overlap_runs_a_2d_step_in_its_shard_map_form():
   assert any(n.startswith("converted to shard_map") for n in e.notes), e.notes
   assert e.chosen.startswith("shard_map form"), e.chosen
   _assert_like_the_step(ov(*fresh(), tokens), fn(*fresh(), tokens))
+
+
+def test_the_shard_map_form_does_the_models_matmul_work():
+  # Deviceless for h100x8: the converted step's dots, as the analysis counts them from
+  # XLA's HLO, do the matmul work counted from the model's shapes (less only where XLA
+  # does not recompute a rematerialized forward it still holds), not the partitioned
+  # step's redundant work.
+  cfg = dict(layers=2, hidden=512, mlp=1024, heads=8, kv_heads=4, seq=256, vocab=1024)
+  fn, args = flax_llama.build("h100x8", **cfg)
+  ov = jax_overlap.overlap(fn, target="h100x8", gspmd="convert", select="rewrite", cache=False)
+  r = jax_overlap.analyze(ov, *args, target="h100x8")
+  got = sum(k.flops for k in r.kernels if k.kind == "gemm")
+  want = flax_llama.step_flops(flax_llama.Config(**cfg), data=4) / 8
+  assert 0.85 * want <= got <= 1.01 * want, (got, want)

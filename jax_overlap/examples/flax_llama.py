@@ -25,7 +25,16 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["Config", "RULES", "build", "init", "make_model", "make_step", "random_tokens"]
+__all__ = [
+  "Config",
+  "RULES",
+  "build",
+  "init",
+  "make_model",
+  "make_step",
+  "random_tokens",
+  "step_flops",
+]
 
 # Logical axis -> mesh axis.
 RULES = (
@@ -257,3 +266,18 @@ def random_tokens(cfg: Config, mesh: Mesh, key) -> jax.Array:
   batch = cfg.batch_per_device * mesh.shape["data"]
   tokens = jax.random.randint(key, (batch, cfg.seq), 0, cfg.vocab, jnp.int32)
   return jax.device_put(tokens, _token_sharding(mesh))
+
+
+def step_flops(cfg: Config, data: int) -> float:
+  """Matmul FLOPs of one training step over the whole batch (``data`` devices of the data
+  axis, ``cfg.batch_per_device`` sequences each), counted from the model's shapes: each
+  block's projections and attention (scores and values, causal mask not skipped) four
+  times (forward, the forward again under ``nn.remat``, and the backward's two products),
+  the output projection three times; the embedding lookup does no matmul. A count
+  independent of XLA's, to check what a compiled step computes."""
+  tokens = cfg.batch_per_device * data * cfg.seq
+  hd = cfg.hidden // cfg.heads
+  proj = cfg.hidden * hd * (2 * cfg.heads + 2 * cfg.kv_heads) + 3 * cfg.hidden * cfg.mlp
+  attention = 4 * cfg.batch_per_device * data * cfg.seq**2 * cfg.heads * hd
+  block = 2 * tokens * proj + attention
+  return float(4 * cfg.layers * block + 3 * 2 * tokens * cfg.hidden * cfg.vocab)
