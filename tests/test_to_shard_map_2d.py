@@ -146,3 +146,46 @@ def test_the_shard_map_form_does_the_models_matmul_work():
   got = sum(k.flops for k in r.kernels if k.kind == "gemm")
   want = flax_llama.step_flops(flax_llama.Config(**cfg), data=4) / 8
   assert 0.85 * want <= got <= 1.01 * want, (got, want)
+
+
+def test_a_scanned_tensor_parallel_residual_is_reduced_where_it_is_made():
+  # The residual stream of a scanned, rematerialized layer comes out of its row-parallel
+  # matmuls unreduced over tensor and is read whole by the next layer's norm: it is
+  # all-reduced at the end of each iteration, so the backward pass recomputes each layer
+  # from a whole residual. Megatron's count: 2 all-reduces of activations per layer
+  # forward, 2 more for the forward recomputed and 2 in the backward proper.
+  mesh = _mesh((4, 2), ("fsdp", "tensor"))
+  fn, fresh, batch = _transformer(mesh, layers=2, tensor_axis="tensor", scan=True, remat=True)
+  conv, leaves = _convert(fn, (fresh(), batch))
+  _assert_same(jax.jit(conv.fn)(*leaves), fn(fresh(), batch), rtol=1e-4, atol=1e-5)
+  text = str(jax.make_jaxpr(conv.fn)(*leaves))
+  act = batch["x"].shape[0] // mesh.shape["fsdp"], *batch["x"].shape[1:]
+  shape = "f32[" + ",".join(map(str, act)) + "]"
+  summed = re.findall(re.escape(shape) + r" = psum\[axes=\('tensor',\)", text)
+  assert len(summed) == 6, len(summed)
+
+
+def test_a_gradient_accumulated_over_microbatches_is_reduced_once():
+  # A carry the loop only adds to stays an unreduced sum through the iterations and is
+  # reduce-scattered once, after the loop.
+  from test_to_shard_map import _walk
+
+  mesh = _mesh((8,), ("fsdp",))
+  w = jax.device_put(jax.random.normal(jax.random.key(0), (64, 32)), NamedSharding(mesh, P("fsdp")))
+  xs = jax.random.normal(jax.random.key(1), (4, 16, 64))
+  xs = jax.device_put(xs, NamedSharding(mesh, P(None, "fsdp")))
+
+  def step(w, xs):
+    def body(g, x):
+      gi = jax.grad(lambda w: jnp.mean(jnp.tanh(x @ w) ** 2))(w)
+      return g + gi, None
+
+    g, _ = jax.lax.scan(body, jnp.zeros_like(w), xs)
+    return w - 0.1 * g
+
+  fn = jax.jit(step, out_shardings=w.sharding)
+  conv, leaves = _convert(fn, (w, xs))
+  _assert_same(jax.jit(conv.fn)(*leaves), fn(w, xs), rtol=1e-4, atol=1e-5)
+  closed = jax.make_jaxpr(conv.fn)(*leaves)
+  reductions = [(p, loop) for p, loop, _ in _walk(closed.jaxpr) if p in ("reduce_scatter", "psum")]
+  assert reductions == [("reduce_scatter", False)], reductions

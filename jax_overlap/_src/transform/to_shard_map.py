@@ -509,12 +509,26 @@ class Interpreter:
     return self.run(jaxpr, consts, vals, [lay for _, lay in ins])
 
   def _loop_carry(self, body, consts, const_lays, carry_lays, rest_lays, n_out):
-    """A fixed point of the carry's layouts through ``body`` (abstract runs)."""
+    """A fixed point of the carry's layouts through ``body`` (abstract runs).
+
+    A carry the body leaves unreduced stays an unreduced sum from one iteration to the
+    next (a gradient accumulated over microbatches is reduced once, after the loop),
+    unless the body reduces it where it reads it: then it is reduced where the body makes
+    it. Both cost one reduction per iteration; reduced, the carry is also saved whole for
+    the backward pass (a scanned layer's residual stream under tensor parallelism, which
+    a rematerialized backward would otherwise reduce again per layer)."""
     carry = list(carry_lays)
+    reduced: dict[int, Layout] = {}  # carries the body reduces at their use
+    first = len(const_lays)
     for _ in range(6):
       sub = Interpreter(self.sizes, set(self.params_only), self.hints, True, self.wanted_before)
       outs = sub.run(body, consts, [None] * len(body.invars), const_lays + carry + rest_lays)
-      new = [lay for _, lay in outs[:n_out]]
+      for k, lay in enumerate(carry[:n_out]):
+        added = set(lay.partial) - set(carry_lays[k].partial)
+        wants = sub.demands.get(body.invars[first + k], ())
+        if added and any(added - set(w.partial) for w in wants):
+          reduced[k] = Layout(lay.dims, carry_lays[k].partial)
+      new = [reduced.get(k, lay) for k, (_, lay) in enumerate(outs[:n_out])]
       if new == carry:
         return carry, [lay for _, lay in outs]
       carry = new
