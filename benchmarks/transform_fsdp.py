@@ -170,7 +170,7 @@ def deviceless(rows, tables):
         + ", ".join(f"{n} {t * 1e3:.2f} ms" for n, t in simulated.items())
         + "\n\nmatmul work per GPU (FLOPs of the HLO's dots): "
         + ", ".join(f"{n} {_matmul_flops(r) / 1e12:.2f} TFLOP" for n, r in reports.items())
-        + _counted(form, cfg)
+        + _counted(target, form, cfg)
         + f"\n\n{choice} (selection took {select_time:.0f} s).{mark}\n\nLevers: {levers}.\n"
       )
       print(f"\n{target} {form}\n{table}\n{choice}")
@@ -182,7 +182,7 @@ def _matmul_flops(report) -> float:
   return float(sum(k.flops for k in report.kernels if k.kind in ("gemm", "convolution")))
 
 
-def _counted(form: str, cfg: dict) -> str:
+def _counted(target: str, form: str, cfg: dict) -> str:
   """The matmul work per GPU counted from the model's shapes, where the example counts it
   (a second estimate of what the compiled step should compute)."""
   if form != "flax_llama_2d":
@@ -190,7 +190,8 @@ def _counted(form: str, cfg: dict) -> str:
   from jax_overlap.examples import flax_llama
 
   c = flax_llama.Config(**_llama_sizes(cfg))
-  flops = flax_llama.step_flops(c, data=8 // c.model_axis) / 8
+  gpus = jax_overlap.targets.get(target).num_devices
+  flops = flax_llama.step_flops(c, data=gpus // c.model_axis) / gpus
   return (
     f"; counted from the model's shapes (flax_llama.step_flops, each block's forward "
     f"recomputed in full): {flops / 1e12:.2f} TFLOP"

@@ -53,7 +53,7 @@ def _llama(mesh, **overrides):
     layers=2, hidden=64, mlp=128, heads=8, kv_heads=4, seq=16, vocab=96, dtype="float32",
     batch_per_device=2, model_axis=mesh.shape["model"], **overrides,
   )  # fmt: skip
-  fn = flax_llama.make_step(cfg, mesh)
+  fn = flax_llama.make_step(cfg)
   tokens = flax_llama.random_tokens(cfg, mesh, jax.random.key(1))
 
   def fresh():  # the step donates its parameters and optimizer state: made anew per call

@@ -8,6 +8,7 @@
 #include <dlfcn.h>
 #include <stdlib.h>
 
+#include <initializer_list>
 #include <string>
 
 constexpr int kCublasOpN = 0;            // CUBLAS_OP_N
@@ -29,26 +30,38 @@ struct Cublas {
   std::string library;
 };
 
+// Offers each library that dlopens, $`env` first, then `sonames` in order, to
+// `accept(handle)` (which resolves its symbols and creates its handle) until one accepts;
+// the name of that library, or nullptr.
+template <class Accept>
+inline const char* OpenFirstLibrary(const char* env, std::initializer_list<const char*> sonames,
+                                    Accept accept) {
+  const char* first = getenv(env);
+  if (first != nullptr && *first != '\0') {
+    void* h = dlopen(first, RTLD_NOW | RTLD_GLOBAL);
+    if (h != nullptr && accept(h)) return first;
+  }
+  for (const char* n : sonames) {
+    void* h = dlopen(n, RTLD_NOW | RTLD_GLOBAL);
+    if (h != nullptr && accept(h)) return n;
+  }
+  return nullptr;
+}
+
 // The first of $CUBLAS_LIBRARY, libcublas.so.13, .12, libcublas.so that loads and creates a
 // handle.
 inline bool LoadCublas(Cublas* c) {
-  const char* names[] = {getenv("CUBLAS_LIBRARY"), "libcublas.so.13", "libcublas.so.12",
-                         "libcublas.so"};
-  for (const char* n : names) {
-    if (n == nullptr || *n == '\0') continue;
-    void* h = dlopen(n, RTLD_NOW | RTLD_GLOBAL);
-    if (h == nullptr) continue;
-    auto create = reinterpret_cast<CublasCreate>(dlsym(h, "cublasCreate_v2"));
-    c->set_stream = reinterpret_cast<CublasSetStream>(dlsym(h, "cublasSetStream_v2"));
-    c->gemm = reinterpret_cast<CublasGemmEx>(dlsym(h, "cublasGemmEx"));
-    c->set_sm_count_target =
-        reinterpret_cast<CublasSetSmCountTarget>(dlsym(h, "cublasSetSmCountTarget"));
-    if (create && c->set_stream && c->gemm && create(&c->handle) == 0) {
-      c->library = n;
-      return true;
-    }
-  }
-  return false;
+  const char* n = OpenFirstLibrary(
+      "CUBLAS_LIBRARY", {"libcublas.so.13", "libcublas.so.12", "libcublas.so"}, [c](void* h) {
+        auto create = reinterpret_cast<CublasCreate>(dlsym(h, "cublasCreate_v2"));
+        c->set_stream = reinterpret_cast<CublasSetStream>(dlsym(h, "cublasSetStream_v2"));
+        c->gemm = reinterpret_cast<CublasGemmEx>(dlsym(h, "cublasGemmEx"));
+        c->set_sm_count_target =
+            reinterpret_cast<CublasSetSmCountTarget>(dlsym(h, "cublasSetSmCountTarget"));
+        return create && c->set_stream && c->gemm && create(&c->handle) == 0;
+      });
+  if (n != nullptr) c->library = n;
+  return n != nullptr;
 }
 
 // D = A B, bf16 N x N x N with fp32 accumulation, on stream `s`; the cuBLAS status.

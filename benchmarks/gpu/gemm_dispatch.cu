@@ -120,27 +120,27 @@ struct Lt {
 };
 
 bool LoadLt(Lt* lt) {
-  const char* names[] = {getenv("CUBLASLT_LIBRARY"), "libcublasLt.so.13", "libcublasLt.so.12",
-                         "libcublasLt.so"};
-  for (const char* n : names) {
-    if (n == nullptr || *n == '\0') continue;
-    void* h = dlopen(n, RTLD_NOW | RTLD_GLOBAL);
-    if (h == nullptr) continue;
-    auto create = reinterpret_cast<LtCreate>(dlsym(h, "cublasLtCreate"));
-    lt->desc_create = reinterpret_cast<LtDescCreate>(dlsym(h, "cublasLtMatmulDescCreate"));
-    lt->desc_set = reinterpret_cast<LtDescSet>(dlsym(h, "cublasLtMatmulDescSetAttribute"));
-    lt->layout_create = reinterpret_cast<LtLayoutCreate>(dlsym(h, "cublasLtMatrixLayoutCreate"));
-    lt->pref_create = reinterpret_cast<LtPrefCreate>(dlsym(h, "cublasLtMatmulPreferenceCreate"));
-    lt->pref_set = reinterpret_cast<LtPrefSet>(dlsym(h, "cublasLtMatmulPreferenceSetAttribute"));
-    lt->heuristic = reinterpret_cast<LtHeuristic>(dlsym(h, "cublasLtMatmulAlgoGetHeuristic"));
-    lt->matmul = reinterpret_cast<LtMatmul>(dlsym(h, "cublasLtMatmul"));
-    if (create && lt->desc_create && lt->desc_set && lt->layout_create && lt->pref_create &&
-        lt->pref_set && lt->heuristic && lt->matmul && create(&lt->handle) == 0) {
-      lt->library = n;
-      return true;
-    }
-  }
-  return false;
+  const char* n = OpenFirstLibrary(
+      "CUBLASLT_LIBRARY", {"libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so"},
+      [lt](void* h) {
+        auto create = reinterpret_cast<LtCreate>(dlsym(h, "cublasLtCreate"));
+        lt->desc_create = reinterpret_cast<LtDescCreate>(dlsym(h, "cublasLtMatmulDescCreate"));
+        lt->desc_set = reinterpret_cast<LtDescSet>(dlsym(h, "cublasLtMatmulDescSetAttribute"));
+        lt->layout_create =
+            reinterpret_cast<LtLayoutCreate>(dlsym(h, "cublasLtMatrixLayoutCreate"));
+        lt->pref_create =
+            reinterpret_cast<LtPrefCreate>(dlsym(h, "cublasLtMatmulPreferenceCreate"));
+        lt->pref_set =
+            reinterpret_cast<LtPrefSet>(dlsym(h, "cublasLtMatmulPreferenceSetAttribute"));
+        lt->heuristic =
+            reinterpret_cast<LtHeuristic>(dlsym(h, "cublasLtMatmulAlgoGetHeuristic"));
+        lt->matmul = reinterpret_cast<LtMatmul>(dlsym(h, "cublasLtMatmul"));
+        return create && lt->desc_create && lt->desc_set && lt->layout_create &&
+               lt->pref_create && lt->pref_set && lt->heuristic && lt->matmul &&
+               create(&lt->handle) == 0;
+      });
+  if (n != nullptr) lt->library = n;
+  return n != nullptr;
 }
 
 #define LT_CHECK(x)                                                          \

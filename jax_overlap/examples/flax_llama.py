@@ -174,9 +174,10 @@ def _optimizer():
   return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-4, weight_decay=0.1))
 
 
-def make_step(cfg: Config, mesh: Mesh):
+def make_step(cfg: Config):
   """The jitted train step ``(params, opt_state, tokens) -> (params, opt_state, loss)``
-  (parameters and optimizer state donated)."""
+  (parameters and optimizer state donated); the layouts come from the arguments and the
+  logical constraints."""
   from jax_overlap.examples.flax_optax import require
 
   nn, optax = require()
@@ -194,12 +195,15 @@ def make_step(cfg: Config, mesh: Mesh):
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
-  del mesh  # the layouts come from the arguments and the logical constraints
   return train_step
 
 
-def _token_sharding(mesh: Mesh) -> NamedSharding:
-  return NamedSharding(mesh, P("data", None))
+def _tokens(cfg: Config, mesh: Mesh) -> jax.ShapeDtypeStruct:
+  """The batch of token ids: ``cfg.batch_per_device`` sequences per device of ``data``."""
+  batch = cfg.batch_per_device * mesh.shape["data"]
+  return jax.ShapeDtypeStruct(
+    (batch, cfg.seq), jnp.int32, sharding=NamedSharding(mesh, P("data", None))
+  )
 
 
 def _abstract(cfg: Config, mesh: Mesh):
@@ -208,8 +212,7 @@ def _abstract(cfg: Config, mesh: Mesh):
 
   nn, optax = require()
   model = make_model(cfg)
-  batch = cfg.batch_per_device * mesh.shape["data"]
-  tokens = jax.ShapeDtypeStruct((batch, cfg.seq), jnp.int32, sharding=_token_sharding(mesh))
+  tokens = _tokens(cfg, mesh)
   with nn.logical_axis_rules(RULES):
     boxed = jax.eval_shape(model.init, jax.random.key(0), tokens)
     shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, RULES)
@@ -238,7 +241,7 @@ def build(target: str = "h100x8", mesh: Mesh | None = None, **overrides):
   as abstract arrays on ``target``'s (data, model) mesh."""
   cfg = Config(**overrides)
   mesh = mesh if mesh is not None else mesh_for(target, cfg)
-  return make_step(cfg, mesh), _abstract(cfg, mesh)
+  return make_step(cfg), _abstract(cfg, mesh)
 
 
 def init(cfg: Config, mesh: Mesh, key):
@@ -263,9 +266,10 @@ def init(cfg: Config, mesh: Mesh, key):
 
 
 def random_tokens(cfg: Config, mesh: Mesh, key) -> jax.Array:
-  batch = cfg.batch_per_device * mesh.shape["data"]
-  tokens = jax.random.randint(key, (batch, cfg.seq), 0, cfg.vocab, jnp.int32)
-  return jax.device_put(tokens, _token_sharding(mesh))
+  """Token ids laid out as :func:`build`'s."""
+  like = _tokens(cfg, mesh)
+  tokens = jax.random.randint(key, like.shape, 0, cfg.vocab, jnp.int32)
+  return jax.device_put(tokens, like.sharding)
 
 
 def step_flops(cfg: Config, data: int) -> float:

@@ -85,7 +85,7 @@ def _scatter_dims(src: Layout, dst: Layout, red: set) -> tuple[list[int], set]:
   over. A weight gradient summed over both axes of a 2-D mesh and split along two
   dimensions, one per axis, is reduce-scattered twice, never all-reduced whole."""
   dims, red = [], set(red)
-  while red and (d := _scatter_dim(src, dst, red)) is not None and d not in dims:
+  while red and (d := _scatter_dim(src, dst, red)) is not None:
     dims.append(d)
     red -= set(dst.dims[d])
   return dims, red
@@ -523,7 +523,7 @@ class Interpreter:
     for _ in range(6):
       sub = Interpreter(self.sizes, set(self.params_only), self.hints, True, self.wanted_before)
       outs = sub.run(body, consts, [None] * len(body.invars), const_lays + carry + rest_lays)
-      for k, lay in enumerate(carry[:n_out]):
+      for k, lay in enumerate(carry):
         added = set(lay.partial) - set(carry_lays[k].partial)
         wants = sub.demands.get(body.invars[first + k], ())
         if added and any(added - set(w.partial) for w in wants):
