@@ -230,6 +230,23 @@ def test_loop_bodies_are_counted_per_iteration():
   assert r.flops == pytest.approx(3 * xla, rel=0.01)
 
 
+def test_a_cpu_analysis_times_send_recv_and_all_to_all():
+  # target=None: the local CPU's rough model, which has no NCCL channels to apportion.
+  mesh = jax.make_mesh((8,), ("x",))
+  perm = [(i, (i + 1) % 8) for i in range(8)]
+
+  def body(a):
+    a = jax.lax.ppermute(a, "x", perm)
+    return jax.lax.all_to_all(a, "x", 0, 0, tiled=True)
+
+  fn = _smap(body, mesh, P("x"), P("x"))
+  a = jax.device_put(jnp.ones((8 * 64, 128), jnp.float32), NamedSharding(mesh, P("x")))
+  r = jax_overlap.analyze(fn, a, target=None)
+  kinds = {c.kind for c in r.collectives}
+  assert {"collective-permute", "all-to-all"} <= kinds, kinds
+  assert all(c.time_s > 0 for c in r.collectives)
+
+
 def test_report_outputs(tmp_path):
   from jax_overlap.examples import fsdp_mlp
 

@@ -84,6 +84,7 @@ class _Host:
   """A rough model of the local CPU, for analyses with target=None."""
 
   name: str = "cpu"
+  vendor: str = "host"  # not NVIDIA's: no NCCL channel rules
   peak_bf16_flops: float = 2e11
   peak_fp32_flops: float = 2e11
   memory_bandwidth: float = 2e10
