@@ -247,6 +247,28 @@ def test_a_cpu_analysis_times_send_recv_and_all_to_all():
   assert all(c.time_s > 0 for c in r.collectives)
 
 
+@pytest.mark.parametrize("types", ["Auto", "Explicit"])
+def test_a_step_run_under_the_callers_mesh_compiles_for_the_target(types):
+  # Code written under ``with jax.set_mesh(mesh):`` (bare PartitionSpecs, Flax NNX's eager
+  # sharding): the target's mesh takes the CPU mesh's place, with its axis types.
+  axis_type = getattr(jax.sharding.AxisType, types)
+  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(axis_type,) * 2)
+
+  def step(w, x):
+    h = jnp.tanh(x @ w)
+    if types == "Auto":
+      h = jax.lax.with_sharding_constraint(h, P("data", "model"))
+    return jnp.sum(h.astype(jnp.float32))
+
+  with jax.set_mesh(mesh):
+    w = jax.device_put(jnp.ones((256, 512), jnp.bfloat16), P(None, "model"))
+    x = jax.device_put(jnp.ones((64, 256), jnp.bfloat16), P("data", None))
+    r = jax_overlap.analyze(jax.jit(step), w, x, target="h100x8")
+    assert jax.sharding.get_mesh() == mesh  # the caller's mesh is back
+  assert r.target == "h100x8" and r.flops > 0
+  assert len(r.collectives) >= 1  # the model axis' partial sums
+
+
 def test_report_outputs(tmp_path):
   from jax_overlap.examples import fsdp_mlp
 

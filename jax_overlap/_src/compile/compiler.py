@@ -386,6 +386,11 @@ def compile_for_target(
 
   try:
     leaves_meshes = retarget.meshes_in((args, kwargs))
+    # The mesh the caller's code runs under (``with jax.set_mesh(mesh):``), if any.
+    context = jax.sharding.get_mesh() if hasattr(jax.sharding, "get_mesh") else None
+    context = context if isinstance(context, Mesh) and not context.empty else None
+    if context is not None:
+      leaves_meshes = [*leaves_meshes, context]
     if topo is None:
       tmesh = mesh if isinstance(mesh, Mesh) else (leaves_meshes[0] if leaves_meshes else None)
       lower_args, lower_kwargs = args, kwargs
@@ -401,6 +406,8 @@ def compile_for_target(
         jax.tree.map(lambda x: retarget.retarget_arg(x, tmesh), (args, kwargs)), tmesh
       )
       target_fn = retarget.retargeted(fn, tmesh, args, kwargs)
+      if context is not None:  # traced under the target's mesh in its place
+        held.enter_context(jax.set_mesh(tmesh))
     t0 = time.perf_counter()
     notes: list[str] = []
     if hasattr(target_fn, "trace"):

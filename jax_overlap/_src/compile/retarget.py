@@ -53,17 +53,25 @@ def target_mesh_like(source: Mesh | Mapping[str, int] | None, target) -> Mesh:
   shape = dict(source.shape) if isinstance(source, Mesh) else dict(source)
   n = math.prod(shape.values())
   if n == topo.num_devices:
-    return targets_lib.compile_only_mesh(topo, shape)
+    return _typed_like(targets_lib.compile_only_mesh(topo, shape), source)
   for axis, size in shape.items():
     rest = n // size
     if topo.num_devices % rest == 0:
       new = dict(shape)
       new[axis] = topo.num_devices // rest
-      return targets_lib.compile_only_mesh(topo, new)
+      return _typed_like(targets_lib.compile_only_mesh(topo, new), source)
   raise ValueError(
     f"cannot map mesh {shape} ({n} devices) onto {topo.name} ({topo.num_devices} devices); "
     "pass mesh= with axis sizes that multiply to the target's device count"
   )
+
+
+def _typed_like(mesh: Mesh, source) -> Mesh:
+  """``mesh`` with ``source``'s axis types (Explicit axes stay explicit on the target)."""
+  types = getattr(source, "axis_types", None)
+  if not isinstance(source, Mesh) or types is None or types == mesh.axis_types:
+    return mesh
+  return Mesh(mesh.devices, mesh.axis_names, axis_types=types)
 
 
 def _retarget_sharding(s, mesh: Mesh):
