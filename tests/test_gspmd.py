@@ -176,3 +176,38 @@ def test_tp_sp_gspmd_example_computes_the_shard_map_model():
   for gg, gs in zip(grads_g, grads_s):
     np.testing.assert_allclose(np.asarray(gg["w1"]), np.asarray(gs["w1"]), rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(np.asarray(gg["wo"]), np.asarray(gs["wo"]), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("context", [False, True])
+def test_a_converted_step_on_the_callers_arrays_is_analysed_for_the_target(context):
+  # A GSPMD step on the caller's CPU arrays (under ``with jax.set_mesh(mesh):`` or not),
+  # converted to its shard_map form, then analysed for the target: the analysis compiles
+  # what the decorator chose, for the target's mesh.
+  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+
+  def loss(w, x):
+    h = jax.lax.with_sharding_constraint(jnp.tanh(x @ w["w1"]), P("data", "model"))
+    return jnp.mean((h @ w["w2"]) ** 2)
+
+  @jax.jit
+  def step(w, x):
+    value, g = jax.value_and_grad(loss)(w, x)
+    return value, jax.tree.map(lambda a, b: a - 0.1 * b, w, g)
+
+  key = jax.random.key(0)
+  with jax.set_mesh(mesh) if context else mesh:
+    w = {
+      "w1": jax.random.normal(key, (256, 512)) * 0.05,
+      "w2": jax.random.normal(key, (512, 256)) * 0.05,
+    }
+    specs = {"w1": P("data", "model"), "w2": P("model", "data")}
+    w = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), w, specs)
+    x = jax.device_put(jax.random.normal(key, (64, 256)), NamedSharding(mesh, P("data")))
+    ov = jax_overlap.overlap(step, target="h100x8", gspmd="convert", cache=False)
+    got, want = ov(w, x), step(w, x)
+    chosen = jax_overlap.analyze(ov, w, x, target="h100x8")
+  np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-5)
+  e = ov.explain(w, x)
+  assert e.chosen.startswith("shard_map form")
+  (judged,) = [n for n in e.notes if n.startswith("chosen variant judged twice")]
+  assert f"the analysis {chosen.step_time_s * 1e3:.3f} ms" in judged

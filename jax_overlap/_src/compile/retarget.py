@@ -265,8 +265,12 @@ def retargeted(fn: Callable, tmesh: Mesh, args, kwargs):
     ),
     (args, kwargs),
   )
+  # Traced inside a jit of its own: a step that inlines itself under a trace (a shard_map
+  # at the top of the program) is one jit call here, whose body is compiled as retargeted
+  # rather than traced again (which would meet the source mesh in its values' types).
+  inner = jax.jit(lambda a, kw: jitted(*a, **kw))
   try:
-    traced = jax.jit(lambda a, kw: jitted(*a, **kw)).trace(*abstract)
+    traced = jax.jit(lambda a, kw: inner(a, kw)).trace(*abstract)
     closed, out_shape = traced.jaxpr, traced.out_info
   except Exception:  # noqa: BLE001 - the compile below reports the real error
     return jitted
