@@ -55,7 +55,8 @@ STAGES = {
   "budget",
   "runtime",
 }
-SHARED = {"targets", "errors", "deprecations", "cache", "lazy_names"}
+# nnx_steps: Flax NNX steps, read by the transform and by compiles alike.
+SHARED = {"targets", "errors", "deprecations", "cache", "lazy_names", "nnx_steps"}
 SRC = ROOT / "jax_overlap" / "_src"
 
 
