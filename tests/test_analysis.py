@@ -1,5 +1,6 @@
 """Tests for deviceless schedule analysis (jax_overlap.analyze)."""
 
+import functools
 import json
 
 import jax
@@ -267,6 +268,26 @@ def test_a_step_run_under_the_callers_mesh_compiles_for_the_target(types):
     assert jax.sharding.get_mesh() == mesh  # the caller's mesh is back
   assert r.target == "h100x8" and r.flops > 0
   assert len(r.collectives) >= 1  # the model axis' partial sums
+
+
+def test_a_step_with_a_static_argument_is_compiled_on_the_targets_mesh():
+  # A jitted shard_map step over the caller's CPU arrays, with a static argument that is
+  # not an array: the shard_map's mesh is swapped for the target's, the static argument
+  # passed as it is.
+  mesh = jax.make_mesh((8,), ("x",))
+
+  @functools.partial(jax.jit, static_argnames="act")
+  def step(w, x, act):
+    def body(w, x):
+      return jax.lax.psum(getattr(jnp, act)(x @ w), "x")
+
+    return jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P(None, "x")), out_specs=P())(w, x)
+
+  w = jax.device_put(jnp.ones((256, 128), jnp.float32), NamedSharding(mesh, P("x")))
+  x = jax.device_put(jnp.ones((64, 256), jnp.float32), NamedSharding(mesh, P(None, "x")))
+  r = jax_overlap.analyze(step, w, x, act="tanh", target="h100x8")
+  assert r.target == "h100x8"
+  assert [c.kind for c in r.collectives] == ["all-reduce"]
 
 
 def test_report_outputs(tmp_path):

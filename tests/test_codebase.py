@@ -55,8 +55,8 @@ STAGES = {
   "budget",
   "runtime",
 }
-# nnx_steps: Flax NNX steps, read by the transform and by compiles alike.
-SHARED = {"targets", "errors", "deprecations", "cache", "lazy_names", "nnx_steps"}
+# framework_jits: nnx.jit and filter_jit steps, read by the transform and compiles alike.
+SHARED = {"targets", "errors", "deprecations", "cache", "lazy_names", "framework_jits"}
 SRC = ROOT / "jax_overlap" / "_src"
 
 

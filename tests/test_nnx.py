@@ -94,7 +94,7 @@ def _params(model):
 def test_an_nnx_step_updates_its_modules_as_nnx_jit_does(mesh, graph):
   step = _train_step(graph)
   ov = jax_overlap.overlap(step)
-  assert isinstance(ov, jax_overlap._src.nnx_steps.NnxOverlapped)
+  assert isinstance(ov, jax_overlap._src.framework_jits.WrappedOverlapped)
   model, optimizer, tokens, targets = _setup(mesh)
   twin, twin_opt, _, _ = _setup(mesh)
   with jax.set_mesh(mesh):

@@ -30,7 +30,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from jax_overlap._src import errors, nnx_steps
+from jax_overlap._src import errors, framework_jits
 from jax_overlap._src import targets as targets_lib
 from jax_overlap._src.compile import dumps, gemm_configs, kernel_cache, retarget, xla_log
 from jax_overlap._src.compile import store as compile_store
@@ -349,7 +349,7 @@ def compile_for_target(
   """Compiles ``fn(*args, **kwargs)`` for ``target`` and reads XLA's artefacts.
 
   Args:
-    fn: a function or a jitted function (an ``nnx.jit`` function: its ``jax.jit``).
+    fn: a function or a jitted function (``nnx.jit``, ``eqx.filter_jit``: their ``jax.jit``).
     *args: arrays or ``jax.ShapeDtypeStruct`` (with shardings for sharded inputs).
     target: topology name for a deviceless GPU compile, or None for the local devices.
     xla_options: per-compile XLA options.
@@ -372,10 +372,10 @@ def compile_for_target(
   """
   import time
 
-  if nnx_steps.is_nnx_step(fn):  # nnx.jit: its jax.jit, which returns the Modules' updates
+  if framework_jits.is_wrapped_step(fn):  # nnx.jit, filter_jit: the jax.jit inside
     opts = dict(target=target, xla_options=xla_options, mesh=mesh, keep_dump=keep_dump)
     again = functools.partial(compile_for_target, api_name=api_name, **opts)
-    return nnx_steps.on_states(fn, args, kwargs, lambda f, a, kw: again(f, *a, **kw))
+    return framework_jits.on_arguments(fn, args, kwargs, lambda f, a, kw: again(f, *a, **kw))
   options = dict(xla_options or {})
   if "xla_dump_to" in options:
     dump_dir, own_dir = options["xla_dump_to"], False

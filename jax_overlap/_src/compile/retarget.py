@@ -247,8 +247,13 @@ def _unwrap(fn):
   return getattr(fn, "__wrapped__", None) if hasattr(fn, "lower") else None
 
 
+def _is_input(x) -> bool:
+  return (hasattr(x, "shape") and hasattr(x, "dtype")) or isinstance(x, (int, float, complex))
+
+
 def retargeted(fn: Callable, tmesh: Mesh, args, kwargs):
-  """A jitted function equal to ``fn`` with every captured mesh swapped for ``tmesh``.
+  """``fn`` with every captured mesh swapped for ``tmesh``, to trace or lower (``.trace``,
+  ``.lower``) on arguments shaped like ``args`` and ``kwargs``.
 
   The function is traced once on its original arguments (through a wrapper, so
   that a jitted ``fn``'s own in/out shardings appear in the jaxpr as well), and
@@ -257,20 +262,30 @@ def retargeted(fn: Callable, tmesh: Mesh, args, kwargs):
   from jax.extend import core
 
   jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
-  abstract = jax.tree.map(
-    lambda x: (
-      jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None))
-      if hasattr(x, "shape") and hasattr(x, "dtype")
-      else x
-    ),
-    (args, kwargs),
-  )
+  leaves, tree = jax.tree.flatten((args, kwargs))
+  # The program's inputs: arrays and numbers; other leaves (a static argument's parts,
+  # such as Equinox's non-array leaves) are passed as they are, not traced.
+  inputs = [i for i, x in enumerate(leaves) if _is_input(x)]
+
+  def whole(*values):
+    full = list(leaves)
+    for i, v in zip(inputs, values):
+      full[i] = v
+    a, kw = jax.tree.unflatten(tree, full)
+    return jitted(*a, **kw)
+
+  abstract = [
+    jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None))
+    if hasattr(x, "shape") and hasattr(x, "dtype")
+    else x
+    for x in (leaves[i] for i in inputs)
+  ]
   # Traced inside a jit of its own: a step that inlines itself under a trace (a shard_map
   # at the top of the program) is one jit call here, whose body is compiled as retargeted
   # rather than traced again (which would meet the source mesh in its values' types).
-  inner = jax.jit(lambda a, kw: jitted(*a, **kw))
+  inner = jax.jit(whole)
   try:
-    traced = jax.jit(lambda a, kw: inner(a, kw)).trace(*abstract)
+    traced = jax.jit(lambda *values: inner(*values)).trace(*abstract)
     closed, out_shape = traced.jaxpr, traced.out_info
   except Exception:  # noqa: BLE001 - the compile below reports the real error
     return jitted
@@ -279,7 +294,21 @@ def retargeted(fn: Callable, tmesh: Mesh, args, kwargs):
   run = core.jaxpr_as_fun(core.ClosedJaxpr(_retarget_jaxpr(closed.jaxpr, tmesh), closed.consts))
   out_tree = jax.tree.structure(out_shape)
 
-  def call(*a, **kw):
-    return jax.tree.unflatten(out_tree, run(*jax.tree.leaves((a, kw))))
+  return _Inputs(jax.jit(lambda *values: jax.tree.unflatten(out_tree, run(*values))), inputs)
 
-  return jax.jit(call)
+
+class _Inputs:
+  """``jitted`` traced or lowered on the program's inputs among a call's arguments."""
+
+  def __init__(self, jitted, inputs: list[int]):
+    self._jitted, self._inputs = jitted, inputs
+
+  def _values(self, args, kwargs) -> list:
+    values = jax.tree.leaves((args, kwargs))
+    return [values[i] for i in self._inputs]
+
+  def trace(self, *args, **kwargs):
+    return self._jitted.trace(*self._values(args, kwargs))
+
+  def lower(self, *args, **kwargs):
+    return self._jitted.lower(*self._values(args, kwargs))

@@ -17,7 +17,7 @@ from typing import Any
 
 import jax
 
-from jax_overlap._src import errors, nnx_steps
+from jax_overlap._src import errors, framework_jits
 from jax_overlap._src import flags as flags_lib
 from jax_overlap._src import targets as targets_lib
 from jax_overlap._src.compile import xla_log
@@ -44,10 +44,10 @@ class Overlapped:
     settings: ``overlap``'s keywords, checked (a frozen ``Settings``).
   """
 
-  def __init__(self, fn, settings: Settings, *, under_nnx: bool = False):
+  def __init__(self, fn, settings: Settings, *, under_framework: bool = False):
     self.fn = fn
     self.settings = settings
-    self._under_nnx = under_nnx  # the jax.jit inside nnx.jit: its arguments may be Modules
+    self._under_framework = under_framework  # the jax.jit in nnx.jit: its arguments may be Modules
     self._built: dict[Any, Built] = {}
     self._compiled: list[Built] = []  # built steps whose first call compiled them
     self._warned_nothing = False
@@ -58,7 +58,7 @@ class Overlapped:
   def build(self, *args, **kwargs) -> Built:
     """Runs the pipeline for these arguments (once per input signature) and returns what a
     call runs: the chosen variant, jitted, with its explanation and choice."""
-    if not self._under_nnx and (nodes := nnx_steps.graph_nodes(args, kwargs)):
+    if not self._under_framework and (nodes := framework_jits.graph_nodes(args, kwargs)):
       name = getattr(self.fn, "__name__", "the step")
       raise TypeError(
         f"overlap: {name} takes Flax NNX objects ({', '.join(nodes)}), whose updates a "
@@ -204,7 +204,7 @@ def overlap(
 
   Args:
     fn: the step function (plain, jitted, or containing ``shard_map``; or a Flax
-      ``nnx.jit`` function, whose ``jax.jit`` is rewritten).
+      ``nnx.jit`` or Equinox ``eqx.filter_jit`` function, whose ``jax.jit`` is rewritten).
     mesh: the mesh the step runs on (checked against the arguments' shardings).
     target: the GPU topology the step is compiled and chosen for ("h100x8", a
       ``targets.Topology``); None: the devices the step runs on (on GPUs, their topology
@@ -295,9 +295,10 @@ def overlap(
       not its inputs.
 
   Returns:
-    An :class:`Overlapped` callable with the same signature and outputs (for a Flax
-    ``nnx.jit`` function, a callable that updates the caller's Modules as ``nnx.jit``
-    does, around the rewritten ``jax.jit`` inside it).
+    An :class:`Overlapped` callable with the same signature and outputs (for an
+    ``nnx.jit`` or ``eqx.filter_jit`` function, a callable that runs the framework's
+    wrapper around the rewritten ``jax.jit``: NNX updates the caller's Modules as
+    ``nnx.jit`` does).
 
   Raises:
     ValueError: for a negative prefetch, a negative or unreadable prefetch_memory (or one
@@ -332,10 +333,9 @@ def overlap(
   def wrap(f):
     if not callable(f):
       raise TypeError(f"overlap: expected a function, got {type(f).__name__}")
-    if (wrapper := nnx_steps.wrapper_of(f)) is not None:  # nnx.jit: its pure jax.jit rewritten
-      return nnx_steps.NnxOverlapped(
-        wrapper, Overlapped(wrapper.jitted_fn, settings, under_nnx=True)
-      )
+    if (kind := framework_jits.kind_of(f)) is not None:  # nnx.jit, eqx.filter_jit
+      inner = Overlapped(getattr(f, kind.attribute), settings, under_framework=True)
+      return framework_jits.WrappedOverlapped(f, kind, inner)
     return Overlapped(f, settings)
 
   return wrap if fn is None else wrap(fn)
