@@ -8,9 +8,10 @@ jax_overlap.examples.fsdp_transformer, unrolled and lax.scan under
 jax.checkpoint, the partitioner inserting the collectives), and whole models
 with an embedding and an output projection (llama_*: jax_overlap.examples.llama_fsdp,
 every weight gathered at each use or once per layer, unrolled or lax.scan +
-jax.checkpoint; llama_gspmd; flax: jax_overlap.examples.flax_optax), and two on a
+jax.checkpoint; llama_gspmd; flax: jax_overlap.examples.flax_optax), and three on a
 2-D mesh, FSDP over 4 GPUs x tensor parallelism over 2 (gspmd_2d: fsdp_transformer with
-its tensor axis; flax_llama_2d: jax_overlap.examples.flax_llama), compiled
+its tensor axis; flax_llama_2d: jax_overlap.examples.flax_llama; nnx_llama_2d: the same
+model in Flax NNX under nnx.jit, jax_overlap.examples.nnx_llama), compiled
 for h100x8 and a100x8 under XLA defaults, the recommended flags, and
 @jax_overlap.overlap;
 see transform_overhead.py for the decorator's CPU costs.
@@ -45,8 +46,10 @@ FORMS = ["unrolled", "scan", "scan_remat", "scan_layers", "gspmd", "gspmd_scan_r
 # lax.scan + jax.checkpoint), fsdp_transformer with a vocabulary under plain jax.jit (GSPMD),
 # and flax_optax's Linen model with optax AdamW (float32 parameters, as Flax creates them).
 # On a 2-D mesh (FSDP over 4 GPUs x tensor parallelism over 2, most weights split along two
-# dimensions): fsdp_transformer with its tensor axis (gspmd_2d), and flax_llama's Linen
-# Llama laid out by logical axis rules with optax AdamW (flax_llama_2d).
+# dimensions): fsdp_transformer with its tensor axis (gspmd_2d), flax_llama's Linen
+# Llama laid out by logical axis rules with optax AdamW (flax_llama_2d), and the same Llama in
+# Flax NNX (nnx_llama: nnx.scan over nnx.remat, nnx.Optimizer, a step under nnx.jit that
+# updates the Modules in place; nnx_llama_2d).
 MODELS = [
   "llama_per_use",
   "llama_per_layer",
@@ -55,6 +58,7 @@ MODELS = [
   "flax",
   "gspmd_2d",
   "flax_llama_2d",
+  "nnx_llama_2d",
 ]
 absl_flags.DEFINE_list(
   "forms",
@@ -88,6 +92,10 @@ def _build_model(target: str, form: str, cfg: dict):
     from jax_overlap.examples import flax_llama
 
     return flax_llama.build(target, **_llama_sizes(cfg))
+  if form == "nnx_llama_2d":
+    from jax_overlap.examples import nnx_llama
+
+    return nnx_llama.build(target, **_llama_sizes(cfg))
   from jax_overlap.examples import llama_fsdp
 
   loop, gather = {
@@ -185,7 +193,7 @@ def _matmul_flops(report) -> float:
 def _counted(target: str, form: str, cfg: dict) -> str:
   """The matmul work per GPU counted from the model's shapes, where the example counts it
   (a second estimate of what the compiled step should compute)."""
-  if form != "flax_llama_2d":
+  if form not in ("flax_llama_2d", "nnx_llama_2d"):
     return ""
   from jax_overlap.examples import flax_llama
 

@@ -33,6 +33,7 @@ __all__ = [
   "make_model",
   "make_step",
   "random_tokens",
+  "rope",
   "step_flops",
 ]
 
@@ -73,7 +74,7 @@ class Config:
       raise ValueError(f"the head dimension ({self.hidden // self.heads}) must be even (RoPE)")
 
 
-def _rope(x):
+def rope(x):
   """Rotary position embedding over the head dimension (pairs of even and odd features)."""
   s, hd = x.shape[1], x.shape[-1]
   freq = 1.0 / (10000.0 ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
@@ -116,7 +117,7 @@ def make_model(cfg: Config):
       q = dense((cfg.heads, hd), ("embed", "heads", "head_dim"), "q")(y)
       k = dense((cfg.kv_heads, hd), ("embed", "kv_heads", "head_dim"), "k")(y)
       v = dense((cfg.kv_heads, hd), ("embed", "kv_heads", "head_dim"), "v")(y)
-      q, k = _rope(q), _rope(k)
+      q, k = rope(q), rope(k)
       group = cfg.heads // cfg.kv_heads
       k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
       logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / np.sqrt(hd)
