@@ -205,6 +205,7 @@ _FORMS = {
   "flax": "Flax + optax",
   "gspmd_2d": "GSPMD on 2-D, `lax.scan` + `jax.checkpoint`",
   "flax_llama_2d": "Flax Llama on 2-D, `nn.scan(nn.remat)`",
+  "nnx_llama_2d": "Flax NNX Llama on 2-D, `nnx.scan(nnx.remat)`",
 }
 
 
@@ -259,11 +260,12 @@ def test_fsdp_prose_figures():
     "gspmd_scan_remat",
     "llama_gspmd",
     "llama_scan_remat",
+    "nnx_llama_2d",
     "scan",
     "scan_remat",
     "unrolled",
   ]
-  assert len(as_written) == 12
+  assert len(as_written) == 14
 
 
 def _slug(heading: str) -> str:
