@@ -70,8 +70,9 @@ def test_a_filter_jit_step_runs_as_filter_jit_runs_it(inputs):
   ov = jax_overlap.overlap(train_step)
   assert isinstance(ov, jax_overlap._src.framework_jits.WrappedOverlapped)
   model, opt_state, want_loss = train_step(*inputs)
-  with pytest.warns(jax_overlap.NothingToOverlapWarning):
+  with pytest.warns(jax_overlap.NothingToOverlapWarning) as said:
     got_model, got_state, got_loss = ov(*inputs)
+  assert said[0].filename == __file__  # the user's line, through Equinox's frames
   assert float(got_loss) == float(want_loss)
   assert got_model.act is jax.nn.gelu  # the static field comes back as it went in
   for a, b in zip(_arrays((model, opt_state)), _arrays((got_model, got_state))):

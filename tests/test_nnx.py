@@ -104,8 +104,9 @@ def test_an_nnx_step_updates_its_modules_as_nnx_jit_does(mesh, graph):
     before = _params(twin)
     # explain() traces (and chooses) without running the step: nothing moves. On CPU with
     # no target the step runs as written, and says so once.
-    with pytest.warns(jax_overlap.NothingToOverlapWarning, match="train_step"):
+    with pytest.warns(jax_overlap.NothingToOverlapWarning, match="train_step") as said:
       e = ov.explain(twin, twin_opt, tokens, targets)
+    assert said[0].filename == __file__  # the user's line, through NNX's frames
     assert any(n.startswith("no shard_map in this program") for n in e.notes)
     assert all(np.array_equal(a, b) for a, b in zip(before, _params(twin)))
     for _ in range(3):

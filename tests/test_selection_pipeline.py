@@ -182,8 +182,11 @@ def test_a_step_with_nothing_to_move_warns_once():
 
   ov = jax_overlap.overlap(step)
   w, x = jnp.ones((4, 4)), jnp.ones((2, 4))
-  with pytest.warns(jax_overlap.NothingToOverlapWarning, match=r"found nothing to move in step"):
+  with pytest.warns(
+    jax_overlap.NothingToOverlapWarning, match=r"found nothing to move in step"
+  ) as said:
     out = ov(w, x)
+  assert said[0].filename == __file__  # the caller's line
   np.testing.assert_array_equal(out, step(w, x))
   with warnings.catch_warnings():
     warnings.simplefilter("error", jax_overlap.NothingToOverlapWarning)

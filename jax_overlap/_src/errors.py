@@ -3,7 +3,13 @@
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = ["ConfigError", "NothingToOverlapWarning", "user_call_error", "trace_user_fn"]
+__all__ = [
+  "ConfigError",
+  "NothingToOverlapWarning",
+  "caller_stacklevel",
+  "user_call_error",
+  "trace_user_fn",
+]
 
 T = TypeVar("T")
 
@@ -15,6 +21,26 @@ class ConfigError(RuntimeError):
 class NothingToOverlapWarning(UserWarning):
   """``@overlap`` found nothing to move in a step: it runs as written (warned once per
   decorated step)."""
+
+
+# Modules whose frames a warning skips to reach the user's line: this package, and the
+# frameworks whose jit wrappers call the decorated step (and the standard library between).
+_NOT_THE_CALLER = ("jax_overlap", "jax", "jaxlib", "flax", "equinox", "contextlib", "functools")
+
+
+def caller_stacklevel() -> int:
+  """``stacklevel`` for a ``warnings.warn`` made by the caller of this function, such that
+  the warning names the first line outside jax_overlap and the frameworks that call it
+  (a decorated step called directly, or through ``nnx.jit``'s or ``filter_jit``'s wrapper)."""
+  import sys
+
+  level, frame = 1, sys._getframe(1)
+  while frame is not None:
+    name = frame.f_globals.get("__name__", "")
+    if not any(name == p or name.startswith(p + ".") for p in _NOT_THE_CALLER):
+      return level
+    level, frame = level + 1, frame.f_back
+  return 1
 
 
 def _fn_name(fn: Any) -> str:

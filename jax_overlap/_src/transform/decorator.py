@@ -90,7 +90,7 @@ class Overlapped:
       "runs as written. Give a target (e.g. target='h100x8') for a GSPMD step, or see "
       f"{name}.explain(*args)",
       errors.NothingToOverlapWarning,
-      stacklevel=4,
+      stacklevel=errors.caller_stacklevel(),
     )
 
   @functools.cached_property
