@@ -10,6 +10,7 @@ import pathlib
 import jax
 import jax.numpy as jnp
 import jaxlib
+import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -129,3 +130,44 @@ def test_calibrate_needs_a_gpu(capsys):
   )
   assert cli.main(["jax-overlap", "calibrate"]) == 2
   assert "calibrate expects exactly one MODULE:BUILDER" in capsys.readouterr().err
+
+
+def test_the_measured_step_runs_again_on_its_arguments(tmp_path):
+  # calibrate runs the step many times on the same arguments; a train step donates them
+  # (here its parameters, and an nnx.jit step its Modules): the executable the estimate
+  # comes from donates nothing, and runs on the arrays returned with it.
+  import functools
+
+  import optax
+  from flax import nnx
+
+  @functools.partial(jax.jit, donate_argnums=0)
+  def step(w, x):
+    loss, g = jax.value_and_grad(lambda w: jnp.mean(jnp.tanh(x @ w) ** 2))(w)
+    return w - 0.1 * g, loss
+
+  w, x = jnp.ones((64, 64)) * 0.1, jnp.ones((32, 64))
+  _, per_op, executable, inputs = calibration.estimate_same_compile(step, (w, x), "h200x1")
+  assert per_op and inputs == [w, x]
+  measured = calibration.measure_step(executable, inputs, 2, str(tmp_path / "jit"))
+  assert len(measured["wall_all_s"]) == 2 and not w.is_deleted()
+
+  model = nnx.Linear(64, 64, rngs=nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+  @nnx.jit(donate_argnames=("model", "optimizer"))
+  def nnx_step(model, optimizer, x):
+    loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+    optimizer.update(model, grads)
+    return loss
+
+  before = np.asarray(model.kernel[...])
+  _, per_op, executable, inputs = calibration.estimate_same_compile(
+    nnx_step, (model, optimizer, x), "h200x1"
+  )
+  measure = calibration.measure_step(executable, inputs, 2, str(tmp_path / "nnx"))
+  assert len(measure["wall_all_s"]) == 2
+  np.testing.assert_array_equal(np.asarray(model.kernel[...]), before)  # the Modules untouched
+  # What it ran is the update: the new kernel among its outputs.
+  new_kernel = [o for o in jax.tree.leaves(executable(*inputs)) if o.shape == (64, 64)]
+  assert new_kernel and not np.array_equal(np.asarray(new_kernel[0]), before)

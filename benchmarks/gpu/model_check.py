@@ -237,9 +237,9 @@ def run(out: str, sizes: list[str], steps: int, target: str | None, deviceless: 
     size, _, form = name.partition("+")
     t0 = time.perf_counter()
     step, args, dims = build(size, form=form)
-    summary, per_op_est, executable = calibration.estimate_same_compile(step, args, target)
+    summary, per_op_est, executable, inputs = calibration.estimate_same_compile(step, args, target)
     with tempfile.TemporaryDirectory(prefix="model_check_") as trace_dir:
-      meas = calibration.measure_step(executable, args, steps, trace_dir)
+      meas = calibration.measure_step(executable, inputs, steps, trace_dir)
     entry = {
       "sizes": dims,
       "estimate": summary,

@@ -227,15 +227,48 @@ def _base(name: str) -> str:
   return name.split("@", 1)[0]
 
 
-def estimate_same_compile(step, args, target) -> tuple[dict, dict, object]:
+def _repeatable(step, args, kwargs):
+  """(a jit of ``step`` that donates nothing, the arrays it takes): a step is run several
+  times on the same arguments here, which a step donating them would delete after its
+  first run. Arguments that are not arrays are passed as they are."""
+  import jax
+
+  jitted = step if hasattr(step, "lower") else jax.jit(step)
+  leaves, tree = jax.tree.flatten((args, kwargs))
+  inputs = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+
+  def whole(*values):  # the user's jit inside: its own shardings kept, its donation moot
+    full = list(leaves)
+    for i, v in zip(inputs, values):
+      full[i] = v
+    a, kw = jax.tree.unflatten(tree, full)
+    return jitted(*a, **kw)
+
+  return jax.jit(whole), [leaves[i] for i in inputs]
+
+
+def estimate_same_compile(step, args, target) -> tuple[dict, dict, object, list]:
   """The cost model on XLA's HLO and thunk listing of one compile of ``step`` for the
   local devices, per instruction, and that compile's executable (run it, so that the
   estimate and the measurement are of the same kernels: a second compile could autotune
-  to others). Returns (summary, per-instruction estimates, executable)."""
+  to others), compiled to donate nothing, with the arrays it takes. Returns (summary,
+  per-instruction estimates, executable, its arguments). An ``nnx.jit`` or
+  ``eqx.filter_jit`` step is its ``jax.jit`` on the arrays its wrapper passes it."""
+  from jax_overlap._src import framework_jits
+
+  if framework_jits.is_wrapped_step(step):
+    return framework_jits.on_arguments(
+      step, args, {}, lambda jitted, a, kw: _estimated(jitted, a, kw, target)
+    )
+  return _estimated(step, args, {}, target)
+
+
+def _estimated(step, args, kwargs, target):
   from jax_overlap._src.analysis import analyze as analysis
   from jax_overlap._src.compile import compiler
 
-  compiled = compiler.compile_for_target(step, *args, target=None)
+  run, inputs = _repeatable(step, args, kwargs)
+  compiled = compiler.compile_for_target(run, *inputs, target=None)
   report = analysis.analyze_hlo(
     compiled.hlo_text,
     compiled.thunk_text,
@@ -262,7 +295,7 @@ def estimate_same_compile(step, args, target) -> tuple[dict, dict, object]:
     "kernels": len(report.kernels),
     "notes": list(report.notes),
   }
-  return summary, per_op, compiled.compiled
+  return summary, per_op, compiled.compiled, inputs
 
 
 def measure_step(step, args, steps: int, trace_dir: str, traced: int = 3) -> dict:
@@ -404,9 +437,9 @@ def calibrate(
     )
   if steps < 1:
     raise ValueError(f"calibrate: steps must be at least 1, got {steps}")
-  summary, per_op_est, executable = estimate_same_compile(fn, args, f"{gpu}x1")
+  summary, per_op_est, executable, inputs = estimate_same_compile(fn, args, f"{gpu}x1")
   with tempfile.TemporaryDirectory() as tmp:
-    measured = measure_step(executable, args, steps, trace_dir or tmp)
+    measured = measure_step(executable, inputs, steps, trace_dir or tmp)
   matched = match(per_op_est, measured["per_op_s"])
   cal = fit(matched["rows"], gpu=gpu, device=device, jaxlib=_jaxlib(), programs=(name,))
   if store:
