@@ -157,6 +157,18 @@ def test_a_plain_function_over_nnx_modules_is_refused(mesh):
   with pytest.raises(TypeError, match=r"Flax NNX objects \(Model, Optimizer\).*nnx\.jit"):
     jax_overlap.overlap(train_step)(model, optimizer, tokens, targets)
 
+  # A jitted function over Modules keeps jax.jit's meaning (here it returns what it
+  # computes): not refused, the same numbers.
+  @jax.jit
+  def grads_of(model, tokens):
+    return nnx.grad(lambda m: jnp.mean(m(tokens)))(model)
+
+  with jax.set_mesh(mesh), pytest.warns(jax_overlap.NothingToOverlapWarning):
+    got = jax_overlap.overlap(grads_of)(model, tokens)
+  want = grads_of(model, tokens)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
 
 def test_the_analysis_of_an_nnx_step_keeps_its_updates(mesh):
   # nnx.jit updates the Modules in place: the program analysed is its jax.jit, which

@@ -58,12 +58,16 @@ class Overlapped:
   def build(self, *args, **kwargs) -> Built:
     """Runs the pipeline for these arguments (once per input signature) and returns what a
     call runs: the chosen variant, jitted, with its explanation and choice."""
-    if not self._under_framework and (nodes := framework_jits.graph_nodes(args, kwargs)):
+    # A plain function over NNX objects: overlap would jax.jit it, losing what it updates
+    # in place (a jitted one keeps its jax.jit's meaning, whatever it is).
+    plain = not self._under_framework and not hasattr(self.fn, "trace")
+    if plain and (nodes := framework_jits.graph_nodes(args, kwargs)):
       name = getattr(self.fn, "__name__", "the step")
       raise TypeError(
-        f"overlap: {name} takes Flax NNX objects ({', '.join(nodes)}), whose updates a "
-        "jax.jit of it would lose; decorate the nnx.jit function instead "
-        "(@jax_overlap.overlap above @nnx.jit), which updates them as nnx.jit does"
+        f"overlap: {name} takes Flax NNX objects ({', '.join(nodes)}), whose in-place "
+        "updates a jax.jit of it would lose; decorate its nnx.jit instead "
+        "(@jax_overlap.overlap above @nnx.jit), which updates them as nnx.jit does, or "
+        "overlap(jax.jit(step)) if it returns all it changes"
       )
     arguments.check_args(*self._step.statics.dynamic(args, kwargs), self.settings.mesh)
     signature = arguments.signature(args, kwargs)
