@@ -78,10 +78,18 @@ def mesh():
 
 
 def _setup(mesh):
-  """(model, optimizer, tokens, targets), made under the mesh as NNX users make them."""
+  """(model, optimizer, tokens, targets), made under the mesh as NNX users make them, and
+  laid out by their partition metadata as Flax's documentation does (Flax's eager
+  sharding is a global flag, which MaxText, imported by other tests, turns off)."""
   with jax.set_mesh(mesh):
     model = Model(nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+    state = nnx.state((model, optimizer))
+    specs = nnx.get_partition_spec(state)
+    nnx.update(
+      (model, optimizer),
+      jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), state, specs),
+    )
   rng = np.random.default_rng(0)
   batch = NamedSharding(mesh, P("data"))
   tokens = jax.device_put(rng.integers(0, VOCAB, (16, 32)), batch)

@@ -147,10 +147,21 @@ def _made(cfg: Config, seed: int):
   return model, nnx.Optimizer(model, _optimizer(), wrt=nnx.Param)
 
 
+def _laid_out(tree, mesh: Mesh, place):
+  """``tree``'s Modules with each array placed (``place(array, sharding)``) by its
+  partition metadata: Flax lays variables out as it makes them only while its
+  ``flax_always_shard_variable`` is on, which a library may turn off (MaxText does)."""
+  nnx, _ = _nnx()
+  state = nnx.state(tree)
+  specs = nnx.get_partition_spec(state)
+  nnx.update(tree, jax.tree.map(lambda a, s: place(a, NamedSharding(mesh, s)), state, specs))
+  return tree
+
+
 def init(cfg: Config, mesh: Mesh, seed: int = 0):
   """Real (model, optimizer) laid out on ``mesh`` (made under ``jax.set_mesh``)."""
   with jax.set_mesh(mesh):
-    return _made(cfg, seed)
+    return _laid_out(_made(cfg, seed), mesh, jax.device_put)
 
 
 def build(target: str = "h100x8", mesh: Mesh | None = None, **overrides):
@@ -161,7 +172,10 @@ def build(target: str = "h100x8", mesh: Mesh | None = None, **overrides):
   cfg = Config(**overrides)
   mesh = mesh if mesh is not None else mesh_for(target, cfg)
   with jax.set_mesh(mesh):
-    model, optimizer = nnx.eval_shape(lambda: _made(cfg, 0))
+    made = nnx.eval_shape(lambda: _made(cfg, 0))
+  model, optimizer = _laid_out(
+    made, mesh, lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+  )
   return make_step(cfg), (model, optimizer, _tokens(cfg, mesh))
 
 
