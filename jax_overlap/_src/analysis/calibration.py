@@ -228,22 +228,16 @@ def _base(name: str) -> str:
 
 
 def _repeatable(step, args, kwargs):
-  """(a jit of ``step`` that donates nothing, the arrays it takes): a step is run several
+  """(a jit of ``step`` that donates nothing, the inputs it takes): a step is run several
   times on the same arguments here, which a step donating them would delete after its
-  first run. Arguments that are not arrays are passed as they are."""
+  first run. The user's jit runs inside, its own shardings kept, its donation moot."""
   import jax
 
+  from jax_overlap._src.compile import retarget
+
   jitted = step if hasattr(step, "lower") else jax.jit(step)
-  leaves, tree = jax.tree.flatten((args, kwargs))
-  inputs = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
-
-  def whole(*values):  # the user's jit inside: its own shardings kept, its donation moot
-    full = list(leaves)
-    for i, v in zip(inputs, values):
-      full[i] = v
-    a, kw = jax.tree.unflatten(tree, full)
-    return jitted(*a, **kw)
-
+  whole, inputs = retarget.of_inputs(jitted, args, kwargs)
+  leaves = jax.tree.leaves((args, kwargs))
   return jax.jit(whole), [leaves[i] for i in inputs]
 
 

@@ -251,6 +251,23 @@ def _is_input(x) -> bool:
   return (hasattr(x, "shape") and hasattr(x, "dtype")) or isinstance(x, (int, float, complex))
 
 
+def of_inputs(fn: Callable, args, kwargs) -> tuple[Callable, list[int]]:
+  """(``fn(*args, **kwargs)`` as a function of the program's inputs, their positions among
+  the arguments' leaves). The inputs are the arrays and numbers; the other leaves (a
+  static argument's parts, such as Equinox's non-array leaves) are passed as they are."""
+  leaves, tree = jax.tree.flatten((args, kwargs))
+  inputs = [i for i, x in enumerate(leaves) if _is_input(x)]
+
+  def whole(*values):
+    full = list(leaves)
+    for i, v in zip(inputs, values):
+      full[i] = v
+    a, kw = jax.tree.unflatten(tree, full)
+    return fn(*a, **kw)
+
+  return whole, inputs
+
+
 def retargeted(fn: Callable, tmesh: Mesh, args, kwargs):
   """``fn`` with every captured mesh swapped for ``tmesh``, to trace or lower (``.trace``,
   ``.lower``) on arguments shaped like ``args`` and ``kwargs``.
@@ -262,18 +279,8 @@ def retargeted(fn: Callable, tmesh: Mesh, args, kwargs):
   from jax.extend import core
 
   jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
-  leaves, tree = jax.tree.flatten((args, kwargs))
-  # The program's inputs: arrays and numbers; other leaves (a static argument's parts,
-  # such as Equinox's non-array leaves) are passed as they are, not traced.
-  inputs = [i for i, x in enumerate(leaves) if _is_input(x)]
-
-  def whole(*values):
-    full = list(leaves)
-    for i, v in zip(inputs, values):
-      full[i] = v
-    a, kw = jax.tree.unflatten(tree, full)
-    return jitted(*a, **kw)
-
+  whole, inputs = of_inputs(jitted, args, kwargs)
+  leaves = jax.tree.leaves((args, kwargs))
   abstract = [
     jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None))
     if hasattr(x, "shape") and hasattr(x, "dtype")
