@@ -11,7 +11,8 @@ every weight gathered at each use or once per layer, unrolled or lax.scan +
 jax.checkpoint; llama_gspmd; flax: jax_overlap.examples.flax_optax), and three on a
 2-D mesh, FSDP over 4 GPUs x tensor parallelism over 2 (gspmd_2d: fsdp_transformer with
 its tensor axis; flax_llama_2d: jax_overlap.examples.flax_llama; nnx_llama_2d: the same
-model in Flax NNX under nnx.jit, jax_overlap.examples.nnx_llama), compiled
+model in Flax NNX under nnx.jit, jax_overlap.examples.nnx_llama; explicit_llama_2d: the same
+model in plain JAX on Explicit mesh axes, jax_overlap.examples.explicit_llama), compiled
 for h100x8 and a100x8 under XLA defaults, the recommended flags, and
 @jax_overlap.overlap;
 see transform_overhead.py for the decorator's CPU costs.
@@ -21,6 +22,7 @@ Writes benchmarks/results/transform_fsdp.{json,md}.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -31,6 +33,7 @@ import _common  # noqa: E402
 
 _common.use_cpu_devices(8)  # before JAX starts
 
+import jax  # noqa: E402
 from absl import app  # noqa: E402
 from absl import flags as absl_flags  # noqa: E402
 
@@ -49,7 +52,9 @@ FORMS = ["unrolled", "scan", "scan_remat", "scan_layers", "gspmd", "gspmd_scan_r
 # dimensions): fsdp_transformer with its tensor axis (gspmd_2d), flax_llama's Linen
 # Llama laid out by logical axis rules with optax AdamW (flax_llama_2d), and the same Llama in
 # Flax NNX (nnx_llama: nnx.scan over nnx.remat, nnx.Optimizer, a step under nnx.jit that
-# updates the Modules in place; nnx_llama_2d).
+# updates the Modules in place; nnx_llama_2d), and in plain JAX with explicit sharding
+# (explicit_llama: Explicit mesh axes, weights gathered by jax.sharding.reshard, matmuls over
+# split dimensions with out_sharding=; explicit_llama_2d, run under jax.set_mesh).
 MODELS = [
   "llama_per_use",
   "llama_per_layer",
@@ -59,6 +64,7 @@ MODELS = [
   "gspmd_2d",
   "flax_llama_2d",
   "nnx_llama_2d",
+  "explicit_llama_2d",
 ]
 absl_flags.DEFINE_list(
   "forms",
@@ -96,6 +102,10 @@ def _build_model(target: str, form: str, cfg: dict):
     from jax_overlap.examples import nnx_llama
 
     return nnx_llama.build(target, **_llama_sizes(cfg))
+  if form == "explicit_llama_2d":
+    from jax_overlap.examples import explicit_llama
+
+    return explicit_llama.build(target, **_llama_sizes(cfg))
   from jax_overlap.examples import llama_fsdp
 
   loop, gather = {
@@ -128,60 +138,74 @@ def deviceless(rows, tables):
   for target in FLAGS.targets:
     for form in FLAGS.forms:
       fn, args = _build(target, form, cfg)
-      reports = _common.baseline_reports(fn, args, target)
-      ov = jax_overlap.overlap(fn, target=target, cache=False)  # time the selection itself
-      t0 = time.perf_counter()
-      expl = ov.explain(*args)
-      select_time = time.perf_counter() - t0
-      reports["@overlap"] = jax_overlap.analyze(ov, *args, target=target, name="@overlap")
-      simulated = {}
-      for name, r in reports.items():
-        simulated[name] = jax_overlap.sim.realize(r, "priority").results["priority"].makespan_s
-        rows.append(
-          {
-            **r.summary(),
-            "variant": name,
-            "form": form,
-            "exposed_fraction": r.exposed_fraction,
-            "vs_compute_bound": r.step_time_s / r.compute_time_s,
-            "realize_priority_s": simulated[name],
-            "matmul_flops": _matmul_flops(r),
-            "xla_options": {k: str(v) for k, v in r.xla_options.items()},
-          }
-        )
-      choice = next((n for n in expl.notes if n.startswith("chosen by the cost model")), "")
-      self_judged = expl.chosen.endswith("scheduled by the cost model's estimates")
-      chosen = reports["@overlap"]
-      tuned = jax_overlap.sim.tune(
-        jax_overlap.sim.workload_from_report(chosen), target=target, progress=False, max_evals=24
-      )
-      levers = _common.levers(expl, chosen, tuned.plan.streams.priority, len(tuned.plan.kernels))
-      rows[-1]["levers"] = levers
-      rows[-1]["choice"] = choice
-      rows[-1]["chosen"] = expl.chosen
-      rows[-1]["self_judged"] = self_judged
-      rows[-1]["selection_time_s"] = select_time
-      table = jax_overlap.compare(reports)
-      mark = (
-        (
-          " @overlap's row is self-judged: its schedule came from a latency profile written "
-          "by the cost model that estimates it."
-        )
-        if self_judged
-        else ""
-      )
-      tables.append(
-        f"### {target}, {form}\n\n{table.to_markdown()}\n\n"
-        f"step / compute-only bound: "
-        + ", ".join(f"{n} {r.step_time_s / r.compute_time_s:.3f}" for n, r in reports.items())
-        + "\n\nsim.realize (SM contention, XLA's stream priority): "
-        + ", ".join(f"{n} {t * 1e3:.2f} ms" for n, t in simulated.items())
-        + "\n\nmatmul work per GPU (FLOPs of the HLO's dots): "
-        + ", ".join(f"{n} {_matmul_flops(r) / 1e12:.2f} TFLOP" for n, r in reports.items())
-        + _counted(target, form, cfg)
-        + f"\n\n{choice} (selection took {select_time:.0f} s).{mark}\n\nLevers: {levers}.\n"
-      )
-      print(f"\n{target} {form}\n{table}\n{choice}")
+      # Explicit mesh axes: the step runs under its mesh, as its script runs it.
+      explicit = form == "explicit_llama_2d"
+      with jax.set_mesh(_mesh_of(args)) if explicit else contextlib.nullcontext():
+        _one(target, form, cfg, fn, args, rows, tables)
+
+
+def _mesh_of(args):
+  from jax_overlap.examples import explicit_llama
+
+  return explicit_llama.mesh_of(args)
+
+
+def _one(target: str, form: str, cfg: dict, fn, args, rows: list, tables: list) -> None:
+  """Analyses one form's step on one target: a section of tables, its rows."""
+  reports = _common.baseline_reports(fn, args, target)
+  ov = jax_overlap.overlap(fn, target=target, cache=False)  # time the selection itself
+  t0 = time.perf_counter()
+  expl = ov.explain(*args)
+  select_time = time.perf_counter() - t0
+  reports["@overlap"] = jax_overlap.analyze(ov, *args, target=target, name="@overlap")
+  simulated = {}
+  for name, r in reports.items():
+    simulated[name] = jax_overlap.sim.realize(r, "priority").results["priority"].makespan_s
+    rows.append(
+      {
+        **r.summary(),
+        "variant": name,
+        "form": form,
+        "exposed_fraction": r.exposed_fraction,
+        "vs_compute_bound": r.step_time_s / r.compute_time_s,
+        "realize_priority_s": simulated[name],
+        "matmul_flops": _matmul_flops(r),
+        "xla_options": {k: str(v) for k, v in r.xla_options.items()},
+      }
+    )
+  choice = next((n for n in expl.notes if n.startswith("chosen by the cost model")), "")
+  self_judged = expl.chosen.endswith("scheduled by the cost model's estimates")
+  chosen = reports["@overlap"]
+  tuned = jax_overlap.sim.tune(
+    jax_overlap.sim.workload_from_report(chosen), target=target, progress=False, max_evals=24
+  )
+  levers = _common.levers(expl, chosen, tuned.plan.streams.priority, len(tuned.plan.kernels))
+  rows[-1]["levers"] = levers
+  rows[-1]["choice"] = choice
+  rows[-1]["chosen"] = expl.chosen
+  rows[-1]["self_judged"] = self_judged
+  rows[-1]["selection_time_s"] = select_time
+  table = jax_overlap.compare(reports)
+  mark = (
+    (
+      " @overlap's row is self-judged: its schedule came from a latency profile written "
+      "by the cost model that estimates it."
+    )
+    if self_judged
+    else ""
+  )
+  tables.append(
+    f"### {target}, {form}\n\n{table.to_markdown()}\n\n"
+    f"step / compute-only bound: "
+    + ", ".join(f"{n} {r.step_time_s / r.compute_time_s:.3f}" for n, r in reports.items())
+    + "\n\nsim.realize (SM contention, XLA's stream priority): "
+    + ", ".join(f"{n} {t * 1e3:.2f} ms" for n, t in simulated.items())
+    + "\n\nmatmul work per GPU (FLOPs of the HLO's dots): "
+    + ", ".join(f"{n} {_matmul_flops(r) / 1e12:.2f} TFLOP" for n, r in reports.items())
+    + _counted(target, form, cfg)
+    + f"\n\n{choice} (selection took {select_time:.0f} s).{mark}\n\nLevers: {levers}.\n"
+  )
+  print(f"\n{target} {form}\n{table}\n{choice}")
 
 
 def _matmul_flops(report) -> float:
@@ -193,7 +217,7 @@ def _matmul_flops(report) -> float:
 def _counted(target: str, form: str, cfg: dict) -> str:
   """The matmul work per GPU counted from the model's shapes, where the example counts it
   (a second estimate of what the compiled step should compute)."""
-  if form not in ("flax_llama_2d", "nnx_llama_2d"):
+  if form not in ("flax_llama_2d", "nnx_llama_2d", "explicit_llama_2d"):
     return ""
   from jax_overlap.examples import flax_llama
 
@@ -261,9 +285,12 @@ def main(argv):
     "llama_gspmd: the gspmd step with a vocabulary; flax: flax_optax's Linen MLP language "
     "model with optax AdamW, float32 parameters; on a 2-D mesh of FSDP over 4 GPUs x tensor "
     "parallelism over 2, weights split along two dimensions: gspmd_2d, the gspmd step "
-    "scanned and rematerialized with its tensor axis, and flax_llama_2d, a Linen Llama "
+    "scanned and rematerialized with its tensor axis, flax_llama_2d, a Linen Llama "
     "(grouped-query attention with 8 KV heads, nn.scan(nn.remat)) laid out by logical axis "
-    "rules, optax AdamW with clipping, float32 parameters, one sequence per 2 GPUs). "
+    "rules, optax AdamW with clipping, float32 parameters, one sequence per 2 GPUs; "
+    "nnx_llama_2d, the same model in Flax NNX under nnx.jit; explicit_llama_2d, the same "
+    "model in plain JAX on Explicit mesh axes, weights gathered by jax.sharding.reshard, "
+    "lax.scan + jax.checkpoint, run under jax.set_mesh). "
     f"Machine of the latest run: {payload['machine']} (each section's selection time is "
     "from its own run).\n\n"
     "Estimates from jax_overlap.analyze (deviceless compile for the target, roofline and "

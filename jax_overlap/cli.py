@@ -209,6 +209,24 @@ def _load_builder(spec: str):
   return builder
 
 
+def _their_mesh(args):
+  """The mesh a builder's arrays lie on, where its axes are Explicit and no mesh is set: the
+  step runs under it, as its own script would run it (``with jax.set_mesh(mesh):``, which
+  a bare PartitionSpec in the step needs)."""
+  import contextlib
+
+  import jax
+
+  from jax_overlap._src.compile import retarget
+
+  meshes = retarget.meshes_in(args)
+  explicit = meshes and any("Explicit" in str(t) for t in meshes[0].axis_types)
+  current = jax.sharding.get_mesh() if hasattr(jax.sharding, "get_mesh") else None
+  if explicit and (current is None or current.empty):
+    return jax.set_mesh(meshes[0])
+  return contextlib.nullcontext()
+
+
 def _parse_options(items: Sequence[str]) -> dict[str, str]:
   out = {}
   for item in items:
@@ -243,7 +261,8 @@ def _cmd_analyze(args: Sequence[str]) -> int:
   if not (isinstance(built, tuple) and len(built) == 2):
     raise UsageError(f"{args[0]} must return (fn, args), got {type(built).__name__}")
   fn, fn_args = built
-  report = analysis.analyze(fn, *fn_args, target=FLAGS.target, xla_options=options or None)
+  with _their_mesh(fn_args):
+    report = analysis.analyze(fn, *fn_args, target=FLAGS.target, xla_options=options or None)
   print(report)
   if FLAGS.environment:
     print("Environment settings judged on this step:")
@@ -282,7 +301,8 @@ def _cmd_calibrate(args: Sequence[str]) -> int:
   if not (isinstance(built, tuple) and len(built) == 2):
     raise UsageError(f"{args[0]} must return (fn, args), got {type(built).__name__}")
   fn, fn_args = built
-  cal = calibration.calibrate(fn, *fn_args, name=args[0], steps=FLAGS.steps)
+  with _their_mesh(fn_args):
+    cal = calibration.calibrate(fn, *fn_args, name=args[0], steps=FLAGS.steps)
   print(cal.describe())
   print(f"wrote {calibration.path(cal.gpu, cal.jaxlib)}")
   return 0

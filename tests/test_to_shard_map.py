@@ -448,15 +448,6 @@ def test_while_and_cond_bodies_are_converted():
   assert "while[" in text and "cond[" in text
 
 
-def test_explicit_axes_are_refused():
-  from jax.sharding import AxisType
-
-  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Explicit,))
-  w = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P("fsdp")))
-  with pytest.raises(to_shard_map.Refused, match="Explicit"):
-    _convert(jax.jit(lambda w: w * 2), (w,))
-
-
 @pytest.mark.parametrize("devices,heads", [(2, 4), (8, 8), (8, 4)])
 def test_tensor_parallel_step_gathers_activations_not_weights(devices, heads):
   """Sequence-split activations, column/row-split weights and constraints on the results

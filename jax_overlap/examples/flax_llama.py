@@ -28,13 +28,17 @@ from jax.sharding import PartitionSpec as P
 __all__ = [
   "Config",
   "RULES",
+  "abstract_opt_state",
   "build",
   "init",
   "make_model",
   "make_step",
+  "optax_step",
+  "optimizer",
   "random_tokens",
   "rope",
   "step_flops",
+  "tokens_like",
 ]
 
 # Logical axis -> mesh axis.
@@ -168,11 +172,30 @@ def mesh_for(target: str, cfg: Config) -> Mesh:
   )
 
 
-def _optimizer():
+def optimizer():
+  """optax AdamW with gradient clipping (the step's optimizer)."""
   from jax_overlap.examples.flax_optax import require
 
   _, optax = require()
   return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-4, weight_decay=0.1))
+
+
+def abstract_opt_state(params, mesh: Mesh):
+  """:func:`optimizer`'s state for the abstract ``params``, laid out as the parameters it
+  mirrors (what ``jax.jit(tx.init)`` gives real arrays), its step counts replicated."""
+  from jax_overlap.examples.flax_optax import require
+
+  _, optax = require()
+  tx = optimizer()
+  shardings = jax.tree.map(lambda a: a.sharding, params)
+  replicated = NamedSharding(mesh, P())
+  return optax.tree_map_params(
+    tx,
+    lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+    jax.eval_shape(tx.init, params),
+    shardings,
+    transform_non_params=lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated),
+  )
 
 
 def make_step(cfg: Config):
@@ -182,13 +205,25 @@ def make_step(cfg: Config):
   from jax_overlap.examples.flax_optax import require
 
   nn, optax = require()
-  model, tx = make_model(cfg), _optimizer()
+  model = make_model(cfg)
 
   def loss_fn(params, tokens):
     with nn.logical_axis_rules(RULES):
       logits = model.apply({"params": params}, tokens)
     labels = tokens[:, 1:]
     return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], labels).mean()
+
+  return optax_step(loss_fn)
+
+
+def optax_step(loss_fn):
+  """The jitted train step ``(params, opt_state, tokens) -> (params, opt_state, loss)`` of
+  ``loss_fn(params, tokens)`` with :func:`optimizer` (parameters and optimizer state
+  donated)."""
+  from jax_overlap.examples.flax_optax import require
+
+  _, optax = require()
+  tx = optimizer()
 
   @functools.partial(jax.jit, donate_argnums=(0, 1))
   def train_step(params, opt_state, tokens):
@@ -199,7 +234,7 @@ def make_step(cfg: Config):
   return train_step
 
 
-def _tokens(cfg: Config, mesh: Mesh) -> jax.ShapeDtypeStruct:
+def tokens_like(cfg: Config, mesh: Mesh) -> jax.ShapeDtypeStruct:
   """The batch of token ids: ``cfg.batch_per_device`` sequences per device of ``data``."""
   batch = cfg.batch_per_device * mesh.shape["data"]
   return jax.ShapeDtypeStruct(
@@ -211,9 +246,9 @@ def _abstract(cfg: Config, mesh: Mesh):
   """(params, opt_state, tokens) as ShapeDtypeStructs laid out by :data:`RULES`."""
   from jax_overlap.examples.flax_optax import require
 
-  nn, optax = require()
+  nn, _ = require()
   model = make_model(cfg)
-  tokens = _tokens(cfg, mesh)
+  tokens = tokens_like(cfg, mesh)
   with nn.logical_axis_rules(RULES):
     boxed = jax.eval_shape(model.init, jax.random.key(0), tokens)
     shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, RULES)
@@ -222,19 +257,7 @@ def _abstract(cfg: Config, mesh: Mesh):
     nn.meta.unbox(boxed)["params"],
     shardings["params"],
   )
-  # The optimizer state laid out as the parameters it mirrors (what jax.jit(tx.init) gives
-  # real arrays), its step counts replicated.
-  tx = _optimizer()
-  shardings = jax.tree.map(lambda a: a.sharding, params)
-  replicated = NamedSharding(mesh, P())
-  opt_state = optax.tree_map_params(
-    tx,
-    lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-    jax.eval_shape(tx.init, params),
-    shardings,
-    transform_non_params=lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated),
-  )
-  return params, opt_state, tokens
+  return params, abstract_opt_state(params, mesh), tokens
 
 
 def build(target: str = "h100x8", mesh: Mesh | None = None, **overrides):
@@ -262,13 +285,13 @@ def init(cfg: Config, mesh: Mesh, key):
   # Laid out like the parameters it mirrors: jax.jit(tx.init) alone leaves the zeros it
   # makes on one device under newer JAX.
   opt_shardings = jax.tree.map(lambda a: a.sharding, opt_a)
-  opt_state = jax.jit(_optimizer().init, out_shardings=opt_shardings)(params)
+  opt_state = jax.jit(optimizer().init, out_shardings=opt_shardings)(params)
   return params, opt_state
 
 
 def random_tokens(cfg: Config, mesh: Mesh, key) -> jax.Array:
   """Token ids laid out as :func:`build`'s."""
-  like = _tokens(cfg, mesh)
+  like = tokens_like(cfg, mesh)
   tokens = jax.random.randint(key, like.shape, 0, cfg.vocab, jnp.int32)
   return jax.device_put(tokens, like.sharding)
 

@@ -26,7 +26,16 @@ from jax.sharding import PartitionSpec as P
 
 from jax_overlap._src.transform.jaxprs import nbytes
 
-__all__ = ["Axes", "Layout", "Refused", "RULES", "ELEMENTWISE", "elementwise", "is_literal"]
+__all__ = [
+  "Axes",
+  "Layout",
+  "Refused",
+  "RULES",
+  "ELEMENTWISE",
+  "elementwise",
+  "is_literal",
+  "per_device",
+]
 
 Axes = tuple[str, ...]
 
@@ -110,13 +119,56 @@ def is_literal(v) -> bool:
 # ---------------------------------------------------------------------------
 
 
-def _per_device(params: dict, **changes) -> dict:
-  """``params`` with ``changes`` and no global sharding (the values are per-device)."""
+def per_device(params: dict, **changes) -> dict:
+  """``params`` with ``changes`` and no global sharding (the values are per-device): no
+  sharding parameter, and no jaxpr parameter (a scatter's update, a reduction's body)
+  typed on a mesh with Explicit axes, which JAX would lower with sharding constraints
+  that a fully manual body cannot have (XLA then fails to fold them)."""
   out = dict(params, **changes)
   for k in ("sharding", "out_sharding"):
     if out.get(k) is not None:
       out[k] = None
+  for k, v in list(out.items()):
+    if isinstance(v, jcore.ClosedJaxpr) and _on_explicit_mesh(v.jaxpr):
+      out[k] = _unplaced(v.jaxpr, v.consts)
+    elif isinstance(v, jcore.Jaxpr) and _on_explicit_mesh(v):
+      consts = k.replace("jaxpr", "consts")
+      closed = _unplaced(v, out.get(consts, ()))
+      out[k] = closed.jaxpr
+      if consts in out:
+        out[consts] = tuple(closed.consts)
   return out
+
+
+def _on_explicit_mesh(jaxpr) -> bool:
+  """Whether a value of ``jaxpr`` is typed on a mesh with Explicit axes."""
+  for v in (*jaxpr.invars, *jaxpr.outvars):
+    mesh = getattr(getattr(getattr(v, "aval", None), "sharding", None), "mesh", None)
+    if any("Explicit" in str(t) for t in getattr(mesh, "axis_types", ()) or ()):
+      return True
+  return False
+
+
+def _unplaced(jaxpr, consts) -> jcore.ClosedJaxpr:
+  """``jaxpr`` traced again where it is bound: inside the shard_map body its values are
+  typed on the body's mesh, whose axes are all manual. (Equation by equation: a trace of
+  ``jaxpr_as_fun`` keeps the equations' types.)"""
+  import jax  # the package, for make_jaxpr (jax.extend above is a part of it)
+
+  def run(*args):
+    env = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+
+    def read(v):
+      return v.val if is_literal(v) else env[v]
+
+    for e in jaxpr.eqns:
+      outs = e.primitive.bind(*map(read, e.invars), **per_device(e.params))
+      env.update(zip(e.outvars, outs if e.primitive.multiple_results else [outs]))
+    return [read(v) for v in jaxpr.outvars]
+
+  avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.invars]
+  return jax.make_jaxpr(run)(*avals)
 
 
 def elementwise(it, eqn, lays):
@@ -172,7 +224,7 @@ def elementwise(it, eqn, lays):
     wants.append(
       Layout(tuple(ax if shape[d] == out_shape[d] else () for d, ax in enumerate(dims)), part)
     )
-  params = _per_device(eqn.params) if eqn.params.get("sharding") is not None else None
+  params = per_device(eqn.params) if eqn.params.get("sharding") is not None else None
   return wants, [Layout(tuple(dims), partial) for _ in eqn.outvars], params, None
 
 
@@ -221,7 +273,7 @@ def _broadcast_in_dim(it, eqn, lays):
         dims[d] = ax
         used |= set(ax)
   out = Layout(tuple(dims), partial)
-  params = _per_device(eqn.params, shape=it.local_shape(shape, out))
+  params = per_device(eqn.params, shape=it.local_shape(shape, out))
   return [Layout(tuple(want), partial)], [out], params, None
 
 
@@ -242,7 +294,7 @@ def _reshape(it, eqn, lays):
       # A sum over the axes the hint splits is reduce-scattered on the way in.
       partial = lay.partial - {a for d in hint.dims for a in d}
       want, out = Layout(back.dims, partial), Layout(hint.dims, partial)
-  params = _per_device(eqn.params, new_sizes=it.local_shape(dst, out))
+  params = per_device(eqn.params, new_sizes=it.local_shape(dst, out))
   return [want], [out], params, None
 
 
@@ -308,7 +360,7 @@ def _reduce(it, eqn, lays):
   axes = set(eqn.params["axes"])
   split = [a for d in sorted(axes) for a in lay.dims[d]]
   kept = tuple(d for i, d in enumerate(lay.dims) if i not in axes)
-  params = _per_device(eqn.params)
+  params = per_device(eqn.params)
   if name == "reduce_sum":
     if set(split) & set(lay.partial):
       return None
@@ -442,7 +494,7 @@ def _dot_general(it, eqn, lays):
   else:
     return None
   out = Layout(tuple(out_dims), frozenset(partial | l_part | r_part))
-  params = _per_device(eqn.params)
+  params = per_device(eqn.params)
   return (
     [Layout(tuple(L), frozenset(l_part)), Layout(tuple(R), frozenset(r_part))],
     [out],
@@ -463,7 +515,7 @@ def _gathered_elsewhere(it, eqn, var, d: int, axis: str) -> bool:
 
 
 def _iota(it, eqn, lays):
-  params = _per_device(eqn.params) if eqn.params.get("sharding") is not None else None
+  params = per_device(eqn.params) if eqn.params.get("sharding") is not None else None
   return [], [Layout.whole(len(eqn.params["shape"]))], params, None
 
 
@@ -629,7 +681,7 @@ def _split_table_lookup(it, eqn, op: Layout, used: set, out_dims: list, idx_want
   local = oshape[d] // it.n(ax)
   clip = eqn.params["mode"] == lax.GatherScatterMode.CLIP
   # Rows another device holds are clipped to one of this device's (then zeroed).
-  params = _per_device(eqn.params, mode=lax.GatherScatterMode.CLIP, unique_indices=False)
+  params = per_device(eqn.params, mode=lax.GatherScatterMode.CLIP, unique_indices=False)
 
   def lookup(table, idx):
     row = idx[..., k]

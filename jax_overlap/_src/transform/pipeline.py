@@ -123,9 +123,14 @@ def run(step: StepFunction, args, kwargs, signature) -> Built:
     first = None
     if planned.shard_maps == 0:
       notes.append(
-        "no shard_map in this program: its collectives are inserted by the SPMD partitioner, "
-        "so only compiler options apply; the full rewrite (prefetch, per-layer "
-        "reduce-scatter, annotations) needs shard_map or jax_overlap.fsdp.scan_layers"
+        "no shard_map in this program: its collectives are inserted by the SPMD partitioner"
+        + (
+          ""
+          if st.converts()
+          else ", so only compiler options apply; the full rewrite (prefetch, per-layer "
+          "reduce-scatter, annotations) needs shard_map (gspmd='convert', or a target with "
+          "select='cost_model', converts the step) or jax_overlap.fsdp.scan_layers"
+        )
       )
       if st.converts():
         if first_compile.wanted(st, traced, planned, program_text):

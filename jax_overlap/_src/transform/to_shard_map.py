@@ -32,8 +32,13 @@ rule runs on whole values on every device (its inputs gathered, correct but redu
 and :attr:`Converted.replicated` names it. Arguments may be split along several
 dimensions over different mesh axes (FSDP on one axis and tensor parallelism on another,
 as logical axis rules lay a model out on a 2-D mesh): each dimension's axes are followed
-alike. What cannot be converted (effects, arguments on several meshes or with other
-shardings, Explicit mesh axes, a value split and summed over one axis) is refused with
+alike. On a mesh with Explicit axes (sharding in types, ``jax.make_mesh``'s default) the
+same rules apply: the arguments' layouts are their types', a ``jax.sharding.reshard`` is a
+constraint like ``with_sharding_constraint``, an ``out_sharding=`` (a matmul's, a gather's)
+is dropped for the layout the rule arrives at (converted where a use needs another), each
+output is returned in its type's layout, and no parameter of an equation in the body keeps
+a global sharding. What cannot be converted (effects, arguments on several meshes or with
+other shardings, a value split and summed over one axis) is refused with
 :class:`Refused`, whose message says why; the caller then keeps the program as written.
 """
 
@@ -62,6 +67,7 @@ from jax_overlap._src.transform.layouts import (
   Refused,
   elementwise,
   is_literal,
+  per_device,
 )
 
 __all__ = ["Layout", "Converted", "Refused", "convert", "input_layouts"]
@@ -406,7 +412,9 @@ class Interpreter:
       if callable(params):  # the equation as other operations
         outs = params(*vals)
       else:
-        outs = eqn.primitive.bind(*vals, **(params if params is not None else eqn.params))
+        # No global sharding inside the body (Explicit axes put one in the parameters).
+        params = params if params is not None else per_device(eqn.params)
+        outs = eqn.primitive.bind(*vals, **params)
         outs = outs if eqn.primitive.multiple_results else [outs]
       if post is not None:
         outs = post(outs)
@@ -674,6 +682,12 @@ def _layout_of(sharding, ndim: int, sizes: dict[str, int], where: str) -> Layout
   return Layout(tuple(dims))
 
 
+def _explicit(sharding) -> bool:
+  """Whether ``sharding`` lies on a mesh with Explicit axes (sharding in types)."""
+  mesh = getattr(sharding, "mesh", None)
+  return any("Explicit" in str(t) for t in getattr(mesh, "axis_types", ()) or ())
+
+
 def input_layouts(leaves) -> tuple[Any, list[Layout]]:
   """The mesh of the arguments and each leaf's layout on it.
 
@@ -691,14 +705,6 @@ def input_layouts(leaves) -> tuple[Any, list[Layout]]:
         raise Refused(f"arguments lie on two meshes: {dict(mesh.shape)} and {dict(s.mesh.shape)}")
   if mesh is None:
     raise Refused("no argument is laid out over a mesh of more than one device")
-  explicit = [
-    a for a, t in zip(mesh.axis_names, getattr(mesh, "axis_types", ())) if "Explicit" in str(t)
-  ]
-  if explicit:
-    raise Refused(
-      f"mesh axes {explicit} are Explicit (sharding in types): the conversion follows "
-      "Auto axes, whose layouts the partitioner chooses"
-    )
   sizes = dict(mesh.shape)
   lays = []
   for i, x in enumerate(leaves):
@@ -738,6 +744,10 @@ def convert(
   if out_shardings is not None:
     for i, (s, v) in enumerate(zip(out_shardings, jaxpr.outvars)):
       asked[i] = _layout_of(s, len(v.aval.shape), sizes, f"output {i}")
+  for i, v in enumerate(jaxpr.outvars):
+    if asked[i] is None and _explicit(getattr(v.aval, "sharding", None)):
+      # On Explicit axes an output's layout is in its type, as the step returns it.
+      asked[i] = _layout_of(v.aval.sharding, len(v.aval.shape), sizes, f"output {i}")
   params = {jaxpr.invars[i] for i in params_leaves}
 
   def outs_wanted(got: list[Layout]) -> list[Layout]:
