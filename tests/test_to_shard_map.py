@@ -797,3 +797,55 @@ def test_output_layouts_known_without_a_compile_where_only_scalars_are_unspecifi
   np.testing.assert_allclose(np.asarray(got[1]), np.asarray(fn(w)[1]), rtol=1e-6)
   assert got[0].sharding.spec == w_s.spec
   assert got[1].sharding.is_fully_replicated
+
+
+def test_a_transposed_gradient_is_converted_in_its_own_dimensions():
+  """Gradient accumulation (optax.MultiSteps: the update under a cond) over scanned layers
+  on a 2-D mesh, a row-split weight among column-split ones: a layer's weight gradient is
+  the transpose of the sum autodiff makes, and where the loop's output asks for the
+  parameter's layout it was converted in the sum's dimension order (its values split along
+  the other dimension, a shape error at the first use)."""
+  mesh = _mesh((4, 2), ("data", "model"))
+  batch, seq, dim, heads = 8, 16, 64, 4
+
+  def attention(x, w):
+    def proj(name):
+      return (x @ w[name]).reshape(batch, seq, heads, -1)
+
+    o = jax.nn.dot_product_attention(proj("q"), proj("k"), proj("v"), is_causal=True)
+    return x + o.reshape(batch, seq, dim) @ w["o"]
+
+  def loss(params, x):
+    x, _ = jax.lax.scan(lambda x, w: (jax.checkpoint(attention)(x, w), None), x, params)
+    return jnp.mean(x**2)
+
+  opt = optax.MultiSteps(optax.adamw(1e-3), every_k_schedule=2)
+
+  @jax.jit
+  def step(params, state, x):
+    value, grads = jax.value_and_grad(loss)(params, x)
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, value
+
+  keys = iter(jax.random.split(jax.random.key(0), 5))
+  spec = {"q": P(None, "data", "model"), "k": P(None, "data", "model"),
+          "v": P(None, "data", "model"), "o": P(None, "model", "data")}  # fmt: skip
+  params = {
+    n: jax.device_put(jax.random.normal(next(keys), (4, dim, dim)) / 8, NamedSharding(mesh, s))
+    for n, s in spec.items()
+  }
+  state = jax.jit(opt.init)(params)
+  x = jax.device_put(
+    jax.random.normal(next(keys), (batch, seq, dim)), NamedSharding(mesh, P("data"))
+  )
+  conv, _ = _convert(step, (params, state, x))
+  converted = jax.jit(conv.fn)
+  mine, theirs = (params, state), (params, state)
+  for _ in range(3):  # both branches: accumulate, then apply
+    mine = jax.tree.unflatten(
+      jax.tree.structure((params, state, 0.0)), converted(*jax.tree.leaves((*mine, x)))
+    )[:2]
+    *theirs, _ = step(*theirs, x)
+  # (Values only: without out_shardings the converted step returns the layouts it arrives at.)
+  for got, want in zip(jax.tree.leaves(mine), jax.tree.leaves(theirs)):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-6)

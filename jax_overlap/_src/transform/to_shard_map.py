@@ -200,12 +200,13 @@ class Interpreter:
     if var is not None and not is_literal(var):
       if src.partial:
         root, perm = self.root.get(var, (var, None))
+        demand = dst
         if perm is not None:  # the layout asked for, in the root's dimensions
           dims: list = [()] * len(perm)
           for d, p in enumerate(perm):
             dims[p] = dst.dims[d]
-          dst = Layout(tuple(dims), dst.partial)
-        self.demands[root].append(dst)
+          demand = Layout(tuple(dims), dst.partial)
+        self.demands[root].append(demand)
       else:
         self.uses[var] = (src, self.uses.get(var, (src, []))[1] + [dst])
     if src == dst:
