@@ -262,3 +262,11 @@ def test_flags_json_carries_the_environment_verdicts():
     assert v["step"].endswith("(h200x8)") and v["step_s"] > 0 and v["baseline_s"] > 0
   # A variable is exported exactly where a verdict recommends it.
   assert set(out["env"]) == {n for n, _ in judged if judged[n, _]["recommended"]}
+
+
+def test_analyze_runs_an_explicit_builder_under_its_mesh():
+  # A step with bare PartitionSpecs on Explicit mesh axes, which its own script runs under
+  # jax.set_mesh: the command sets the arrays' mesh, having none of its own.
+  proc = cli("analyze", "jax_overlap.examples.explicit_llama:build_small", "--target", "h100x8")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert "on h100x8" in proc.stdout and "all-gather" in proc.stdout

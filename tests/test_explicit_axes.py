@@ -11,7 +11,6 @@ from jax.sharding import PartitionSpec as P
 from test_to_shard_map import _assert_same, _convert
 
 import jax_overlap
-from jax_overlap import cli
 from jax_overlap._src.transform import to_shard_map
 from jax_overlap.examples import explicit_llama as E
 
@@ -143,23 +142,6 @@ def test_overlap_chooses_among_the_shard_map_forms_of_an_explicit_step():
     assert not [n for n in e.notes if "could not compile" in n]
     got, want = ov(*args), step(*args)
   _assert_same(got, want)
-
-
-def test_the_cli_runs_an_explicit_builder_under_its_mesh(capsys):
-  """A builder's step with bare PartitionSpecs (run under jax.set_mesh in its script) is
-  analysed from the command line, which has no mesh of its own to set."""
-  from absl.testing import flagsaver
-
-  assert jax.sharding.get_mesh().empty
-  cli._define_flags()
-  if not cli.FLAGS.is_parsed():
-    cli.FLAGS(["jax-overlap"])
-  with flagsaver.flagsaver(target="h100x8"):
-    code = cli.main(["jax-overlap", "analyze", "jax_overlap.examples.explicit_llama:build_small"])
-  assert code == 0
-  out = capsys.readouterr().out
-  assert "on h100x8" in out and "all-gather" in out
-  assert jax.sharding.get_mesh().empty  # left as it was
 
 
 def test_a_layout_on_another_mesh_is_still_refused():
