@@ -6,6 +6,8 @@ import os
 
 # XLA:CPU's option choosing its emitters (MLIR fusion emitters or the elemental IR emitter).
 EMITTERS_OPTION = "xla_cpu_use_fusion_emitters"
+# XLA:CPU's option naming the fusions it hands to YNNPACK ("": none).
+YNN_OPTION = "xla_cpu_experimental_ynn_fusion_type"
 _defaults_wanted = 0  # depth of default_emitters() contexts in this process
 
 
@@ -43,7 +45,11 @@ def install() -> None:
   tolerances, and bit for bit only between programs compiled the same way, or under
   XLA's default emitters (tests marked ``xla_default_cpu_emitters``: the two emitters
   round differently, and a transformed step equals its original bit for bit under
-  XLA's defaults, which is the claim those tests make). ``jax_disable_most_optimizations``
+  XLA's defaults, which is the claim those tests make). No fusion goes to YNNPACK: from
+  jaxlib 0.12 XLA:CPU hands dots to it, whose kernels sum in an order that depends on the
+  shapes and the CPU, so that on an AVX-512 machine a matmul done in pieces rounds
+  differently from the whole (seen with jaxlib 0.12.1 in two tests whose claim is the
+  pieces' bit-for-bit equality; jaxlib 0.10.2 passes them either way). ``jax_disable_most_optimizations``
   is JAX's own switch for the same trade. Deviceless GPU compiles, whose kernels the
   analysis reads, keep XLA's settings (tests/test_session_setup.py checks both).
   ``JAX_OVERLAP_TEST_CPU_OPT=1`` keeps XLA:CPU's own settings."""
@@ -68,11 +74,10 @@ def install() -> None:
       debug = options.executable_build_options.debug_options
       debug.xla_backend_optimization_level = 0
       debug.xla_llvm_disable_expensive_passes = True
+      overrides = [(YNN_OPTION, "")]
       if elemental and not _defaults_wanted:
-        options.env_option_overrides = [
-          *options.env_option_overrides,
-          (EMITTERS_OPTION, False),
-        ]
+        overrides.append((EMITTERS_OPTION, False))
+      options.env_option_overrides = [*options.env_option_overrides, *overrides]
     return options
 
   compiler.get_compile_options = get_compile_options

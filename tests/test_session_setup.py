@@ -60,6 +60,18 @@ def test_cpu_programs_compile_with_the_elemental_emitter_where_xla_has_it():
   np.testing.assert_allclose(jax.jit(lambda x: jnp.tanh(x).sum(0))(x), np.tanh(x).sum(0), 1e-6)
 
 
+@pytest.mark.skipif(not _UNOPTIMISED, reason="JAX_OVERLAP_TEST_CPU_OPT=1 keeps XLA:CPU's settings")
+@pytest.mark.skipif(not _SETTABLE, reason="this JAX's compile options do not name the backend")
+def test_cpu_programs_compile_without_ynnpack_fusions():
+  cpu = jax.devices("cpu")[0].client
+  assert _overrides(cpu)[cpu_setting.YNN_OPTION] == ""
+  with cpu_setting.default_emitters():
+    assert _overrides(cpu)[cpu_setting.YNN_OPTION] == ""
+  # XLA takes the option: a matmul compiled with it runs and computes the same values.
+  x = jnp.arange(48.0).reshape(6, 8) / 7
+  np.testing.assert_allclose(jax.jit(lambda x: x @ x.T)(x), np.asarray(x) @ np.asarray(x).T, 1e-5)
+
+
 @pytest.mark.xla_default_cpu_emitters
 def test_marked_tests_compile_with_xlas_default_emitters():
   assert cpu_setting.EMITTERS_OPTION not in _overrides(jax.devices("cpu")[0].client)
@@ -79,6 +91,7 @@ def test_deviceless_gpu_compiles_keep_xlas_code_generation():
   assert "xla_backend_optimization_level" not in step.debug_options
   assert "xla_llvm_disable_expensive_passes" not in step.debug_options
   assert cpu_setting.EMITTERS_OPTION not in step.debug_options
+  assert cpu_setting.YNN_OPTION not in step.debug_options
   # The same request with the CPU's setting named is a different compile (a control: the
   # dump does show the option when it is set).
   slow = compile_lib.compile_for_target(
