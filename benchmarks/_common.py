@@ -6,6 +6,7 @@ import datetime
 import json
 import os
 import platform
+import time
 
 # Virtual CPU devices for the scripts, set before JAX starts (imports no JAX).
 from jax_overlap.examples.cpu_devices import use_cpu_devices  # noqa: F401
@@ -27,6 +28,19 @@ def baseline_reports(fn, args, target: str, workload: str = "fsdp") -> dict:
       xla_options=jax_overlap.flags.as_compiler_options(target=target, workload=workload),
     ),
   }
+
+
+def selected(fn, args, target: str):
+  """(the step analysed as written, ``@overlap``'s step, its explanation, the seconds its
+  selection took): the baselines of :func:`baseline_reports`, then the selection timed on
+  its own (no cache)."""
+  import jax_overlap
+
+  reports = baseline_reports(fn, args, target)
+  ov = jax_overlap.overlap(fn, target=target, cache=False)
+  t0 = time.perf_counter()
+  expl = ov.explain(*args)
+  return reports, ov, expl, time.perf_counter() - t0
 
 
 def machine() -> dict:

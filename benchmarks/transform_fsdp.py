@@ -26,7 +26,6 @@ import contextlib
 import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
@@ -152,11 +151,7 @@ def _mesh_of(args):
 
 def _one(target: str, form: str, cfg: dict, fn, args, rows: list, tables: list) -> None:
   """Analyses one form's step on one target: a section of tables, its rows."""
-  reports = _common.baseline_reports(fn, args, target)
-  ov = jax_overlap.overlap(fn, target=target, cache=False)  # time the selection itself
-  t0 = time.perf_counter()
-  expl = ov.explain(*args)
-  select_time = time.perf_counter() - t0
+  reports, ov, expl, select_time = _common.selected(fn, args, target)
   reports["@overlap"] = jax_overlap.analyze(ov, *args, target=target, name="@overlap")
   simulated = {}
   for name, r in reports.items():

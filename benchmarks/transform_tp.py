@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
@@ -105,11 +104,7 @@ def _decompositions(details: list) -> str:
 def run(target: str, form: str, size: str, rows: list) -> None:
   cfg = dict(layers=FLAGS.layers, **SIZES[size])
   fn, args = BUILD[form](target, **cfg)
-  reports = _common.baseline_reports(fn, args, target)
-  ov = jax_overlap.overlap(fn, target=target, cache=False)  # time the selection itself
-  t0 = time.perf_counter()
-  expl = ov.explain(*args)
-  select_s = time.perf_counter() - t0
+  reports, ov, expl, select_s = _common.selected(fn, args, target)
   reports["@overlap"] = jax_overlap.analyze(ov, *args, target=target, name="@overlap")
   if form == "shard_map":
     rings = jax_overlap.overlap(fn, target=target, collective_matmul="ring", select="rewrite")

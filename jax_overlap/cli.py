@@ -220,9 +220,7 @@ def _their_mesh(args):
   from jax_overlap._src.compile import retarget
 
   meshes = retarget.meshes_in(args)
-  explicit = meshes and any("Explicit" in str(t) for t in meshes[0].axis_types)
-  current = jax.sharding.get_mesh() if hasattr(jax.sharding, "get_mesh") else None
-  if explicit and (current is None or current.empty):
+  if meshes and retarget.has_explicit_axes(meshes[0]) and retarget.context_mesh() is None:
     return jax.set_mesh(meshes[0])
   return contextlib.nullcontext()
 

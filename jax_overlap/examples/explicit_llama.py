@@ -102,11 +102,12 @@ def explicit_mesh(mesh: Mesh) -> Mesh:
 
 def mesh_of(args) -> Mesh:
   """The mesh the arguments lie on (to run the step under, ``jax.set_mesh``)."""
-  for x in jax.tree.leaves(args):
-    s = getattr(x, "sharding", None)
-    if isinstance(s, NamedSharding):
-      return s.mesh
-  raise ValueError("no argument is laid out on a mesh (NamedSharding)")
+  from jax_overlap._src.compile import retarget
+
+  meshes = retarget.meshes_in(args)
+  if not meshes:
+    raise ValueError("no argument is laid out on a mesh (NamedSharding)")
+  return meshes[0]
 
 
 def _norm(x, scale, dtype):

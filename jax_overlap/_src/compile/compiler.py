@@ -390,9 +390,7 @@ def compile_for_target(
 
   try:
     leaves_meshes = retarget.meshes_in((args, kwargs))
-    # The mesh the caller's code runs under (``with jax.set_mesh(mesh):``), if any.
-    context = jax.sharding.get_mesh() if hasattr(jax.sharding, "get_mesh") else None
-    context = context if isinstance(context, Mesh) and not context.empty else None
+    context = retarget.context_mesh()
     if context is not None:
       leaves_meshes = [*leaves_meshes, context]
     if topo is None:

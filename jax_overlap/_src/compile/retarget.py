@@ -19,6 +19,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax_overlap._src import targets as targets_lib
 
 __all__ = [
+  "context_mesh",
+  "has_explicit_axes",
   "meshes_in",
   "placed_on",
   "retarget_arg",
@@ -26,6 +28,19 @@ __all__ = [
   "target_mesh_like",
   "undivided_dims",
 ]
+
+
+def has_explicit_axes(mesh) -> bool:
+  """Whether ``mesh`` (a Mesh or AbstractMesh, or None) has an Explicit axis (sharding in
+  types)."""
+  explicit = getattr(jax.sharding.AxisType, "Explicit", None)
+  return explicit is not None and explicit in tuple(getattr(mesh, "axis_types", ()) or ())
+
+
+def context_mesh() -> Mesh | None:
+  """The mesh the caller's code runs under (``with jax.set_mesh(mesh):``), if any."""
+  mesh = jax.sharding.get_mesh() if hasattr(jax.sharding, "get_mesh") else None
+  return mesh if isinstance(mesh, Mesh) and not mesh.empty else None
 
 
 def meshes_in(tree) -> list[Mesh]:

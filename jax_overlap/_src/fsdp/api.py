@@ -200,7 +200,7 @@ def _scan_layers_mesh(layer_fn, stacked, carry, cfg: _Config, mesh, carry_spec, 
   if ys_spec is None:
     ys_spec = P(None, cfg.axis)
     _check_default_ys(layer_fn, stacked, carry, cfg)
-  if _explicit(mesh):
+  if retarget.has_explicit_axes(mesh):
     # A mesh with Explicit axes (jax.make_mesh's default) takes arrays already laid out
     # as shard_map's in_specs say: put them so.
     stacked, carry = _laid_out(mesh, (stacked, carry), (param_specs, carry_spec))
@@ -252,11 +252,6 @@ def _check_carry_divides(carry, carry_spec, mesh, default: bool) -> None:
       "in carry_spec"
     )
     raise ValueError(f"{_API}: {'; '.join(bad)}; {hint}")
-
-
-def _explicit(mesh) -> bool:
-  explicit = getattr(jax.sharding.AxisType, "Explicit", None)
-  return explicit is not None and explicit in tuple(getattr(mesh, "axis_types", ()) or ())
 
 
 def _laid_out(mesh, trees, specs):

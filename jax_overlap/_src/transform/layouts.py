@@ -24,6 +24,7 @@ from jax import lax
 from jax.extend import core as jcore
 from jax.sharding import PartitionSpec as P
 
+from jax_overlap._src.compile.retarget import has_explicit_axes
 from jax_overlap._src.transform.jaxprs import nbytes
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
   "ELEMENTWISE",
   "elementwise",
   "is_literal",
+  "bound_in_body",
   "per_device",
 ]
 
@@ -120,14 +122,20 @@ def is_literal(v) -> bool:
 
 
 def per_device(params: dict, **changes) -> dict:
-  """``params`` with ``changes`` and no global sharding (the values are per-device): no
-  sharding parameter, and no jaxpr parameter (a scatter's update, a reduction's body)
-  typed on a mesh with Explicit axes, which JAX would lower with sharding constraints
-  that a fully manual body cannot have (XLA then fails to fold them)."""
+  """``params`` with ``changes`` and no global sharding (the values are per-device)."""
   out = dict(params, **changes)
   for k in ("sharding", "out_sharding"):
     if out.get(k) is not None:
       out[k] = None
+  return out
+
+
+def bound_in_body(params: dict) -> dict:
+  """:func:`per_device` ``params`` as an equation is bound in the shard_map body: a jaxpr
+  parameter (a scatter's update, a reduction's body) typed on a mesh with Explicit axes
+  traced again on the body's mesh, whose axes are all manual (left as JAX traced it, it
+  lowers with sharding constraints that XLA cannot fold)."""
+  out = per_device(params)
   for k, v in list(out.items()):
     if isinstance(v, jcore.ClosedJaxpr) and _on_explicit_mesh(v.jaxpr):
       out[k] = _unplaced(v.jaxpr, v.consts)
@@ -142,17 +150,16 @@ def per_device(params: dict, **changes) -> dict:
 
 def _on_explicit_mesh(jaxpr) -> bool:
   """Whether a value of ``jaxpr`` is typed on a mesh with Explicit axes."""
-  for v in (*jaxpr.invars, *jaxpr.outvars):
-    mesh = getattr(getattr(getattr(v, "aval", None), "sharding", None), "mesh", None)
-    if any("Explicit" in str(t) for t in getattr(mesh, "axis_types", ()) or ()):
-      return True
-  return False
+  return any(
+    has_explicit_axes(getattr(getattr(v.aval, "sharding", None), "mesh", None))
+    for v in (*jaxpr.invars, *jaxpr.outvars)
+  )
 
 
 def _unplaced(jaxpr, consts) -> jcore.ClosedJaxpr:
   """``jaxpr`` traced again where it is bound: inside the shard_map body its values are
-  typed on the body's mesh, whose axes are all manual. (Equation by equation: a trace of
-  ``jaxpr_as_fun`` keeps the equations' types.)"""
+  typed on the body's mesh. (Equation by equation: a trace of ``jaxpr_as_fun`` keeps the
+  equations' types.)"""
   import jax  # the package, for make_jaxpr (jax.extend above is a part of it)
 
   def run(*args):
@@ -163,7 +170,7 @@ def _unplaced(jaxpr, consts) -> jcore.ClosedJaxpr:
       return v.val if is_literal(v) else env[v]
 
     for e in jaxpr.eqns:
-      outs = e.primitive.bind(*map(read, e.invars), **per_device(e.params))
+      outs = e.primitive.bind(*map(read, e.invars), **bound_in_body(e.params))
       env.update(zip(e.outvars, outs if e.primitive.multiple_results else [outs]))
     return [read(v) for v in jaxpr.outvars]
 

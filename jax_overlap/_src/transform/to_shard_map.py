@@ -58,6 +58,7 @@ from jax.extend import core as jcore
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_overlap._src.compile.retarget import has_explicit_axes
 from jax_overlap._src.transform.jaxprs import scan_sizes
 from jax_overlap._src.transform.layouts import (
   ELEMENTWISE,
@@ -65,9 +66,9 @@ from jax_overlap._src.transform.layouts import (
   Axes,
   Layout,
   Refused,
+  bound_in_body,
   elementwise,
   is_literal,
-  per_device,
 )
 
 __all__ = ["Layout", "Converted", "Refused", "convert", "input_layouts"]
@@ -414,8 +415,9 @@ class Interpreter:
         outs = params(*vals)
       else:
         # No global sharding inside the body (Explicit axes put one in the parameters).
-        params = params if params is not None else per_device(eqn.params)
-        outs = eqn.primitive.bind(*vals, **params)
+        outs = eqn.primitive.bind(
+          *vals, **bound_in_body(params if params is not None else eqn.params)
+        )
         outs = outs if eqn.primitive.multiple_results else [outs]
       if post is not None:
         outs = post(outs)
@@ -683,12 +685,6 @@ def _layout_of(sharding, ndim: int, sizes: dict[str, int], where: str) -> Layout
   return Layout(tuple(dims))
 
 
-def _explicit(sharding) -> bool:
-  """Whether ``sharding`` lies on a mesh with Explicit axes (sharding in types)."""
-  mesh = getattr(sharding, "mesh", None)
-  return any("Explicit" in str(t) for t in getattr(mesh, "axis_types", ()) or ())
-
-
 def input_layouts(leaves) -> tuple[Any, list[Layout]]:
   """The mesh of the arguments and each leaf's layout on it.
 
@@ -746,7 +742,7 @@ def convert(
     for i, (s, v) in enumerate(zip(out_shardings, jaxpr.outvars)):
       asked[i] = _layout_of(s, len(v.aval.shape), sizes, f"output {i}")
   for i, v in enumerate(jaxpr.outvars):
-    if asked[i] is None and _explicit(getattr(v.aval, "sharding", None)):
+    if asked[i] is None and has_explicit_axes(getattr(v.aval.sharding, "mesh", None)):
       # On Explicit axes an output's layout is in its type, as the step returns it.
       asked[i] = _layout_of(v.aval.sharding, len(v.aval.shape), sizes, f"output {i}")
   params = {jaxpr.invars[i] for i in params_leaves}
