@@ -28,26 +28,33 @@ FLAGS = absl_flags.FLAGS
 
 
 def _define_flags() -> None:
-  """Defines the command's flags once (the module may be imported twice under -m)."""
-  if "target" in FLAGS:
-    return
-  absl_flags.DEFINE_string("target", "h100x8", "Topology or GPU, e.g. h100x8, a100x8, h200x16.")
-  absl_flags.DEFINE_string(
-    "workload", "fsdp", "Workload: fsdp, tensor_parallel, data_parallel or hybrid."
+  """Defines the command's flags, each once: the module may be imported twice under -m,
+  and a module imported before it (a benchmark, an example) may have defined --target."""
+
+  def define(kind, name, *args, **kwargs):
+    if name not in FLAGS:
+      getattr(absl_flags, f"DEFINE_{kind}")(name, *args, **kwargs)
+    else:  # defined elsewhere first: still listed by usage()
+      absl_flags.declare_key_flag(name)
+
+  define("string", "target", "h100x8", "Topology or GPU, e.g. h100x8, a100x8, h200x16.")
+  define("string", "workload", "fsdp", "Workload: fsdp, tensor_parallel, data_parallel or hybrid.")
+  define("string", "check", None, "An XLA_FLAGS string to check instead of recommending.")
+  define("enum", "format", "export", ["export", "json", "table"], "Output format.")
+  define(
+    "multi_string",
+    "xla-option",
+    [],
+    "XLA option for analyze, as name=value (repeatable).",
+    short_name="X",
   )
-  absl_flags.DEFINE_string("check", None, "An XLA_FLAGS string to check instead of recommending.")
-  absl_flags.DEFINE_enum("format", "export", ["export", "json", "table"], "Output format.")
-  absl_flags.DEFINE_multi_string(
-    "xla-option", [], "XLA option for analyze, as name=value (repeatable).", short_name="X"
-  )
-  absl_flags.DEFINE_string("plot", None, "analyze: write a timeline PNG here.")
-  absl_flags.DEFINE_string("json", None, "analyze: write the report as JSON here.")
-  absl_flags.DEFINE_string("perfetto", None, "analyze: write a Perfetto/Chrome trace here.")
-  absl_flags.DEFINE_boolean(
-    "recommended", False, "analyze: also apply the target's recommended options."
-  )
-  absl_flags.DEFINE_integer("steps", 10, "calibrate: steps timed (3 more are profiled).")
-  absl_flags.DEFINE_boolean(
+  define("string", "plot", None, "analyze: write a timeline PNG here.")
+  define("string", "json", None, "analyze: write the report as JSON here.")
+  define("string", "perfetto", None, "analyze: write a Perfetto/Chrome trace here.")
+  define("boolean", "recommended", False, "analyze: also apply the target's recommended options.")
+  define("integer", "steps", 10, "calibrate: steps timed (3 more are profiled).")
+  define(
+    "boolean",
     "environment",
     False,
     "analyze: also judge CUDA_DEVICE_MAX_CONNECTIONS and NCCL_MAX_CTAS on this step (simulated).",

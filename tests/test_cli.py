@@ -270,3 +270,26 @@ def test_analyze_runs_an_explicit_builder_under_its_mesh():
   proc = cli("analyze", "jax_overlap.examples.explicit_llama:build_small", "--target", "h100x8")
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert "on h100x8" in proc.stdout and "all-gather" in proc.stdout
+
+
+def test_the_command_runs_in_a_process_where_another_module_defined_target_first():
+  # A benchmark or an example that defines absl's --target before the command's module is
+  # imported: the command defines its other flags still, lists --target in its help, and
+  # runs in that process.
+  code = """
+from absl import flags as absl_flags
+absl_flags.DEFINE_string("target", "h100x8", "Defined first by another module.")
+from jax_overlap import cli
+cli._define_flags()
+rest = absl_flags.FLAGS(["jax-overlap", "flags", "--workload=tensor_parallel", "--format=json"])
+print("usage lists --target:", "  --target: " in cli.usage())
+raise SystemExit(cli.main(rest))
+"""
+  proc = subprocess.run(
+    [sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=300
+  )
+  assert proc.returncode == 0, proc.stderr
+  first, report = proc.stdout.split("\n", 1)
+  assert first == "usage lists --target: True"
+  # The tensor-parallel choice (windowed einsums), not the default fsdp one.
+  assert json.loads(report)["xla_flags"]["xla_gpu_threshold_for_windowed_einsum_mib"] == 0
