@@ -410,19 +410,38 @@ def _dot_general(it, eqn, lays):
   for a, b in zip(lb, rb):
     if L[a] != R[b]:
       # A batch dimension split on one side only: a parameter's split is gathered (an
-      # RMSNorm scale multiplied in by an einsum: FSDP), an activation's is followed.
+      # RMSNorm scale multiplied in by an einsum: FSDP), unless the activation holds
+      # those axes on another dimension and moving them (an all-to-all of its piece)
+      # costs less than gathering the parameter (experts' weights split by expert, the
+      # tokens by batch); an activation's split is followed.
       if L[a] and not R[b]:
-        if l_params and not r_params:
+        if l_params and not r_params and not _moved_to(it, rv, rhs, L[a], lv):
           L[a] = ()
         else:
           R[b] = L[a]
       elif R[b] and not L[a]:
-        if r_params and not l_params:
+        if r_params and not l_params and not _moved_to(it, lv, lhs, R[b], rv):
           R[b] = ()
         else:
           L[a] = R[b]
+      elif l_params != r_params:  # split on both sides, differently: the activation's
+        if l_params:
+          L[a] = R[b]
+        else:
+          R[b] = L[a]
+      elif it.n(R[b]) > it.n(L[a]):
+        # The more split one (experts' tokens split by batch over one axis more): the
+        # other reaches it by a slice, or an all-to-all where the axis splits another of
+        # its dimensions, instead of this one gathered.
+        L[a] = R[b]
       else:
         R[b] = L[a]
+  # An axis that now splits a batch dimension splits no other dimension of that operand.
+  for side, batch in ((L, lb), (R, rb)):
+    used = {x for d in batch for x in side[d]}
+    for d in range(len(side)):
+      if d not in batch and set(side[d]) & used:
+        side[d] = ()
   partial: set[str] = set()
   for a, b in zip(lc, rc):
     if L[a] == R[b]:
@@ -508,6 +527,20 @@ def _dot_general(it, eqn, lays):
     params,
     None,
   )
+
+
+def _moved_to(it, var, lay: Layout, axes: Axes, param) -> bool:
+  """Whether the activation ``var`` (laid out ``lay``) should follow a parameter's split
+  over ``axes`` of a batch dimension: ``axes`` split one other dimension of it, as its
+  last axes (one all-to-all moves them), and its piece is smaller than the parameter
+  whole (what each device receives either way)."""
+  if is_literal(var) or not axes:
+    return False
+  held = [d for d in lay.dims if d[len(d) - len(axes) :] == axes and len(d) >= len(axes)]
+  if not held:
+    return False
+  piece = nbytes(var.aval) // it.n([x for d in lay.dims for x in d])
+  return piece < nbytes(param.aval)
 
 
 def _gathered_elsewhere(it, eqn, var, d: int, axis: str) -> bool:

@@ -244,7 +244,7 @@ def convert(
     cheap = compiles.for_selection(st, {})
     out_shardings = out_layouts.partitioner_choice(traced.traced, cheap)
   try:
-    conv = to_shard_map.convert(closed, avals, out_shardings, params_leaves=params)
+    conv = to_shard_map.convert(closed, avals, out_shardings, params, st.target)
     smap = jax.make_jaxpr(conv.fn)(*avals)
   except to_shard_map.Refused as e:
     notes.append(f"not converted to shard_map: {e}")

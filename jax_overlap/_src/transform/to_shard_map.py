@@ -17,6 +17,9 @@ Every equation gets the layouts its rule needs, by exact conversions:
 - an all-gather where a split dimension must be whole (a parameter at its use, the
   FSDP gather);
 - a local slice where a whole dimension may be split (free);
+- an all-to-all where a split moves from one dimension to another (tokens split by batch
+  going to the experts that process them), when the cost model of the target says it at
+  least halves the time of gathering the value and slicing it (:mod:`.relayout`);
 - a reduce-scatter where an unreduced sum meets a split value (the gradient at the
   optimizer update, the FSDP reduce-scatter), an all-reduce where it must be whole;
 - a zero on all but one device where a whole value joins a sum.
@@ -58,7 +61,10 @@ from jax.extend import core as jcore
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_overlap._src import targets as targets_lib
+from jax_overlap._src.analysis import cost_model
 from jax_overlap._src.compile.retarget import has_explicit_axes
+from jax_overlap._src.transform import jaxprs, relayout
 from jax_overlap._src.transform.jaxprs import scan_sizes
 from jax_overlap._src.transform.layouts import (
   ELEMENTWISE,
@@ -72,30 +78,6 @@ from jax_overlap._src.transform.layouts import (
 )
 
 __all__ = ["Layout", "Converted", "Refused", "convert", "input_layouts"]
-
-
-def _scatter_dim(src: Layout, dst: Layout, red: set) -> int | None:
-  """The dimension an unreduced sum over ``red`` is reduce-scattered along on its way to
-  ``dst``: one ``dst`` splits over some of those axes (all of them, if one does) and ``src``
-  does not split; None if none does."""
-  best = None
-  for d, ax in enumerate(dst.dims):
-    if ax and set(ax) <= red and not src.dims[d]:
-      if best is None or len(ax) > len(dst.dims[best]):
-        best = d
-  return best
-
-
-def _scatter_dims(src: Layout, dst: Layout, red: set) -> tuple[list[int], set]:
-  """The dimensions an unreduced sum over ``red`` is reduce-scattered along, one after the
-  other (:func:`_scatter_dim` over the axes left), and the axes it is then all-reduced
-  over. A weight gradient summed over both axes of a 2-D mesh and split along two
-  dimensions, one per axis, is reduce-scattered twice, never all-reduced whole."""
-  dims, red = [], set(red)
-  while red and (d := _scatter_dim(src, dst, red)) is not None:
-    dims.append(d)
-    red -= set(dst.dims[d])
-  return dims, red
 
 
 @dataclasses.dataclass
@@ -159,8 +141,12 @@ class Interpreter:
     hints: dict,
     abstract: bool,
     wanted_before: dict | None = None,
+    topology=None,
+    all_to_all: bool = True,
   ):
     self.sizes = sizes
+    self.topology = topology  # what collectives cost (None: h100x8's)
+    self.all_to_all = all_to_all  # False: no split moved between dimensions by all-to-all
     self.params_only = params_only  # vars that depend only on parameters
     self.constants: dict = {}  # vars that are a constant laid out (reshard of a literal)
     self.hints = hints  # var -> Layout it is converted to right after it is made
@@ -181,6 +167,19 @@ class Interpreter:
     # An inlined call's input var -> (the caller's var it is, the caller's memo): a value
     # passed into two calls is converted once, in the caller's scope.
     self._alias: dict = {}
+
+  def abstract_copy(self) -> Interpreter:
+    """An abstract interpreter with this one's settings (for a loop or branch body's
+    layouts, run to a fixed point)."""
+    return Interpreter(
+      self.sizes,
+      set(self.params_only),
+      self.hints,
+      True,
+      self.wanted_before,
+      self.topology,
+      self.all_to_all,
+    )
 
   # -- layout helpers --------------------------------------------------------
 
@@ -219,7 +218,7 @@ class Interpreter:
     if memo is not None and (key, dst) in memo:
       return memo[key, dst]  # gathered once per scope (a parameter's forward and backward uses)
     if self.abstract:
-      self._count(src, dst)
+      self._count(src, dst, jaxprs.nbytes(var.aval) if var is not None else 0)
       if memo is not None:
         memo[key, dst] = None
       return None
@@ -228,7 +227,34 @@ class Interpreter:
       memo[key, dst] = x
     return x
 
+  def _real(self, lay: Layout) -> Layout:
+    """``lay`` without the mesh axes of size 1 (they split and sum nothing): no
+    collective is inserted over them."""
+    one = {a for a, n in self.sizes.items() if n == 1}
+    if not one & lay.axes():
+      return lay
+    dims = tuple(tuple(a for a in d if a not in one) for d in lay.dims)
+    return Layout(dims, frozenset(lay.partial) - one)
+
+  def _moves(self, local_bytes: int):
+    """Whether moving a split over some axes by an all-to-all of a piece of
+    ``local_bytes`` at least halves the time of gathering it over them. Only then: NCCL
+    runs an all-to-all as send/recv on fewer channels, and XLA combines small gathers
+    into one collective, not all-to-alls, so where both are latency-bound (a small
+    model's activations) the gathers cost less in the step."""
+    topology = self.topology or targets_lib.get("h100x8")
+
+    def pays(axes) -> bool:
+      if not self.all_to_all:
+        return False
+      n = self.n(axes)
+      a2a = cost_model.collective_time("all-to-all", local_bytes, n, topology)
+      return 2 * a2a <= cost_model.collective_time("all-gather", local_bytes * n, n, topology)
+
+    return pays
+
   def _converted(self, x, src: Layout, dst: Layout):
+    src, dst = self._real(src), self._real(dst)
     dims = list(src.dims)
     red = set(src.partial) - set(dst.partial)
     if red:
@@ -236,23 +262,22 @@ class Interpreter:
       # "fsdp", and over "tensor" along its other dimension where that splits it too),
       # then summed over the others on the scattered piece (over "data" where the batch
       # is also split there): what the partitioner does for a 2-D mesh.
-      scattered, red = _scatter_dims(src, dst, red)
+      scattered, red = relayout.scatter_dims(src, dst, red)
       for d in scattered:
         x = lax.psum_scatter(x, dst.dims[d], scatter_dimension=d, tiled=True)
         dims[d] = dst.dims[d]
       if red:
         x = lax.psum(x, tuple(a for a in self.sizes if a in red))
-    # Every gather before any slice: a split moved from one dimension to another over the
-    # same axes (a transposed value constrained as it was before the transpose) must be
-    # whole along the old one before a device keeps its piece along the new one.
-    changed = [d for d in range(len(dims)) if dims[d] != dst.dims[d]]
-    for d in changed:
-      if dims[d]:
-        x = lax.all_gather(x, dims[d], axis=d, tiled=True)
-    for d in changed:
-      if b := dst.dims[d]:
-        size = x.shape[d] // self.n(b)
-        x = lax.dynamic_slice_in_dim(x, self._index(b) * size, size, axis=d)
+    local = jaxprs.nbytes(x)
+    for step in relayout.steps(dims, dst.dims, self._moves(local)):
+      kind, axes, d = step[:3]
+      if kind == "all-to-all":
+        x = lax.all_to_all(x, axes, split_axis=step[3], concat_axis=d, tiled=True)
+      elif kind == "all-gather":
+        x = lax.all_gather(x, axes, axis=d, tiled=True)
+      else:
+        size = x.shape[d] // self.n(axes)
+        x = lax.dynamic_slice_in_dim(x, self._index(axes) * size, size, axis=d)
     add = set(dst.partial) - set(src.partial)
     if add:
       axes = tuple(a for a in self.sizes if a in add)
@@ -269,16 +294,23 @@ class Interpreter:
     post.layouts = (src, dst)
     return post
 
-  def _count(self, src: Layout, dst: Layout) -> None:
+  def _count(self, src: Layout, dst: Layout, whole_bytes: int) -> None:
+    """Counts the collectives converting a value of ``whole_bytes`` from ``src`` to
+    ``dst`` inserts (those :meth:`_converted` inserts)."""
+    src, dst = self._real(src), self._real(dst)
+    dims = list(src.dims)
     red = set(src.partial) - set(dst.partial)
     if red:
-      scattered, red = _scatter_dims(src, dst, red)
+      scattered, red = relayout.scatter_dims(src, dst, red)
       self.counts["reduce-scatter"] += len(scattered)
+      for d in scattered:
+        dims[d] = dst.dims[d]
       if red:
         self.counts["all-reduce"] += 1
-    for a, b in zip(src.dims, dst.dims):
-      if a and a != b:
-        self.counts["all-gather"] += 1
+    local = whole_bytes // self.n([a for d in dims for a in d])
+    for step in relayout.steps(dims, dst.dims, self._moves(local)):
+      if step[0] != "slice":
+        self.counts[step[0]] += 1
 
   # -- running a jaxpr -------------------------------------------------------
 
@@ -424,7 +456,7 @@ class Interpreter:
     else:
       outs = [None] * len(eqn.outvars)
       if getattr(post, "layouts", None) is not None:  # a conversion (Interpreter.reduced)
-        self._count(*post.layouts)
+        self._count(*post.layouts, jaxprs.nbytes(eqn.outvars[0].aval))
       elif post is not None:  # a rule's own collective (a pmax, a pmin)
         self.counts["all-reduce"] += 1
     # A sum made here is its own root; one passed through an elementwise linear op keeps
@@ -532,7 +564,7 @@ class Interpreter:
     reduced: dict[int, Layout] = {}  # carries the body reduces at their use
     first = len(const_lays)
     for _ in range(6):
-      sub = Interpreter(self.sizes, set(self.params_only), self.hints, True, self.wanted_before)
+      sub = self.abstract_copy()
       outs = sub.run(body, consts, [None] * len(body.invars), const_lays + carry + rest_lays)
       for k, lay in enumerate(carry):
         added = set(lay.partial) - set(carry_lays[k].partial)
@@ -544,7 +576,7 @@ class Interpreter:
         return carry, [lay for _, lay in outs]
       carry = new
     carry = [Layout.whole(len(c.dims)) for c in carry]
-    sub = Interpreter(self.sizes, set(self.params_only), self.hints, True, self.wanted_before)
+    sub = self.abstract_copy()
     outs = sub.run(body, consts, [None] * len(body.invars), const_lays + carry + rest_lays)
     return carry, [lay for _, lay in outs]
 
@@ -631,7 +663,7 @@ class Interpreter:
     lays = [Layout.whole(0)] + [lay for _, lay in ins[1:]]
     per = []
     for br in branches:
-      sub = Interpreter(self.sizes, set(self.params_only), self.hints, True, self.wanted_before)
+      sub = self.abstract_copy()
       per.append(
         [
           lay
@@ -719,6 +751,8 @@ def convert(
   leaves,
   out_shardings=None,
   params_leaves: Sequence[int] = (),
+  target=None,
+  all_to_all: bool = True,
 ) -> Converted:
   """The step ``closed`` (a ClosedJaxpr over the flattened ``leaves``) as a shard_map.
 
@@ -729,12 +763,17 @@ def convert(
       None: the layouts the conversion arrives at, unreduced sums reduced).
     params_leaves: positions of the leaves holding parameters (gathered at use where a
       layout conflict needs one side whole).
+    target: the topology whose collective costs choose between an all-to-all and a
+      gather where a split moves between dimensions (None: h100x8).
+    all_to_all: False gathers and slices every split moved between dimensions (what
+      the all-to-alls gain, measured against it).
 
   Raises:
     Refused: the program cannot be converted; the message says why.
   """
   mesh, in_lays = input_layouts(leaves)
   sizes = dict(mesh.shape)
+  topology = targets_lib.get(target or "h100x8")
   jaxpr, consts = closed.jaxpr, list(closed.consts)
   n_out = len(jaxpr.outvars)
   asked: list[Layout | None] = [None] * n_out
@@ -756,7 +795,7 @@ def convert(
   replicated: list[str] = []
   wanted_before: dict = {}
   for _ in range(8):
-    it = Interpreter(sizes, set(params), hints, True, wanted_before)
+    it = Interpreter(sizes, set(params), hints, True, wanted_before, topology, all_to_all)
     got = [lay for _, lay in it.run(jaxpr, consts, [None] * len(in_lays), in_lays)]
     replicated += [r for r in it.replicated if r not in replicated]
     for v, lay, want in zip(jaxpr.outvars, got, outs_wanted(got)):
@@ -782,7 +821,7 @@ def convert(
   counts = dict(it.counts)
 
   def body(*local):
-    run = Interpreter(sizes, set(params), hints, False, wanted_before)
+    run = Interpreter(sizes, set(params), hints, False, wanted_before, topology, all_to_all)
     outs = run.run(jaxpr, consts, list(local), in_lays, out_lays)
     return tuple(x for x, _ in outs)
 
