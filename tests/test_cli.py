@@ -291,5 +291,10 @@ raise SystemExit(cli.main(rest))
   assert proc.returncode == 0, proc.stderr
   first, report = proc.stdout.split("\n", 1)
   assert first == "usage lists --target: True"
-  # The tensor-parallel choice (windowed einsums), not the default fsdp one.
-  assert json.loads(report)["xla_flags"]["xla_gpu_threshold_for_windowed_einsum_mib"] == 0
+  # The tensor-parallel choice, as the command prints it in a process of its own (not the
+  # default fsdp one).
+  alone, fsdp = cli_many(
+    ("flags", "--workload=tensor_parallel", "--format=json"), ("flags", "--format=json")
+  )
+  assert json.loads(report)["xla_flags"] == json.loads(alone.stdout)["xla_flags"]
+  assert json.loads(report)["xla_flags"] != json.loads(fsdp.stdout)["xla_flags"]
