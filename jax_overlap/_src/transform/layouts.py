@@ -543,6 +543,51 @@ def _moved_to(it, var, lay: Layout, axes: Axes, param) -> bool:
   return piece < nbytes(param.aval)
 
 
+def _conv(it, eqn, lays):
+  """A convolution: its batch split stays split (data parallelism: the input's batch, an
+  input gradient's), its output features split as the kernel's, a contraction over input
+  features split alike on both sides an unreduced sum (a weight gradient contracts the
+  batch); spatial dimensions whole (no halo exchange), and grouped features whole."""
+  dn = eqn.params["dimension_numbers"]
+  (lb, lf, *lsp), (ro, ri, *rsp), (ob, of, *_) = dn.lhs_spec, dn.rhs_spec, dn.out_spec
+  groups = eqn.params["feature_group_count"] > 1 or eqn.params["batch_group_count"] > 1
+  lhs, rhs = lays
+  lv, rv = eqn.invars
+  L, R = list(lhs.dims), list(rhs.dims)
+  for d in lsp:
+    L[d] = ()
+  for d in rsp:
+    R[d] = ()
+  if groups:  # grouped: features (and a grouped batch) whole
+    L[lf] = R[ri] = R[ro] = ()
+    if eqn.params["batch_group_count"] > 1:
+      L[lb] = ()
+  if L[lf] != R[ri]:
+    L[lf] = R[ri] = ()
+  partial = set(L[lf])
+  # An axis splitting both the batch and the kernel's output features: the kernel (a
+  # parameter: FSDP) gathered, else the activation's batch.
+  if set(L[lb]) & set(R[ro]):
+    if is_literal(rv) or rv in it.params_only or not (is_literal(lv) or lv in it.params_only):
+      R[ro] = ()
+    else:
+      L[lb] = ()
+  l_part, r_part = set(lhs.partial), set(rhs.partial)
+  if l_part and r_part:
+    r_part = set()
+  used = set(L[lb]) | set(R[ro]) | partial
+  l_part -= used
+  r_part -= used
+  out = [()] * len(eqn.outvars[0].aval.shape)
+  out[ob], out[of] = L[lb], R[ro]
+  return (
+    [Layout(tuple(L), frozenset(l_part)), Layout(tuple(R), frozenset(r_part))],
+    [Layout(tuple(out), frozenset(partial | l_part | r_part))],
+    per_device(eqn.params),
+    None,
+  )
+
+
 def _gathered_elsewhere(it, eqn, var, d: int, axis: str) -> bool:
   """Whether another use of ``var`` (in the previous abstract run) wants its dimension
   ``d`` not split over ``axis``, where this one has it split."""
@@ -819,6 +864,7 @@ RULES = {
   "cummin": _cumulative,
   "cumlogsumexp": _cumulative,
   "dot_general": _dot_general,
+  "conv_general_dilated": _conv,
   "iota": _iota,
   "slice": _slice,
   "dynamic_slice": _dynamic_slice,
