@@ -14,13 +14,15 @@ from jax_overlap._src.transform import to_shard_map
 
 
 class CNN(nn.Module):
-  """Convolutions as vision models write them: padded, strided, grouped, BatchNorm."""
+  """Convolutions as vision models write them: padded, strided, grouped, BatchNorm, max and
+  average pooling."""
 
   @nn.compact
   def __call__(self, x):
     x = nn.relu(nn.BatchNorm(use_running_average=False)(nn.Conv(16, (3, 3))(x)))
     x = nn.relu(nn.Conv(32, (3, 3), strides=2)(x))
-    x = nn.Conv(32, (3, 3), feature_group_count=4)(x)
+    x = nn.max_pool(nn.Conv(32, (3, 3), feature_group_count=4)(x), (2, 2), strides=(2, 2))
+    x = nn.avg_pool(x, (3, 3), padding="SAME")
     return nn.Dense(10)(x.mean(axis=(1, 2)))
 
 
@@ -66,7 +68,7 @@ def test_a_convolutional_step_is_converted_on_its_batch_split(model, fsdp):
   conv = to_shard_map.convert(
     jax.make_jaxpr(step)(variables, x, y), leaves, params_leaves=range(len(leaves) - 2)
   )
-  assert conv.replicated == []  # no convolution computed whole on every device
+  assert conv.replicated == []  # no convolution or pooling computed whole on every device
   (body,) = [
     e.params["jaxpr"]
     for e in jax.make_jaxpr(conv.fn)(*leaves).jaxpr.eqns

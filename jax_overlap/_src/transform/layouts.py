@@ -588,6 +588,29 @@ def _conv(it, eqn, lays):
   )
 
 
+def _windowed(it, eqn, lays):
+  """A reduction over windows (max and average pooling) or its gradient: a dimension whose
+  window is one element, unstrided, unpadded and undilated (the batch, the channels)
+  keeps its split; the others are whole. Sums are reduced first."""
+  p = eqn.params
+  n = len(p["window_dimensions"])
+  ones = (1,) * n
+
+  def trivial(d: int) -> bool:
+    return (
+      p["window_dimensions"][d] == 1
+      and p["window_strides"][d] == 1
+      and tuple(p["padding"][d]) == (0, 0)
+      and p.get("base_dilation", ones)[d] == 1
+      and p.get("window_dilation", ones)[d] == 1
+    )
+
+  lay = Layout(tuple(ax if trivial(d) else () for d, ax in enumerate(lays[0].dims)))
+  # (A generic reduce_window's initial values are scalars.)
+  ins = [lay if len(v.aval.shape) == n else Layout.whole(len(v.aval.shape)) for v in eqn.invars]
+  return ins, [lay] * len(eqn.outvars), per_device(p), None
+
+
 def _gathered_elsewhere(it, eqn, var, d: int, axis: str) -> bool:
   """Whether another use of ``var`` (in the previous abstract run) wants its dimension
   ``d`` not split over ``axis``, where this one has it split."""
@@ -865,6 +888,12 @@ RULES = {
   "cumlogsumexp": _cumulative,
   "dot_general": _dot_general,
   "conv_general_dilated": _conv,
+  "reduce_window_sum": _windowed,
+  "reduce_window_max": _windowed,
+  "reduce_window_min": _windowed,
+  "reduce_window": _windowed,
+  "select_and_scatter_add": _windowed,
+  "select_and_gather_add": _windowed,
   "iota": _iota,
   "slice": _slice,
   "dynamic_slice": _dynamic_slice,
