@@ -21,11 +21,13 @@ def _copy(tree):
   return jax.tree.map(lambda a: jax.device_put(a.copy(), a.sharding), tree)
 
 
-@pytest.mark.parametrize("scan", [True, False])
-def test_the_converted_step_trains_as_the_jit_does(mesh, scan):
+@pytest.mark.parametrize("scan, top_k", [(True, 1), (False, 2)])
+def test_the_converted_step_trains_as_the_jit_does(mesh, scan, top_k):
+  # Top-1 (Switch) under lax.scan + jax.checkpoint, top-2 (GShard, Mixtral: lax.top_k
+  # over the experts) unrolled.
   cfg = moe.Config(
     layers=2, hidden=64, mlp=128, heads=4, experts=4, seq=32, vocab=256, dtype="float32",
-    scan=scan,
+    scan=scan, top_k=top_k,
   )  # fmt: skip
   params, opt_state = moe.init(cfg, mesh, jax.random.key(0))
   tokens = moe.random_tokens(cfg, mesh, jax.random.key(1))
@@ -33,7 +35,9 @@ def test_the_converted_step_trains_as_the_jit_does(mesh, scan):
   got = (_copy(params), _copy(opt_state))
   step = moe.make_step(cfg, mesh)
   ov = jax_overlap.overlap(moe.make_step(cfg, mesh), target="h100x8", gspmd="convert")
-  assert ov.explain(*got, tokens).chosen.startswith("shard_map form")
+  explained = ov.explain(*got, tokens)
+  assert explained.chosen.startswith("shard_map form")
+  assert not [n for n in explained.notes if "computed whole on every device" in n]
   for _ in range(2):
     *want, want_loss = step(*want, tokens)
     *got, got_loss = ov(*got, tokens)

@@ -4,7 +4,8 @@
 Written as GShard and the Switch Transformer write it, with sharding constraints and no
 ``shard_map``: each block is causal attention followed by an MoE MLP whose router sends
 every token to its top-1 expert, within a capacity per sequence
-(``capacity_factor * seq / experts`` tokens; the rest pass through the residual). Tokens
+(``top_k * capacity_factor * seq / experts`` tokens; the rest pass through the residual;
+``top_k=2``: each token to its two most likely experts, as GShard and Mixtral route). Tokens
 are dispatched by one-hot einsums, and the experts' inputs are constrained to the
 ``expert`` axis, so XLA's partitioner moves the tokens from their sequence's device to
 their expert's (an all-to-all) and back. The experts' weights are split over ``expert``
@@ -66,6 +67,7 @@ class Config:
   heads: int = 16
   experts: int = 8
   capacity_factor: float = 1.25
+  top_k: int = 1  # experts per token (Switch: 1; GShard, Mixtral: 2)
   seq: int = 2048
   batch_per_device: int = 1
   vocab: int = 32000
@@ -81,13 +83,17 @@ class Config:
       raise ValueError(
         f"moe.Config: hidden ({self.hidden}) must be divisible by heads ({self.heads})"
       )
+    if not 1 <= self.top_k <= self.experts:
+      raise ValueError(
+        f"moe.Config: top_k must be between 1 and experts ({self.experts}), got {self.top_k}"
+      )
     if self.capacity_factor <= 0:
       raise ValueError(f"moe.Config: capacity_factor must be positive, got {self.capacity_factor}")
 
   @property
   def capacity(self) -> int:
     """Tokens of one sequence each expert takes."""
-    return max(1, math.ceil(self.seq * self.capacity_factor / self.experts))
+    return max(1, math.ceil(self.top_k * self.seq * self.capacity_factor / self.experts))
 
 
 def mesh_for(target: str, cfg: Config) -> Mesh:
@@ -160,19 +166,26 @@ def _norm(x, scale):
 
 
 def _moe(cfg: Config, mesh: Mesh, w: dict, x):
-  """Top-1 routing within a capacity per sequence: (the experts' outputs, combined per
-  token and weighted by its gate, the load-balancing loss)."""
+  """Top-k routing within a capacity per sequence (first choices placed before second
+  ones): (the experts' outputs, combined per token and weighted by its gates, the
+  load-balancing loss)."""
   b, s, _ = x.shape
-  e, c = cfg.experts, cfg.capacity
+  e, c, k = cfg.experts, cfg.capacity, cfg.top_k
   router = _constrain(mesh, w["router"], None, None).astype(x.dtype)
   probs = jax.nn.softmax((x @ router).astype(jnp.float32), axis=-1)  # [b, s, e]
-  choice = jnp.argmax(probs, axis=-1)
-  gate = jnp.max(probs, axis=-1)
-  routed = jax.nn.one_hot(choice, e, dtype=jnp.float32)
-  # Each token's place in its expert's buffer, in sequence order; past the capacity, none.
-  place = jnp.sum((jnp.cumsum(routed, axis=1) - 1.0) * routed, axis=-1).astype(jnp.int32)
+  gates, choice = jax.lax.top_k(probs, k)  # [b, s, k]
+  if k > 1:  # the chosen experts' weights, normalized (GShard, Mixtral)
+    gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+  routed = jax.nn.one_hot(choice, e, dtype=jnp.float32)  # [b, s, k, e]
+  # Each choice's place in its expert's buffer: all first choices in sequence order, then
+  # the second ones; past the capacity, none.
+  ranked = jnp.swapaxes(routed, 1, 2).reshape(b, k * s, e)
+  place = jnp.sum((jnp.cumsum(ranked, axis=1) - 1.0) * ranked, axis=-1)
+  place = jnp.swapaxes(place.reshape(b, k, s), 1, 2).astype(jnp.int32)  # [b, s, k]
   kept = routed * (place < c)[..., None]
-  dispatch = kept[..., None] * jax.nn.one_hot(place, c, dtype=jnp.float32)[:, :, None, :]
+  slots = jax.nn.one_hot(place, c, dtype=jnp.float32)[..., None, :]  # [b, s, k, 1, c]
+  dispatch = jnp.sum(kept[..., None] * slots, axis=2)  # [b, s, e, c]
+  combine = jnp.sum((kept * gates[..., None])[..., None] * slots, axis=2)
   # The tokens of each expert, from every sequence: on the expert's devices.
   xin = jnp.einsum("bsd,bsec->ebcd", x, dispatch.astype(x.dtype))
   xin = _constrain(mesh, xin, "expert", "data", None, None)
@@ -180,10 +193,11 @@ def _moe(cfg: Config, mesh: Mesh, w: dict, x):
   wo = _constrain(mesh, w["wo_e"], "expert", None, None).astype(x.dtype)
   h = jax.nn.gelu(jnp.einsum("ebcd,edf->ebcf", xin, wi))
   out = _constrain(mesh, jnp.einsum("ebcf,efd->ebcd", h, wo), "expert", "data", None, None)
-  combine = (dispatch * gate[..., None, None]).astype(x.dtype)
-  y = _constrain(mesh, jnp.einsum("ebcd,bsec->bsd", out, combine), FSDP, None, None)
-  # Switch Transformer's loss: experts times the sum of (share routed x mean probability).
-  balance = e * jnp.sum(jnp.mean(routed, axis=(0, 1)) * jnp.mean(probs, axis=(0, 1)))
+  y = jnp.einsum("ebcd,bsec->bsd", out, combine.astype(x.dtype))
+  y = _constrain(mesh, y, FSDP, None, None)
+  # Switch Transformer's loss: experts times the sum of (share routed first x mean
+  # probability).
+  balance = e * jnp.sum(jnp.mean(routed[:, :, 0], axis=(0, 1)) * jnp.mean(probs, axis=(0, 1)))
   return y, balance
 
 

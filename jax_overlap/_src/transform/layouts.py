@@ -861,6 +861,15 @@ def _scatter_add(it, eqn, lays):
   return [out, Layout(tuple(idx_want)), Layout(tuple(up_want), part - split)], [out], None, None
 
 
+def _top_k(it, eqn, lays):
+  """The k largest along one dimension (a router's top-2 experts): that dimension whole,
+  the others keep their split, for the values and their indices."""
+  (lay,) = lays
+  ax = eqn.params.get("axis", len(lay.dims) - 1)
+  want = Layout(tuple(() if i == ax else d for i, d in enumerate(lay.dims)))
+  return [want], [want] * len(eqn.outvars), None, None
+
+
 def _split(it, eqn, lays):
   (lay,) = lays
   ax = eqn.params["axis"]
@@ -906,4 +915,5 @@ RULES = {
   "scatter-add": _scatter_add,
   "scatter_add": _scatter_add,
   "split": _split,
+  "top_k": _top_k,
 }
