@@ -457,8 +457,10 @@ def _dot_general(it, eqn, lays):
     sharded_params = l_params if side == "L" else r_params
     sharded_aval = (lv if side == "L" else rv).aval
     gather = sharded_params or nbytes(sharded_aval) <= 2 * nbytes(eqn.outvars[0].aval)
-    # (Not sliced by axes that split another of the other side's dimensions.)
-    gather = gather or bool(set(ax) & {x for d in (R if side == "L" else L) for x in d})
+    # (Not sliced by axes that split another of the other side's contracting dimensions:
+    # a free one is gathered below, where the output would hold the axis twice.)
+    others = [R[d] for d in rc if d != b] if side == "L" else [L[d] for d in lc if d != a]
+    gather = gather or bool(set(ax) & {x for d in others for x in d})
     if gather:
       if side == "L":
         L[a] = ()
