@@ -63,7 +63,7 @@ def steps(
   as it was before the transpose) must be whole along the old dimension before a device
   keeps its piece along the new one."""
   dims = list(dims)
-  steps: list[tuple] = []
+  ordered: list[tuple] = []
   for new, axes in enumerate(want):
     # The axes it adds after its own, from the dimensions whose last axes they are, a
     # run of them at a time, in their order.
@@ -86,19 +86,19 @@ def steps(
       if found is None:
         break
       old, moved = found
-      steps.append(("all-to-all", moved, old, new))
+      ordered.append(("all-to-all", moved, old, new))
       dims[old], dims[new] = dims[old][: len(dims[old]) - len(moved)], dims[new] + moved
   slices = []
   for d, (have, axes) in enumerate(zip(dims, want)):
     if have == axes:
       continue
     if have[: len(axes)] == axes:  # the first axes kept: only the others gathered
-      steps.append(("all-gather", have[len(axes) :], d))
+      ordered.append(("all-gather", have[len(axes) :], d))
     elif axes[: len(have)] == have:  # axes added after its own: only they slice
       slices.append(("slice", axes[len(have) :], d))
     else:
       if have:
-        steps.append(("all-gather", have, d))
+        ordered.append(("all-gather", have, d))
       if axes:
         slices.append(("slice", axes, d))
-  return steps + slices
+  return ordered + slices
