@@ -74,24 +74,24 @@ def run(target: str, form: str, rows: list, lines: list) -> None:
   ]
   for name, r in reports.items():
     realized = jax_overlap.sim.realize(r, "priority").results["priority"].makespan_s
-    rows.append(
-      {
-        **r.summary(),
-        "target": target,
-        "form": form,
-        "variant": name,
-        "exposed_fraction": r.exposed_fraction,
-        "realize_priority_s": realized,
-        "collectives": _collectives(r),
-      }
-    )
+    collectives = _collectives(r)
+    row = {
+      **r.summary(),
+      "target": target,
+      "form": form,
+      "variant": name,
+      "exposed_fraction": r.exposed_fraction,
+      "realize_priority_s": realized,
+      "collectives": collectives,
+    }
+    if name == "@overlap":
+      row.update(chosen=expl.chosen, selection_time_s=select_time)
+    rows.append(row)
     lines.append(
       f"| {name} | {_common.ms(r.step_time_s)} | {_common.ms(r.exposed_comm_s)} | "
-      f"{100 * r.exposed_fraction:.1f} | {_common.ms(realized)} | {_collectives(r)} |"
+      f"{100 * r.exposed_fraction:.1f} | {_common.ms(realized)} | {collectives} |"
     )
   choice = next((n for n in expl.notes if n.startswith("chosen by the cost model")), "")
-  rows[-3]["chosen"] = expl.chosen
-  rows[-3]["selection_time_s"] = select_time
   self_judged = expl.chosen.endswith("scheduled by the cost model's estimates")
   lines += [
     "",

@@ -405,8 +405,7 @@ def _dot_general(it, eqn, lays):
   lhs, rhs = lays
   lv, rv = eqn.invars
   L, R = list(lhs.dims), list(rhs.dims)
-  l_params = is_literal(lv) or lv in it.params_only
-  r_params = is_literal(rv) or rv in it.params_only
+  l_params, r_params = _holds_params(it, lv), _holds_params(it, rv)
   for a, b in zip(lb, rb):
     if L[a] != R[b]:
       # A batch dimension split on one side only: a parameter's split is gathered (an
@@ -533,6 +532,11 @@ def _dot_general(it, eqn, lays):
   )
 
 
+def _holds_params(it, var) -> bool:
+  """Whether ``var`` is a literal or depends only on parameters."""
+  return is_literal(var) or var in it.params_only
+
+
 def _moved_to(it, var, lay: Layout, axes: Axes, param) -> bool:
   """Whether the activation ``var`` (laid out ``lay``) should follow a parameter's split
   over ``axes`` of a batch dimension: ``axes`` split one other dimension of it, as its
@@ -540,8 +544,7 @@ def _moved_to(it, var, lay: Layout, axes: Axes, param) -> bool:
   whole (what each device receives either way)."""
   if is_literal(var) or not axes:
     return False
-  held = [d for d in lay.dims if d[len(d) - len(axes) :] == axes and len(d) >= len(axes)]
-  if not held:
+  if not any(d[len(d) - len(axes) :] == axes for d in lay.dims):
     return False
   piece = nbytes(var.aval) // it.n([x for d in lay.dims for x in d])
   return piece < nbytes(param.aval)
@@ -572,7 +575,7 @@ def _conv(it, eqn, lays):
   # An axis splitting both the batch and the kernel's output features: the kernel (a
   # parameter: FSDP) gathered, else the activation's batch.
   if set(L[lb]) & set(R[ro]):
-    if is_literal(rv) or rv in it.params_only or not (is_literal(lv) or lv in it.params_only):
+    if _holds_params(it, rv) or not _holds_params(it, lv):
       R[ro] = ()
     else:
       L[lb] = ()

@@ -145,7 +145,8 @@ class Interpreter:
     all_to_all: bool = True,
   ):
     self.sizes = sizes
-    self.topology = topology  # what collectives cost (None: h100x8's)
+    self.topology = topology or targets_lib.get("h100x8")  # what collectives cost
+    self._size_one = frozenset(a for a, n in sizes.items() if n == 1)
     self.all_to_all = all_to_all  # False: no split moved between dimensions by all-to-all
     self.params_only = params_only  # vars that depend only on parameters
     self.constants: dict = {}  # vars that are a constant laid out (reshard of a literal)
@@ -230,11 +231,10 @@ class Interpreter:
   def _real(self, lay: Layout) -> Layout:
     """``lay`` without the mesh axes of size 1 (they split and sum nothing): no
     collective is inserted over them."""
-    one = {a for a, n in self.sizes.items() if n == 1}
-    if not one & lay.axes():
+    if not self._size_one & lay.axes():
       return lay
-    dims = tuple(tuple(a for a in d if a not in one) for d in lay.dims)
-    return Layout(dims, frozenset(lay.partial) - one)
+    dims = tuple(tuple(a for a in d if a not in self._size_one) for d in lay.dims)
+    return Layout(dims, frozenset(lay.partial) - self._size_one)
 
   def _moves(self, local_bytes: int):
     """Whether moving a split over some axes by an all-to-all of a piece of
@@ -242,43 +242,53 @@ class Interpreter:
     runs an all-to-all as send/recv on fewer channels, and XLA combines small gathers
     into one collective, not all-to-alls, so where both are latency-bound (a small
     model's activations) the gathers cost less in the step."""
-    topology = self.topology or targets_lib.get("h100x8")
 
     def pays(axes) -> bool:
       if not self.all_to_all:
         return False
-      n = self.n(axes)
+      n, topology = self.n(axes), self.topology
       a2a = cost_model.collective_time("all-to-all", local_bytes, n, topology)
       return 2 * a2a <= cost_model.collective_time("all-gather", local_bytes * n, n, topology)
 
     return pays
 
-  def _converted(self, x, src: Layout, dst: Layout):
+  def _plan(self, src: Layout, dst: Layout, whole_bytes: int) -> list[tuple]:
+    """The collectives and slices that convert a value of ``whole_bytes`` from ``src`` to
+    ``dst`` (axes of size 1 left out), in order: ``("reduce-scatter", axes, d)`` along the
+    dimensions the result splits over summed axes (an FSDP gradient over "fsdp", and over
+    "tensor" along its other dimension where that splits it too), then
+    ``("all-reduce", axes)`` over the others on the scattered piece (over "data" where the
+    batch is also split there: what the partitioner does for a 2-D mesh), then
+    :func:`relayout.steps`."""
     src, dst = self._real(src), self._real(dst)
-    dims = list(src.dims)
+    dims, plan = list(src.dims), []
     red = set(src.partial) - set(dst.partial)
     if red:
-      # Reduce-scattered over the axes that split the result (an FSDP gradient over
-      # "fsdp", and over "tensor" along its other dimension where that splits it too),
-      # then summed over the others on the scattered piece (over "data" where the batch
-      # is also split there): what the partitioner does for a 2-D mesh.
       scattered, red = relayout.scatter_dims(src, dst, red)
       for d in scattered:
-        x = lax.psum_scatter(x, dst.dims[d], scatter_dimension=d, tiled=True)
+        plan.append(("reduce-scatter", dst.dims[d], d))
         dims[d] = dst.dims[d]
       if red:
-        x = lax.psum(x, tuple(a for a in self.sizes if a in red))
-    local = jaxprs.nbytes(x)
-    for step in relayout.steps(dims, dst.dims, self._moves(local)):
-      kind, axes, d = step[:3]
-      if kind == "all-to-all":
-        x = lax.all_to_all(x, axes, split_axis=step[3], concat_axis=d, tiled=True)
+        plan.append(("all-reduce", tuple(a for a in self.sizes if a in red)))
+    local = whole_bytes // self.n([a for d in dims for a in d])
+    return plan + relayout.steps(dims, dst.dims, self._moves(local))
+
+  def _converted(self, x, src: Layout, dst: Layout):
+    whole = jaxprs.nbytes(x) * self.n([a for d in src.dims for a in d])
+    for step in self._plan(src, dst, whole):
+      kind, axes = step[:2]
+      if kind == "reduce-scatter":
+        x = lax.psum_scatter(x, axes, scatter_dimension=step[2], tiled=True)
+      elif kind == "all-reduce":
+        x = lax.psum(x, axes)
+      elif kind == "all-to-all":
+        x = lax.all_to_all(x, axes, split_axis=step[3], concat_axis=step[2], tiled=True)
       elif kind == "all-gather":
-        x = lax.all_gather(x, axes, axis=d, tiled=True)
+        x = lax.all_gather(x, axes, axis=step[2], tiled=True)
       else:
-        size = x.shape[d] // self.n(axes)
+        d, size = step[2], x.shape[step[2]] // self.n(axes)
         x = lax.dynamic_slice_in_dim(x, self._index(axes) * size, size, axis=d)
-    add = set(dst.partial) - set(src.partial)
+    add = (set(dst.partial) - set(src.partial)) - self._size_one
     if add:
       axes = tuple(a for a in self.sizes if a in add)
       x = jnp.where(self._index(axes) == 0, x, jnp.zeros_like(x))
@@ -295,20 +305,8 @@ class Interpreter:
     return post
 
   def _count(self, src: Layout, dst: Layout, whole_bytes: int) -> None:
-    """Counts the collectives converting a value of ``whole_bytes`` from ``src`` to
-    ``dst`` inserts (those :meth:`_converted` inserts)."""
-    src, dst = self._real(src), self._real(dst)
-    dims = list(src.dims)
-    red = set(src.partial) - set(dst.partial)
-    if red:
-      scattered, red = relayout.scatter_dims(src, dst, red)
-      self.counts["reduce-scatter"] += len(scattered)
-      for d in scattered:
-        dims[d] = dst.dims[d]
-      if red:
-        self.counts["all-reduce"] += 1
-    local = whole_bytes // self.n([a for d in dims for a in d])
-    for step in relayout.steps(dims, dst.dims, self._moves(local)):
+    """Counts the collectives :meth:`_converted` inserts for a value of ``whole_bytes``."""
+    for step in self._plan(src, dst, whole_bytes):
       if step[0] != "slice":
         self.counts[step[0]] += 1
 
